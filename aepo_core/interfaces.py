@@ -1,0 +1,99 @@
+"""Protocols that infra implements and the algorithm core consumes.
+
+The core never imports an implementation; engines, tools and reward functions are handed in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "eos", "error"]
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One row of a batched generation: continue ``prompt_ids`` until a stop string, EOS or ``max_tokens``."""
+
+    prompt_ids: Sequence[int]
+    max_tokens: int
+    stop: Sequence[str] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """What the engine produced for one row.
+
+    ``entropies`` are per-position entropies (nats) of the temperature-scaled distribution that each token was
+    sampled from; ``entropy_is_estimate`` is True when they come from top-k log-probs (remote engines).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    entropies: list[float]
+    finish_reason: FinishReason
+    stop_string: str | None = None
+    entropy_is_estimate: bool = False
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Token-in/token-out batched generation."""
+
+    def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[GenerationResult]:
+        ...
+
+    def encode(self, text: str) -> list[int]:
+        ...
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        ...
+
+    @property
+    def eos_token_id(self) -> int | None:
+        ...
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """A tool's answer: always text. Errors are results too (``ok=False``), never exceptions."""
+
+    text: str
+    ok: bool = True
+    error: str | None = None
+    latency_s: float = 0.0
+    cache_hit: bool = False
+    meta: dict[str, object] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Tool(Protocol):
+    """A tool the agent can call by tag (``<search>…</search>``, ``<python>…</python>``)."""
+
+    name: str
+
+    def __call__(self, argument: str) -> ToolResult:
+        ...
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    score: float
+    reason: str
+    details: dict[str, float] = field(default_factory=dict)
+
+
+@runtime_checkable
+class RewardFn(Protocol):
+    def __call__(self, response_text: str, golds: Sequence[str], tool_names: Sequence[str] = ()) -> RewardResult:
+        ...

@@ -1,0 +1,1 @@
+"""Adapters to the outside world (engines, tools, training backends, stores, tracking)."""

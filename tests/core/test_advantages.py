@@ -1,0 +1,144 @@
+"""Advantage estimators and the entropy-aware advantage (AEPO.md §5)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+import torch
+
+from aepo_core.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    broadcast_to_tokens,
+    compute_advantages,
+    entropy_aware_advantage,
+    entropy_stats,
+    informative_groups,
+    soft_overlong_penalty,
+)
+from aepo_core.config import AlgorithmConfig
+from aepo_core.losses import LossInputs, compute_policy_loss, loss_normalizer
+
+REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.0, 2.0, 2.0, 7.0])
+GROUPS = torch.tensor([0, 0, 0, 1, 1, 1, 2])
+
+
+def test_registry_contents():
+    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"}
+
+
+def test_grpo_matches_closed_form():
+    adv = compute_advantages("grpo", REWARDS, GROUPS, 1e-6)
+    g0 = [1.0, 0.0, 0.5]
+    m, s = statistics.mean(g0), statistics.stdev(g0)
+    assert adv[:3].tolist() == pytest.approx([(x - m) / (s + 1e-6) for x in g0])
+    g1 = [0.0, 2.0, 2.0]
+    m, s = statistics.mean(g1), statistics.stdev(g1)
+    assert adv[3:6].tolist() == pytest.approx([(x - m) / (s + 1e-6) for x in g1])
+    assert adv[6] == 0.0  # a group of one has no baseline
+
+
+def test_dr_grpo_has_no_std():
+    adv = compute_advantages("dr_grpo", REWARDS, GROUPS, 1e-6)
+    assert adv.tolist() == pytest.approx([0.5, -0.5, 0.0, -4 / 3, 2 / 3, 2 / 3, 0.0])
+
+
+def test_rloo_is_leave_one_out():
+    adv = compute_advantages("rloo", REWARDS, GROUPS, 1e-6)
+    r = REWARDS.tolist()
+    expected = []
+    for i, g in enumerate(GROUPS.tolist()):
+        others = [r[j] for j, h in enumerate(GROUPS.tolist()) if h == g and j != i]
+        expected.append(r[i] - sum(others) / len(others) if others else 0.0)
+    assert adv.tolist() == pytest.approx(expected)
+
+
+def test_reinforce_pp_baseline_whitens_the_batch():
+    adv = compute_advantages("reinforce_pp_baseline", REWARDS, GROUPS, 1e-6)
+    assert float(adv.mean()) == pytest.approx(0.0, abs=1e-6)
+    assert float(adv.std()) == pytest.approx(1.0, abs=1e-4)
+    centred = compute_advantages("dr_grpo", REWARDS, GROUPS, 1e-6)
+    assert torch.corrcoef(torch.stack([adv, centred]))[0, 1] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_unknown_estimator():
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
+        compute_advantages("ppo", REWARDS, GROUPS, 1e-6)
+
+
+def test_broadcast_masks_tool_tokens():
+    out = broadcast_to_tokens(torch.tensor([2.0, -1.0]), torch.tensor([[1, 0, 1], [0, 1, 1]]))
+    assert out.tolist() == [[2.0, 0.0, 2.0], [0.0, -1.0, -1.0]]
+
+
+def test_entropy_aware_scaling_closed_form():
+    adv = torch.tensor([[1.0, 1.0, -1.0, 2.0]])
+    ent = torch.tensor([[0.5, 2.0, 3.5, 9.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    out = entropy_aware_advantage(adv, ent, mask, alpha=0.2)
+    vals = [0.5, 2.0, 3.5]
+    mu = sum(vals) / 3
+    sd = math.sqrt(sum((v - mu) ** 2 for v in vals) / 3)
+    expected = [a * max(0.0, 1 + 0.2 * (h - mu) / (sd + 1e-6)) for a, h in zip([1.0, 1.0, -1.0], vals)]
+    assert out[0, :3].tolist() == pytest.approx(expected, rel=1e-5)
+    assert out[0, 3] == 0.0
+
+
+def test_entropy_aware_sign_never_flips():
+    gen = torch.Generator().manual_seed(3)
+    adv = torch.randn(8, 16, generator=gen)
+    ent = torch.rand(8, 16, generator=gen) ** 4 * 10  # skewed: very negative z for many tokens
+    mask = torch.ones(8, 16)
+    out = entropy_aware_advantage(adv, ent, mask, alpha=5.0)
+    assert torch.all(out * adv >= 0)
+    assert torch.any(out == 0)  # the clamp was exercised
+
+
+def test_entropy_aware_is_invariant_to_micro_batch_split():
+    gen = torch.Generator().manual_seed(1)
+    adv = torch.randn(6, 10, generator=gen)
+    ent = torch.rand(6, 10, generator=gen) * 4
+    mask = (torch.rand(6, 10, generator=gen) > 0.2).float()
+    stats = entropy_stats(ent, mask)
+    full = entropy_aware_advantage(adv, ent, mask, 0.2, stats)
+    splits = (slice(0, 2), slice(2, 6))
+    parts = torch.cat([entropy_aware_advantage(adv[s], ent[s], mask[s], 0.2, stats) for s in splits])
+    torch.testing.assert_close(parts, full)
+    # Without the shared mini-batch statistics the split would change the result: the stats matter.
+    naive = torch.cat([entropy_aware_advantage(adv[s], ent[s], mask[s], 0.2) for s in (slice(0, 2), slice(2, 6))])
+    assert not torch.allclose(naive, full)
+
+
+def test_entropy_aware_advantage_changes_loss_and_gradients_in_the_documented_direction():
+    """Turning the term on scales the gradient up on high-entropy tokens and down on low-entropy ones."""
+    adv_seq = torch.tensor([1.0, -1.0])
+    mask = torch.ones(2, 4)
+    ent = torch.tensor([[0.1, 0.2, 3.0, 4.0], [0.1, 0.3, 2.5, 5.0]])
+    adv_tok = broadcast_to_tokens(adv_seq, mask)
+    cfg = AlgorithmConfig(loss="aepo")
+
+    def run(advantages):
+        old = torch.full((2, 4), -2.0, dtype=torch.float64)
+        logp = (old + 0.05).clone().requires_grad_(True)
+        inp = LossInputs(logp, old, advantages.double(), mask.double(), ent.double())
+        loss, _ = compute_policy_loss(inp, cfg, loss_normalizer(inp.mask, inp.entropy, cfg))
+        loss.backward()
+        return loss.item(), logp.grad
+
+    loss_off, g_off = run(adv_tok)
+    loss_on, g_on = run(entropy_aware_advantage(adv_tok, ent, mask, cfg.entropy_advantage_alpha))
+    assert loss_on != pytest.approx(loss_off)
+    ratio = (g_on / g_off).float()
+    high = ent > ent.mean()
+    assert torch.all(ratio[high] > 1.0)
+    assert torch.all(ratio[~high] < 1.0)
+    assert torch.all(ratio >= 0.0)  # direction (sign) of every token's gradient is kept
+
+
+def test_informative_groups_and_overlong_penalty():
+    keep = informative_groups(torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.tensor([0, 0, 1, 1]))
+    assert keep.tolist() == [False, False, True, True]
+    pen = soft_overlong_penalty(torch.tensor([10, 90, 95, 100, 120]), max_len=100, buffer=10, factor=1.0)
+    assert pen.tolist() == pytest.approx([0.0, 0.0, -0.5, -1.0, -1.0])
+    assert soft_overlong_penalty(torch.tensor([200]), 100, 0, 1.0).tolist() == [0.0]

@@ -1,0 +1,99 @@
+"""The config tree: defaults, YAML round trip, dotted overrides, clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from aepo_core.config import ConfigError, ExperimentConfig, build_config, config_from_yaml, parse_override
+from infra.config_files import load_config, save_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def test_defaults_are_the_papers():
+    cfg = ExperimentConfig()
+    r, a, o = cfg.rollout, cfg.algorithm, cfg.optim
+    assert (r.k, r.initial_rollouts, r.beta, r.entropy_window) == (12, 6, 0.5, 20)
+    assert (r.gamma, r.tau, r.branch_penalty, r.beam_size) == (0.2, 0.5, 0.05, 2)
+    assert (r.max_tool_calls, r.temperature) == (6, 1.0)
+    assert (a.loss, a.entropy_advantage, a.entropy_advantage_alpha) == ("aepo", True, 0.2)
+    assert (a.clip_low, a.clip_high, a.kl_coef, a.loss_agg) == (0.2, 0.2, 0.0, "token-mean")
+    assert (o.lr, o.weight_decay, o.grad_clip, o.ppo_epochs, o.mini_batch_size) == (1e-6, 0.01, 1.0, 1, 8)
+    assert (cfg.eval.temperature, cfg.eval.top_p, cfg.eval.n_samples) == (0.6, 0.95, 5)
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = build_config({"rollout": {"k": 8}}, ["algorithm.loss=gspo", "eval.datasets=[gaia, xbench]"])
+    path = save_config(cfg, tmp_path / "resolved.yaml")
+    again = load_config(path)
+    assert again == cfg
+    assert again.config_hash() == cfg.config_hash()
+    assert again.eval.datasets == ["gaia", "xbench"]
+
+
+def test_dotted_overrides_and_types():
+    cfg = build_config({}, ["rollout.k=16", "rollout.premonitor=false", "optim.lr=3e-6", "algorithm.dual_clip=3"])
+    assert cfg.rollout.k == 16 and cfg.rollout.premonitor is False
+    assert cfg.optim.lr == pytest.approx(3e-6) and cfg.algorithm.dual_clip == 3.0
+    cfg = build_config({}, {"rollout.mode": "arpo", "seed": 7})
+    assert cfg.rollout.mode == "arpo" and cfg.seed == 7
+    assert parse_override("a.b=x=y") == ("a.b", "x=y")
+
+
+def test_unknown_key_is_named():
+    with pytest.raises(ConfigError, match=r"unknown key 'rollout\.kk'"):
+        build_config({}, ["rollout.kk=3"])
+    with pytest.raises(ConfigError, match=r"unknown key 'algorithmm'"):
+        config_from_yaml("algorithmm:\n  loss: aepo\n")
+
+
+def test_bad_type_and_range_are_named():
+    with pytest.raises(ConfigError, match=r"'rollout\.k'.*integer"):
+        build_config({}, ["rollout.k=lots"])
+    with pytest.raises(ConfigError, match=r"'rollout\.k'"):
+        build_config({}, ["rollout.k=-2"])
+    with pytest.raises(ConfigError, match=r"'algorithm\.loss'"):
+        build_config({}, ["algorithm.loss=ppo2"])
+    with pytest.raises(ConfigError, match="initial_rollouts"):
+        build_config({}, ["rollout.k=2", "rollout.initial_rollouts=3"])
+    with pytest.raises(ConfigError, match="pass_k"):
+        build_config({}, ["eval.pass_k=9"])
+    with pytest.raises(ConfigError, match="not of the form"):
+        build_config({}, ["rollout.k"])
+    with pytest.raises(ConfigError, match=r"'rollout\.k'"):
+        build_config({}, ["rollout.k.x=1"])
+    with pytest.raises(ConfigError, match=r"rollout\.k is not a section"):
+        build_config({"rollout": {"k": 3}}, ["rollout.k.x=1"])
+
+
+def test_file_errors_name_the_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"not found.*missing\.yaml"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml"):
+        load_config(bad)
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("rollout:\n  gama: 0.3\n")
+    with pytest.raises(ConfigError, match=r"typo\.yaml.*unknown key 'rollout\.gama'"):
+        load_config(typo)
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.rglob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    if "sweeps" in path.parts:
+        pytest.skip("sweep files are grids of overrides, validated by the sweep flow")
+    load_config(path)
+
+
+def test_paper_config_matches_the_spec():
+    cfg = load_config(CONFIGS / "paper" / "qwen3_14b_deepsearch.yaml")
+    assert cfg.rollout.k == 12 and cfg.rollout.beam_size == 2 and cfg.train.batch_size == 64
+    assert cfg.optim.lr == 1e-6 and cfg.rollout.max_response_tokens == 6192 and cfg.eval.pass_k == 5
+
+
+def test_flat_params():
+    flat = ExperimentConfig().flat()
+    assert flat["rollout.k"] == 12 and flat["algorithm.loss"] == "aepo"

@@ -1,0 +1,278 @@
+"""Golden values and gradients of every policy loss against closed forms (AEPO.md §6)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from aepo_core.config import AlgorithmConfig
+from aepo_core.losses import (
+    POLICY_LOSSES,
+    LossInputs,
+    aggregate,
+    compute_policy_loss,
+    kl_penalty,
+    loss_normalizer,
+)
+
+EPS_L, EPS_H = 0.2, 0.2
+
+
+def make_inputs(log_ratios, advantages, mask=None, old=None, entropy=None, ref=None):
+    """Inputs whose ratio per token is exp(log_ratio); logprobs is a leaf so its .grad is ∂L/∂logπ."""
+    lr = torch.tensor(log_ratios, dtype=torch.float64)
+    old_lp = torch.tensor(old, dtype=torch.float64) if old is not None else torch.full_like(lr, -1.5)
+    logprobs = (old_lp + lr).clone().requires_grad_(True)
+    adv = torch.tensor(advantages, dtype=torch.float64)
+    m = torch.tensor(mask, dtype=torch.float64) if mask is not None else torch.ones_like(lr)
+    ent = torch.tensor(entropy, dtype=torch.float64) if entropy is not None else None
+    ref_lp = torch.tensor(ref, dtype=torch.float64) if ref is not None else None
+    return LossInputs(logprobs, old_lp, adv, m, ent, ref_lp)
+
+
+def loss_and_grad(inp: LossInputs, **cfg):
+    config = AlgorithmConfig(**{"clip_low": EPS_L, "clip_high": EPS_H, **cfg})
+    loss, diag = compute_policy_loss(inp, config)
+    loss.backward()
+    return loss.item(), inp.logprobs.grad.clone(), diag
+
+
+# Four tokens, one per region of the clip: (Â>0, r>1+ε_h), (Â>0, inside), (Â<0, r<1−ε_l), (Â<0, inside).
+R = [1.5, 1.1, 0.5, 0.9]
+A = [2.0, 1.0, -1.0, -3.0]
+LOG_R = [[math.log(x) for x in R]]
+
+
+def ppo_closed_form():
+    n = len(R)
+    value = sum(-min(r * a, min(max(r, 1 - EPS_L), 1 + EPS_H) * a) for r, a in zip(R, A)) / n
+    grad = [0.0, -R[1] * A[1] / n, 0.0, -R[3] * A[3] / n]
+    return value, grad
+
+
+def test_registry_has_all_losses():
+    assert set(POLICY_LOSSES) == {"ppo_clip", "dapo", "aepo", "gppo", "ce_gppo", "cispo", "gspo"}
+
+
+def test_ppo_clip_value_and_gradient():
+    value, grad = ppo_closed_form()
+    loss, g, diag = loss_and_grad(make_inputs(LOG_R, [A]), loss="ppo_clip")
+    assert loss == pytest.approx(value, abs=1e-12)
+    torch.testing.assert_close(g[0], torch.tensor(grad, dtype=torch.float64))
+    assert diag["clip_frac_high"] == pytest.approx(0.25)
+    assert diag["clip_frac_low"] == pytest.approx(0.25)
+    assert diag["clip_frac"] == pytest.approx(0.5)
+
+
+def test_aepo_forward_equals_ppo_and_keeps_clipped_positive_gradient():
+    value, grad = ppo_closed_form()
+    loss, g, _ = loss_and_grad(make_inputs(LOG_R, [A]), loss="aepo")
+    assert loss == pytest.approx(value, abs=1e-12)  # forward unchanged
+    # (Â>0, r>1+ε_h): (1+ε_h)·Â·∇logπ, i.e. ∂L/∂logπ = −(1+ε_h)·Â/N, where PPO-clip gives 0.
+    expected = list(grad)
+    expected[0] = -(1 + EPS_H) * A[0] / 4
+    torch.testing.assert_close(g[0], torch.tensor(expected, dtype=torch.float64))
+    # (Â<0, r<1−ε_l): both give exactly 0.
+    assert g[0, 2] == 0.0
+
+
+def test_aepo_negative_advantage_above_upper_bound_matches_ppo():
+    # Â<0 and r>1+ε_h is unclipped in PPO (min picks r·Â); AEPO must agree in value and gradient.
+    inp_ppo = make_inputs([[math.log(1.6)]], [[-1.0]])
+    inp_aepo = make_inputs([[math.log(1.6)]], [[-1.0]])
+    lp, gp, _ = loss_and_grad(inp_ppo, loss="ppo_clip")
+    la, ga, _ = loss_and_grad(inp_aepo, loss="aepo")
+    assert lp == pytest.approx(la) and lp == pytest.approx(1.6)
+    torch.testing.assert_close(ga, gp)
+    assert float(ga[0, 0]) == pytest.approx(1.6)
+
+
+def test_aepo_high_entropy_gate():
+    # Two clipped positive tokens; only the high-entropy one keeps the preserved gradient.
+    log_r = [[math.log(1.5), math.log(1.5), 0.0, 0.0, 0.0]]
+    adv = [[1.0, 1.0, 1.0, 1.0, 1.0]]
+    ent = [[3.0, 0.1, 0.2, 0.3, 0.4]]  # top-20% of 5 tokens = the first one
+    _, g_gate, diag = loss_and_grad(
+        make_inputs(log_r, adv, entropy=ent), loss="aepo", clip_gate="high_entropy", high_entropy_quantile=0.2
+    )
+    assert float(g_gate[0, 0]) == pytest.approx(-(1 + EPS_H) / 5)
+    assert float(g_gate[0, 1]) == 0.0
+    _, g_all, _ = loss_and_grad(make_inputs(log_r, adv, entropy=ent), loss="aepo", clip_gate="all")
+    assert float(g_all[0, 1]) == pytest.approx(-(1 + EPS_H) / 5)
+    assert diag["clip_frac_high_entropy"] == pytest.approx(1.0)
+    assert diag["num_high_entropy_tokens"] == 1.0
+
+
+def test_high_entropy_gate_requires_entropy():
+    with pytest.raises(ValueError, match="entropies"):
+        loss_and_grad(make_inputs(LOG_R, [A]), loss="aepo", clip_gate="high_entropy")
+
+
+def test_dapo_uses_clip_higher():
+    # r = 1.25 is clipped by ε_h = 0.2 but not by DAPO's 0.28.
+    inp = make_inputs([[math.log(1.25)]], [[1.0]])
+    _, g_dapo, _ = loss_and_grad(inp, loss="dapo")
+    assert float(g_dapo[0, 0]) == pytest.approx(-1.25)
+    _, g_ppo, _ = loss_and_grad(make_inputs([[math.log(1.25)]], [[1.0]]), loss="ppo_clip")
+    assert float(g_ppo[0, 0]) == 0.0
+    _, g_dapo2, _ = loss_and_grad(make_inputs([[math.log(1.3)]], [[1.0]]), loss="dapo")
+    assert float(g_dapo2[0, 0]) == 0.0
+
+
+def test_gppo_preserves_both_sides():
+    value, _ = ppo_closed_form()
+    loss, g, _ = loss_and_grad(make_inputs(LOG_R, [A]), loss="gppo")
+    assert loss == pytest.approx(value, abs=1e-12)
+    expected = [-(1 + EPS_H) * A[0] / 4, -R[1] * A[1] / 4, -(1 - EPS_L) * A[2] / 4, -R[3] * A[3] / 4]
+    torch.testing.assert_close(g[0], torch.tensor(expected, dtype=torch.float64))
+
+
+def test_ce_gppo_weights_each_side():
+    b1, b2 = 0.5, 0.25
+    loss, g, _ = loss_and_grad(make_inputs(LOG_R, [A]), loss="ce_gppo", gppo_beta_low=b1, gppo_beta_high=b2)
+    v = [-b2 * (1 + EPS_H) * A[0], -R[1] * A[1], -b1 * (1 - EPS_L) * A[2], -R[3] * A[3]]
+    assert loss == pytest.approx(sum(v) / 4, abs=1e-12)
+    expected = [-b2 * (1 + EPS_H) * A[0] / 4, -R[1] * A[1] / 4, -b1 * (1 - EPS_L) * A[2] / 4, -R[3] * A[3] / 4]
+    torch.testing.assert_close(g[0], torch.tensor(expected, dtype=torch.float64))
+
+
+def test_ce_gppo_with_unit_betas_is_gppo():
+    lg, gg, _ = loss_and_grad(make_inputs(LOG_R, [A]), loss="gppo")
+    lc, gc, _ = loss_and_grad(make_inputs(LOG_R, [A]), loss="ce_gppo")
+    assert lg == pytest.approx(lc)
+    torch.testing.assert_close(gg, gc)
+
+
+def test_cispo_has_no_gradient_through_the_weight():
+    old = [[-1.5, -1.5, -1.5, -1.5]]
+    inp = make_inputs(LOG_R, [A], old=old)
+    loss, g, _ = loss_and_grad(inp, loss="cispo")
+    w = [min(max(r, 1 - EPS_L), 1 + EPS_H) for r in R]
+    logp = [o + math.log(r) for o, r in zip(old[0], R)]
+    assert loss == pytest.approx(sum(-wi * a * lp for wi, a, lp in zip(w, A, logp)) / 4, abs=1e-12)
+    # ∂/∂logπ of −sg(w)·Â·logπ is −w·Â: every token, clipped or not, keeps a gradient.
+    torch.testing.assert_close(g[0], torch.tensor([-wi * a / 4 for wi, a in zip(w, A)], dtype=torch.float64))
+
+
+def test_gspo_one_ratio_per_sequence():
+    log_r = [[0.001, -0.0005, 0.0002], [0.0, 0.0, 0.0]]
+    adv = [[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]]
+    mask = [[1, 1, 1], [1, 1, 0]]
+    inp = make_inputs(log_r, adv, mask=mask)
+    cfg = AlgorithmConfig(loss="gspo", loss_agg="seq-mean-token-mean", gspo_clip_low=0.01, gspo_clip_high=0.01)
+    loss, diag = compute_policy_loss(inp, cfg)
+    loss.backward()
+    s0 = math.exp(sum(log_r[0]) / 3)
+    s1 = 1.0
+    assert loss.item() == pytest.approx((-s0 * 1.0 + s1 * 1.0) / 2, abs=1e-12)
+    # ∂L/∂logπ_t = −s·Â/(T·n_seq) on every token of a sequence: one ratio, shared.
+    torch.testing.assert_close(inp.logprobs.grad[0], torch.full((3,), -s0 / 3 / 2, dtype=torch.float64))
+    torch.testing.assert_close(inp.logprobs.grad[1], torch.tensor([1 / 2 / 2, 1 / 2 / 2, 0.0], dtype=torch.float64))
+    assert diag["ratio_max"] == pytest.approx(s0) and diag["ratio_min"] == pytest.approx(s1)
+
+
+def test_gspo_clips_the_sequence_ratio():
+    log_r = [[0.3, 0.3]]  # s = e^0.3, far outside gspo's default 4e-4
+    inp = make_inputs(log_r, [[1.0, 1.0]])
+    _, g, diag = loss_and_grad(inp, loss="gspo")
+    assert torch.all(g == 0)
+    assert diag["clip_frac_high"] == 1.0
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_masked_tool_tokens_get_zero_gradient(name):
+    log_r = [[0.3, -0.4, 0.1, 0.05]]
+    adv = [[1.0, -2.0, 0.5, 1.5]]
+    mask = [[1, 0, 1, 0]]
+    _, g, diag = loss_and_grad(make_inputs(log_r, adv, mask=mask, entropy=[[1.0, 2.0, 3.0, 4.0]]), loss=name)
+    assert g[0, 1] == 0.0 and g[0, 3] == 0.0
+    assert diag["num_tokens"] == 2.0
+
+
+def test_dual_clip_caps_negative_advantage_loss():
+    inp = make_inputs([[math.log(5.0)]], [[-1.0]])
+    loss, g, _ = loss_and_grad(inp, loss="ppo_clip", dual_clip=3.0)
+    assert loss == pytest.approx(3.0)
+    assert float(g[0, 0]) == 0.0
+    loss_nc, g_nc, _ = loss_and_grad(make_inputs([[math.log(5.0)]], [[-1.0]]), loss="ppo_clip")
+    assert loss_nc == pytest.approx(5.0) and float(g_nc[0, 0]) == pytest.approx(5.0)
+    loss_a, g_a, _ = loss_and_grad(make_inputs([[math.log(5.0)]], [[-1.0]]), loss="aepo", dual_clip=3.0)
+    assert loss_a == pytest.approx(3.0) and float(g_a[0, 0]) == 0.0
+
+
+def test_aggregation_modes_differ_as_documented():
+    per_token = torch.tensor([[1.0, 0.0, 0.0], [2.0, 4.0, 6.0]])
+    mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    assert float(aggregate(per_token, mask, "token-mean")) == pytest.approx(13 / 4)
+    assert float(aggregate(per_token, mask, "seq-mean-token-mean")) == pytest.approx((1 + 4) / 2)
+    assert float(aggregate(per_token, mask, "seq-mean-token-sum-norm", norm_len=10)) == pytest.approx(
+        (1 / 10 + 12 / 10) / 2
+    )
+    with pytest.raises(ValueError, match="norm_len"):
+        aggregate(per_token, mask, "seq-mean-token-sum-norm")
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_micro_batches_add_up_to_the_mini_batch(agg, name):
+    gen = torch.Generator().manual_seed(0)
+    log_r = (torch.rand(4, 6, generator=gen, dtype=torch.float64) - 0.5) * 0.8
+    adv = torch.randn(4, 6, generator=gen, dtype=torch.float64)
+    mask = (torch.rand(4, 6, generator=gen) > 0.3).double()
+    ent = torch.rand(4, 6, generator=gen, dtype=torch.float64) * 3
+    cfg = AlgorithmConfig(loss=name, loss_agg=agg, loss_norm_len=6, clip_gate="high_entropy")
+
+    full = make_inputs(log_r.tolist(), adv.tolist(), mask=mask.tolist(), entropy=ent.tolist())
+    norm = loss_normalizer(full.mask, full.entropy, cfg)
+    loss_full, _ = compute_policy_loss(full, cfg, norm)
+    loss_full.backward()
+
+    total = 0.0
+    grads = []
+    for rows in (slice(0, 1), slice(1, 4)):
+        part = make_inputs(
+            log_r[rows].tolist(), adv[rows].tolist(), mask=mask[rows].tolist(), entropy=ent[rows].tolist()
+        )
+        loss_part, _ = compute_policy_loss(part, cfg, norm)
+        loss_part.backward()
+        total += loss_part.item()
+        grads.append(part.logprobs.grad)
+    assert total == pytest.approx(loss_full.item(), abs=1e-12)
+    torch.testing.assert_close(torch.cat(grads), full.logprobs.grad)
+
+
+def test_kl_estimators_and_coefficient():
+    logp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64)
+    ref = torch.tensor([[-1.5, -1.0]], dtype=torch.float64)
+    d = logp - ref
+    torch.testing.assert_close(kl_penalty(logp, ref, "k1", 10.0), d)
+    torch.testing.assert_close(kl_penalty(logp, ref, "k2", 10.0), 0.5 * d**2)
+    torch.testing.assert_close(kl_penalty(logp, ref, "k3", 10.0), torch.exp(-d) + d - 1)
+    with pytest.raises(ValueError, match="unknown KL"):
+        kl_penalty(logp, ref, "k4", 10.0)
+
+    inp = make_inputs([[0.0, 0.0]], [[0.0, 0.0]], old=logp.tolist(), ref=ref.tolist())
+    loss, g, diag = loss_and_grad(inp, loss="ppo_clip", kl_coef=0.5, kl_estimator="k1")
+    assert loss == pytest.approx(0.5 * float(d.mean()))
+    torch.testing.assert_close(g, torch.full((1, 2), 0.25, dtype=torch.float64))
+    assert diag["kl_ref"] == pytest.approx(float(d.mean()))
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        loss_and_grad(make_inputs([[0.0]], [[1.0]]), kl_coef=0.1)
+
+
+def test_diagnostics_ratio_stats_and_approx_kl():
+    _, _, diag = loss_and_grad(make_inputs(LOG_R, [A]), loss="ppo_clip")
+    assert diag["ratio_max"] == pytest.approx(1.5)
+    assert diag["ratio_min"] == pytest.approx(0.5)
+    assert diag["ratio_mean"] == pytest.approx(sum(R) / 4)
+    expected_kl = sum(1 / r + math.log(r) - 1 for r in R) / 4
+    assert diag["approx_kl"] == pytest.approx(expected_kl)
+
+
+def test_unknown_loss_name_is_a_clear_error():
+    cfg = AlgorithmConfig()
+    object.__setattr__(cfg, "loss", "nope")
+    with pytest.raises(ValueError, match="unknown policy loss 'nope'"):
+        compute_policy_loss(make_inputs(LOG_R, [A]), cfg)

@@ -1,0 +1,112 @@
+"""Evaluation statistics: pass@k against brute force, bootstrap intervals, diversity."""
+
+from __future__ import annotations
+
+from itertools import combinations
+
+import numpy as np
+import pytest
+
+from aepo_core.metrics import (
+    bootstrap_ci,
+    distinct_sequences,
+    mean_pass_at_k,
+    paired_bootstrap_diff,
+    pass_at_k,
+)
+
+
+def brute_force_pass_at_k(n: int, c: int, k: int) -> float:
+    """Fraction of all k-subsets of n samples (the first c correct) that contain a correct sample."""
+    subsets = list(combinations(range(n), k))
+    return sum(any(i < c for i in subset) for subset in subsets) / len(subsets)
+
+
+@pytest.mark.parametrize(
+    ("n", "c", "k"),
+    [(1, 0, 1), (1, 1, 1), (5, 0, 1), (5, 1, 1), (5, 2, 3), (5, 3, 5), (6, 1, 5), (8, 3, 2), (10, 4, 4),
+     (12, 6, 5), (12, 11, 1), (12, 12, 12)],
+)
+def test_pass_at_k_matches_enumeration(n: int, c: int, k: int) -> None:
+    assert pass_at_k(n, c, k) == pytest.approx(brute_force_pass_at_k(n, c, k), abs=1e-12)
+
+
+def test_pass_at_k_closed_forms() -> None:
+    assert pass_at_k(5, 2, 1) == pytest.approx(0.4)  # pass@1 is the fraction correct
+    assert pass_at_k(5, 1, 5) == 1.0
+    assert pass_at_k(5, 0, 5) == 0.0
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+
+
+def test_pass_at_k_is_stable_for_large_n() -> None:
+    # C(1000, 500) overflows a float; the product form does not
+    value = pass_at_k(1000, 1, 500)
+    assert value == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(
+    ("n", "c", "k", "message"),
+    [(5, 6, 1, "0 <= c <= n"), (5, -1, 1, "0 <= c <= n"), (5, 2, 0, "1 <= k <= n"), (5, 2, 6, "1 <= k <= n"),
+     (5.0, 2, 1, "integer")],
+)
+def test_pass_at_k_validation(n: int, c: int, k: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        pass_at_k(n, c, k)
+
+
+def test_mean_pass_at_k() -> None:
+    assert mean_pass_at_k([0, 5, 2], n=5, k=1) == pytest.approx((0.0 + 1.0 + 0.4) / 3)
+    with pytest.raises(ValueError, match="at least one"):
+        mean_pass_at_k([], n=5, k=1)
+
+
+def test_bootstrap_ci_contains_point_and_is_deterministic() -> None:
+    values = np.random.default_rng(7).normal(loc=0.3, scale=1.0, size=200)
+    point, low, high = bootstrap_ci(values, seed=3)
+    assert point == pytest.approx(float(np.mean(values)))
+    assert low < point < high
+    assert bootstrap_ci(values, seed=3) == (point, low, high)
+    assert bootstrap_ci(values, seed=4) != (point, low, high)
+
+
+def test_bootstrap_ci_narrows_with_lower_confidence() -> None:
+    values = [0.0, 1.0] * 50
+    _, low95, high95 = bootstrap_ci(values, confidence=0.95)
+    _, low50, high50 = bootstrap_ci(values, confidence=0.5)
+    assert low95 < low50 < 0.5 < high50 < high95
+
+
+def test_bootstrap_ci_constant_data_and_statistic() -> None:
+    assert bootstrap_ci([2.0, 2.0, 2.0]) == (2.0, 2.0, 2.0)
+    point, low, high = bootstrap_ci([1.0, 2.0, 3.0, 100.0], statistic=lambda a: float(np.median(a)))
+    assert point == 2.5
+    assert 1.0 <= low <= point <= high <= 100.0
+
+
+def test_bootstrap_ci_validation() -> None:
+    with pytest.raises(ValueError, match="non-empty"):
+        bootstrap_ci([])
+    with pytest.raises(ValueError, match="confidence"):
+        bootstrap_ci([1.0], confidence=1.0)
+    with pytest.raises(ValueError, match="n_resamples"):
+        bootstrap_ci([1.0], n_resamples=0)
+
+
+def test_paired_bootstrap_diff() -> None:
+    a = np.random.default_rng(1).random(50)
+    assert paired_bootstrap_diff(a, a) == (0.0, 0.0, 0.0)
+    point, low, high = paired_bootstrap_diff(a + 0.1, a)
+    assert point == pytest.approx(0.1)
+    assert low == pytest.approx(0.1) and high == pytest.approx(0.1)  # a constant shift has no variance
+    b = np.random.default_rng(2).random(50)
+    point, low, high = paired_bootstrap_diff(a, b, seed=5)
+    assert point == pytest.approx(float(np.mean(a - b)))
+    assert low <= point <= high
+    with pytest.raises(ValueError, match="same questions"):
+        paired_bootstrap_diff([1.0, 2.0], [1.0])
+
+
+def test_distinct_sequences() -> None:
+    group = [["search", "python"], ("search", "python"), ["python", "search"], [], [], ["search"]]
+    assert distinct_sequences(group) == 4
+    assert distinct_sequences([]) == 0
