@@ -1,0 +1,425 @@
+"""The round loop of dynamic entropy-balanced rollout (AEPO.md §1–4).
+
+For a batch of questions: batched generate for every active path → dispatch the tool calls of the round in
+parallel → append results as separately tokenized ids (loss mask 0) → branch decisions → fill the budget.
+
+Modes:
+- ``aepo``: one probe per question first (batched); m = global_budget(H_root, H̄_tool); the probe is kept as
+  the first global sample and its tool steps are eligible for branching like any other path; consecutive
+  branch penalty λ.  With ``premonitor`` off, m = ``initial_rollouts``.
+- ``arpo``: m = ``initial_rollouts``, the same branch rule with λ = 0.
+- ``independent``: k global samples, no branching (GRPO-style rollouts).
+
+A branch is decided on the model segment that follows a tool result, from the entropy of its first W tokens;
+it forks ``beam_size − 1`` paths from the tool-result node, which sample their own continuation.  No question
+ever gets more than k leaves; when all its paths are done with budget left, fresh global samples fill it.
+
+Everything that touches the outside world is handed in: the engine (token ids in and out) and the tools.
+Seeds are derived per (question, leaf, segment), so a path's tokens do not depend on batch composition.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import random
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+from aepo_core.config import RolloutConfig
+from aepo_core.entropy import segment_entropy
+from aepo_core.interfaces import Engine, GenerationRequest, GenerationResult, SamplingParams, Tool, ToolResult
+from aepo_core.protocol import ANSWER_CLOSE, STOP_STRINGS, ToolCall, parse_tool_call, result_block
+from aepo_core.rollout.branching import BranchDecision, branch_decision, consecutive_branch_count
+from aepo_core.rollout.budget import fixed_budget, global_budget, mean_tool_entropy
+from aepo_core.rollout.stats import rollout_stats
+from aepo_core.rollout.tree import Leaf, LeafStatus, Node, RolloutTree, SampleKind, ToolEvent
+
+log = logging.getLogger(__name__)
+
+TOOL_LIMIT_MESSAGE = "Tool call limit reached ({limit} calls). No more tools: give your final answer now."
+UNKNOWN_TOOL_MESSAGE = "Tool {name!r} is not available. Available tools: {available}."
+
+
+@dataclass(frozen=True)
+class Question:
+    """A question whose chat template has been applied once: the transcript only ever grows by token ids."""
+
+    question_id: str
+    prompt_ids: Sequence[int]
+
+
+@dataclass
+class _Path:
+    """A trajectory being generated (internal state; becomes a Leaf when done)."""
+
+    qi: int
+    leaf_id: int
+    node_ids: list[int]
+    kind: SampleKind
+    response_len: int = 0
+    tool_calls: int = 0
+    segments: int = 0
+    step_history: list[bool] = field(default_factory=list)
+    h_init: float | None = None
+    after_tool: bool = False  # the next segment follows a tool result (a tool step)
+    fork_pending: bool = False  # the next segment is a fork's first: its step already branched
+    limit_notice: bool = False
+    last_tool_failed: bool = False
+    status: LeafStatus | None = None
+    started: float = field(default_factory=time.perf_counter)
+    wall_s: float = 0.0
+
+
+@dataclass
+class _QuestionState:
+    index: int
+    question: Question
+    nodes: list[Node]
+    rng: random.Random
+    paths: list[_Path] = field(default_factory=list)
+    m: int = 0
+    h_root: float = math.nan
+    h_tool: float = math.nan
+
+    @property
+    def leaves_started(self) -> int:
+        return len(self.paths)
+
+
+@dataclass
+class RolloutResult:
+    trees: list[RolloutTree]
+    stats: dict[str, float]
+    branch_rate_by_consecutive: dict[int, float]
+
+
+def derive_seed(*parts: object) -> int:
+    """A stable 63-bit seed from any parts (Python's hash() is salted per process)."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class RolloutScheduler:
+    def __init__(
+        self,
+        engine: Engine,
+        tools: Mapping[str, Tool],
+        cfg: RolloutConfig,
+        *,
+        tool_timeout_s: float = 30.0,
+        tool_workers: int = 8,
+    ) -> None:
+        self.engine = engine
+        self.tools = dict(tools)
+        self.cfg = cfg
+        self.tool_timeout_s = tool_timeout_s
+        self.tool_workers = tool_workers
+
+    # ------------------------------------------------------------------ public
+    def run(self, questions: Sequence[Question], seed: int, sampling: SamplingParams | None = None) -> RolloutResult:
+        cfg = self.cfg
+        sampling = sampling or SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k)
+        self._timers = {"generate_s": 0.0, "tools_s": 0.0}
+        self._generated_tokens = 0
+        self._decisions: list[tuple[int, bool]] = []
+        self._seed = seed
+        states = [
+            _QuestionState(i, q, [Node(0, None, 0, "prompt", list(q.prompt_ids))], random.Random(derive_seed(seed, i)))
+            for i, q in enumerate(questions)
+        ]
+        start = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=self.tool_workers, thread_name_prefix="aepo-tool") as pool:
+            self._pool = pool
+            if cfg.mode == "aepo" and cfg.premonitor:
+                for st in states:
+                    self._new_path(st, "global")
+                self._run_rounds(states, sampling, branching=False)
+                for st in states:
+                    self._premonitor(st)
+            else:
+                for st in states:
+                    st.m = cfg.k if cfg.mode == "independent" else fixed_budget(cfg.k, cfg.initial_rollouts)
+            for st in states:
+                while st.leaves_started < st.m:
+                    self._new_path(st, "global")
+            self._run_rounds(states, sampling, branching=cfg.mode != "independent")
+            while any(st.leaves_started < cfg.k for st in states):
+                for st in states:
+                    while st.leaves_started < cfg.k:
+                        self._new_path(st, "fill")
+                self._run_rounds(states, sampling, branching=cfg.mode != "independent")
+        trees = [self._finish(st) for st in states]
+        total = time.perf_counter() - start
+        stats, by_l = rollout_stats(trees, self._decisions)
+        stats.update(
+            {
+                "wall_s": total,
+                "generate_s": self._timers["generate_s"],
+                "tools_s": self._timers["tools_s"],
+                "tokens_generated": float(self._generated_tokens),
+            }
+        )
+        return RolloutResult(trees, stats, by_l)
+
+    # ------------------------------------------------------------------ paths
+    def _new_path(self, st: _QuestionState, kind: SampleKind, parent: _Path | None = None,
+                  upto_node: int | None = None) -> _Path:
+        if parent is None:
+            path = _Path(qi=st.index, leaf_id=st.leaves_started, node_ids=[0], kind=kind)
+        else:
+            assert upto_node is not None
+            cut = parent.node_ids.index(upto_node) + 1
+            node_ids = parent.node_ids[:cut]
+            end = st.nodes[upto_node]
+            tool_calls = sum(1 for i in node_ids if st.nodes[i].kind == "tool")
+            path = _Path(
+                qi=parent.qi,
+                leaf_id=st.leaves_started,
+                node_ids=node_ids,
+                kind="branch",
+                response_len=end.token_end,
+                tool_calls=tool_calls,
+                h_init=parent.h_init,
+                after_tool=True,
+                fork_pending=True,
+            )
+        st.paths.append(path)
+        return path
+
+    # ------------------------------------------------------------------ rounds
+    def _run_rounds(self, states: list[_QuestionState], sampling: SamplingParams, branching: bool) -> None:
+        while True:
+            active = [(st, p) for st in states for p in st.paths if p.status is None]
+            if not active:
+                return
+            results = self._generate(states, active, sampling)
+            tool_jobs: list[tuple[_QuestionState, _Path, ToolCall | None, str | None]] = []
+            for (st, p), res in zip(active, results, strict=True):
+                job = self._absorb_segment(st, p, res, branching)
+                if job is not None:
+                    tool_jobs.append((st, p, *job))
+            if tool_jobs:
+                self._dispatch_tools(tool_jobs)
+
+    def _generate(self, states: list[_QuestionState], active: list[tuple[_QuestionState, _Path]],
+                  sampling: SamplingParams) -> list[GenerationResult]:
+        cfg = self.cfg
+        requests = []
+        for st, p in active:
+            remaining = cfg.max_response_tokens - p.response_len
+            cap = min(remaining, cfg.max_segment_tokens) if cfg.max_segment_tokens else remaining
+            ids = [t for i in p.node_ids for t in st.nodes[i].token_ids]
+            requests.append(
+                GenerationRequest(ids, max(1, cap), STOP_STRINGS,
+                                  seed=derive_seed(self._seed, p.qi, p.leaf_id, p.segments))
+            )
+        t0 = time.perf_counter()
+        try:
+            results = self.engine.generate(requests, sampling)
+            if len(results) != len(requests):
+                raise RuntimeError(f"engine returned {len(results)} results for {len(requests)} requests")
+        except Exception as exc:  # one bad row must not fail the step: retry rows one by one
+            log.warning("batched generation failed (%s); retrying %d rows one by one", exc, len(requests))
+            results = [self._generate_one(r, sampling) for r in requests]
+        self._timers["generate_s"] += time.perf_counter() - t0
+        return results
+
+    def _generate_one(self, request: GenerationRequest, sampling: SamplingParams) -> GenerationResult:
+        try:
+            (res,) = self.engine.generate([request], sampling)
+            return res
+        except Exception as exc:
+            return GenerationResult([], [], [], "error", error=f"{type(exc).__name__}: {exc}")
+
+    def _absorb_segment(self, st: _QuestionState, p: _Path, res: GenerationResult,
+                        branching: bool) -> tuple[ToolCall | None, str | None] | None:
+        """Append the generated segment, decide a branch if this is a tool step, and classify how it ended.
+
+        Returns a tool job (call, or a notice text for calls that must not run) when the segment ends in a
+        tool call.
+        """
+        cfg = self.cfg
+        if res.finish_reason == "error" or res.error:
+            self._close(p, "engine_error")
+            log.warning("engine error on question %s leaf %d: %s", st.question.question_id, p.leaf_id, res.error)
+            return None
+        parent = st.nodes[p.node_ids[-1]]
+        text = self.engine.decode(res.token_ids)
+        node = Node(
+            node_id=len(st.nodes),
+            parent_id=parent.node_id,
+            depth=parent.depth + 1,
+            kind="model",
+            token_ids=list(res.token_ids),
+            logprobs=list(res.logprobs),
+            entropies=list(res.entropies),
+            token_start=parent.token_end if parent.kind != "prompt" else 0,
+            text=text,
+            finish_reason=res.finish_reason,
+            segment_entropy=segment_entropy(res.entropies, cfg.entropy_window),
+            entropy_is_estimate=res.entropy_is_estimate,
+        )
+        st.nodes.append(node)
+        p.node_ids.append(node.node_id)
+        p.segments += 1
+        p.response_len += len(res.token_ids)
+        self._generated_tokens += len(res.token_ids)
+        if p.h_init is None:
+            p.h_init = node.segment_entropy
+        if p.after_tool:
+            p.after_tool = False
+            if p.fork_pending:
+                p.fork_pending = False
+                node.branch_reason = "fork"
+            elif branching:
+                self._decide(st, p, node, budget_left=cfg.k - st.leaves_started)
+
+        if res.finish_reason == "eos" or (res.finish_reason == "stop" and res.stop_string == ANSWER_CLOSE):
+            self._close(p, "answered")
+            return None
+        if res.finish_reason == "stop" and res.stop_string in STOP_STRINGS:
+            call = parse_tool_call(text)
+            if p.limit_notice:
+                self._close(p, "tool_limit")
+                return None
+            if p.response_len >= cfg.max_response_tokens:
+                self._close(p, "truncated")
+                return None
+            if call is None:
+                return None, f"Malformed tool call: no matching opening tag for {res.stop_string}."
+            if p.tool_calls >= cfg.max_tool_calls:
+                p.limit_notice = True
+                return None, TOOL_LIMIT_MESSAGE.format(limit=cfg.max_tool_calls)
+            if call.name not in self.tools:
+                return None, UNKNOWN_TOOL_MESSAGE.format(name=call.name, available=", ".join(sorted(self.tools)))
+            return call, None
+        if p.response_len >= cfg.max_response_tokens:
+            self._close(p, "tool_error" if p.last_tool_failed else "truncated")
+        # else: the segment cap was hit with budget left; the path continues in the next round
+        return None
+
+    def _decide(self, st: _QuestionState, p: _Path, node: Node, budget_left: int) -> None:
+        """Branch rule at a tool step (AEPO.md §4); forks share the prefix up to the tool-result node."""
+        cfg = self.cfg
+        lam = 0.0 if cfg.mode == "arpo" else cfg.branch_penalty
+        l_count = consecutive_branch_count(p.step_history)
+        h_init = p.h_init if p.h_init is not None else node.segment_entropy
+        delta = node.segment_entropy - h_init
+        u = st.rng.random()
+        d: BranchDecision = branch_decision(u, delta, l_count, gamma=cfg.gamma, tau=cfg.tau, lam=lam)
+        branched = d.branch and budget_left > 0
+        node.delta_entropy = delta
+        node.consecutive_branches = l_count
+        node.branch_score = d.score
+        node.branched = branched
+        node.branch_reason = "budget_full" if d.branch and not branched else d.reason
+        if budget_left > 0:  # the rule's own branch rate, not confounded by a full budget
+            self._decisions.append((l_count, branched))
+        if branched:
+            fork_from = node.parent_id
+            assert fork_from is not None
+            history = [*p.step_history, True]
+            for _ in range(min(cfg.beam_size - 1, budget_left)):
+                child = self._new_path(st, "branch", parent=p, upto_node=fork_from)
+                child.step_history = list(history)
+        p.step_history.append(branched)
+
+    def _dispatch_tools(self, jobs: list[tuple[_QuestionState, _Path, ToolCall | None, str | None]]) -> None:
+        t0 = time.perf_counter()
+        futures = [None if call is None else self._pool.submit(self._call_tool, call) for _, _, call, _ in jobs]
+        deadline = time.monotonic() + self.tool_timeout_s
+        for (st, p, call, notice), fut in zip(jobs, futures, strict=True):
+            if fut is None:
+                assert notice is not None
+                name = "limit" if p.limit_notice else "invalid"
+                result = ToolResult(notice, ok=False, error=name)
+                event = ToolEvent(name, "", False, name, 0.0, False, len(notice))
+            else:
+                assert call is not None
+                try:
+                    result = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                except FutureTimeout:
+                    fut.cancel()
+                    result = ToolResult(f"Tool {call.name} timed out after {self.tool_timeout_s:.0f} s.", ok=False,
+                                        error="timeout", latency_s=self.tool_timeout_s)
+                event = ToolEvent(call.name, call.argument, result.ok, result.error, result.latency_s,
+                                  result.cache_hit, len(result.text))
+                p.tool_calls += 1
+            p.last_tool_failed = not result.ok
+            self._append_result(st, p, result.text, event)
+        self._timers["tools_s"] += time.perf_counter() - t0
+
+    def _call_tool(self, call: ToolCall) -> ToolResult:
+        t0 = time.perf_counter()
+        try:
+            res = self.tools[call.name](call.argument)
+        except Exception as exc:  # a tool that breaks its contract still only produces a result
+            res = ToolResult(f"Tool {call.name} failed: {type(exc).__name__}: {exc}", ok=False, error="exception")
+        if not res.latency_s:
+            res = ToolResult(res.text, res.ok, res.error, time.perf_counter() - t0, res.cache_hit, res.meta)
+        return res
+
+    def _append_result(self, st: _QuestionState, p: _Path, text: str, event: ToolEvent) -> None:
+        cfg = self.cfg
+        block = result_block(text, cfg.max_result_chars)
+        ids = self.engine.encode(block)
+        remaining = cfg.max_response_tokens - p.response_len
+        parent = st.nodes[p.node_ids[-1]]
+        node = Node(
+            node_id=len(st.nodes),
+            parent_id=parent.node_id,
+            depth=parent.depth + 1,
+            kind="tool",
+            token_ids=ids[:remaining],
+            token_start=parent.token_end,
+            text=block if len(ids) <= remaining else self.engine.decode(ids[:remaining]),
+            tool=event,
+        )
+        st.nodes.append(node)
+        p.node_ids.append(node.node_id)
+        p.response_len += len(node.token_ids)
+        if p.response_len >= cfg.max_response_tokens:
+            self._close(p, "tool_error" if p.last_tool_failed else "truncated")
+        else:
+            p.after_tool = True
+
+    def _close(self, p: _Path, status: LeafStatus) -> None:
+        p.status = status
+        p.wall_s = time.perf_counter() - p.started
+
+    # ------------------------------------------------------------------ budget
+    def _premonitor(self, st: _QuestionState) -> None:
+        """m from the probe (path 0), then the probe's own tool steps get their branch decisions."""
+        probe = st.paths[0]
+        nodes = [st.nodes[i] for i in probe.node_ids]
+        model_nodes = [n for n in nodes if n.kind == "model"]
+        st.h_root = model_nodes[0].segment_entropy if model_nodes else math.nan
+        post_tool = [n for n in model_nodes if n.parent_id is not None and st.nodes[n.parent_id].kind == "tool"]
+        h_root = st.h_root if not math.isnan(st.h_root) else 0.0
+        st.h_tool = mean_tool_entropy(h_root, [n.segment_entropy for n in post_tool])
+        st.m = global_budget(self.cfg.k, h_root, st.h_tool, self.cfg.beta)
+        # The probe's tool steps are decided in order, as they would have been live; forks from the probe
+        # must not eat the budget of the m − 1 global samples that have not started yet.
+        reserved = st.m - 1
+        for n in post_tool:
+            self._decide(st, probe, n, budget_left=self.cfg.k - st.leaves_started - reserved)
+
+    def _finish(self, st: _QuestionState) -> RolloutTree:
+        if math.isnan(st.h_root) and st.paths:
+            first = [st.nodes[i] for i in st.paths[0].node_ids if st.nodes[i].kind == "model"]
+            st.h_root = first[0].segment_entropy if first else math.nan
+            post = [n.segment_entropy for n in st.nodes if n.kind == "model" and n.parent_id is not None
+                    and st.nodes[n.parent_id].kind == "tool"]
+            st.h_tool = mean_tool_entropy(st.h_root, post) if not math.isnan(st.h_root) else math.nan
+        leaves = []
+        for p in st.paths:
+            assert p.status is not None, "every path ends with a status"
+            branch_steps = sum(p.step_history)
+            leaves.append(Leaf(p.leaf_id, list(p.node_ids), p.kind, p.status, branch_steps, p.wall_s))
+        return RolloutTree(st.question.question_id, list(st.question.prompt_ids), st.nodes, leaves, st.m,
+                           st.h_root, st.h_tool)

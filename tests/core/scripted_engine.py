@@ -1,0 +1,89 @@
+"""A deterministic engine for scheduler tests: characters are tokens, the script decides each segment."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from aepo_core.interfaces import GenerationRequest, GenerationResult, SamplingParams, ToolResult
+
+EOS = 0
+
+
+@dataclass
+class Segment:
+    text: str
+    entropy: float
+    eos: bool = False
+
+
+Script = Callable[[str, int], Segment]  # (transcript so far, seed) → next segment
+
+
+def tool_then_answer(calls: int, h_first: float, h_after_tool: Sequence[float] | float, tool: str = "search") -> Script:
+    """Make ``calls`` tool calls, then answer; entropy h_first on the first segment, h_after_tool[i] after result i."""
+
+    def script(transcript: str, seed: int) -> Segment:
+        n = transcript.count("<result>")
+        h = h_first if n == 0 else (h_after_tool if isinstance(h_after_tool, float) else h_after_tool[n - 1])
+        if n < calls:
+            return Segment(f"<think>step {n}</think><{tool}>q{n}</{tool}>", h)
+        return Segment("<think>done</think><answer>\\boxed{x}</answer>", h)
+
+    return script
+
+
+@dataclass
+class ScriptedEngine:
+    script: Script
+    fail_when: Callable[[str], bool] = lambda transcript: False
+    calls: list[int] = field(default_factory=list)  # batch sizes seen
+
+    @property
+    def eos_token_id(self) -> int:
+        return EOS
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return "".join(chr(t) for t in token_ids if t != EOS)
+
+    def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[GenerationResult]:
+        self.calls.append(len(requests))
+        out = []
+        for req in requests:
+            transcript = self.decode(req.prompt_ids)
+            if self.fail_when(transcript):
+                out.append(GenerationResult([], [], [], "error", error="scripted failure"))
+                continue
+            seg = self.script(transcript, req.seed or 0)
+            ids = self.encode(seg.text) + ([EOS] if seg.eos else [])
+            finish, stop = ("eos", None) if seg.eos else ("length", None)
+            for s in req.stop:
+                if not seg.eos and seg.text.endswith(s):
+                    finish, stop = "stop", s
+            if len(ids) > req.max_tokens:
+                ids, finish, stop = ids[: req.max_tokens], "length", None
+            out.append(GenerationResult(ids, [-0.5] * len(ids), [seg.entropy] * len(ids), finish, stop))
+        return out
+
+
+class EchoSearch:
+    """A search tool whose result names the query; chosen queries fail, raise or hang (deterministically)."""
+
+    name = "search"
+
+    def __init__(self, fail: set[str] = frozenset(), raise_on: set[str] = frozenset(),
+                 hang_on: set[str] = frozenset(), hang_s: float = 5.0) -> None:
+        self.fail, self.raise_on, self.hang_on, self.hang_s = set(fail), set(raise_on), set(hang_on), hang_s
+
+    def __call__(self, argument: str) -> ToolResult:
+        if argument in self.raise_on:
+            raise RuntimeError("backend exploded")
+        if argument in self.hang_on:
+            time.sleep(self.hang_s)
+        if argument in self.fail:
+            return ToolResult("search failed: backend unavailable", ok=False, error="unavailable")
+        return ToolResult(f"Page 1: doc about {argument}")

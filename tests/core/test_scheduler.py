@@ -1,0 +1,245 @@
+"""The rollout scheduler with a scripted engine: exact trees per mode, budget, penalty, faults, limits."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from scripted_engine import EchoSearch, ScriptedEngine, Segment, tool_then_answer
+
+from aepo_core.config import RolloutConfig
+from aepo_core.rollout.scheduler import Question, RolloutScheduler
+from aepo_core.rollout.tree import RolloutTree
+
+PROMPT = [ord(c) for c in "Q: what is x?\n"]
+
+
+def run(script, cfg: RolloutConfig, n_questions: int = 1, seed: int = 0, tools=None, engine=None, **kw):
+    engine = engine or ScriptedEngine(script)
+    sched = RolloutScheduler(engine, tools or {"search": EchoSearch()}, cfg, **kw)
+    qs = [Question(f"q{i}", PROMPT) for i in range(n_questions)]
+    return sched.run(qs, seed=seed), engine
+
+
+def shape(tree: RolloutTree) -> list[tuple[str, str, int]]:
+    """(sample kind, status, number of tool calls) per leaf, in leaf order."""
+    return [(leaf.sample_kind, leaf.status, len(tree.tool_events(leaf))) for leaf in tree.leaves]
+
+
+def reasons(tree: RolloutTree) -> list[str]:
+    return [n.branch_reason for n in tree.nodes if n.kind == "model"]
+
+
+# H_root = 1, every post-tool segment 4 → ΔH = 3, u + γΔH ∈ [0.6, 1.6): always ≥ τ at l = 0;
+# λ = 0.7 → at l = 1 the score is ≤ 0.48 < τ: the penalty stops the second consecutive branch.
+SCRIPT = tool_then_answer(calls=2, h_first=1.0, h_after_tool=4.0)
+BASE = dict(k=4, initial_rollouts=2, beam_size=2, gamma=0.2, tau=0.5, branch_penalty=0.7, entropy_window=20,
+            max_tool_calls=6, max_response_tokens=2000)
+
+
+def test_aepo_tree_probe_penalty_and_fill():
+    cfg = RolloutConfig(mode="aepo", premonitor=True, beta=0.5, **BASE)
+    res, _engine = run(SCRIPT, cfg)
+    (tree,) = res.trees
+    # m = round(4·σ(0.5·(1 − 4))) = round(0.73) = 1: the probe is the only planned global sample.
+    assert tree.global_budget == 1 and tree.h_root == 1.0 and tree.h_tool == 4.0
+    assert shape(tree) == [("global", "answered", 2), ("branch", "answered", 2), ("fill", "answered", 2),
+                           ("fill", "answered", 2)]
+    probe, fork = tree.leaves[0], tree.leaves[1]
+    probe_reasons = [tree.nodes[i].branch_reason for i in probe.node_ids if tree.nodes[i].kind == "model"]
+    assert probe_reasons == ["", "branch", "penalized"]
+    fork_reasons = [tree.nodes[i].branch_reason for i in fork.node_ids if tree.nodes[i].kind == "model"]
+    assert fork_reasons == ["", "fork", "penalized"]  # the fork inherits l = 1 from its ancestor step
+    # The fork shares the probe's prefix up to and including the first tool result.
+    assert fork.node_ids[:3] == probe.node_ids[:3] and tree.nodes[probe.node_ids[2]].kind == "tool"
+    assert probe.branch_steps == 1 and fork.branch_steps == 1
+    # Fill samples found the budget full.
+    fill_reasons = [tree.nodes[i].branch_reason for i in tree.leaves[2].node_ids if tree.nodes[i].kind == "model"]
+    assert fill_reasons == ["", "budget_full", "budget_full"]
+    assert res.stats["global_samples"] == 1 and res.stats["branch_samples"] == 1 and res.stats["fill_samples"] == 2
+    assert res.branch_rate_by_consecutive == {0: 1.0, 1: 0.0}
+
+
+def test_arpo_tree_branches_without_penalty_until_budget_exhausted():
+    cfg = RolloutConfig(mode="arpo", **BASE)
+    res, _ = run(SCRIPT, cfg)
+    (tree,) = res.trees
+    assert tree.global_budget == 2
+    assert shape(tree) == [("global", "answered", 2), ("global", "answered", 2), ("branch", "answered", 2),
+                           ("branch", "answered", 2)]
+    g0 = [tree.nodes[i].branch_reason for i in tree.leaves[0].node_ids if tree.nodes[i].kind == "model"]
+    # λ = 0: the second step would branch again (l = 1 does not matter) but the budget is exhausted.
+    assert g0 == ["", "branch", "budget_full"]
+    assert len(tree.leaves) == 4
+
+
+def test_independent_mode_never_branches():
+    cfg = RolloutConfig(mode="independent", **BASE)
+    res, _ = run(SCRIPT, cfg, n_questions=3)
+    for tree in res.trees:
+        assert shape(tree) == [("global", "answered", 2)] * 4
+        assert set(reasons(tree)) == {""}
+    assert res.stats["branch_samples"] == 0
+
+
+def test_aepo_without_premonitor_uses_initial_rollouts():
+    cfg = RolloutConfig(mode="aepo", premonitor=False, **BASE)
+    res, _ = run(SCRIPT, cfg)
+    assert res.trees[0].global_budget == 2
+    assert [leaf.sample_kind for leaf in res.trees[0].leaves] == ["global", "global", "branch", "branch"]
+
+
+def test_premonitor_more_question_uncertainty_gives_more_global_samples():
+    cfg = RolloutConfig(mode="aepo", premonitor=True, **{**BASE, "k": 8})
+    res, _ = run(tool_then_answer(2, h_first=6.0, h_after_tool=0.5), cfg)
+    tree = res.trees[0]
+    # H_root ≫ H̄_tool: m = round(8·σ(0.5·5.5)) = 8; ΔH < 0 as well, so nothing branches.
+    assert tree.global_budget == 8
+    assert [leaf.sample_kind for leaf in tree.leaves] == ["global"] * 8
+
+
+def test_no_tool_calls_gives_half_the_budget_and_fill():
+    cfg = RolloutConfig(mode="aepo", premonitor=True, **BASE)
+    res, _ = run(tool_then_answer(0, h_first=2.0, h_after_tool=2.0), cfg)
+    tree = res.trees[0]
+    assert tree.h_tool == tree.h_root == 2.0 and tree.global_budget == 2  # σ(0)·4
+    assert [leaf.sample_kind for leaf in tree.leaves] == ["global", "global", "fill", "fill"]
+
+
+def test_loss_mask_is_zero_exactly_on_tool_tokens_and_text_round_trips():
+    cfg = RolloutConfig(mode="aepo", premonitor=True, **BASE)
+    res, engine = run(SCRIPT, cfg)
+    tree = res.trees[0]
+    for leaf in tree.leaves:
+        ids, mask = tree.response_ids(leaf), tree.loss_mask(leaf)
+        assert len(ids) == len(mask) == len(tree.logprobs(leaf)) == len(tree.entropies(leaf))
+        text = engine.decode(ids)
+        assert text == tree.text(leaf)
+        for node in tree.path(leaf)[1:]:
+            span = mask[node.token_start : node.token_end]
+            assert span == [1 if node.kind == "model" else 0] * len(node.token_ids)
+            if node.kind == "tool":
+                assert engine.decode(node.token_ids).startswith("\n<result>\nPage 1: doc about q")
+
+
+def test_same_seed_same_tree_and_different_seed_differs():
+    rng_script = lambda transcript, seed: Segment(  # noqa: E731
+        "<search>q</search>" if transcript.count("<result>") < 3 else "<answer>\\boxed{1}</answer>",
+        random.Random(transcript.count("<result>") * 7 + seed % 1000).uniform(0, 5),
+    )
+    cfg = RolloutConfig(mode="aepo", premonitor=True, **{**BASE, "k": 6, "branch_penalty": 0.05})
+
+    def signature(seed):
+        res, _ = run(rng_script, cfg, n_questions=3, seed=seed)
+        return [[(n.parent_id, n.kind, n.branch_reason, tuple(n.token_ids)) for n in t.nodes] for t in res.trees]
+
+    assert signature(5) == signature(5)
+    assert any(signature(s) != signature(5) for s in (6, 7, 8))
+
+
+@pytest.mark.parametrize("mode", ["aepo", "arpo", "independent"])
+def test_no_question_ever_exceeds_k_leaves(mode):
+    for seed in range(15):
+        rng = random.Random(seed)
+        k = rng.randint(1, 7)
+        cfg = RolloutConfig(mode=mode, premonitor=rng.random() < 0.7, **{
+            **BASE, "k": k, "initial_rollouts": rng.randint(1, k), "beam_size": rng.randint(2, 4),
+            "branch_penalty": rng.choice([0.0, 0.05, 0.5])})
+        script = tool_then_answer(rng.randint(0, 4), rng.uniform(0, 3), [rng.uniform(0, 6) for _ in range(4)])
+        res, _ = run(script, cfg, n_questions=2, seed=seed)
+        for tree in res.trees:
+            assert len(tree.leaves) == k
+            assert all(leaf.status == "answered" for leaf in tree.leaves)
+            assert sum(1 for leaf in tree.leaves if leaf.sample_kind == "global") <= tree.global_budget
+
+
+def test_engine_error_on_one_row_does_not_fail_the_others():
+    engine = ScriptedEngine(SCRIPT, fail_when=lambda t: t.count("<result>") == 1 and "q0" in t and "step 1" not in t)
+    cfg = RolloutConfig(mode="independent", **BASE)
+    res, _ = run(SCRIPT, cfg, n_questions=2, engine=engine)
+    statuses = [leaf.status for t in res.trees for leaf in t.leaves]
+    assert statuses == ["engine_error"] * 8  # every path fails at the same scripted step
+    engine_ok = ScriptedEngine(SCRIPT, fail_when=lambda t: False)
+    res_ok, _ = run(SCRIPT, cfg, n_questions=2, engine=engine_ok)
+    assert all(leaf.status == "answered" for t in res_ok.trees for leaf in t.leaves)
+
+
+def test_batch_exception_falls_back_to_rows():
+    class Flaky(ScriptedEngine):
+        def generate(self, requests, sampling):
+            if len(requests) > 1:
+                raise RuntimeError("batch too large")
+            return super().generate(requests, sampling)
+
+    cfg = RolloutConfig(mode="independent", **BASE)
+    res, _ = run(SCRIPT, cfg, engine=Flaky(SCRIPT))
+    assert all(leaf.status == "answered" for leaf in res.trees[0].leaves)
+
+
+def test_tool_faults_become_results():
+    tools = {"search": EchoSearch(fail={"q0"}, raise_on={"q1"})}
+    cfg = RolloutConfig(mode="independent", **BASE)
+    res, _ = run(SCRIPT, cfg, tools=tools)
+    tree = res.trees[0]
+    for leaf in tree.leaves:
+        events = tree.tool_events(leaf)
+        assert [(e.ok, e.error) for e in events] == [(False, "unavailable"), (False, "exception")]
+        assert leaf.status == "answered"
+        assert "backend exploded" in tree.text(leaf)
+    assert res.stats["tool_error_rate"] == 1.0
+
+
+def test_hanging_tool_times_out():
+    tools = {"search": EchoSearch(hang_on={"q1"}, hang_s=3.0)}
+    cfg = RolloutConfig(mode="independent", **{**BASE, "k": 2})
+    res, _ = run(SCRIPT, cfg, tools=tools, tool_timeout_s=0.3)
+    tree = res.trees[0]
+    events = tree.tool_events(tree.leaves[0])
+    assert events[1].error == "timeout" and not events[1].ok
+    assert "timed out" in tree.text(tree.leaves[0])
+    assert res.stats["tools_s"] < 2.5
+
+
+def test_tool_limit_and_unknown_tool():
+    cfg = RolloutConfig(mode="independent", **{**BASE, "k": 1, "max_tool_calls": 1})
+    endless = lambda t, s: Segment("<search>again</search>", 1.0)  # noqa: E731
+    res, _ = run(endless, cfg)
+    leaf = res.trees[0].leaves[0]
+    assert leaf.status == "tool_limit"
+    names = [e.name for e in res.trees[0].tool_events(leaf)]
+    assert names == ["search", "limit"]
+    assert "Tool call limit reached" in res.trees[0].text(leaf)
+
+    cfg = RolloutConfig(mode="independent", **{**BASE, "k": 1})
+    res, _ = run(tool_then_answer(1, 1.0, 1.0, tool="python"), cfg)
+    leaf = res.trees[0].leaves[0]
+    assert "not available" in res.trees[0].text(leaf) and leaf.status == "answered"
+
+
+def test_response_budget_truncates_including_tool_tokens():
+    cfg = RolloutConfig(mode="independent", **{**BASE, "k": 1, "max_response_tokens": 60})
+    res, _ = run(SCRIPT, cfg)
+    tree = res.trees[0]
+    leaf = tree.leaves[0]
+    assert leaf.status == "truncated"
+    assert len(tree.response_ids(leaf)) <= 60
+
+
+def test_segment_cap_continues_the_turn():
+    cfg = RolloutConfig(mode="independent", **{**BASE, "k": 1, "max_segment_tokens": 8})
+    target = "<answer>\\boxed{42}</answer>"
+    prompt = "".join(map(chr, PROMPT))
+    script = lambda t, s: Segment(target[len(t) - len(prompt) :], 1.0)  # noqa: E731
+    res, _engine = run(script, cfg)
+    tree = res.trees[0]
+    leaf = tree.leaves[0]
+    assert leaf.status == "answered"
+    assert all(len(n.token_ids) <= 8 for n in tree.path(leaf))
+    assert len(tree.path(leaf)) > 2
+    assert tree.text(leaf) == target
+
+
+def test_batching_across_questions_and_paths():
+    cfg = RolloutConfig(mode="independent", **BASE)
+    _, engine = run(SCRIPT, cfg, n_questions=3)
+    assert max(engine.calls) == 12  # all 3 × 4 paths generated in one batch per round
