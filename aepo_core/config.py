@@ -168,6 +168,11 @@ class OptimConfig(Section):
     ppo_epochs: int = Field(1, ge=1)
     mini_batch_size: int = Field(8, ge=1, description="Questions per PPO mini-batch.")
     micro_batch_tokens: int = Field(8192, ge=1, description="Token budget of one forward/backward micro-batch.")
+    old_logprobs: Literal["trainer", "rollout"] = Field(
+        "trainer",
+        description="π_old of the PPO ratio: the trainer's own no-grad forward before the update (exact under "
+        "PPO epochs > 1, remote engines and top-p sampling), or the sampler's log-probs. The gap is logged.",
+    )
 
 
 class SFTConfig(Section):

@@ -67,6 +67,10 @@ class Leaf:
     status: LeafStatus
     branch_steps: int  # tool steps on this path (ancestors included) at which a branch was created
     wall_s: float = 0.0
+    # Filled in by scoring (after the rollout): reward, its reason, and the trajectory-level advantage.
+    reward: float = math.nan
+    reward_reason: str = ""
+    advantage: float = math.nan
 
 
 @dataclass

@@ -1,0 +1,216 @@
+"""The policy update of one RL step: scoring pass, PPO mini-batches, token-budget micro-batches, one loss.
+
+1. A no-grad *scoring pass* over all samples with the pre-update policy gives, per response token, the
+   trainer's log-prob (π_old of the ratio, and the rollout-vs-trainer gap) and its entropy (detached).
+2. For each PPO epoch and mini-batch (whole question groups): the entropy statistics and the high-entropy
+   threshold are taken over the mini-batch's model tokens, so the entropy-aware advantage and the clip gate do
+   not depend on how the mini-batch is split; micro-batches are length-sorted buckets under a token budget, and
+   their losses use mini-batch normalizers so gradient accumulation gives the same update for any split.
+3. Grad clipping, optimizer and LR-schedule step through the backend (torch or DeepSpeed).
+
+The in-process engine holds the same model object, so it samples from the new weights without a copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from aepo_core.advantages import entropy_aware_advantage, entropy_stats
+from aepo_core.config import ExperimentConfig
+from aepo_core.losses import LossInputs, compute_policy_loss, loss_normalizer
+from infra.training.batching import PaddedBatch, TrainSample, collate, plan_micro_batches, split_mini_batches
+
+log = logging.getLogger(__name__)
+
+
+class TrainBackend(Protocol):
+    """What the update needs from a training engine (plain torch, or DeepSpeed)."""
+
+    @property
+    def module(self) -> torch.nn.Module: ...
+
+    def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor: ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def step(self) -> float: ...
+
+    def current_lr(self) -> float: ...
+
+
+def response_logprobs_and_entropy(
+    backend: TrainBackend, batch: PaddedBatch, temperature: float, with_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per response token: log π(token) and the full-vocabulary entropy, from temperature-scaled logits.
+
+    Only response positions go through the vocabulary projection (the prompt's would be wasted work).
+    """
+    module = backend.module
+    with torch.set_grad_enabled(with_grad):
+        hidden = backend.forward_hidden(batch.input_ids, batch.attention_mask)  # [B, L, H]
+        b, r = batch.targets.shape
+        pos = (batch.response_start[:, None] - 1 + torch.arange(r, device=hidden.device)[None]).clamp(
+            0, hidden.shape[1] - 1
+        )
+        h = hidden.gather(1, pos[..., None].expand(b, r, hidden.shape[-1]))
+        logits = module.get_output_embeddings()(h).float() / temperature
+        logp_all = torch.log_softmax(logits, dim=-1)
+        logprobs = logp_all.gather(-1, batch.targets[..., None]).squeeze(-1)
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logprobs, entropy
+
+
+@dataclass
+class _Scored:
+    logprobs: list[torch.Tensor]  # per sample, [response_len]
+    entropy: list[torch.Tensor]
+    ref_logprobs: list[torch.Tensor] | None
+
+
+class PolicyUpdater:
+    def __init__(self, backend: TrainBackend, cfg: ExperimentConfig, pad_id: int,
+                 ref_backend: TrainBackend | None = None) -> None:
+        if cfg.algorithm.kl_coef > 0 and ref_backend is None:
+            raise ValueError("algorithm.kl_coef > 0 needs a reference model")
+        self.backend = backend
+        self.ref_backend = ref_backend
+        self.cfg = cfg
+        self.pad_id = pad_id
+        self.device = next(backend.module.parameters()).device
+
+    # ------------------------------------------------------------------
+    def _micro_batches(self, samples: Sequence[TrainSample], indices: Sequence[int]) -> list[list[int]]:
+        lengths = [len(samples[i].input_ids) for i in indices]
+        return [[indices[j] for j in mb] for mb in plan_micro_batches(lengths, self.cfg.optim.micro_batch_tokens)]
+
+    @torch.no_grad()
+    def score(self, samples: Sequence[TrainSample]) -> _Scored:
+        """The no-grad pass with the pre-update policy (and the reference policy when KL is on)."""
+        temp = self.cfg.rollout.temperature
+        n = len(samples)
+        logprobs: list[torch.Tensor] = [torch.empty(0)] * n
+        entropy: list[torch.Tensor] = [torch.empty(0)] * n
+        ref: list[torch.Tensor] | None = [torch.empty(0)] * n if self.ref_backend is not None else None
+        self.backend.module.eval()
+        for mb in self._micro_batches(samples, list(range(n))):
+            batch = collate([samples[i] for i in mb], self.pad_id, self.device)
+            lp, ent = response_logprobs_and_entropy(self.backend, batch, temp, with_grad=False)
+            ref_lp = None
+            if self.ref_backend is not None and ref is not None:
+                ref_lp, _ = response_logprobs_and_entropy(self.ref_backend, batch, temp, with_grad=False)
+            for row, i in enumerate(mb):
+                r = samples[i].response_len
+                logprobs[i] = lp[row, :r].cpu()
+                entropy[i] = ent[row, :r].cpu()
+                if ref is not None and ref_lp is not None:
+                    ref[i] = ref_lp[row, :r].cpu()
+        return _Scored(logprobs, entropy, ref)
+
+    def _stack(self, rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+        out = torch.zeros((len(rows), width), dtype=torch.float32)
+        for i, row in enumerate(rows):
+            out[i, : row.numel()] = row
+        return out.to(self.device)
+
+    # ------------------------------------------------------------------
+    def update(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        """One RL step's update over ``samples``; returns the step's training metrics."""
+        cfg, alg = self.cfg, self.cfg.algorithm
+        if not samples:
+            return {"train/skipped": 1.0}
+        t0 = time.perf_counter()
+        scored = self.score(samples)
+        t_score = time.perf_counter() - t0
+        gap_sum, gap_n = 0.0, 0
+        for i, s in enumerate(samples):
+            m = torch.tensor(s.loss_mask, dtype=torch.bool)
+            gap_sum += float((scored.logprobs[i][m] - torch.tensor(s.rollout_logprobs)[m]).abs().sum())
+            gap_n += int(m.sum())
+
+        sums: dict[str, float] = defaultdict(float)
+        weights: dict[str, float] = defaultdict(float)
+        grad_norms, losses = [], []
+        real_tokens = padded_tokens = 0
+        self.backend.module.train()
+        for _epoch in range(cfg.optim.ppo_epochs):
+            for mini in split_mini_batches(samples, cfg.optim.mini_batch_size):
+                mini_mask = self._stack([torch.tensor(samples[i].loss_mask, dtype=torch.float32) for i in mini],
+                                        max(samples[i].response_len for i in mini))
+                mini_ent = self._stack([scored.entropy[i] for i in mini], mini_mask.shape[1])
+                stats = entropy_stats(mini_ent, mini_mask)
+                norm = loss_normalizer(mini_mask, mini_ent, alg)
+                mini_loss = 0.0
+                for mb in self._micro_batches(samples, mini):
+                    batch = collate([samples[i] for i in mb], self.pad_id, self.device)
+                    real_tokens += batch.real_tokens
+                    padded_tokens += batch.padded_tokens
+                    width = batch.targets.shape[1]
+                    ent = self._stack([scored.entropy[i] for i in mb], width)
+                    old = (
+                        self._stack([scored.logprobs[i] for i in mb], width)
+                        if cfg.optim.old_logprobs == "trainer"
+                        else batch.rollout_logprobs
+                    )
+                    ref = self._stack([scored.ref_logprobs[i] for i in mb], width) if scored.ref_logprobs else None
+                    adv = batch.advantages
+                    if alg.entropy_advantage:
+                        adv = entropy_aware_advantage(adv, ent, batch.loss_mask, alg.entropy_advantage_alpha, stats,
+                                                      alg.entropy_eps)
+                    logprobs, _ = response_logprobs_and_entropy(self.backend, batch, cfg.rollout.temperature, True)
+                    loss, diag = compute_policy_loss(
+                        LossInputs(logprobs, old, adv, batch.loss_mask, ent, ref), alg, norm,
+                        norm_len=cfg.rollout.max_response_tokens,
+                    )
+                    self.backend.backward(loss)
+                    mini_loss += float(loss.detach())
+                    tokens = diag.get("num_tokens", 0.0)
+                    for key, value in diag.items():
+                        if key.startswith("num_"):
+                            sums[key] += value
+                        elif key == "clip_frac_high_entropy":
+                            sums[key] += value * diag["num_high_entropy_tokens"]
+                            weights[key] += diag["num_high_entropy_tokens"]
+                        elif key == "ratio_max":
+                            sums[key] = max(sums.get(key, value), value)
+                        elif key == "ratio_min":
+                            sums[key] = min(sums.get(key, value), value)
+                        else:
+                            sums[key] += value * tokens
+                            weights[key] += tokens
+                grad_norms.append(self.backend.step())
+                losses.append(mini_loss)
+        self.backend.module.eval()
+        wall = time.perf_counter() - t0
+        metrics = {
+            "train/loss": sum(losses) / len(losses),
+            "train/grad_norm": sum(grad_norms) / len(grad_norms),
+            "train/grad_norm_max": max(grad_norms),
+            "train/lr": self.backend.current_lr(),
+            "train/optimizer_steps": float(len(grad_norms)),
+            "train/entropy_mean": float(torch.cat([e[torch.tensor(s.loss_mask, dtype=torch.bool)]
+                                                   for e, s in zip(scored.entropy, samples, strict=True)]).mean()),
+            "train/rollout_trainer_logprob_gap": gap_sum / max(1, gap_n),
+            "train/tokens_per_s": real_tokens / max(wall, 1e-9),
+            "train/padding_waste": 1.0 - real_tokens / max(1, padded_tokens),
+            "train/scoring_pass_s": t_score,
+            "train/update_s": wall,
+            "train/samples": float(len(samples)),
+            "train/peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        }
+        if torch.cuda.is_available():
+            metrics["train/peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        for key, value in sums.items():
+            if key.startswith("num_") or key in ("ratio_max", "ratio_min"):
+                metrics[f"train/{key}"] = value
+            else:
+                metrics[f"train/{key}"] = value / weights[key] if weights[key] else 0.0
+        return metrics

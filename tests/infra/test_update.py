@@ -1,0 +1,137 @@
+"""The policy update: micro-batch invariance, components really used, masked tool tokens, KL reference."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from aepo_core.config import build_config
+from infra.training.backends import FrozenBackend, TorchBackend
+from infra.training.batching import TrainSample, plan_micro_batches, split_mini_batches
+from infra.training.update import PolicyUpdater
+
+VOCAB = 97
+
+
+def tiny_model(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      initializer_range=0.3)
+    return LlamaForCausalLM(cfg).float().eval()
+
+
+def make_samples(n_groups: int = 3, per_group: int = 4, seed: int = 0) -> list[TrainSample]:
+    rng = random.Random(seed)
+    out = []
+    for g in range(n_groups):
+        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(3, 7))]
+        for _ in range(per_group):
+            resp_len = rng.randint(4, 14)
+            resp = [rng.randrange(1, VOCAB) for _ in range(resp_len)]
+            mask = [0 if 3 <= j < 6 else 1 for j in range(resp_len)]  # a "tool result" span
+            logp = [-rng.uniform(1.0, 5.0) if m else 0.0 for m in mask]
+            out.append(TrainSample(prompt + resp, len(prompt), mask, logp, rng.uniform(-1.5, 1.5), g))
+    return out
+
+
+def run_update(overrides, samples=None, seed=0, ref=False):
+    cfg = build_config({}, ["optim.lr=1e-2", "optim.grad_clip=100", "optim.mini_batch_size=2", *overrides])
+    model = tiny_model(seed)
+    backend = TorchBackend(model, cfg.optim, total_steps=10)
+    ref_backend = FrozenBackend(copy.deepcopy(model)) if ref else None
+    updater = PolicyUpdater(backend, cfg, pad_id=0, ref_backend=ref_backend)
+    metrics = updater.update(samples or make_samples())
+    return model, metrics
+
+
+def params(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_plan_micro_batches_respects_budget_and_covers_all():
+    lengths = [5, 30, 12, 12, 7, 40, 3]
+    batches = plan_micro_batches(lengths, token_budget=40)
+    assert sorted(i for b in batches for i in b) == list(range(7))
+    for b in batches:
+        assert len(b) == 1 or max(lengths[i] for i in b) * len(b) <= 40
+
+
+def test_mini_batches_keep_question_groups_whole():
+    samples = make_samples(n_groups=5)
+    minis = split_mini_batches(samples, 2)
+    assert [sorted({samples[i].group for i in m}) for m in minis] == [[0, 1], [2, 3], [4]]
+
+
+@pytest.mark.parametrize("loss", ["aepo", "ppo_clip", "gspo"])
+def test_micro_batch_size_does_not_change_the_update(loss):
+    m1, met1 = run_update([f"algorithm.loss={loss}", "optim.micro_batch_tokens=1"])
+    m8, met8 = run_update([f"algorithm.loss={loss}", "optim.micro_batch_tokens=400"])
+    assert met1["train/padding_waste"] == 0.0 and met8["train/padding_waste"] > 0.0
+    torch.testing.assert_close(params(m1), params(m8), rtol=1e-4, atol=1e-5)  # Adam amplifies fp32 noise
+    assert met1["train/loss"] == pytest.approx(met8["train/loss"], rel=1e-5, abs=1e-7)
+
+
+def test_entropy_aware_advantage_is_really_used():
+    base, _ = run_update(["algorithm.entropy_advantage=true"])
+    off, _ = run_update(["algorithm.entropy_advantage=false"])
+    assert not torch.allclose(params(base), params(off))
+
+
+def test_aepo_loss_is_really_used_under_several_epochs():
+    # With 3 PPO epochs at a large LR ratios leave the clip range, so AEPO's preserved gradient differs from PPO's.
+    aepo, met = run_update(["algorithm.loss=aepo", "optim.ppo_epochs=3", "algorithm.entropy_advantage=false"])
+    ppo, _ = run_update(["algorithm.loss=ppo_clip", "optim.ppo_epochs=3", "algorithm.entropy_advantage=false"])
+    assert met["train/clip_frac_high"] > 0
+    assert not torch.allclose(params(aepo), params(ppo))
+
+
+def test_first_epoch_ratio_is_one_with_trainer_old_logprobs():
+    _, met = run_update(["optim.ppo_epochs=1", "optim.mini_batch_size=8"])
+    assert met["train/ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    assert met["train/clip_frac"] == 0.0
+    assert met["train/rollout_trainer_logprob_gap"] > 0  # the made-up rollout log-probs differ from the model's
+
+
+def test_tool_tokens_get_no_gradient():
+    """Changing the target tokens inside the masked span must not change the update."""
+    samples = make_samples()
+    changed = []
+    for s in samples:
+        ids = list(s.input_ids)
+        for j, m in enumerate(s.loss_mask):
+            if not m:
+                ids[s.prompt_len + j] = (ids[s.prompt_len + j] % (VOCAB - 1)) + 1
+        changed.append(TrainSample(ids, s.prompt_len, s.loss_mask, s.rollout_logprobs, s.advantage, s.group))
+    # Tool tokens still condition later model tokens, so compare a setup where no model token follows them.
+    tail = [TrainSample(s.input_ids, s.prompt_len, [1] * 3 + [0] * (s.response_len - 3), s.rollout_logprobs,
+                        s.advantage, s.group) for s in samples]
+    tail_changed = [TrainSample(c.input_ids, c.prompt_len, t.loss_mask, c.rollout_logprobs, c.advantage, c.group)
+                    for c, t in zip(changed, tail)]
+    a, _ = run_update([], samples=tail)
+    b, _ = run_update([], samples=tail_changed)
+    torch.testing.assert_close(params(a), params(b))
+
+
+def test_kl_reference_model():
+    with pytest.raises(ValueError, match="reference model"):
+        run_update(["algorithm.kl_coef=0.1"])
+    # One mini-batch: the reference equals the policy being differentiated, KL is 0.
+    _, met = run_update(["algorithm.kl_coef=0.1", "optim.mini_batch_size=8"], ref=True)
+    assert met["train/kl_ref"] == pytest.approx(0.0, abs=1e-6)
+    # Later mini-batches see a policy that has moved away from the frozen reference: KL > 0 and it pulls back.
+    with_kl, met = run_update(["algorithm.kl_coef=1.0"], ref=True)
+    without, _ = run_update([])
+    assert met["train/kl_ref"] > 0
+    assert not torch.allclose(params(with_kl), params(without))
+
+
+def test_metrics_present():
+    _, met = run_update([])
+    for key in ("train/loss", "train/grad_norm", "train/entropy_mean", "train/clip_frac_high",
+                "train/clip_frac_high_entropy", "train/tokens_per_s", "train/peak_rss_mb", "train/approx_kl"):
+        assert key in met, key
