@@ -1,0 +1,1 @@
+"""Policy training: update backends, cold-start SFT, exact checkpoints and resumable data order."""

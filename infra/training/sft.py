@@ -1,0 +1,90 @@
+"""Cold-start SFT on multi-turn tool-use transcripts (the paper's stage before RL).
+
+Transcripts use the rollout's token protocol: the prompt through the chat template once, then each segment
+tokenized on its own (model text, or a ``<result>`` block), so SFT sees the token boundaries RL will see.
+The loss is token-mean cross-entropy over model tokens only; tool results condition but never get gradient.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from aepo_core.config import SFTConfig
+from infra.training.batching import TrainSample, collate, plan_micro_batches
+from infra.training.update import TrainBackend, response_logprobs_and_entropy
+
+log = logging.getLogger(__name__)
+
+Segments = Sequence[tuple[str, str]]  # ("model" | "tool", text)
+
+
+def sft_sample(prompt_ids: Sequence[int], segments: Segments, encode: Callable[[str], list[int]]) -> TrainSample:
+    ids: list[int] = []
+    mask: list[int] = []
+    for kind, text in segments:
+        if kind not in ("model", "tool"):
+            raise ValueError(f"segment kind must be 'model' or 'tool', got {kind!r}")
+        seg = encode(text)
+        ids += seg
+        mask += [1 if kind == "model" else 0] * len(seg)
+    return TrainSample(list(prompt_ids) + ids, len(prompt_ids), mask, [0.0] * len(ids), 0.0, 0)
+
+
+def _nll_sum(backend: TrainBackend, samples: Sequence[TrainSample], pad_id: int, token_budget: int,
+             device: torch.device, norm: float, with_grad: bool) -> float:
+    total = 0.0
+    lengths = [len(s.input_ids) for s in samples]
+    for mb in plan_micro_batches(lengths, token_budget):
+        batch = collate([samples[i] for i in mb], pad_id, device)
+        logprobs, _ = response_logprobs_and_entropy(backend, batch, 1.0, with_grad=with_grad)
+        loss = -(logprobs * batch.loss_mask).sum() / norm
+        if with_grad:
+            backend.backward(loss)
+        total += float(loss.detach())
+    return total
+
+
+def sft_loss(backend: TrainBackend, samples: Sequence[TrainSample], pad_id: int, token_budget: int) -> float:
+    """Token-mean NLL over model tokens (no gradient)."""
+    device = next(backend.module.parameters()).device
+    norm = float(sum(sum(s.loss_mask) for s in samples)) or 1.0
+    backend.module.eval()
+    with torch.no_grad():
+        return _nll_sum(backend, samples, pad_id, token_budget, device, norm, with_grad=False)
+
+
+def run_sft(backend: TrainBackend, samples: Sequence[TrainSample], cfg: SFTConfig, pad_id: int, token_budget: int,
+            seed: int, on_step: Callable[[int, dict[str, float]], None] | None = None) -> list[dict[str, float]]:
+    """``cfg.epochs`` passes over the samples in seeded shuffled batches; one optimizer step per batch."""
+    if cfg.max_examples is not None:
+        samples = list(samples)[: cfg.max_examples]
+    device = next(backend.module.parameters()).device
+    rng = random.Random(seed)
+    history = []
+    step = 0
+    for epoch in range(cfg.epochs):
+        order = list(range(len(samples)))
+        rng.shuffle(order)
+        for start in range(0, len(order), cfg.batch_size):
+            batch = [samples[i] for i in order[start : start + cfg.batch_size]]
+            norm = float(sum(sum(s.loss_mask) for s in batch)) or 1.0
+            t0 = time.perf_counter()
+            backend.module.train()
+            loss = _nll_sum(backend, batch, pad_id, token_budget, device, norm, with_grad=True)
+            grad_norm = backend.step()
+            backend.module.eval()
+            step += 1
+            tokens = sum(len(s.input_ids) for s in batch)
+            metrics = {"sft/loss": loss, "sft/grad_norm": grad_norm, "sft/epoch": float(epoch),
+                       "sft/tokens_per_s": tokens / max(1e-9, time.perf_counter() - t0), "sft/lr": backend.current_lr()}
+            history.append(metrics)
+            if on_step is not None:
+                on_step(step, metrics)
+    log.info("SFT: %d steps over %d examples, last loss %.4f", step, len(samples),
+             history[-1]["sft/loss"] if history else float("nan"))
+    return history
