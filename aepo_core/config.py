@@ -225,6 +225,41 @@ class DataConfig(Section):
     shuffle: bool = True
     synthetic_seed: int = 0
     synthetic_entities: int = Field(60, ge=4)
+    data_root: str | None = Field(
+        None,
+        description="Where shorthand dataset names (gaia, math500, hard_search_1k…) are found; default: env "
+        "AEPO_DATA_ROOT, else the repo's ../shared/data/arpo.",
+    )
+    synthetic_cities: int = Field(12, ge=1, description="Synthetic task: number of cities (shared by companies).")
+    synthetic_countries: int = Field(4, ge=1, description="Synthetic task: number of countries.")
+    synthetic_families: list[Literal["single_hop", "two_hop", "compute"]] = Field(
+        default_factory=lambda: ["single_hop", "two_hop", "compute"],
+        min_length=1,
+        description="Synthetic question families: one lookup, a chained lookup, lookups plus Python arithmetic.",
+    )
+    synthetic_relations: list[str] | None = Field(
+        None, description="Synthetic relations to ask (e.g. founded_year, founder_birth_year); None: all in families."
+    )
+    synthetic_questions_per_company: int | None = Field(
+        None, ge=1, description="Synthetic: a seeded sample of this many relations per company; None: all."
+    )
+    synthetic_validation_fraction: float = Field(0.2, ge=0.0, lt=1.0, description="Share of companies in validation.")
+    synthetic_test_fraction: float = Field(0.2, ge=0.0, lt=1.0, description="Share of companies in test (held out).")
+    synthetic_templates_per_fact: int = Field(
+        3, ge=1, le=3, description="Synthetic difficulty: phrasings in use per fact kind (1 = one fixed wording)."
+    )
+    synthetic_mentions_per_fact: int = Field(
+        1, ge=1, le=3, description="Synthetic: passages stating each fact (each in its own phrasing)."
+    )
+    synthetic_facts_per_document: int = Field(
+        1, ge=1, description="Synthetic: fact sentences per passage (1 spreads each entity over several passages)."
+    )
+    synthetic_near_name_distractors: int = Field(
+        1, ge=0, le=9, description="Synthetic difficulty: namesake passages per company and per founder."
+    )
+    synthetic_comparison_distractors: int = Field(
+        1, ge=0, description="Synthetic difficulty: passages per company that name it next to a rival's fact."
+    )
 
 
 class RewardConfig(Section):

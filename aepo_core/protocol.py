@@ -275,3 +275,24 @@ def _block_end(text: str, content_start: int, name: str) -> int | str:
     if inner.group(0) == ANSWER_OPEN:
         return "multiple_answers"
     return "tag_inside_answer"
+
+
+# The instruction that teaches the tag protocol (used as the system prompt for SFT data, RL and evaluation, so
+# the model sees the same contract everywhere).  Short on purpose: small models are trained and run with it.
+SYSTEM_PROMPT = (
+    "Answer the user's question. Think step by step inside <think> </think>. "
+    "To look something up, write <search>query</search>. "
+    "To calculate, write <python>code</python> and print the result. "
+    "Each tool call is answered by its output inside <result> </result>. "
+    "Call tools as often as needed, then give the final answer as "
+    "<answer>The answer is \\boxed{ANSWER}.</answer>"
+)
+
+
+def format_transcript(segments: list[tuple[str, str]] | tuple[tuple[str, str], ...]) -> str:
+    """The full response text of ``(role, text)`` segments (model text and tool result blocks), in order.
+
+    Segments already carry their exact text (tool segments are :func:`result_block` output), so joining
+    without separators reproduces what the model saw and what :func:`check_format` and rewards score.
+    """
+    return "".join(text for _, text in segments)
