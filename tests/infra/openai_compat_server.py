@@ -1,0 +1,94 @@
+"""A small OpenAI-compatible completions server over a transformers model, for testing the remote engine.
+
+It implements the subset of vLLM's ``/v1/completions`` that ``RemoteEngine`` uses — token-id prompts,
+per-request seeds, stop strings kept in the output, top-k log-probs, ``token_id:<id>`` tokens — over real
+HTTP on 127.0.0.1, with the tiny model doing the generation.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+
+from aepo_core.interfaces import GenerationRequest, SamplingParams
+from infra.engines.hf import HFEngine
+
+
+class CompletionsServer:
+    def __init__(self, engine: HFEngine, fail_first: int = 0) -> None:
+        self.engine = engine
+        self.fail_first = fail_first
+        self.requests: list[dict[str, Any]] = []
+        self.lock = threading.Lock()  # one generation at a time (the model is shared)
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                return
+
+            def do_POST(self) -> None:  # noqa: N802 (http.server API)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                status, payload = outer.handle(self.path, body)
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self) -> CompletionsServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def handle(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        with self.lock:
+            self.requests.append(body)
+            if len(self.requests) <= self.fail_first:
+                return 503, {"error": "warming up"}
+        if path != "/v1/completions":
+            return 404, {"error": f"no route {path}"}
+        prompt = body.get("prompt")
+        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+            return 400, {"error": "prompt must be a list of token ids"}
+        sampling = SamplingParams(body.get("temperature", 1.0), body.get("top_p", 1.0), body.get("top_k", 0))
+        req = GenerationRequest(prompt, int(body["max_tokens"]), tuple(body.get("stop", [])), seed=body.get("seed"))
+        with self.lock:
+            (res,) = self.engine.generate([req], sampling)
+            tops = self._top_logprobs(prompt, res.token_ids, sampling.temperature, int(body.get("logprobs") or 0))
+        finish = "length" if res.finish_reason == "length" else "stop"
+        choice = {
+            "index": 0,
+            "text": self.engine.decode(res.token_ids),
+            "finish_reason": finish,
+            "stop_reason": res.stop_string,
+            "logprobs": {
+                "tokens": [f"token_id:{t}" for t in res.token_ids],
+                "token_logprobs": res.logprobs,
+                "top_logprobs": tops,
+            },
+        }
+        return 200, {"id": "cmpl-test", "object": "text_completion", "choices": [choice]}
+
+    @torch.no_grad()
+    def _top_logprobs(self, prompt: list[int], tokens: list[int], temperature: float, k: int) -> list[dict[str, float]]:
+        if not tokens or k <= 0:
+            return [{} for _ in tokens]
+        ids = torch.tensor([prompt + tokens])
+        logits = self.engine.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+        top = torch.log_softmax(logits, -1).topk(k, dim=-1)
+        return [
+            {f"token_id:{int(i)}": float(v) for i, v in zip(idx, val, strict=True)}
+            for idx, val in zip(top.indices, top.values, strict=True)
+        ]
