@@ -30,7 +30,7 @@ class CompletionsServer:
             def log_message(self, *args: object) -> None:
                 return
 
-            def do_POST(self) -> None:  # noqa: N802 (http.server API)
+            def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 status, payload = outer.handle(self.path, body)
                 data = json.dumps(payload).encode()

@@ -21,7 +21,7 @@ def server(tiny_policy):
 
 
 def test_tokens_match_the_local_engine_and_entropy_is_an_estimate(server, tiny_policy, tiny_engine):
-    model, tokenizer = tiny_policy
+    _model, tokenizer = tiny_policy
     remote = RemoteEngine(server.url, "tiny", tokenizer, top_logprobs=20)
     prompt = tiny_engine.apply_chat_template("What is the capital of Brotryx?")
     reqs = [GenerationRequest(prompt, 12, STOP_STRINGS, seed=s) for s in (1, 2, 3)]
