@@ -1,0 +1,206 @@
+"""PNG plots for tracking: training curves and a drawn rollout tree.
+
+Figures are built with :class:`matplotlib.figure.Figure` on an Agg canvas, never through ``pyplot``: no global
+figure registry and no GUI backend, so plotting is safe from worker threads and headless machines.  Files are
+written to a hidden temporary name in the target directory and renamed, so a reader never sees half a PNG.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
+
+from aepo_core.rollout.tree import Node, RolloutTree
+
+log = logging.getLogger(__name__)
+
+History = Mapping[str, Sequence[tuple[int, float]]]
+
+# (group title, substrings); the first group with a matching substring wins, so training-side names that also
+# mention entropy (train/clip_frac_high_entropy) land in "training" before "entropy" is tried.
+CURVE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("training", ("loss", "grad_norm", "clip", "tokens_per_s", "/lr", "kl")),
+    ("reward / accuracy", ("reward", "accuracy", "pass", "f1")),
+    ("entropy", ("entropy", "h_root", "h_tool", "delta_h")),
+    ("branching", ("branch", "global_samples", "fill_samples", "budget")),
+    ("tools", ("tool",)),
+    ("system", ("system/",)),
+)
+OTHER_GROUP = "other"
+DISPLAY_ORDER = ("reward / accuracy", "entropy", "branching", "tools", "training", "system", OTHER_GROUP)
+
+NODE_COLOURS = {"prompt": "#d9d9d9", "model": "#9ecae1", "tool": "#fdd0a2", "tool_error": "#fc9272"}
+BRANCH_EDGE = "#d62728"
+
+
+def metric_group(name: str) -> str:
+    """The subplot a metric goes to (see :data:`CURVE_GROUPS`)."""
+    low = name.lower()
+    for title, keys in CURVE_GROUPS:
+        if any(k in low for k in keys):
+            return title
+    return OTHER_GROUP
+
+
+def save_png(fig: Figure, path: str | os.PathLike[str], dpi: int = 100) -> Path:
+    """Write ``fig`` as a PNG atomically (temp name in the same directory, then rename)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        FigureCanvasAgg(fig)
+        fig.savefig(tmp, format="png", dpi=dpi, bbox_inches="tight")
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def curves_figure(history: History, title: str | None = None) -> Figure:
+    """One subplot per metric group (reward/accuracy, entropy, branching, tools, training, …), a line per metric."""
+    groups: dict[str, list[tuple[str, list[tuple[int, float]]]]] = {}
+    for name, points in history.items():
+        clean = sorted((int(s), float(v)) for s, v in points if v is not None and math.isfinite(float(v)))
+        if clean:
+            groups.setdefault(metric_group(name), []).append((name, clean))
+    if not groups:
+        raise ValueError("no finite metric values to plot (history is empty or all NaN)")
+    titles = sorted(groups, key=DISPLAY_ORDER.index)
+    ncols = 1 if len(titles) == 1 else 2
+    nrows = math.ceil(len(titles) / ncols)
+    fig = Figure(figsize=(6.5 * ncols, 3.4 * nrows), layout="constrained")
+    for i, group in enumerate(titles):
+        ax = fig.add_subplot(nrows, ncols, i + 1)
+        for name, pts in sorted(groups[group]):
+            steps, values = zip(*pts, strict=True)
+            ax.plot(steps, values, marker="o" if len(pts) <= 30 else None, markersize=3, linewidth=1.4, label=name)
+        ax.set_title(group)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def plot_curves(history: History, path: str | os.PathLike[str], title: str | None = None) -> Path:
+    """Training curves ``{metric: [(step, value), …]}`` as a PNG at ``path``; returns the path."""
+    out = save_png(curves_figure(history, title), path)
+    log.debug("wrote curves of %d metrics to %s", len(history), out)
+    return out
+
+
+def _layout(tree: RolloutTree) -> dict[int, tuple[float, float]]:
+    """x = depth, y = leaf order (terminal nodes get consecutive rows; parents sit at their children's mean)."""
+    depth = {n.node_id: n.depth for n in tree.nodes}
+    children: dict[int, list[int]] = {n.node_id: [] for n in tree.nodes}
+    roots = []
+    for n in tree.nodes:
+        if n.parent_id is None or n.parent_id not in children:
+            roots.append(n.node_id)
+        else:
+            children[n.parent_id].append(n.node_id)
+    pos: dict[int, tuple[float, float]] = {}
+    row = 0
+    for root in roots:  # iterative post-order: children are placed before their parent
+        stack: list[tuple[int, bool]] = [(root, False)]
+        while stack:
+            nid, expanded = stack.pop()
+            kids = sorted(children[nid])
+            if not kids:
+                y, row = float(row), row + 1
+            elif not expanded:
+                stack.append((nid, True))
+                stack.extend((k, False) for k in reversed(kids))
+                continue
+            else:
+                y = sum(pos[k][1] for k in kids) / len(kids)
+            pos[nid] = (float(depth[nid]), y)
+    return pos
+
+
+def _node_label(n: Node) -> str:
+    if n.kind == "prompt":
+        return f"prompt\n{len(n.token_ids)} tok"
+    if n.kind == "tool":
+        t = n.tool
+        head = f"{t.name} {'ok' if t.ok else 'FAIL'}" if t else "tool"
+        return f"{head}\n{len(n.token_ids)} tok"
+    lines = [f"M{n.node_id} · {len(n.token_ids)} tok"]
+    if math.isfinite(n.segment_entropy):
+        ent = f"H={n.segment_entropy:.2f}"
+        if math.isfinite(n.delta_entropy):
+            ent += f" ΔH={n.delta_entropy:+.2f}"
+        lines.append(ent)
+    if n.branch_reason:
+        reason = n.branch_reason + (f" {n.branch_score:.2f}" if math.isfinite(n.branch_score) else "")
+        lines.append(reason + (f" l={n.consecutive_branches}" if n.consecutive_branches else ""))
+    return "\n".join(lines)
+
+
+def rollout_tree_figure(tree: RolloutTree, title: str | None = None) -> Figure:
+    """One question's tree: boxes coloured by kind, branched steps outlined red, forks dashed, leaves labelled."""
+    if not tree.nodes:
+        raise ValueError(f"question {tree.question_id}: the tree has no nodes")
+    pos = _layout(tree)
+    max_depth = max(x for x, _ in pos.values())
+    rows = max(y for _, y in pos.values()) + 1
+    fig = Figure(figsize=(min(3.0 + 2.0 * (max_depth + 2.5), 60), min(1.6 + 0.75 * rows, 60)))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for n in tree.nodes:
+        if n.parent_id is not None and n.parent_id in pos:
+            (x0, y0), (x1, y1) = pos[n.parent_id], pos[n.node_id]
+            ax.plot([x0, (x0 + x1) / 2, (x0 + x1) / 2, x1], [y0, y0, y1, y1], color="#888888", linewidth=0.8,
+                    zorder=1)
+    for n in tree.nodes:
+        if n.node_id not in pos:  # unreachable from a root (a corrupt parent link): nothing to attach it to
+            continue
+        x, y = pos[n.node_id]
+        colour = NODE_COLOURS["tool_error" if n.kind == "tool" and n.tool and not n.tool.ok else n.kind]
+        edge, lw, ls = ("#555555", 0.8, "solid")
+        if n.branched:
+            edge, lw = BRANCH_EDGE, 2.4
+        elif n.branch_reason == "fork":
+            edge, lw, ls = BRANCH_EDGE, 1.4, "dashed"
+        ax.text(x, y, _node_label(n), ha="center", va="center", fontsize=6.5, zorder=3,
+                bbox={"boxstyle": "round,pad=0.35", "fc": colour, "ec": edge, "lw": lw, "ls": ls})
+    for leaf in tree.leaves:
+        if not leaf.node_ids or leaf.node_ids[-1] not in pos:
+            continue
+        x, y = pos[leaf.node_ids[-1]]
+        reward = f"r={leaf.reward:.2f}" if math.isfinite(leaf.reward) else "r=–"
+        ax.text(x + 0.45, y, f"leaf {leaf.leaf_id} ({leaf.sample_kind}) · {leaf.status} · {reward}", ha="left",
+                va="center", fontsize=7, color="#1a7f37" if leaf.status == "answered" else BRANCH_EDGE, zorder=3)
+    ax.set_xlim(-0.7, max_depth + 2.6)
+    ax.set_ylim(rows - 0.4, -0.6)
+    ax.axis("off")
+    h_root = f"{tree.h_root:.2f}" if math.isfinite(tree.h_root) else "–"
+    h_tool = f"{tree.h_tool:.2f}" if math.isfinite(tree.h_tool) else "–"
+    ax.set_title(title or f"question {tree.question_id}: {len(tree.leaves)} leaves, m={tree.global_budget}, "
+                          f"H_root={h_root}, mean H_tool={h_tool}", fontsize=9)
+    handles = [Patch(fc=NODE_COLOURS[k], ec="#555555", label=lbl) for k, lbl in
+               (("prompt", "prompt"), ("model", "model"), ("tool", "tool ok"), ("tool_error", "tool failed"))]
+    handles += [Line2D([], [], color=BRANCH_EDGE, lw=2.4, label="branched step"),
+                Line2D([], [], color=BRANCH_EDGE, lw=1.4, ls="dashed", label="fork")]
+    ax.legend(handles=handles, loc="upper left", fontsize=7, frameon=False, ncols=3, bbox_to_anchor=(0, -0.01))
+    return fig
+
+
+def plot_rollout_tree(tree: RolloutTree, path: str | os.PathLike[str], title: str | None = None) -> Path:
+    """Draw one question's rollout tree as a PNG at ``path``; returns the path."""
+    out = save_png(rollout_tree_figure(tree, title), path)
+    log.debug("wrote rollout tree of %s (%d nodes) to %s", tree.question_id, len(tree.nodes), out)
+    return out

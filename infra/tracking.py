@@ -1,0 +1,549 @@
+"""MLflow tracking: one MLflow run per training flow run, resumable, usable from worker threads.
+
+Defaults keep everything under the runs dir: the tracking store ``sqlite:///<runs_dir>/mlflow.db`` and the
+artifact root ``<runs_dir>/mlartifacts``.  The experiment is created with that artifact location explicitly,
+because MLflow on sqlite otherwise writes artifacts to ``./mlruns`` in the working directory.  Both can be
+overridden from :class:`~aepo_core.config.TrackingConfig` (e.g. ``http://127.0.0.1:5000`` for an ``mlflow
+server``, whose own artifact root then applies unless one is given).
+
+Why :class:`mlflow.MlflowClient` with explicit run ids rather than ``mlflow.start_run``: Prefect runs tasks in
+worker threads, and the fluent API keeps a per-thread active-run stack and one process-global tracking URI.
+The only fluent call left, ``mlflow.transformers.log_model``, is given the run id and runs under a lock with
+the tracking URI set for its duration.
+
+MLflow metric names may only hold letters, digits, ``_ - . : / `` and spaces: :func:`metric_key` maps the rest
+(``pass@1`` is stored as ``pass_at_1``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from mlflow.entities import Metric, Param, RunTag, ViewType
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from aepo_core.config import ExperimentConfig
+from aepo_core.rollout.tree import RolloutTree
+
+log = logging.getLogger(__name__)
+
+DB_NAME = "mlflow.db"
+ARTIFACTS_DIR = "mlartifacts"
+MAX_PARAM_VALUE = 6000  # MLflow's limit on a param value
+MAX_KEY = 250  # MLflow's limit on a param / metric / tag key
+MAX_TAG_VALUE = 8000
+PARAMS_PER_BATCH = 100  # MLflow's limit on params (and tags) in one log_batch
+METRICS_PER_BATCH = 1000
+TERMINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
+
+# Tag names (besides MLflow's own mlflow.runName / mlflow.parentRunId / mlflow.source.git.commit).
+TAG_ALGORITHM = "algorithm"
+TAG_MODE = "mode"
+TAG_SEED = "seed"
+TAG_GIT_SHA = "git_sha"
+TAG_CONFIG_HASH = "config_hash"
+TAG_FLOW_RUN = "prefect_flow_run_id"
+TAG_EXPERIMENT_NAME = "experiment_name"
+TAG_RESUMES = "resumes"
+
+_BAD_METRIC_CHARS = re.compile(r"[^\w.\- :/]")
+_model_lock = threading.Lock()  # guards the process-global tracking URI during fluent calls
+
+
+class TrackingError(RuntimeError):
+    """A tracking problem the caller can act on (unknown run to resume, tracker not started, bad status)."""
+
+
+def tracking_uri_for(runs_dir: str | os.PathLike[str]) -> str:
+    """The default tracking URI: a SQLite store inside the runs dir (absolute, so the cwd does not matter)."""
+    return f"sqlite:///{Path(runs_dir).expanduser().resolve() / DB_NAME}"
+
+
+def artifact_location_for(runs_dir: str | os.PathLike[str]) -> str:
+    """The default artifact root: ``<runs_dir>/mlartifacts`` as a file URI."""
+    return (Path(runs_dir).expanduser().resolve() / ARTIFACTS_DIR).as_uri()
+
+
+def resolve_tracking(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str] | None = None) -> tuple[str, str | None]:
+    """(tracking URI, artifact location) for a config; None artifact location leaves a server's default."""
+    runs = Path(runs_dir if runs_dir is not None else cfg.storage.runs_dir)
+    uri = cfg.tracking.tracking_uri or tracking_uri_for(runs)
+    art = cfg.tracking.artifact_location
+    if art is None:
+        remote = uri.startswith(("http://", "https://", "databricks"))
+        art = None if remote and cfg.tracking.tracking_uri else artifact_location_for(runs)
+    elif "://" not in art:
+        art = Path(art).expanduser().resolve().as_uri()
+    return uri, art
+
+
+def metric_key(name: str) -> str:
+    """The MLflow-legal form of a metric name: ``@`` → ``_at_``, other illegal characters → ``_``."""
+    key = _BAD_METRIC_CHARS.sub("_", name.replace("@", "_at_"))
+    return key[:MAX_KEY]
+
+
+def param_value(value: Any) -> str:
+    """A config value as an MLflow param string (JSON for collections), cut to MLflow's length limit."""
+    text = json.dumps(value) if isinstance(value, (list, tuple, dict)) else str(value)
+    if len(text) > MAX_PARAM_VALUE:
+        log.debug("param value cut from %d to %d characters", len(text), MAX_PARAM_VALUE)
+        text = text[: MAX_PARAM_VALUE - 3] + "..."
+    return text
+
+
+def git_sha(start: str | os.PathLike[str] | None = None) -> str | None:
+    """The commit checked out in the repository containing ``start`` (cwd by default), read from ``.git``.
+
+    Reads files only (no ``git`` subprocess); ``$AEPO_GIT_SHA`` overrides (e.g. in containers without .git).
+    """
+    if env := os.environ.get("AEPO_GIT_SHA"):
+        return env
+    here = Path(start or Path.cwd()).resolve()
+    for d in (here, *here.parents):
+        dotgit = d / ".git"
+        if dotgit.is_file():  # worktree or submodule: "gitdir: <path>"
+            text = dotgit.read_text(encoding="utf-8", errors="replace").strip()
+            if not text.startswith("gitdir:"):
+                return None
+            gitdir = (d / text.split(":", 1)[1].strip()).resolve()
+        elif dotgit.is_dir():
+            gitdir = dotgit
+        else:
+            continue
+        return _read_head(gitdir)
+    return None
+
+
+def _read_head(gitdir: Path) -> str | None:
+    try:
+        head = (gitdir / "HEAD").read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+    if not head.startswith("ref:"):
+        return head or None
+    ref = head.split(":", 1)[1].strip()
+    common = gitdir
+    if (gitdir / "commondir").is_file():
+        common = (gitdir / (gitdir / "commondir").read_text(encoding="utf-8").strip()).resolve()
+    for base in (gitdir, common):
+        if (base / ref).is_file():
+            return (base / ref).read_text(encoding="utf-8").strip() or None
+    packed = common / "packed-refs"
+    if packed.is_file():
+        for line in packed.read_text(encoding="utf-8").splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[1] == ref:
+                return parts[0]
+    return None  # an unborn branch
+
+
+class Tracker:
+    """One MLflow run at a time, driven through :class:`MlflowClient` with an explicit run id.
+
+    Thread-safe for logging (MLflow's client and stores are); :meth:`start` and :meth:`finish` are serialized.
+    """
+
+    def __init__(self, tracking_uri: str, experiment: str = "aepo", artifact_location: str | None = None,
+                 system_metrics: bool = False, system_metrics_interval_s: float = 10.0) -> None:
+        if tracking_uri.startswith("sqlite:///"):
+            Path(tracking_uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        self.tracking_uri = tracking_uri
+        self.experiment = experiment
+        self.artifact_location = artifact_location
+        self.system_metrics = system_metrics
+        self.system_metrics_interval_s = system_metrics_interval_s
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        self._lock = threading.Lock()
+        self._run_id: str | None = None
+        self._experiment_id: str | None = None
+        self._monitor: Any = None
+        self._renamed_keys: set[str] = set()
+
+    @classmethod
+    def from_config(cls, cfg: ExperimentConfig, runs_dir: str | os.PathLike[str] | None = None,
+                    **kwargs: Any) -> Tracker:
+        """A tracker for ``cfg.tracking`` with defaults under ``runs_dir`` (else ``cfg.storage.runs_dir``)."""
+        uri, art = resolve_tracking(cfg, runs_dir)
+        kwargs.setdefault("system_metrics", cfg.tracking.system_metrics)
+        return cls(uri, experiment=cfg.tracking.experiment, artifact_location=art, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"Tracker({self.tracking_uri!r}, experiment={self.experiment!r}, run_id={self._run_id!r})"
+
+    # ---- experiment and run lifecycle ----------------------------------------------------------------------
+
+    @property
+    def run_id(self) -> str:
+        if self._run_id is None:
+            raise TrackingError("the tracker has no run: call start() first")
+        return self._run_id
+
+    @property
+    def active(self) -> bool:
+        return self._run_id is not None
+
+    def experiment_id(self) -> str:
+        """Get or create the experiment (with the explicit artifact location); restores a deleted one."""
+        if self._experiment_id is not None:
+            return self._experiment_id
+        exp = self.client.get_experiment_by_name(self.experiment)
+        if exp is None:
+            try:
+                self._experiment_id = self.client.create_experiment(self.experiment,
+                                                                    artifact_location=self.artifact_location)
+                log.info("created MLflow experiment %r (artifacts: %s)", self.experiment,
+                         self.artifact_location or "server default")
+                return self._experiment_id
+            except MlflowException:  # another process created it meanwhile
+                exp = self.client.get_experiment_by_name(self.experiment)
+                if exp is None:
+                    raise
+        if exp.lifecycle_stage == "deleted":
+            log.warning("restoring deleted MLflow experiment %r", self.experiment)
+            self.client.restore_experiment(exp.experiment_id)
+        if self.artifact_location and exp.artifact_location != self.artifact_location:
+            log.debug("experiment %r keeps its artifact location %s", self.experiment, exp.artifact_location)
+        self._experiment_id = exp.experiment_id
+        return self._experiment_id
+
+    def start(self, cfg: ExperimentConfig, run_name: str | None = None, tags: Mapping[str, Any] | None = None,
+              resume_run_id: str | None = None, parent_run_id: str | None = None,
+              flow_run_id: str | None = None) -> str:
+        """Create (or, with ``resume_run_id``, reopen) the run; log the config as params and the standard tags.
+
+        ``parent_run_id`` makes it a nested child run (sweeps).  Returns the MLflow run id.
+        """
+        with self._lock:
+            if self._run_id is not None:
+                raise TrackingError(f"the tracker already has run {self._run_id}: finish() it first")
+            all_tags = self._standard_tags(cfg, flow_run_id)
+            all_tags.update({str(k): str(v) for k, v in (tags or {}).items()})
+            if parent_run_id:
+                self._check_run(parent_run_id, "parent")
+                all_tags["mlflow.parentRunId"] = parent_run_id
+            if resume_run_id:
+                run_id = self._resume(resume_run_id, cfg, all_tags)
+            else:
+                name = run_name or cfg.tracking.run_name or cfg.name
+                run = self.client.create_run(self.experiment_id(), run_name=name, tags=all_tags)
+                run_id = run.info.run_id
+                self._log_params(run_id, {k: param_value(v) for k, v in cfg.flat().items()})
+                log.info("MLflow run %s (%s) started in experiment %r at %s", run_id, name, self.experiment,
+                         self.tracking_uri)
+            self._run_id = run_id
+            if self.system_metrics and cfg.tracking.system_metrics:
+                self._start_system_metrics(resume=bool(resume_run_id))
+            return run_id
+
+    def _check_run(self, run_id: str, what: str) -> Any:
+        try:
+            return self.client.get_run(run_id)
+        except MlflowException as exc:
+            raise TrackingError(f"{what} MLflow run {run_id!r} not found at {self.tracking_uri}: {exc}") from None
+
+    def _resume(self, run_id: str, cfg: ExperimentConfig, tags: dict[str, str]) -> str:
+        run = self._check_run(run_id, "resumed")
+        if run.info.lifecycle_stage == "deleted":
+            raise TrackingError(f"cannot resume MLflow run {run_id}: it was deleted")
+        old = run.data.params
+        new = {k: param_value(v) for k, v in cfg.flat().items()}
+        changed = sorted(k for k in new if k in old and old[k] != new[k])
+        if changed:  # MLflow params are immutable: keep the originals, record what differs
+            log.warning("resumed run %s: config keys changed since it started (params keep the old values): %s",
+                        run_id, ", ".join(changed))
+            tags["resume_changed_params"] = ",".join(changed)[:MAX_TAG_VALUE]
+        tags[TAG_RESUMES] = str(int(run.data.tags.get(TAG_RESUMES, "0")) + 1)
+        self._log_params(run_id, {k: v for k, v in new.items() if k not in old})
+        self._set_tags(run_id, tags)
+        self.client.update_run(run_id, status="RUNNING")
+        log.info("MLflow run %s resumed (resume #%s)", run_id, tags[TAG_RESUMES])
+        return run_id
+
+    def _standard_tags(self, cfg: ExperimentConfig, flow_run_id: str | None) -> dict[str, str]:
+        tags = {TAG_ALGORITHM: cfg.algorithm.loss, TAG_MODE: cfg.rollout.mode, TAG_SEED: str(cfg.seed),
+                TAG_CONFIG_HASH: cfg.config_hash(), TAG_EXPERIMENT_NAME: cfg.name}
+        sha = git_sha() or git_sha(Path(__file__).parent)
+        if sha:
+            tags[TAG_GIT_SHA] = sha
+            tags["mlflow.source.git.commit"] = sha
+        if flow_run_id:
+            tags[TAG_FLOW_RUN] = str(flow_run_id)
+        return tags
+
+    def _start_system_metrics(self, resume: bool) -> None:
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self._monitor = SystemMetricsMonitor(self.run_id, sampling_interval=self.system_metrics_interval_s,
+                                                 resume_logging=resume, tracking_uri=self.tracking_uri)
+            self._monitor.start()
+        except Exception as exc:  # system metrics are a nicety: never fail a run over them
+            log.warning("system metrics disabled: %s", exc)
+            self._monitor = None
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """Stop system metrics and mark the run terminated (FINISHED / FAILED / KILLED); idempotent."""
+        if status not in TERMINAL_STATUSES:
+            raise TrackingError(f"status must be one of {TERMINAL_STATUSES}; got {status!r}")
+        with self._lock:
+            if self._run_id is None:
+                return
+            if self._monitor is not None:
+                try:
+                    self._monitor.finish()
+                except Exception as exc:
+                    log.warning("stopping system metrics failed: %s", exc)
+                self._monitor = None
+            self.client.set_terminated(self._run_id, status=status)
+            log.info("MLflow run %s %s", self._run_id, status.lower())
+            self._run_id = None
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is None:
+            self.finish("FINISHED")
+        else:
+            self.finish("KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED")
+
+    # ---- params, tags, metrics ---------------------------------------------------------------------------
+
+    def _log_params(self, run_id: str, params: Mapping[str, str]) -> None:
+        items = [Param(k[:MAX_KEY], v) for k, v in params.items()]
+        for i in range(0, len(items), PARAMS_PER_BATCH):
+            self.client.log_batch(run_id, params=items[i: i + PARAMS_PER_BATCH])
+
+    def _set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
+        items = [RunTag(k[:MAX_KEY], str(v)[:MAX_TAG_VALUE]) for k, v in tags.items()]
+        for i in range(0, len(items), PARAMS_PER_BATCH):
+            self.client.log_batch(run_id, tags=items[i: i + PARAMS_PER_BATCH])
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Extra params (values stringified and cut like config params); params are write-once in MLflow."""
+        self._log_params(self.run_id, {k: param_value(v) for k, v in params.items()})
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        self._set_tags(self.run_id, {k: str(v) for k, v in tags.items()})
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int) -> int:
+        """Log metrics at ``step`` (names made MLflow-legal); NaN/inf and non-numbers are skipped. Returns count."""
+        ts = int(time.time() * 1000)
+        items = []
+        for name, value in metrics.items():
+            try:
+                if isinstance(value, (str, bytes)):
+                    raise TypeError(type(value).__name__)
+                x = float(value)  # ints, numpy scalars, 0-d tensors
+            except (TypeError, ValueError):
+                log.warning("metric %s: %r is not a number; skipped", name, value)
+                continue
+            if not math.isfinite(x):
+                log.debug("metric %s at step %d is %s; skipped", name, step, x)
+                continue
+            key = metric_key(name)
+            if key != name and name not in self._renamed_keys:
+                self._renamed_keys.add(name)
+                log.info("metric %r is logged as %r (MLflow name rules)", name, key)
+            items.append(Metric(key, x, ts, int(step)))
+        for i in range(0, len(items), METRICS_PER_BATCH):
+            self.client.log_batch(self.run_id, metrics=items[i: i + METRICS_PER_BATCH])
+        return len(items)
+
+    def metric_history(self, keys: Sequence[str] | None = None,
+                       run_id: str | None = None) -> dict[str, list[tuple[int, float]]]:
+        """``{metric: [(step, value), …]}`` sorted by step (all the run's metrics when ``keys`` is None)."""
+        rid = run_id or self.run_id
+        if keys is None:
+            keys = sorted(self.client.get_run(rid).data.metrics)
+        out = {}
+        for key in keys:
+            hist = self.client.get_metric_history(rid, metric_key(key))
+            out[key] = sorted((m.step, m.value) for m in hist)
+        return out
+
+    # ---- artifacts ---------------------------------------------------------------------------------------
+
+    def log_config(self, cfg: ExperimentConfig, artifact_file: str = "config.yaml") -> None:
+        """The resolved config as YAML (what ``aepo train -c`` can re-run)."""
+        self.client.log_text(self.run_id, cfg.to_yaml(), artifact_file)
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self.client.log_text(self.run_id, text, artifact_file)
+
+    def log_dict(self, data: Mapping[str, Any], artifact_file: str) -> None:
+        self.client.log_dict(self.run_id, dict(data), artifact_file)
+
+    def log_figure(self, figure: Any, artifact_file: str) -> None:
+        """A matplotlib figure as an image artifact (e.g. ``plots/curves.png``)."""
+        self.client.log_figure(self.run_id, figure, artifact_file)
+
+    def log_artifact(self, local_path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
+        """A local file (or a directory's contents) as artifacts under ``artifact_path``."""
+        p = Path(local_path)
+        if not p.exists():
+            raise TrackingError(f"cannot log artifact {p}: no such file or directory")
+        if p.is_dir():
+            self.client.log_artifacts(self.run_id, str(p), artifact_path)
+        else:
+            self.client.log_artifact(self.run_id, str(p), artifact_path)
+
+    def list_artifacts(self, path: str | None = None) -> list[str]:
+        return [f.path for f in self.client.list_artifacts(self.run_id, path)]
+
+    def log_trajectory_sample(self, trees: Sequence[RolloutTree], max_rows: int = 16, step: int | None = None,
+                              questions: Mapping[str, str] | None = None,
+                              artifact_file: str | None = None) -> pd.DataFrame:
+        """A sample of trajectories as an MLflow table (one per question first, then round-robin).
+
+        ``questions`` maps question ids to their text (trees hold token ids only). Returns the logged frame.
+        """
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be ≥ 1; got {max_rows}")
+        rows: list[dict[str, Any]] = []
+        depth = max((len(t.leaves) for t in trees), default=0)
+        for j in range(depth):
+            for t in trees:
+                if j < len(t.leaves) and len(rows) < max_rows:
+                    rows.append(_sample_row(t, j, step, questions))
+        df = pd.DataFrame(rows, columns=list(_SAMPLE_COLUMNS))
+        name = artifact_file or (f"trajectories/step_{step:06d}.json" if step is not None
+                                 else "trajectories/sample.json")
+        self.client.log_table(self.run_id, data=df, artifact_file=name)
+        return df
+
+    # ---- models ------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _fluent_uri(self) -> Iterator[None]:
+        """Point MLflow's process-global tracking URI at ours for one fluent call (serialized)."""
+        import mlflow
+
+        with _model_lock:
+            env_before = os.environ.get("MLFLOW_TRACKING_URI")
+            before = mlflow.get_tracking_uri()
+            mlflow.set_tracking_uri(self.tracking_uri)
+            try:
+                yield
+            finally:
+                mlflow.set_tracking_uri(before)
+                if env_before is None:
+                    os.environ.pop("MLFLOW_TRACKING_URI", None)
+                else:
+                    os.environ["MLFLOW_TRACKING_URI"] = env_before
+
+    def log_model(self, model: Any, tokenizer: Any, name: str = "model",
+                  task: str = "text-generation") -> str:
+        """Log a transformers model + tokenizer with ``mlflow.transformers``; returns its model URI."""
+        import mlflow.transformers
+        import torch
+        import transformers
+
+        reqs = [f"transformers=={transformers.__version__}", f"torch=={torch.__version__.split('+')[0]}"]
+        run_id = self.run_id
+        # Created here so it belongs to the run's experiment (the fluent path would use the process's active
+        # experiment, "Default", and its ./mlruns artifact root).
+        logged = self.client.create_logged_model(self.client.get_run(run_id).info.experiment_id, name=name,
+                                                 source_run_id=run_id)
+        with self._fluent_uri():
+            info = mlflow.transformers.log_model(
+                transformers_model={"model": model, "tokenizer": tokenizer}, name=name, task=task,
+                run_id=run_id, model_id=logged.model_id, pip_requirements=reqs,  # explicit reqs: no slow inference
+            )
+        log.info("logged model %s of run %s", info.model_uri, run_id)
+        return info.model_uri
+
+    def load_model(self, model_uri: str, return_type: str = "components") -> Any:
+        """Load a model logged by :meth:`log_model` (a dict of components, or a pipeline)."""
+        import mlflow.transformers
+
+        with self._fluent_uri():
+            return mlflow.transformers.load_model(model_uri, return_type=return_type)
+
+    def download_artifacts(self, artifact_uri: str, dst_path: str | os.PathLike[str]) -> Path:
+        """Copy artifacts (``runs:/…`` or ``models:/…``) to a local directory."""
+        import mlflow.artifacts
+
+        with self._fluent_uri():
+            return Path(mlflow.artifacts.download_artifacts(artifact_uri=artifact_uri, dst_path=str(dst_path)))
+
+    # ---- queries -----------------------------------------------------------------------------------------
+
+    def search_runs(self, experiment: str | None = None, filter_string: str = "",
+                    order_by: Sequence[str] | None = None, max_results: int = 10_000) -> pd.DataFrame:
+        """Runs of an experiment (default: ours) as a frame shaped like ``mlflow.search_runs``'s."""
+        name = experiment or self.experiment
+        exp = self.client.get_experiment_by_name(name)
+        rows: list[dict[str, Any]] = []
+        if exp is not None:
+            token = None
+            while len(rows) < max_results:
+                page = self.client.search_runs([exp.experiment_id], filter_string=filter_string,
+                                               run_view_type=ViewType.ACTIVE_ONLY,
+                                               max_results=min(1000, max_results - len(rows)),
+                                               order_by=list(order_by or ["attributes.start_time DESC"]),
+                                               page_token=token)
+                rows.extend(_run_row(r) for r in page)
+                token = page.token
+                if not token:
+                    break
+        base = ["run_id", "experiment_id", "run_name", "status", "artifact_uri", "start_time", "end_time"]
+        df = pd.DataFrame(rows)
+        return df if not df.empty else pd.DataFrame(columns=base)
+
+
+_SAMPLE_COLUMNS = ("step", "question_id", "question", "leaf_id", "sample_kind", "status", "reward", "advantage",
+                   "num_tool_calls", "tools", "response")
+
+
+def _finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _sample_row(tree: RolloutTree, j: int, step: int | None, questions: Mapping[str, str] | None) -> dict[str, Any]:
+    leaf = tree.leaves[j]
+    events = tree.tool_events(leaf)
+    return {"step": step, "question_id": tree.question_id, "question": (questions or {}).get(tree.question_id, ""),
+            "leaf_id": leaf.leaf_id, "sample_kind": leaf.sample_kind, "status": leaf.status,
+            "reward": _finite_or_none(leaf.reward), "advantage": _finite_or_none(leaf.advantage),
+            "num_tool_calls": len(events), "tools": ",".join(e.name for e in events), "response": tree.text(leaf)}
+
+
+def _ms_to_ts(ms: int | None) -> pd.Timestamp | None:
+    return pd.Timestamp(ms, unit="ms", tz="UTC") if ms else None
+
+
+def _run_row(run: Any) -> dict[str, Any]:
+    info, data = run.info, run.data
+    row: dict[str, Any] = {"run_id": info.run_id, "experiment_id": info.experiment_id, "run_name": info.run_name,
+                           "status": info.status, "artifact_uri": info.artifact_uri,
+                           "start_time": _ms_to_ts(info.start_time), "end_time": _ms_to_ts(info.end_time)}
+    row.update({f"metrics.{k}": v for k, v in data.metrics.items()})
+    row.update({f"params.{k}": v for k, v in data.params.items()})
+    row.update({f"tags.{k}": v for k, v in data.tags.items()})
+    return row
+
+
+__all__ = [
+    "Tracker",
+    "TrackingError",
+    "artifact_location_for",
+    "git_sha",
+    "metric_key",
+    "param_value",
+    "resolve_tracking",
+    "tracking_uri_for",
+]

@@ -1,0 +1,258 @@
+"""The Parquet trajectory store: local and S3 (moto) round trips, schemas, filters, replacement, atomicity."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
+from scripted_engine import EchoSearch, ScriptedEngine, tool_then_answer
+
+import infra.store as store_mod
+from aepo_core.config import RolloutConfig, StorageConfig
+from aepo_core.rollout.scheduler import Question, RolloutScheduler
+from aepo_core.rollout.tree import RolloutTree
+from infra.store import NODE_SCHEMA, TRAJECTORY_SCHEMA, StoreError, TrajectoryStore
+
+
+def make_trees(n_questions: int = 3, seed: int = 0, scored: bool = True) -> list[RolloutTree]:
+    """Real trees from the scheduler: a probe that branches, penalized steps, fills, a failing tool."""
+    cfg = RolloutConfig(mode="aepo", premonitor=True, beta=0.5, k=4, initial_rollouts=2, beam_size=2, gamma=0.2,
+                        tau=0.5, branch_penalty=0.7, entropy_window=20, max_tool_calls=6, max_response_tokens=2000)
+    engine = ScriptedEngine(tool_then_answer(calls=2, h_first=1.0, h_after_tool=4.0))
+    sched = RolloutScheduler(engine, {"search": EchoSearch(fail={"q1"})}, cfg)
+    qs = [Question(f"q{i}", [ord(c) for c in f"Q{i}: what is x?\n"]) for i in range(n_questions)]
+    trees = sched.run(qs, seed=seed).trees
+    if scored:
+        for t in trees:
+            for j, leaf in enumerate(t.leaves[:-1]):  # the last leaf stays unscored (NaN → null)
+                leaf.reward, leaf.reward_reason, leaf.advantage = 0.25 * j, f"f1={0.25 * j}", 0.5 - 0.25 * j
+    return trees
+
+
+@pytest.fixture(scope="module")
+def trees() -> list[RolloutTree]:
+    return make_trees()
+
+
+def check_round_trip(store: TrajectoryStore, run_id: str, step: int, trees: list[RolloutTree]) -> None:
+    """Every stored value equals the trees' own arrays and fields."""
+    df = store.read_trajectories(run_id=run_id, step=step)
+    assert len(df) == sum(len(t.leaves) for t in trees)
+    rows = {(r.question_id, r.leaf_id): r for r in df.itertuples()}
+    for t in trees:
+        for leaf in t.leaves:
+            r = rows[(t.question_id, leaf.leaf_id)]
+            assert r.run_id == run_id and r.step == step and r.sample_kind == leaf.sample_kind
+            assert list(r.path) == leaf.node_ids and list(r.prompt_tokens) == t.prompt_ids
+            assert list(r.response_tokens) == t.response_ids(leaf) and list(r.loss_mask) == t.loss_mask(leaf)
+            np.testing.assert_allclose(r.logprobs, t.logprobs(leaf), rtol=1e-6)
+            np.testing.assert_allclose(r.entropies, t.entropies(leaf), rtol=1e-6)
+            if math.isnan(leaf.reward):
+                assert pd_isnull(r.reward) and pd_isnull(r.advantage)
+            else:
+                assert r.reward == leaf.reward and r.advantage == leaf.advantage
+            assert r.reward_reason == leaf.reward_reason and r.status == leaf.status
+            events = t.tool_events(leaf)
+            assert r.num_tool_calls == len(events) and list(r.tool_names) == [e.name for e in events]
+            assert r.tool_errors == sum(not e.ok for e in events) and r.tool_errors > 0
+            assert r.branch_steps == leaf.branch_steps and r.wall_ms == pytest.approx(leaf.wall_s * 1000)
+            assert r.response_text == t.text(leaf) and r.global_budget == t.global_budget
+    nodes = store.read_nodes(run_id=run_id, step=step)
+    assert len(nodes) == sum(len(t.nodes) for t in trees)
+    by_id = {(r.question_id, r.node_id): r for r in nodes.itertuples()}
+    for t in trees:
+        for n in t.nodes:
+            r = by_id[(t.question_id, n.node_id)]
+            assert (None if pd_isnull(r.parent_id) else int(r.parent_id)) == n.parent_id
+            assert (r.depth, r.kind, r.token_start, r.token_end) == (n.depth, n.kind, n.token_start, n.token_end)
+            assert (r.consecutive_branches, r.branched, r.branch_reason) == (
+                n.consecutive_branches, n.branched, n.branch_reason)
+            for col in ("segment_entropy", "delta_entropy", "branch_score"):
+                want = getattr(n, col)
+                assert pd_isnull(getattr(r, col)) if math.isnan(want) else getattr(r, col) == want
+            if n.tool is None:
+                assert pd_isnull(r.tool_name) and pd_isnull(r.tool_ok)
+            else:
+                assert (r.tool_name, r.tool_ok, r.tool_cache_hit) == (n.tool.name, n.tool.ok, n.tool.cache_hit)
+                assert r.tool_latency_ms == pytest.approx(n.tool.latency_s * 1000)
+    assert nodes["branched"].any() and set(nodes["kind"]) == {"prompt", "model", "tool"}
+
+
+def types_of(schema: pa.Schema) -> list[tuple[str, pa.DataType]]:
+    """Names and types (hive-inferred partition fields are nullable, so nullability is not compared)."""
+    return [(f.name, f.type) for f in schema]
+
+
+def pd_isnull(x: object) -> bool:
+    return x is None or (isinstance(x, float) and math.isnan(x))
+
+
+def test_local_round_trip_schemas_filters_and_plain_readers(tmp_path: Path, trees: list[RolloutTree]) -> None:
+    store = TrajectoryStore(tmp_path / "traj")
+    paths = store.write_step("run-a", 0, trees)
+    assert [Path(p).relative_to(tmp_path / "traj").as_posix() for p in paths] == [
+        "nodes/run_id=run-a/step=0/part-00000.parquet", "trajectories/run_id=run-a/step=0/part-00000.parquet"]
+    store.write_step("run-a", 1, trees[:2])
+    store.write_step("run-b", 0, trees[:1])
+
+    # The files carry exactly the documented schemas, zstd-compressed.
+    assert pq.read_schema(paths[0]) == NODE_SCHEMA and pq.read_schema(paths[1]) == TRAJECTORY_SCHEMA
+    assert pq.ParquetFile(paths[1]).metadata.row_group(0).column(0).compression == "ZSTD"
+    assert store.dataset("trajectories").schema == TRAJECTORY_SCHEMA
+
+    check_round_trip(store, "run-a", 0, trees)
+    assert store.steps("run-a") == [0, 1] and store.steps("run-b") == [0] and store.steps("nope") == []
+    assert store.run_ids() == ["run-a", "run-b"]
+    assert len(store.read_trajectories()) == 4 * (3 + 2 + 1)
+    assert set(store.read_trajectories(run_id="run-a")["step"]) == {0, 1}
+    q1 = store.read_trajectories(run_id="run-a", question_id="q1")
+    assert set(q1["question_id"]) == {"q1"} and len(q1) == 8
+    assert len(store.read_nodes(run_id="run-a", step=[1], question_id=["q0", "q1"])) == sum(
+        len(t.nodes) for t in trees[:2])
+    sub = store.read_trajectories(run_id="run-b", columns=["question_id", "reward"])
+    assert list(sub.columns) == ["question_id", "reward"]
+
+    # Readable without this package: plain hive discovery infers the same partition types as the file columns.
+    for table, schema in (("trajectories", TRAJECTORY_SCHEMA), ("nodes", NODE_SCHEMA)):
+        plain = ds.dataset(str(tmp_path / "traj" / table), partitioning="hive")
+        assert types_of(plain.schema) == types_of(schema)
+    plain_rows = ds.dataset(str(tmp_path / "traj" / "trajectories"), partitioning="hive").to_table(
+        filter=(ds.field("run_id") == "run-a") & (ds.field("step") == 1))
+    assert plain_rows.num_rows == 8
+    single = pq.read_table(paths[1]).to_pandas()  # one part alone is self-describing
+    assert set(single["run_id"]) == {"run-a"} and set(single["step"]) == {0}
+
+
+def test_rewriting_a_step_replaces_it(tmp_path: Path) -> None:
+    trees = make_trees()  # mutated below: not the shared fixture
+    store = TrajectoryStore(str(tmp_path))
+    store.write_step("r1", 3, trees)
+    for t in trees:  # the resumed run re-scores the same step
+        for leaf in t.leaves:
+            leaf.reward = 1.0
+    store.write_step("r1", 3, trees[:2])
+    df = store.read_trajectories(run_id="r1", step=3)
+    assert len(df) == 8 and (df["reward"] == 1.0).all()
+    assert len(store.read_nodes(run_id="r1")) == sum(len(t.nodes) for t in trees[:2])
+    part_dir = tmp_path / "trajectories" / "run_id=r1" / "step=3"
+    assert sorted(p.name for p in part_dir.iterdir()) == ["part-00000.parquet"]
+    assert store.steps("r1") == [3]
+
+
+def test_crash_mid_write_leaves_no_visible_part(tmp_path: Path, trees: list[RolloutTree],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    store = TrajectoryStore(tmp_path)
+    store.write_step("r1", 0, trees)  # a good step 0, and a good old version of step 1
+    store.write_step("r1", 1, trees[:1])
+    real = store_mod._serialize
+
+    def crash_after_some_bytes(table: pa.Table, sink) -> None:
+        sink.write(b"PAR1 half a file")
+        raise RuntimeError("killed mid-write")
+
+    monkeypatch.setattr(store_mod, "_serialize", crash_after_some_bytes)
+    with pytest.raises(RuntimeError, match="killed mid-write"):
+        store.write_step("r1", 2, trees)
+    with pytest.raises(RuntimeError, match="killed mid-write"):
+        store.write_step("r1", 1, trees)
+    monkeypatch.setattr(store_mod, "_serialize", real)
+
+    assert not (tmp_path / "nodes" / "run_id=r1" / "step=2").exists() or not any(
+        (tmp_path / "nodes" / "run_id=r1" / "step=2").iterdir())
+    assert not (tmp_path / "trajectories" / "run_id=r1" / "step=2").exists()
+    assert store.steps("r1") == [0, 1]
+    assert len(store.read_trajectories(run_id="r1", step=1)) == 4  # the old step 1 is intact
+    assert sorted(p.name for p in (tmp_path / "nodes" / "run_id=r1" / "step=1").iterdir()) == ["part-00000.parquet"]
+
+    # A hard kill leaves a hidden temp file: readers skip it and the next write of that step removes it.
+    leftover = tmp_path / "trajectories" / "run_id=r1" / "step=0" / ".part-00000.parquet.x.tmp"
+    leftover.write_bytes(b"garbage")
+    assert len(store.read_trajectories(run_id="r1", step=0)) == 12
+    assert ds.dataset(str(tmp_path / "trajectories"), partitioning="hive").count_rows() == 16
+    store.write_step("r1", 0, trees)
+    assert not leftover.exists()
+
+
+def test_bad_inputs_give_clear_errors(tmp_path: Path, trees: list[RolloutTree]) -> None:
+    store = TrajectoryStore(tmp_path)
+    with pytest.raises(StoreError, match="run_id"):
+        store.write_step("a/b", 0, trees)
+    with pytest.raises(StoreError, match="all digits"):
+        store.write_step("123", 0, trees)
+    with pytest.raises(StoreError, match="step must be"):
+        store.write_step("r", -1, trees)
+    with pytest.raises(StoreError, match="step must be"):
+        store.write_step("r", True, trees)
+    with pytest.raises(StoreError, match="list of RolloutTree"):
+        store.write_step("r", 0, trees[0])
+    with pytest.raises(StoreError, match=r"trees\[1\] is a dict"):
+        store.write_step("r", 0, [trees[0], {}])
+    broken = make_trees(n_questions=1, scored=False)[0]
+    broken.nodes[1].logprobs = broken.nodes[1].logprobs[:-1]
+    with pytest.raises(StoreError, match="question q0 leaf 0: token arrays disagree"):
+        store.write_step("r", 0, [broken])
+    with pytest.raises(StoreError, match="unknown table"):
+        store.dataset("leaves")
+    with pytest.raises(StoreError, match="unknown columns"):
+        store.read_trajectories(columns=["question_id", "nope"])
+    assert store.steps("r") == []  # nothing was written by the failed calls
+    # An empty store reads as empty frames with the documented columns.
+    empty = store.read_trajectories(run_id="r")
+    assert empty.empty and list(empty.columns) == TRAJECTORY_SCHEMA.names
+
+
+@pytest.fixture
+def moto_s3(monkeypatch: pytest.MonkeyPatch):
+    """A real S3 API on 127.0.0.1 (moto's threaded server), with dummy credentials."""
+    from moto.server import ThreadedMotoServer
+
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+def test_s3_round_trip_through_moto(moto_s3: str, trees: list[RolloutTree]) -> None:
+    import s3fs
+
+    opts = {"client_kwargs": {"endpoint_url": moto_s3}, "skip_instance_cache": True}
+    fs = s3fs.S3FileSystem(**opts)
+    fs.mkdir("aepo-traj")
+    store = TrajectoryStore("s3://aepo-traj/exp1", storage_options=opts)
+    paths = store.write_step("run-s3", 0, trees)
+    store.write_step("run-s3", 1, trees[:1])
+    store.write_step("run-s3", 1, trees[:2])  # replaced, not duplicated
+    assert paths[1] == "s3://aepo-traj/exp1/trajectories/run_id=run-s3/step=0/part-00000.parquet"
+    assert store.steps("run-s3") == [0, 1]
+    check_round_trip(store, "run-s3", 0, trees)
+    assert len(store.read_trajectories(run_id="run-s3", step=1)) == 8
+    assert sorted(fs.ls("aepo-traj/exp1/nodes/run_id=run-s3/step=1")) == [
+        "aepo-traj/exp1/nodes/run_id=run-s3/step=1/part-00000.parquet"]
+    # Plain pyarrow over s3fs, without this package.
+    plain = ds.dataset("aepo-traj/exp1/trajectories", filesystem=fs, partitioning="hive")
+    assert types_of(plain.schema) == types_of(TRAJECTORY_SCHEMA) and plain.count_rows() == 20
+    # A fresh store object (another process) sees the same data; the config names the endpoint.
+    assert TrajectoryStore("s3://aepo-traj/exp1", storage_options=opts).run_ids() == ["run-s3"]
+    from_cfg = TrajectoryStore.from_config(StorageConfig(trajectories_uri="s3://aepo-traj/exp1",
+                                                         s3_endpoint_url=moto_s3))
+    assert from_cfg.steps("run-s3") == [0, 1]
+
+
+def test_from_config_defaults_under_runs_dir(tmp_path: Path, trees: list[RolloutTree]) -> None:
+    store = TrajectoryStore.from_config(StorageConfig(runs_dir=str(tmp_path / "runs")))
+    store.write_step("r1", 0, trees[:1])
+    root = tmp_path / "runs" / "trajectories"  # the store root; the two tables live under it
+    assert (root / "trajectories" / "run_id=r1" / "step=0" / "part-00000.parquet").is_file()
+    assert (root / "nodes" / "run_id=r1" / "step=0" / "part-00000.parquet").is_file()

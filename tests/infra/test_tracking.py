@@ -1,0 +1,269 @@
+"""MLflow tracking against a real SQLite store: params, tags, metrics, artifacts, resume, nesting, models."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
+from scripted_engine import EchoSearch, ScriptedEngine, tool_then_answer
+
+from aepo_core.config import ExperimentConfig, RolloutConfig, build_config, config_from_yaml
+from aepo_core.rollout.scheduler import Question, RolloutScheduler
+from aepo_core.rollout.tree import RolloutTree
+from infra.plots import curves_figure
+from infra.tracking import (
+    MAX_PARAM_VALUE,
+    Tracker,
+    TrackingError,
+    artifact_location_for,
+    git_sha,
+    metric_key,
+    resolve_tracking,
+    tracking_uri_for,
+)
+
+
+def make_trees(n_questions: int = 3) -> list[RolloutTree]:
+    cfg = RolloutConfig(mode="aepo", premonitor=True, beta=0.5, k=4, initial_rollouts=2, beam_size=2, gamma=0.2,
+                        tau=0.5, branch_penalty=0.7, entropy_window=20, max_tool_calls=6, max_response_tokens=2000)
+    engine = ScriptedEngine(tool_then_answer(calls=2, h_first=1.0, h_after_tool=4.0))
+    qs = [Question(f"q{i}", [ord(c) for c in f"Q{i}?\n"]) for i in range(n_questions)]
+    trees = RolloutScheduler(engine, {"search": EchoSearch()}, cfg).run(qs, seed=0).trees
+    for t in trees:
+        for j, leaf in enumerate(t.leaves):
+            leaf.reward = 0.25 * j
+    return trees
+
+
+def make_cfg(runs_dir: Path, **overrides: object) -> ExperimentConfig:
+    base = {"name": "tiny", "seed": 7, "storage": {"runs_dir": str(runs_dir)},
+            "tracking": {"experiment": "tests", "system_metrics": False}}
+    return build_config(base, overrides)
+
+
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One runs dir (one SQLite store, migrated once) for the whole module: MLflow's first use is slow."""
+    d = tmp_path_factory.mktemp("runs")
+    Tracker.from_config(make_cfg(d)).experiment_id()
+    return d
+
+
+def test_defaults_and_overrides(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path)
+    uri, art = resolve_tracking(cfg)
+    assert uri == f"sqlite:///{tmp_path.resolve()}/mlflow.db" == tracking_uri_for(tmp_path)
+    assert art == (tmp_path.resolve() / "mlartifacts").as_uri() == artifact_location_for(tmp_path)
+    server = make_cfg(tmp_path, **{"tracking.tracking_uri": "http://127.0.0.1:5000"})
+    assert resolve_tracking(server) == ("http://127.0.0.1:5000", None)  # the server's artifact root applies
+    own = make_cfg(tmp_path, **{"tracking.tracking_uri": "http://127.0.0.1:5000",
+                                "tracking.artifact_location": str(tmp_path / "arts")})
+    assert resolve_tracking(own)[1] == (tmp_path / "arts").resolve().as_uri()
+    assert metric_key("eval/synthetic/pass@1") == "eval/synthetic/pass_at_1"
+    assert metric_key("rollout/reward_mean") == "rollout/reward_mean"
+    assert metric_key("a|b") == "a_b"
+
+
+def test_git_sha_from_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AEPO_GIT_SHA", raising=False)
+    repo = tmp_path / "repo"
+    (repo / ".git" / "refs" / "heads").mkdir(parents=True)
+    (repo / "sub").mkdir()
+    (repo / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (repo / ".git" / "packed-refs").write_text("# pack-refs\n" + "a" * 40 + " refs/heads/main\n")
+    assert git_sha(repo / "sub") == "a" * 40
+    (repo / ".git" / "refs" / "heads" / "main").write_text("b" * 40 + "\n")
+    assert git_sha(repo) == "b" * 40
+    (repo / ".git" / "HEAD").write_text("c" * 40 + "\n")  # detached
+    assert git_sha(repo) == "c" * 40
+    assert git_sha(tmp_path) is None
+    monkeypatch.setenv("AEPO_GIT_SHA", "deadbeef")
+    assert git_sha(tmp_path) == "deadbeef"
+
+
+def test_run_params_tags_metrics_and_artifacts(runs_dir: Path, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # nothing may land in ./mlruns
+    monkeypatch.setenv("AEPO_GIT_SHA", "0123abcd")
+    long_list = [f"/data/eval/set_{i:04d}.jsonl" for i in range(400)]  # > 6000 characters as a param
+    cfg = make_cfg(runs_dir, **{"eval.datasets": long_list, "algorithm.loss": "dapo", "rollout.mode": "arpo"})
+    tracker = Tracker.from_config(cfg)
+    rid = tracker.start(cfg, run_name="run-a", tags={"purpose": "test"}, flow_run_id="flow-123")
+    assert tracker.run_id == rid
+    with pytest.raises(TrackingError, match="already has run"):
+        tracker.start(cfg)
+
+    n = tracker.log_metrics({"rollout/reward_mean": 0.5, "rollout/accuracy": float("nan"),
+                             "train/loss": float("inf"), "eval/syn/pass@1": 0.25, "bad": "x"}, step=0)
+    assert n == 2
+    tracker.log_metrics({"rollout/reward_mean": 0.75, "rollout/accuracy": 0.5}, step=1)
+    tracker.log_config(cfg)
+    history = tracker.metric_history()
+    tracker.log_figure(curves_figure(history), "plots/curves.png")
+    local = tmp_path / "notes.txt"
+    local.write_text("hello")
+    tracker.log_artifact(local, "extra")
+    with pytest.raises(TrackingError, match="no such file"):
+        tracker.log_artifact(tmp_path / "missing.txt")
+    sample = tracker.log_trajectory_sample(make_trees(), max_rows=5, step=1, questions={"q0": "What is x?"})
+    assert list(sample["question_id"]) == ["q0", "q1", "q2", "q0", "q1"]  # one per question first
+    tracker.finish()
+    tracker.finish()  # idempotent
+
+    run = tracker.client.get_run(rid)
+    flat = cfg.flat()
+    assert len(flat) > 100 and set(run.data.params) == set(flat)  # more than one 100-param batch
+    assert run.data.params["algorithm.loss"] == "dapo" and run.data.params["seed"] == "7"
+    assert len(run.data.params["eval.datasets"]) == MAX_PARAM_VALUE
+    tags = run.data.tags
+    assert tags["algorithm"] == "dapo" and tags["mode"] == "arpo" and tags["seed"] == "7"
+    assert tags["config_hash"] == cfg.config_hash() and tags["git_sha"] == "0123abcd"
+    assert tags["prefect_flow_run_id"] == "flow-123" and tags["purpose"] == "test"
+    assert tags["mlflow.runName"] == "run-a" and run.info.status == "FINISHED"
+    assert history == {"eval/syn/pass_at_1": [(0, 0.25)], "rollout/accuracy": [(1, 0.5)],
+                       "rollout/reward_mean": [(0, 0.5), (1, 0.75)]}
+    assert "train/loss" not in run.data.metrics and "eval/syn/pass_at_1" in run.data.metrics
+
+    # Artifacts live under <runs_dir>/mlartifacts, not ./mlruns.
+    art_dir = runs_dir / "mlartifacts" / rid / "artifacts"
+    assert run.info.artifact_uri == art_dir.resolve().as_uri()
+    assert config_from_yaml((art_dir / "config.yaml").read_text()) == cfg
+    assert (art_dir / "plots" / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert (art_dir / "extra" / "notes.txt").read_text() == "hello"
+    table = json.loads((art_dir / "trajectories" / "step_000001.json").read_text())
+    assert table["columns"][:3] == ["step", "question_id", "question"] and len(table["data"]) == 5
+    assert table["data"][0][2] == "What is x?" and "<answer>" in table["data"][0][-1]
+    assert not (tmp_path / "mlruns").exists()
+
+    df = tracker.search_runs(filter_string="tags.algorithm = 'dapo'")
+    assert list(df["run_id"]) == [rid] and df.loc[0, "metrics.rollout/reward_mean"] == 0.75
+    assert df.loc[0, "params.rollout.mode"] == "arpo" and df.loc[0, "status"] == "FINISHED"
+    assert tracker.search_runs(experiment="no-such-experiment").empty
+
+
+def test_resume_continues_the_same_run(runs_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cfg = make_cfg(runs_dir, **{"train.steps": 4})
+    first = Tracker.from_config(cfg)
+    rid = first.start(cfg, run_name="resumable")
+    first.log_metrics({"train/loss": 1.0}, step=0)
+    first.log_metrics({"train/loss": 0.9}, step=1)
+    first.finish("KILLED")  # the flow was killed
+
+    more = make_cfg(runs_dir, **{"train.steps": 6})  # the resumed run asks for more steps
+    second = Tracker.from_config(more)  # a new process
+    assert second.start(more, resume_run_id=rid) == rid
+    run = second.client.get_run(rid)
+    assert run.info.status == "RUNNING" and run.data.tags["resumes"] == "1"
+    assert run.data.tags["resume_changed_params"] == "train.steps" and run.data.params["train.steps"] == "4"
+    second.log_metrics({"train/loss": 0.8}, step=2)
+    second.finish()
+    assert second.metric_history(["train/loss"], run_id=rid) == {"train/loss": [(0, 1.0), (1, 0.9), (2, 0.8)]}
+    assert second.client.get_run(rid).info.status == "FINISHED"
+    assert len(second.search_runs(filter_string="attributes.run_name = 'resumable'")) == 1
+
+    with pytest.raises(TrackingError, match="resumed MLflow run 'nope' not found"):
+        Tracker.from_config(cfg).start(cfg, resume_run_id="nope")
+
+
+def test_nested_children_under_a_parent(runs_dir: Path) -> None:
+    cfg = make_cfg(runs_dir)
+    with Tracker.from_config(cfg) as parent:
+        pid = parent.start(cfg, run_name="sweep", tags={"kind": "sweep"})
+        children = []
+        for loss in ("aepo", "ppo_clip"):
+            cell = make_cfg(runs_dir, **{"algorithm.loss": loss})
+            with Tracker.from_config(cell) as child:
+                children.append(child.start(cell, run_name=f"cell-{loss}", parent_run_id=pid))
+                child.log_metrics({"rollout/reward_mean": 0.1}, step=0)
+        df = parent.search_runs(filter_string=f"tags.mlflow.parentRunId = '{pid}'")
+        assert sorted(df["run_id"]) == sorted(children)
+        assert set(df["tags.algorithm"]) == {"aepo", "ppo_clip"}
+    assert parent.client.get_run(pid).info.status == "FINISHED"
+    with pytest.raises(TrackingError, match="parent MLflow run"):
+        Tracker.from_config(cfg).start(cfg, parent_run_id="missing")
+
+    failing = Tracker.from_config(cfg)
+    with pytest.raises(RuntimeError), failing:
+        fid = failing.start(cfg)
+        raise RuntimeError("task crashed")
+    assert failing.client.get_run(fid).info.status == "FAILED"
+
+
+def test_logging_from_worker_threads(runs_dir: Path) -> None:
+    """Prefect runs tasks in threads: concurrent logging to one run through the client, no active-run stack."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cfg = make_cfg(runs_dir)
+    tracker = Tracker.from_config(cfg)
+    rid = tracker.start(cfg, run_name="threads")
+
+    def work(worker: int) -> None:
+        for step in range(8):
+            tracker.log_metrics({f"w{worker}/value": step * 1.0, "shared/count": worker}, step=step)
+        tracker.log_text(f"worker {worker}", f"threads/{worker}.txt")
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(work, range(4)))
+    tracker.finish()
+    hist = tracker.metric_history([f"w{i}/value" for i in range(4)], run_id=rid)
+    assert all([s for s, _ in h] == list(range(8)) for h in hist.values())
+    assert sorted(tracker.client.list_artifacts(rid, "threads"), key=lambda f: f.path)[0].path == "threads/0.txt"
+
+
+def test_system_metrics_are_logged(runs_dir: Path) -> None:
+    cfg = make_cfg(runs_dir, **{"tracking.system_metrics": True})
+    tracker = Tracker.from_config(cfg, system_metrics_interval_s=0.2)
+    rid = tracker.start(cfg)
+    deadline = time.monotonic() + 10
+    names: list[str] = []
+    while time.monotonic() < deadline and not names:
+        time.sleep(0.2)
+        names = [k for k in tracker.client.get_run(rid).data.metrics if k.startswith("system/")]
+    tracker.finish()
+    assert any("cpu_utilization" in k for k in names), names
+
+
+def test_log_model_is_loadable(runs_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # nothing may land in ./mlruns
+    import torch
+    from mlflow.entities import LoggedModelStatus
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(997)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
+                                        eos_token="</s>", pad_token="</s>")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                                         bos_token_id=1, eos_token_id=2, pad_token_id=2)).eval()
+
+    cfg = make_cfg(runs_dir)
+    tracker = Tracker.from_config(cfg)
+    tracker.start(cfg, run_name="with-model")
+    uri = tracker.log_model(model, tokenizer, name="policy")
+    tracker.finish()
+
+    local = tracker.download_artifacts(uri, tmp_path / "dl")
+    model_id = uri.removeprefix("models:/")
+    logged = tracker.client.get_logged_model(model_id)
+    assert logged.experiment_id == tracker.experiment_id() and logged.status == LoggedModelStatus.READY
+    assert logged.artifact_location.startswith((runs_dir / "mlartifacts").resolve().as_uri())
+    assert not (tmp_path / "mlruns").exists()
+    mlmodel = yaml.safe_load((local / "MLmodel").read_text())
+    assert "transformers" in mlmodel["flavors"]
+    loaded = tracker.load_model(uri)
+    ids = loaded["tokenizer"]("w1 w2 w3", return_tensors="pt")["input_ids"]
+    assert ids.tolist() == [[4, 5, 6]]
+    with torch.no_grad():
+        want = model(ids).logits
+        got = loaded["model"].float()(ids).logits
+    torch.testing.assert_close(got, want)
