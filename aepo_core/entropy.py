@@ -16,7 +16,7 @@ DEFAULT_CHUNK_ROWS = 1024
 
 
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> torch.Tensor:
-    """H = logsumexp(z) − Σ softmax(z)·z with z = logits / T, per position, in float32.
+    """H = −Σ p·log p with p = softmax(logits / T), per position, in float32 (log p from log_softmax).
 
     ``logits`` has shape [..., V]; the result has shape [...].  Rows are processed in chunks so a long
     sequence over a 150k vocabulary never materializes a second full float32 copy.

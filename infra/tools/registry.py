@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from aepo_core.config import ToolsConfig
 from aepo_core.interfaces import Tool
 
 from .cache import CachedTool, ToolResultCache
 from .python_sandbox import PythonSandbox
-from .search import build_search_tool
+from .search import Bm25Backend, build_search_tool
 
 logger = logging.getLogger(__name__)
 
 
-def build_tools(cfg: ToolsConfig, runs_dir: str | os.PathLike[str]) -> dict[str, Tool]:
+def build_tools(
+    cfg: ToolsConfig, runs_dir: str | os.PathLike[str], documents: Iterable[Mapping[str, Any]] | None = None
+) -> dict[str, Tool]:
     """``{"search": …, "python": …}`` for the enabled tools, behind the SQLite cache when ``cfg.cache``.
+
+    ``documents`` (e.g. the synthetic task's corpus) are indexed with BM25 when no corpus is configured.
 
     Defaults under ``runs_dir``: the BM25 index cache in ``indexes/`` and the result cache in
     ``tool_cache.sqlite``. Python results are cached only with ``cfg.cache_python`` (code may be random).
@@ -31,6 +37,9 @@ def build_tools(cfg: ToolsConfig, runs_dir: str | os.PathLike[str]) -> dict[str,
             max_retries=cfg.max_retries,
             workers=cfg.workers,
             index_dir=runs / "indexes",
+            backend=Bm25Backend(documents, cfg.search.index_dir or runs / "indexes")
+            if documents is not None and not cfg.search.corpus and cfg.search.backend == "bm25"
+            else None,
         )
     if cfg.python.enabled:
         sandbox = PythonSandbox.from_config(cfg.python, timeout_s=cfg.timeout_s)
@@ -41,7 +50,10 @@ def build_tools(cfg: ToolsConfig, runs_dir: str | os.PathLike[str]) -> dict[str,
     if cfg.cache and tools:
         cache = ToolResultCache(cfg.cache_path or runs / "tool_cache.sqlite")
         if "search" in tools:
-            tools["search"] = CachedTool(tools["search"], cache, backend=cfg.search.backend)
+            # The cache key names the corpus too: two corpora in one runs dir must not share results.
+            index = getattr(getattr(tools["search"], "backend", None), "index", None)
+            key = f"{cfg.search.backend}:{index.key}" if index is not None else cfg.search.backend
+            tools["search"] = CachedTool(tools["search"], cache, backend=key)
         if "python" in tools and cfg.cache_python:
             tools["python"] = CachedTool(tools["python"], cache, backend="sandbox")
     return tools

@@ -1,0 +1,398 @@
+"""In-process transformers engine: the CPU default behind ``aepo_core.interfaces.Engine``.
+
+Why a hand-written loop instead of ``model.generate``: AEPO needs, for every generated token, the log-prob of
+the sampled token and the entropy of the **full-vocabulary** distribution it was sampled from (AEPO.md §2), per
+row stop strings whose returned ids end exactly at the token that completed the stop string, and per-row seeds.
+
+Semantics (documented choices):
+
+- **Distribution.** Logits are cast to float32, divided by the temperature, then top-k and top-p filtered
+  (HF order). The token is sampled from that filtered distribution, and its log-prob and the full-vocabulary
+  entropy ``H = −Σ p log p`` are taken from the same filtered distribution (filtered tokens have probability 0
+  and contribute nothing). Without filtering this is the plain temperature-scaled softmax, the same quantity as
+  ``aepo_core.entropy.token_entropy``. H is computed in the max-shifted logsumexp form
+  ``log Σe − Σ e·(z − max) / Σe`` with ``e = exp(z − max)``, stable for bf16 models.
+  ``temperature <= 0`` means greedy; log-probs and entropies are then those of the temperature-1 (filtered)
+  distribution, since a point mass would carry no information.
+- **Seeds.** One ``torch.Generator`` per row, seeded with ``request.seed`` (or, when it is None, with a seed
+  drawn from the engine's own RNG, itself seeded at construction); each step the row draws one uniform from it
+  and samples by inverse CDF. A row's tokens therefore do not depend on what else is in the batch: batched
+  and unbatched runs of the same request agree (exactly in float32; in bfloat16 padding changes the matmul
+  shapes and rare near-ties can flip).
+- **Stops.** EOS (the tokenizer's and the generation config's EOS ids, or ``stop_token_ids``) ends a row with
+  ``finish_reason='eos'``; the EOS token is included in ``token_ids`` (its log-prob is trained on). A stop
+  string is searched after every token in the decoded text of the last few generated tokens (enough to hold the
+  longest stop string); the row stops as soon as one appears, so the ids end at the token that completed it.
+  That token may carry text past the stop string (e.g. ``></`` completing ``</search>``): callers that cut
+  text should cut at ``stop_string``. Otherwise ``max_tokens`` ends the row with ``finish_reason='length'``.
+- **Cost.** Rows that finish leave the batch (their KV cache rows are dropped), so each step costs what the
+  active rows cost (a cache without ``batch_select_indices`` keeps them, fed padding and ignored). Per step
+  the sampler makes a handful of passes over ``[B, V]`` and one host sync. ``max_batch_size`` splits very
+  large request lists into sequential batches.
+- **Errors.** Bad requests (empty prompt, ids outside the vocabulary) get ``finish_reason='error'`` without
+  running; a failure of a batched forward pass re-runs that batch's rows one by one (same seeds, so the
+  healthy rows produce what they would have) and only the failing rows get ``'error'``; a row whose
+  distribution becomes non-finite is ended with ``'error'`` while the others go on.
+- **Live weights.** The engine holds a reference to the model, not a copy: after an optimizer step the next
+  ``generate`` uses the new weights.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from aepo_core.config import ModelConfig
+from aepo_core.interfaces import FinishReason, GenerationRequest, GenerationResult, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Row:
+    """Mutable state of one request during generation."""
+
+    index: int
+    prompt: list[int]
+    max_tokens: int
+    stop: tuple[str, ...]
+    seed: int
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)
+    finish: FinishReason | None = None
+    stop_string: str | None = None
+    error: str | None = None
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(
+            token_ids=list(self.ids), logprobs=list(self.logprobs), entropies=list(self.entropies),
+            finish_reason=self.finish or "error", stop_string=self.stop_string, error=self.error,
+        )
+
+
+@dataclass
+class GenerationStats:
+    """Cost of the last ``generate`` call (for metrics and benchmarks)."""
+
+    rows: int = 0
+    new_tokens: int = 0
+    forward_passes: int = 0
+    row_steps: int = 0  # Σ over forward passes of the active rows: what the work actually was
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def filtered_logits(logits: torch.Tensor, sampling: SamplingParams) -> tuple[torch.Tensor, bool]:
+    """float32 logits of the distribution sampled from: temperature-scaled, then top-k, then top-p filtered
+    (HF order); filtered tokens are −inf. Also says whether anything was filtered."""
+    z = logits.float()
+    if sampling.temperature > 0 and sampling.temperature != 1.0:
+        z = z / sampling.temperature
+    vocab = z.shape[-1]
+    filtered = False
+    if 0 < sampling.top_k < vocab:
+        kth = torch.topk(z, sampling.top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+        filtered = True
+    if sampling.top_p < 1.0:
+        sorted_z, order = torch.sort(z, dim=-1, descending=True)
+        sorted_p = torch.softmax(sorted_z, dim=-1)
+        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        remove_sorted = mass_before >= sampling.top_p  # keep the smallest prefix with mass ≥ top_p
+        remove_sorted[..., 0] = False
+        remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+        z = z.masked_fill(remove, float("-inf"))
+        filtered = True
+    return z, filtered
+
+
+def sampling_distribution(logits: torch.Tensor, sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs ``[..., V]`` (−inf for filtered tokens) and entropies ``[...]`` of the distribution sampled
+    from: the reference form (the engine uses an equivalent fused path); float32, logsumexp form, so bf16
+    logits give stable entropies."""
+    z, _ = filtered_logits(logits, sampling)
+    logp = torch.log_softmax(z, dim=-1)
+    # −Σ p·log p, not lse − Σ p·z: the latter multiplies the normalization error by |z| (0.06 nats off for
+    # bf16 logits of magnitude ~2000)
+    entropy = -(logp.exp() * logp.masked_fill(~torch.isfinite(logp), 0.0)).sum(-1)
+    return logp, entropy
+
+
+def sample_next(logits: torch.Tensor, generators: Sequence[torch.Generator], sampling: SamplingParams
+            ) -> tuple[list[int], list[float], list[float], list[bool]]:
+    """Sample one token per row; return ids, log-probs, entropies and rows with non-finite logits.
+
+    Few passes over ``[B, V]`` (each is a thread sync on CPU): shifted exponentials ``e = exp(z − max)``
+    give the normalizer ``s``, the entropy ``log s − Σ e·(z − max) / s`` and the CDF. Each row draws one
+    uniform from its own generator and takes the inverse CDF (``searchsorted(right=True)`` with the target kept
+    below the CDF's last value never lands on a zero-probability token), so a row's draw does not depend on
+    the rest of the batch.
+    """
+    z, filtered = filtered_logits(logits, sampling)
+    if sampling.temperature <= 0:  # greedy: report the temperature-1 distribution's numbers
+        z_max, tokens_t = z.max(dim=-1, keepdim=True)
+    else:
+        z_max = z.max(dim=-1, keepdim=True).values
+    shifted = z - z_max
+    e = shifted.exp()
+    total = e.sum(-1, keepdim=True)
+    dot_src = shifted.masked_fill(~torch.isfinite(shifted), 0.0) if filtered else shifted
+    entropy = total.log().squeeze(-1) - (e * dot_src).sum(-1) / total.squeeze(-1)
+    if sampling.temperature > 0:
+        u = torch.cat([torch.rand(1, generator=g, device=z.device) for g in generators])
+        cdf = e.cumsum(-1)
+        last = cdf[:, -1:]
+        # v < cdf[-1] strictly (u·last can round up to last), so the pick is a token with e > 0
+        v = torch.minimum(u[:, None] * last, torch.nextafter(last, torch.zeros_like(last)))
+        tokens_t = torch.searchsorted(cdf, v.contiguous(), right=True).clamp_(max=z.shape[-1] - 1)
+    chosen = shifted.gather(-1, tokens_t).squeeze(-1) - total.log().squeeze(-1)
+    packed = torch.stack([tokens_t.squeeze(-1).double(), chosen.double(), entropy.double()], -1)
+    tokens, chosen_l, entropy_l = zip(*packed.tolist(), strict=True) if len(generators) else ((), (), ())
+    bad = [not (math.isfinite(h) and math.isfinite(c)) for h, c in zip(entropy_l, chosen_l, strict=True)]
+    return [int(t) for t in tokens], list(chosen_l), list(entropy_l), bad
+
+
+class HFEngine:
+    """Batched token-in/token-out generation with a transformers causal LM (see the module docstring)."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, seed: int = 0,
+                 stop_token_ids: Sequence[int] | None = None, max_batch_size: int | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self._seed_rng = random.Random(seed)
+        self._eos_ids = frozenset(stop_token_ids) if stop_token_ids is not None else _eos_ids(model, tokenizer)
+        pad = tokenizer.pad_token_id
+        self._pad_id = int(pad) if pad is not None else (min(self._eos_ids) if self._eos_ids else 0)
+        self.last_stats = GenerationStats()
+        # transformers ≥ 5.x names the KV cache argument ``cache``; older versions ``past_key_values``.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        # Only the last prompt position's logits are needed: skip the [B, L, V] projection of the prefill.
+        keep_arg = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
+        self._prefill_kwargs: dict[str, Any] = {keep_arg: 1} if keep_arg else {}
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, **kwargs: Any) -> HFEngine:
+        """Load the policy of ``cfg`` (infra.models.load_policy) and wrap it."""
+        from infra.models import load_policy
+
+        model, tokenizer = load_policy(cfg)
+        return cls(model, tokenizer, **kwargs)
+
+    # ---------------------------------------------------------------- Engine protocol: text <-> tokens
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` without special tokens added (pieces are appended to transcripts as ids)."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``token_ids``; special tokens are kept by default so decoding is faithful."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        tid = self.tokenizer.eos_token_id
+        if tid is not None:
+            return int(tid)
+        return min(self._eos_ids) if self._eos_ids else None
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id that ends a row with ``finish_reason='eos'``."""
+        return self._eos_ids
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_input_embeddings().num_embeddings)
+
+    def apply_chat_template(self, question: str, system_prompt: str | None = None) -> list[int]:
+        """Prompt ids for one user turn, ending with the assistant header (generation prompt)."""
+        messages = [{"role": "user", "content": question}]
+        if system_prompt is not None:
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.encode(text)
+
+    # ---------------------------------------------------------------- generation
+
+    def generate(self, requests: Sequence[GenerationRequest],
+                 sampling: SamplingParams | None = None) -> list[GenerationResult]:
+        """One result per request, in order; never raises for a single bad row."""
+        sampling = sampling or SamplingParams()
+        t0 = time.perf_counter()
+        self.last_stats = stats = GenerationStats(rows=len(requests))
+        rows: list[_Row] = []
+        for i, req in enumerate(requests):
+            seed = req.seed % 2**63 if req.seed is not None else self._seed_rng.randrange(2**63)
+            rows.append(_Row(index=i, prompt=[int(t) for t in req.prompt_ids], max_tokens=int(req.max_tokens),
+                             stop=tuple(s for s in req.stop if s), seed=int(seed)))
+        runnable = [r for r in rows if self._admit(r)]
+        step = self.max_batch_size or max(1, len(runnable))
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for start in range(0, len(runnable), step):
+                self._run_isolated(runnable[start:start + step], sampling, stats)
+        finally:
+            if was_training:
+                self.model.train()
+        stats.seconds = time.perf_counter() - t0
+        stats.new_tokens = sum(len(r.ids) for r in rows)
+        log.debug("generated %d tokens for %d rows in %.2f s (%.1f tok/s, %d passes, %d row-steps)",
+                  stats.new_tokens, stats.rows, stats.seconds, stats.tokens_per_s, stats.forward_passes,
+                  stats.row_steps)
+        return [r.result() for r in rows]
+
+    def _admit(self, row: _Row) -> bool:
+        """Finish rows that need no model call (nothing to generate) or cannot run (bad ids)."""
+        if row.max_tokens <= 0:
+            row.finish = "length"
+            return False
+        if not row.prompt:
+            row.finish, row.error = "error", "empty prompt"
+            return False
+        vocab = self.vocab_size
+        bad = [t for t in row.prompt if not 0 <= t < vocab]
+        if bad:
+            row.finish, row.error = "error", f"prompt token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
+            return False
+        return True
+
+    def _run_isolated(self, rows: list[_Row], sampling: SamplingParams, stats: GenerationStats) -> None:
+        """Run a batch; if it fails, re-run its rows one by one so one bad row cannot sink the others."""
+        try:
+            self._run_batch(rows, sampling, stats)
+            return
+        except Exception as exc:
+            if len(rows) == 1:
+                self._fail(rows[0], exc)
+                return
+            log.warning("batched generation of %d rows failed (%s: %s); retrying row by row",
+                        len(rows), type(exc).__name__, exc)
+        for row in rows:
+            row.ids, row.logprobs, row.entropies = [], [], []
+            row.finish = row.stop_string = row.error = None
+            try:
+                self._run_batch([row], sampling, stats)
+            except Exception as exc:
+                self._fail(row, exc)
+
+    @staticmethod
+    def _fail(row: _Row, exc: Exception) -> None:
+        log.warning("generation failed for row %d: %s: %s", row.index, type(exc).__name__, exc)
+        row.finish, row.error = "error", f"{type(exc).__name__}: {exc}"
+        row.stop_string = None
+
+    @torch.inference_mode()
+    def _run_batch(self, rows: list[_Row], sampling: SamplingParams, stats: GenerationStats) -> None:
+        """The sampling loop: left-padded prefill, then one token per active row per forward pass."""
+        device = self.model.device
+        width = max(len(r.prompt) for r in rows)
+        input_ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            input_ids[i, width - len(row.prompt):] = torch.tensor(row.prompt, dtype=torch.long)
+            attention[i, width - len(row.prompt):] = 1
+        input_ids, attention = input_ids.to(device), attention.to(device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        generators = [torch.Generator(device=device).manual_seed(r.seed) for r in rows]
+        windows = [_stop_window(r.stop) for r in rows]
+
+        out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                         use_cache=True, **self._prefill_kwargs)
+        stats.forward_passes += 1
+        stats.row_steps += len(rows)
+        cache = _cache_of(out)
+        logits = out.logits[:, -1, :]
+        next_pos = positions[:, -1] + 1
+        active = list(range(len(rows)))
+
+        while True:
+            tokens, logps, ents, bad = sample_next(logits, [generators[a] for a in active], sampling)
+            keep: list[int] = []
+            for j, a in enumerate(active):
+                row = rows[a]
+                if row.finish is not None:  # a finished row kept in a cache that cannot drop rows
+                    continue
+                if bad[j]:
+                    row.finish, row.error = "error", "non-finite logits (the model produced NaN/inf)"
+                    continue
+                tok = tokens[j]
+                row.ids.append(tok)
+                row.logprobs.append(logps[j])
+                row.entropies.append(ents[j])
+                if tok in self._eos_ids:
+                    row.finish = "eos"
+                elif row.stop and (hit := self._match_stop(row, windows[a])) is not None:
+                    row.finish, row.stop_string = "stop", hit
+                elif len(row.ids) >= row.max_tokens:
+                    row.finish = "length"
+                else:
+                    keep.append(j)
+            if not keep:
+                return
+            if len(keep) < len(active) and hasattr(cache, "batch_select_indices"):
+                # finished rows leave the batch: cost tracks active rows
+                idx = torch.tensor(keep, dtype=torch.long, device=device)
+                cache.batch_select_indices(idx)
+                attention = attention.index_select(0, idx)
+                next_pos = next_pos.index_select(0, idx)
+                active = [active[j] for j in keep]
+                step = [tokens[j] for j in keep]
+            else:  # legacy caches (some remote-code models): finished rows stay, fed padding, ignored
+                kept = set(keep)
+                step = [tokens[j] if j in kept else self._pad_id for j in range(len(active))]
+            step_tokens = torch.tensor(step, dtype=torch.long, device=device)
+            attention = torch.cat([attention, attention.new_ones((len(active), 1))], dim=-1)
+            out = self.model(input_ids=step_tokens[:, None], attention_mask=attention,
+                             position_ids=next_pos[:, None], use_cache=True, **{self._cache_kwarg: cache})
+            stats.forward_passes += 1
+            stats.row_steps += len(active)
+            cache = _cache_of(out)
+            logits = out.logits[:, -1, :]
+            next_pos = next_pos + 1
+
+    def _match_stop(self, row: _Row, window: int) -> str | None:
+        """The stop string completed by the row's latest token, if any (earliest in the text wins)."""
+        text = self.tokenizer.decode(row.ids[-window:], skip_special_tokens=False)
+        hits = [(text.find(s), -len(s), s) for s in row.stop if s in text]
+        return min(hits)[2] if hits else None
+
+
+def _stop_window(stops: tuple[str, ...]) -> int:
+    """Generated tokens to decode when looking for a stop string: a token is at least one character except
+    for partial UTF-8 bytes, so twice the longest stop string plus slack always holds a fresh match."""
+    return 2 * max((len(s) for s in stops), default=0) + 4
+
+
+def _cache_of(out: Any) -> Any:
+    """The KV cache of a forward output under either transformers naming."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """EOS ids from the tokenizer and the model's generation config (chat models often list several)."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_cfg = getattr(model, "generation_config", None)
+    extra = getattr(gen_cfg, "eos_token_id", None) if gen_cfg is not None else None
+    if isinstance(extra, int):
+        ids.add(extra)
+    elif isinstance(extra, (list, tuple)):
+        ids.update(int(t) for t in extra)
+    return frozenset(ids)

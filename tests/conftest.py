@@ -1,0 +1,48 @@
+"""Session fixtures: a per-session model cache and the tiny random policy (float32, exact-ish).
+
+Heavy imports stay inside the fixtures so that infra tests that need no model do not pay for torch/transformers.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the HF hub from tests
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+if TYPE_CHECKING:
+    from aepo_core.config import ModelConfig
+    from infra.engines.hf import HFEngine
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache directory per test session: conversions happen here, never in the user's ~/.cache."""
+    return tmp_path_factory.mktemp("aepo-models")
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg(model_cache: Path) -> ModelConfig:
+    from aepo_core.config import ModelConfig
+
+    return ModelConfig(name="tiny-random", dtype="float32", cache_dir=str(model_cache), init_seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_policy(tiny_cfg: ModelConfig) -> tuple[Any, Any]:
+    """(model, tokenizer) of tiny-random; shared: tests that change weights must load their own."""
+    from infra.models import load_policy
+
+    return load_policy(tiny_cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_policy: tuple[Any, Any]) -> HFEngine:
+    from infra.engines.hf import HFEngine
+
+    model, tokenizer = tiny_policy
+    return HFEngine(model, tokenizer, seed=0)
