@@ -190,6 +190,10 @@ class TrainConfig(Section):
     backend: Literal["torch", "deepspeed"] = "torch"
     zero_stage: int = Field(2, ge=0, le=3)
     sft: SFTConfig = Field(default_factory=SFTConfig)
+    rollout_timeout_s: float = Field(3600.0, gt=0.0, description="Prefect timeout of one rollout task.")
+    update_timeout_s: float = Field(3600.0, gt=0.0, description="Prefect timeout of one update task.")
+    eval_timeout_s: float = Field(7200.0, gt=0.0, description="Prefect timeout of one evaluation task.")
+    task_retries: int = Field(2, ge=0, description="Retries of rollout/score/evaluate on transient errors.")
 
 
 class CheckpointConfig(Section):
@@ -206,6 +210,7 @@ class EvalConfig(Section):
     temperature: float = Field(0.6, gt=0.0)
     top_p: float = Field(0.95, gt=0.0, le=1.0)
     max_questions: int | None = Field(None, ge=1)
+    at_start: bool = Field(False, description="Also evaluate before training (and after cold-start SFT).")
     bootstrap_samples: int = Field(1000, ge=10)
     judge_url: str | None = None
     judge_model: str | None = None

@@ -283,7 +283,8 @@ class RolloutScheduler:
             self._close(p, "answered")
             return None
         if res.finish_reason == "stop" and res.stop_string in STOP_STRINGS:
-            call = parse_tool_call(text)
+            # The token that completed the stop string may carry text past it: parse up to the stop only.
+            call = parse_tool_call(text[: text.rfind(res.stop_string) + len(res.stop_string)])
             if p.limit_notice:
                 self._close(p, "tool_limit")
                 return None

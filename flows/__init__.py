@@ -1,0 +1,1 @@
+"""Prefect flows (train, evaluate, sweep) and the `aepo` CLI."""

@@ -1,0 +1,41 @@
+"""prepare_data: dataset → validated rows, cached on the inputs and the source file's identity."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import asdict
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import INPUTS, TASK_SOURCE
+
+from infra.data.loaders import default_data_root, load_dataset_rows, resolve_spec
+from infra.data.rows import QuestionRow
+from infra.data.synthetic import SyntheticTask
+from infra.experiment import is_synthetic
+
+
+def source_fingerprint(spec: str, data_root: str | None) -> str:
+    """What makes a cached result stale: the file's path, size and mtime (the generator's config for synthetic)."""
+    if is_synthetic(spec):
+        return "synthetic"
+    path = resolve_spec(spec, data_root or default_data_root())
+    st = os.stat(path)
+    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+@task(name="prepare_data", cache_policy=INPUTS + TASK_SOURCE, persist_result=True, retries=1)
+def prepare_data(spec: str, data_config: dict[str, Any], fingerprint: str) -> list[dict[str, Any]]:
+    """Validated rows as plain dicts (bad rows fail or are skipped with a count, as configured)."""
+    from aepo_core.config import DataConfig
+
+    cfg = DataConfig.model_validate(data_config)
+    synthetic = SyntheticTask.from_config(cfg) if is_synthetic(spec) else None
+    rows = load_dataset_rows(spec, cfg.on_bad_row, data_root=cfg.data_root, synthetic=synthetic)
+    get_run_logger().info("prepared %d rows from %s (fingerprint %s)", len(rows), spec, fingerprint)
+    return [asdict(r) for r in rows]
+
+
+def rows_from_dicts(rows: list[dict[str, Any]]) -> list[QuestionRow]:
+    return [QuestionRow(**{**r, "golds": tuple(r["golds"])}) for r in rows]
