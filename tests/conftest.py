@@ -46,3 +46,17 @@ def tiny_engine(tiny_policy: tuple[Any, Any]) -> HFEngine:
 
     model, tokenizer = tiny_policy
     return HFEngine(model, tokenizer, seed=0)
+
+
+@pytest.fixture(scope="session")
+def prefect_harness(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Any:
+    """One Prefect test harness (ephemeral API on SQLite) for the whole session; ~10 s to start."""
+    home = tmp_path_factory.mktemp("prefect-home")
+    os.environ["PREFECT_HOME"] = str(home)
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ["AEPO_MODEL_CACHE"] = str(model_cache)
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
