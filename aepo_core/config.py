@@ -32,7 +32,14 @@ class ModelConfig(Section):
         "smollm2-135m-instruct",
         description="HF id or local path of any causal LM, or a built-in: smollm2-135m-instruct, tiny-random.",
     )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "bfloat16"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="Dtype of the weights (and the optimizer's master copy). bf16 weights lose AdamW updates "
+        "smaller than half an ulp (lr 1e-6 on weights ~0.05): keep float32 and set compute_dtype instead.",
+    )
+    compute_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="Autocast dtype of forward passes (generation and training); float32: no autocast."
+    )
     device: str = Field("cpu", description="torch device for the policy (cpu, cuda, cuda:0).")
     cache_dir: str | None = Field(None, description="Where converted built-in models are cached.")
     trust_remote_code: bool = False
@@ -188,12 +195,25 @@ class TrainConfig(Section):
     epochs: int = Field(5, ge=1)
     batch_size: int = Field(64, ge=1, description="Questions per RL step.")
     backend: Literal["torch", "deepspeed"] = "torch"
-    zero_stage: int = Field(2, ge=0, le=3)
+    zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage (backend deepspeed only).")
+    offload_optimizer: bool = Field(
+        False, description="DeepSpeed ZeRO 1–3: optimizer state and step on CPU (DeepSpeed's CPU Adam; its first "
+        "use compiles an op, minutes on a small CPU)."
+    )
+    offload_params: bool = Field(False, description="DeepSpeed ZeRO-3: parameters live on CPU between uses.")
     sft: SFTConfig = Field(default_factory=SFTConfig)
     rollout_timeout_s: float = Field(3600.0, gt=0.0, description="Prefect timeout of one rollout task.")
     update_timeout_s: float = Field(3600.0, gt=0.0, description="Prefect timeout of one update task.")
     eval_timeout_s: float = Field(7200.0, gt=0.0, description="Prefect timeout of one evaluation task.")
     task_retries: int = Field(2, ge=0, description="Retries of rollout/score/evaluate on transient errors.")
+
+    @model_validator(mode="after")
+    def _offload_fits_stage(self) -> TrainConfig:
+        if self.backend == "deepspeed" and self.offload_params and self.zero_stage != 3:
+            raise ValueError("train.offload_params needs train.zero_stage=3")
+        if self.backend == "deepspeed" and self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError("train.offload_optimizer needs train.zero_stage >= 1")
+        return self
 
 
 class CheckpointConfig(Section):

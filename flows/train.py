@@ -41,13 +41,13 @@ def _flow_run_id() -> str | None:
     return str(fr.id) if fr is not None else None
 
 
-def _log_eval(tracker: Tracker, report: EvalReport, step: int, label: str, k: int) -> dict[str, Any]:
-    metrics = report_metrics(report, k)
-    tracker.log_metrics(metrics, step)
+def _log_eval(tracker: Tracker, report: EvalReport, step: int, label: str, k: int) -> dict[str, float]:
+    """Log one evaluation (metrics at ``step``, the full report as JSON); returns its summary."""
+    tracker.log_metrics(report_metrics(report, k), step)
     tracker.log_dict({"summary": report.summary, "by_family": report.by_family,
                       "questions": [o.as_dict() for o in report.outcomes]},
                      f"eval/{label}/{report.dataset.replace(':', '_')}.json")
-    return metrics
+    return report.summary
 
 
 def rollout_metrics(stats: dict[str, float]) -> dict[str, float]:
@@ -92,20 +92,22 @@ def train(
                 f", resumed at step {resumed_at}" if resumed_at is not None else "")
     progress_id = create_progress_artifact(progress=100.0 * exp.step / total, key=None,
                                            description=f"RL steps of {exp.run_name}")
-    eval_results: dict[str, Any] = {}
+    evals: dict[str, dict[str, dict[str, float]]] = {}  # label (start, sft, stepN, final) → dataset → summary
+
+    def run_eval(label: str, step: int) -> None:
+        for ds in exp.eval_datasets():
+            report = evaluate.with_options(timeout_seconds=cfg.train.eval_timeout_s)(exp, ds, label)
+            evals.setdefault(label, {})[ds] = _log_eval(tracker, report, step, label, cfg.eval.pass_k)
+
     status = "FAILED"
     try:
         if resumed_at is None:
             if cfg.eval.at_start:
-                for ds in exp.eval_datasets():
-                    eval_results[f"start/{ds}"] = _log_eval(tracker, evaluate(exp, ds, "start"), 0, "start",
-                                                           cfg.eval.pass_k)
+                run_eval("start", 0)
             if cfg.train.sft.enabled:
                 tracker.log_metrics(sft(exp), 0)
                 if cfg.eval.at_start:
-                    for ds in exp.eval_datasets():
-                        eval_results[f"sft/{ds}"] = _log_eval(tracker, evaluate(exp, ds, "sft"), 0, "sft",
-                                                             cfg.eval.pass_k)
+                    run_eval("sft", 0)
         last_trees = None
         while exp.step < total:
             step = exp.step + 1
@@ -124,17 +126,11 @@ def train(
             if step % cfg.checkpoint.every == 0 or step == total:
                 checkpoint(exp)
             if cfg.eval.every and step % cfg.eval.every == 0 and step < total:
-                for ds in exp.eval_datasets():
-                    eval_results[f"step{step}/{ds}"] = _log_eval(tracker, evaluate(exp, ds, f"step{step}"), step,
-                                                                 f"step{step}", cfg.eval.pass_k)
+                run_eval(f"step{step}", step)
             update_progress_artifact(progress_id, progress=100.0 * step / total,
                                      description=f"step {step}/{total}: reward "
                                      f"{summary.metrics['rollout/reward_mean']:.3f}")
-        final: dict[str, Any] = {}
-        for ds in exp.eval_datasets():
-            report = evaluate.with_options(timeout_seconds=cfg.train.eval_timeout_s)(exp, ds, "final")
-            final[ds] = report.summary
-            eval_results[f"final/{ds}"] = _log_eval(tracker, report, exp.step, "final", cfg.eval.pass_k)
+        run_eval("final", exp.step)
         history = tracker.metric_history([m for m in CURVE_METRICS])
         tracker.log_figure(curves_figure({k: v for k, v in history.items() if v}, title=exp.run_name),
                            "plots/curves.png")
@@ -152,7 +148,7 @@ def train(
     result_info = {
         "run_id": exp.run_id, "run_name": exp.run_name, "steps": exp.step, "runs_dir": str(runs),
         "checkpoint_dir": str(exp.checkpoint_dir), "tracking_uri": tracker.tracking_uri,
-        "trajectories": str(exp.store.uri), "final_eval": final, "evals": eval_results,
+        "trajectories": str(exp.store.uri), "final_eval": evals.get("final", {}), "evals": evals,
     }
     create_markdown_artifact(key=None, markdown=summary_markdown(result_info, cfg),
                              description=f"summary of {exp.run_name}")

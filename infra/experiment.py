@@ -32,7 +32,7 @@ from infra.data.synthetic import SyntheticTask, oracle_transcript
 from infra.models import load_policy
 from infra.store import TrajectoryStore
 from infra.tools.registry import build_tools
-from infra.training.backends import FrozenBackend, TorchBackend
+from infra.training.backends import FrozenBackend, TorchBackend, autocast_dtype
 from infra.training.batching import samples_from_trees
 from infra.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from infra.training.data_order import DataCursor, DataOrder
@@ -87,7 +87,8 @@ class Experiment:
         self.order = DataOrder(len(self.train_rows), cfg.train.batch_size, cfg.seed, shuffle=cfg.data.shuffle)
         self.total_steps = cfg.train.steps or cfg.train.epochs * self.order.batches_per_epoch
         self.backend = self._build_backend()
-        ref = FrozenBackend(self._load_reference()) if cfg.algorithm.kl_coef > 0 else None
+        ref = (FrozenBackend(self._load_reference(), autocast_dtype(cfg.model.compute_dtype))
+               if cfg.algorithm.kl_coef > 0 else None)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.updater = PolicyUpdater(self.backend, cfg, pad_id=int(pad), ref_backend=ref)
         self.cursor: DataCursor = self.order.start()
@@ -116,16 +117,17 @@ class Experiment:
             return RemoteEngine(r.remote_url, r.remote_model or self.cfg.model.name, self.tokenizer)
         from infra.engines.hf import HFEngine
 
-        return HFEngine(self.model, self.tokenizer, seed=self.cfg.seed)
+        return HFEngine(self.model, self.tokenizer, seed=self.cfg.seed,
+                        autocast_dtype=autocast_dtype(self.cfg.model.compute_dtype))
 
     def _build_backend(self) -> Any:
         t = self.cfg.train
         if t.backend == "deepspeed":
             from infra.training.deepspeed_backend import DeepSpeedBackend
 
-            return DeepSpeedBackend(self.model, self.cfg.optim, self.total_steps, zero_stage=t.zero_stage,
-                                    bf16=self.cfg.model.dtype == "bfloat16")
-        return TorchBackend(self.model, self.cfg.optim, self.total_steps)
+            return DeepSpeedBackend.from_config(self.model, self.cfg.optim, t, self.total_steps)
+        return TorchBackend(self.model, self.cfg.optim, self.total_steps,
+                            compute_dtype=autocast_dtype(self.cfg.model.compute_dtype))
 
     def _load_reference(self) -> torch.nn.Module:
         ref, _ = load_policy(self.cfg.model)
@@ -167,10 +169,17 @@ class Experiment:
         return self.store.write_step(self.run_id or self.run_name, step, result.trees)
 
     # ------------------------------------------------------------------ checkpoints
+    def _optimizer_state(self) -> tuple[Any, Any]:
+        """(optimizer-like, scheduler) for checkpoints: DeepSpeed keeps both in one training state."""
+        if hasattr(self.backend, "training_state"):
+            return self.backend.training_state, None
+        return getattr(self.backend, "optimizer", None), getattr(self.backend, "scheduler", None)
+
     def save(self) -> Path:
+        optimizer, scheduler = self._optimizer_state()
         return save_checkpoint(
             self.checkpoint_dir, self.step, model=self.model, tokenizer=self.tokenizer, config=self.cfg,
-            optimizer=getattr(self.backend, "optimizer", None), scheduler=getattr(self.backend, "scheduler", None),
+            optimizer=optimizer, scheduler=scheduler,
             data_cursor=self.cursor, run_id=self.run_id, extra={"order": self.order.state_dict()},
             keep=self.cfg.checkpoint.keep,
         )
@@ -180,8 +189,9 @@ class Experiment:
         path = latest_checkpoint(self.checkpoint_dir)
         if path is None:
             return None
-        state = load_checkpoint(path, model=self.model, optimizer=getattr(self.backend, "optimizer", None),
-                                scheduler=getattr(self.backend, "scheduler", None), config=self.cfg, force=force)
+        optimizer, scheduler = self._optimizer_state()
+        state = load_checkpoint(path, model=self.model, optimizer=optimizer, scheduler=scheduler, config=self.cfg,
+                                force=force)
         saved_order = state.extra.get("order")
         if saved_order is not None:
             self.order.check_resumable(saved_order)
@@ -258,7 +268,8 @@ class Experiment:
         pad = int(self.tokenizer.pad_token_id or 0)
         budget = self.cfg.optim.micro_batch_tokens
         steps = sft_cfg.epochs * -(-len(samples) // sft_cfg.batch_size)
-        backend = TorchBackend(self.model, self.cfg.optim, steps, lr=sft_cfg.lr)
+        backend = TorchBackend(self.model, self.cfg.optim, steps, lr=sft_cfg.lr,
+                               compute_dtype=autocast_dtype(self.cfg.model.compute_dtype))
         before = sft_loss(backend, samples, pad, budget)
         history = run_sft(backend, samples, sft_cfg, pad, budget, seed=self.cfg.seed)
         after = sft_loss(backend, samples, pad, budget)

@@ -279,12 +279,23 @@ class RolloutScheduler:
             elif branching:
                 self._decide(st, p, node, budget_left=cfg.k - st.leaves_started)
 
-        if res.finish_reason == "eos" or (res.finish_reason == "stop" and res.stop_string == ANSWER_CLOSE):
+        # A turn may span several segments when the segment cap cuts it: parse and detect stops on the whole turn.
+        turn = self._turn_text(st, p)
+        finish, stop = res.finish_reason, res.stop_string
+        if finish == "length" and not res.token_ids:
+            self._close(p, "truncated")  # no progress possible (zero-token budget)
+            return None
+        if finish == "length":
+            # A stop string split across the cap boundary is invisible to the engine (it sees one request).
+            window = turn[-(len(text) + max(map(len, STOP_STRINGS)) - 1) :]
+            stop = next((s for s in STOP_STRINGS if s in window), None)
+            finish = "stop" if stop is not None else finish
+        if finish == "eos" or (finish == "stop" and stop == ANSWER_CLOSE):
             self._close(p, "answered")
             return None
-        if res.finish_reason == "stop" and res.stop_string in STOP_STRINGS:
+        if finish == "stop" and stop in STOP_STRINGS:
             # The token that completed the stop string may carry text past it: parse up to the stop only.
-            call = parse_tool_call(text[: text.rfind(res.stop_string) + len(res.stop_string)])
+            call = parse_tool_call(turn[: turn.rfind(stop) + len(stop)])
             if p.limit_notice:
                 self._close(p, "tool_limit")
                 return None
@@ -292,7 +303,7 @@ class RolloutScheduler:
                 self._close(p, "truncated")
                 return None
             if call is None:
-                return None, f"Malformed tool call: no matching opening tag for {res.stop_string}."
+                return None, f"Malformed tool call: no matching opening tag for {stop}."
             if p.tool_calls >= cfg.max_tool_calls:
                 p.limit_notice = True
                 return None, TOOL_LIMIT_MESSAGE.format(limit=cfg.max_tool_calls)
@@ -303,6 +314,17 @@ class RolloutScheduler:
             self._close(p, "tool_error" if p.last_tool_failed else "truncated")
         # else: the segment cap was hit with budget left; the path continues in the next round
         return None
+
+    @staticmethod
+    def _turn_text(st: _QuestionState, p: _Path) -> str:
+        """Text of the trailing run of model segments of the path (the current turn)."""
+        parts: list[str] = []
+        for i in reversed(p.node_ids):
+            node = st.nodes[i]
+            if node.kind != "model":
+                break
+            parts.append(node.text)
+        return "".join(reversed(parts))
 
     def _decide(self, st: _QuestionState, p: _Path, node: Node, budget_left: int) -> None:
         """Branch rule at a tool step (AEPO.md §4); forks share the prefix up to the tool-result node."""

@@ -168,8 +168,10 @@ class HFEngine:
     """Batched token-in/token-out generation with a transformers causal LM (see the module docstring)."""
 
     def __init__(self, model: Any, tokenizer: Any, *, seed: int = 0,
-                 stop_token_ids: Sequence[int] | None = None, max_batch_size: int | None = None) -> None:
+                 stop_token_ids: Sequence[int] | None = None, max_batch_size: int | None = None,
+                 autocast_dtype: torch.dtype | None = None) -> None:
         self.model = model
+        self.autocast_dtype = autocast_dtype  # mixed precision: bf16 matmuls over float32 weights
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self._seed_rng = random.Random(seed)
@@ -244,8 +246,11 @@ class HFEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            for start in range(0, len(runnable), step):
-                self._run_isolated(runnable[start:start + step], sampling, stats)
+            device_type = next(self.model.parameters()).device.type
+            with torch.autocast(device_type, dtype=self.autocast_dtype or torch.float32,
+                                enabled=self.autocast_dtype is not None):
+                for start in range(0, len(runnable), step):
+                    self._run_isolated(runnable[start:start + step], sampling, stats)
         finally:
             if was_training:
                 self.model.train()

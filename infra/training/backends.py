@@ -12,16 +12,32 @@ from infra.training.optim import build_optimizer, build_scheduler
 log = logging.getLogger(__name__)
 
 
-def decoder_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Last hidden states of a causal LM's decoder (the vocabulary projection is applied by the caller)."""
-    return model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def autocast_dtype(name: str) -> torch.dtype | None:
+    """The autocast dtype of ``model.compute_dtype`` (None: plain float32 compute)."""
+    return AUTOCAST_DTYPES.get(name)
+
+
+def decoder_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Last hidden states of a causal LM's decoder (the vocabulary projection is applied by the caller).
+
+    With ``compute_dtype`` the forward runs under autocast: bf16 matmuls, float32 master weights.
+    """
+    with torch.autocast(input_ids.device.type, dtype=compute_dtype or torch.float32,
+                        enabled=compute_dtype is not None):
+        return model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
 
 class TorchBackend:
     """Single-process training: AdamW, LR schedule, global-norm clipping."""
 
-    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, total_steps: int, lr: float | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, total_steps: int, lr: float | None = None,
+                 compute_dtype: torch.dtype | None = None) -> None:
         self.model = model
+        self.compute_dtype = compute_dtype
         self.grad_clip = cfg.grad_clip
         self.optimizer = build_optimizer(model, cfg, lr)
         self.scheduler = build_scheduler(self.optimizer, cfg, total_steps)
@@ -31,7 +47,7 @@ class TorchBackend:
         return self.model
 
     def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return decoder_hidden(self.model, input_ids, attention_mask)
+        return decoder_hidden(self.model, input_ids, attention_mask, self.compute_dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -51,8 +67,9 @@ class TorchBackend:
 class FrozenBackend:
     """A reference policy: forward only, never stepped."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> None:
         self.model = model.eval()
+        self.compute_dtype = compute_dtype
         for p in self.model.parameters():
             p.requires_grad_(False)
 
@@ -61,7 +78,7 @@ class FrozenBackend:
         return self.model
 
     def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return decoder_hidden(self.model, input_ids, attention_mask)
+        return decoder_hidden(self.model, input_ids, attention_mask, self.compute_dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
         raise RuntimeError("the reference policy is frozen")

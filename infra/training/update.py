@@ -61,7 +61,10 @@ def response_logprobs_and_entropy(
             0, hidden.shape[1] - 1
         )
         h = hidden.gather(1, pos[..., None].expand(b, r, hidden.shape[-1]))
-        logits = module.get_output_embeddings()(h).float() / temperature
+        with torch.autocast(h.device.type, dtype=getattr(backend, "compute_dtype", None) or torch.float32,
+                            enabled=getattr(backend, "compute_dtype", None) is not None):
+            logits = module.get_output_embeddings()(h)
+        logits = logits.float() / temperature
         logp_all = torch.log_softmax(logits, dim=-1)
         logprobs = logp_all.gather(-1, batch.targets[..., None]).squeeze(-1)
         with torch.no_grad():
@@ -85,7 +88,8 @@ class PolicyUpdater:
         self.ref_backend = ref_backend
         self.cfg = cfg
         self.pad_id = pad_id
-        self.device = next(backend.module.parameters()).device
+        # Under ZeRO-3 parameter offload the parameters report the CPU; the backend knows the compute device.
+        self.device = getattr(backend, "device", None) or next(backend.module.parameters()).device
 
     # ------------------------------------------------------------------
     def _micro_batches(self, samples: Sequence[TrainSample], indices: Sequence[int]) -> list[list[int]]:

@@ -234,7 +234,7 @@ def test_segment_cap_continues_the_turn():
     tree = res.trees[0]
     leaf = tree.leaves[0]
     assert leaf.status == "answered"
-    assert all(len(n.token_ids) <= 8 for n in tree.path(leaf))
+    assert all(len(n.token_ids) <= 8 for n in tree.path(leaf)[1:])
     assert len(tree.path(leaf)) > 2
     assert tree.text(leaf) == target
 
@@ -243,3 +243,26 @@ def test_batching_across_questions_and_paths():
     cfg = RolloutConfig(mode="independent", **BASE)
     _, engine = run(SCRIPT, cfg, n_questions=3)
     assert max(engine.calls) == 12  # all 3 × 4 paths generated in one batch per round
+
+
+def test_tool_call_split_by_the_segment_cap_is_still_parsed():
+    cfg = RolloutConfig(mode="independent", **{**BASE, "k": 1, "max_segment_tokens": 7})
+    prompt = "".join(map(chr, PROMPT))
+
+    def script(t, s):
+        turn_start = t.rfind("</result>\n") + len("</result>\n") if "<result>" in t else len(prompt)
+        done = t[turn_start:]
+        full = "<search>kavo</search>" if "<result>" not in t else "<answer>\\boxed{1}</answer>"
+        return Segment(full[len(done) :], 1.0)
+
+    res, _ = run(script, cfg)
+    tree = res.trees[0]
+    leaf = tree.leaves[0]
+    assert leaf.status == "answered"
+    assert [e.argument for e in tree.tool_events(leaf)] == ["kavo"]
+
+
+def test_zero_token_segments_cannot_loop_forever():
+    cfg = RolloutConfig(mode="independent", **{**BASE, "k": 1})
+    res, _ = run(lambda t, s: Segment("", 1.0), cfg)
+    assert res.trees[0].leaves[0].status == "truncated"

@@ -62,7 +62,7 @@ def test_mlflow_run_has_params_metrics_and_artifacts(tiny_run):
 
 
 def test_parquet_store_has_both_tables_per_step(tiny_run):
-    out, runs = tiny_run
+    out, _runs = tiny_run
     root = Path(out["trajectories"])
     for table, schema in (("trajectories", TRAJECTORY_SCHEMA), ("nodes", NODE_SCHEMA)):
         ds = pads.dataset(root / table, format="parquet", partitioning="hive")
@@ -123,13 +123,20 @@ def test_transient_rollout_failure_is_retried(prefect_harness, tmp_path, monkeyp
     assert out["steps"] == 1 and calls["n"] == 2
 
 
-def _run(runs: Path, resume: bool, steps: int) -> subprocess.Popen:
+def _run(runs: Path, resume: bool, steps: int, model_cache: Path) -> subprocess.Popen:
+    runs.mkdir(parents=True, exist_ok=True)
     args = [sys.executable, str(ROOT / "tests/flows/run_train.py"), str(TINY), str(runs),
             "resume" if resume else "fresh", f"train.steps={steps}", "checkpoint.every=1", "checkpoint.keep=3",
             "data.max_questions=8", "train.batch_size=2", "eval.max_questions=1", "tracking.log_model=false"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "AEPO_MODEL_CACHE": str(model_cache)}
     env.pop("PREFECT_API_URL", None)
-    return subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = open(runs / ("resume.log" if resume else "run.log"), "w")
+    return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def _tail(runs: Path, name: str = "run.log") -> str:
+    path = runs / name
+    return path.read_text()[-3000:] if path.exists() else ""
 
 
 def _final_params(runs: Path) -> dict:
@@ -143,23 +150,23 @@ def _questions_by_step(runs: Path) -> dict[int, list[str]]:
     return {int(s): sorted(set(g["question_id"])) for s, g in df.groupby("step")}
 
 
-def test_kill_after_checkpoint_and_resume_is_bit_identical(tmp_path):
+def test_kill_after_checkpoint_and_resume_is_bit_identical(tmp_path, model_cache):
     """6 steps straight vs SIGKILL right after the epoch-boundary checkpoint (step 4 of 4 per epoch) + resume."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    p_straight = _run(straight, False, 6)
-    p_killed = _run(killed, False, 6)
+    p_straight = _run(straight, False, 6, model_cache)
+    p_killed = _run(killed, False, 6, model_cache)
     boundary = killed / "checkpoints" / "tiny" / "step-000004"
     deadline = time.time() + 600
     while not (boundary / "manifest.json").exists():
-        assert p_killed.poll() is None, p_killed.stderr.read()[-3000:] if p_killed.stderr else ""
+        assert p_killed.poll() is None, _tail(killed)
         assert time.time() < deadline
         time.sleep(0.2)
     time.sleep(random.Random(0).uniform(0.0, 1.5))  # a random point after the checkpoint
     p_killed.send_signal(signal.SIGKILL)
     p_killed.wait()
-    assert p_straight.wait(timeout=900) == 0, p_straight.stderr.read()[-3000:]
-    resumed = _run(killed, True, 6)
-    assert resumed.wait(timeout=900) == 0, resumed.stderr.read()[-3000:]
+    assert p_straight.wait(timeout=900) == 0, _tail(straight)
+    resumed = _run(killed, True, 6, model_cache)
+    assert resumed.wait(timeout=900) == 0, _tail(killed, "resume.log")
 
     a, b = _final_params(straight), _final_params(killed)
     assert a.keys() == b.keys()

@@ -1,0 +1,168 @@
+"""The `aepo` CLI through typer's CliRunner (in process, under the session's Prefect harness): train leaves an
+MLflow run, Parquet parts and a checkpoint; bad configs exit 2 before anything exists; runs / trajectories /
+eval / config show print their tables; deployments (prefect.yaml and `aepo serve`'s) are valid."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from flows.cli import app
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "configs" / "tiny.yaml")
+FAST = ["rollout.k=2", "rollout.initial_rollouts=1", "rollout.max_response_tokens=48", "rollout.max_segment_tokens=16",
+        "eval.max_questions=2", "eval.top_p=1.0"]
+ENV = {"COLUMNS": "250"}  # wide tables: rich would fold long ids at 80 columns
+
+
+def invoke(*args: str) -> Any:
+    return CliRunner().invoke(app, list(args), env=ENV, catch_exceptions=False)
+
+
+def sets(*items: str) -> list[str]:
+    return [a for item in items for a in ("--set", item)]
+
+
+@pytest.fixture(scope="module")
+def trained(prefect_harness: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    # Prefect binds its console log handler to sys.stderr when its flow API is first imported: do that here (pytest's
+    # stream), not inside CliRunner, whose stream is closed after each invoke.
+    import flows.train  # noqa: F401
+
+    runs = tmp_path_factory.mktemp("cli-runs")
+    result = invoke("train", "-c", TINY, "--runs-dir", str(runs), *sets("train.steps=1", *FAST))
+    return result, runs
+
+
+def _only_run(runs: Path) -> Any:
+    from infra.tracking import Tracker, tracking_uri_for
+
+    frame = Tracker(tracking_uri_for(runs)).search_runs()
+    assert len(frame) == 1
+    return frame.iloc[0]
+
+
+def test_train_leaves_mlflow_run_parquet_and_checkpoint(trained: tuple[Any, Path]) -> None:
+    from infra.store import TrajectoryStore
+
+    result, runs = trained
+    assert result.exit_code == 0, result.output
+    run = _only_run(runs)
+    assert run["run_name"] == "tiny" and run["status"] == "FINISHED"
+    assert run["params.storage.runs_dir"] == str(runs)
+    store = TrajectoryStore(runs / "trajectories")
+    assert store.steps(run["run_id"]) == [1]
+    assert (runs / "trajectories" / "nodes" / f"run_id={run['run_id']}" / "step=1" / "part-00000.parquet").is_file()
+    assert (runs / "checkpoints" / "tiny" / "step-000001" / "manifest.json").is_file()
+    out = result.stdout
+    assert "final evaluation after 1 steps" in out and "synthetic:test" in out and "pass@1 [95% CI]" in out
+    assert run["run_id"] in out and str(runs / "checkpoints" / "tiny") in out and "aepo ui --runs-dir" in out
+
+
+@pytest.mark.parametrize(("override", "needle"), [
+    ("nope.key=1", "unknown key 'nope'"),
+    ("rollout.k=-1", "rollout.k"),
+    ("data.train=/nope.jsonl", "data.train: dataset '/nope.jsonl'"),
+])
+def test_bad_config_exits_2_before_anything_is_created(tmp_path: Path, override: str, needle: str) -> None:
+    runs = tmp_path / "runs"
+    result = invoke("train", "-c", TINY, "--runs-dir", str(runs), "--set", override)
+    assert result.exit_code == 2
+    assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not runs.exists()  # no MLflow store, no Prefect home, nothing
+
+
+def test_missing_config_file_exits_2(tmp_path: Path) -> None:
+    result = invoke("train", "-c", str(tmp_path / "none.yaml"), "--runs-dir", str(tmp_path / "runs"))
+    assert result.exit_code == 2 and "config file not found" in result.stderr
+
+
+def test_runs_lists_the_run(trained: tuple[Any, Path]) -> None:
+    _, runs = trained
+    run = _only_run(runs)
+    result = invoke("runs", "--runs-dir", str(runs))
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.stdout.splitlines() if run["run_id"][:12] in line)
+    assert "tiny" in row and "FINISHED" in row and "aepo" in row and "train" in row
+
+
+def test_runs_without_a_store_says_so(tmp_path: Path) -> None:
+    result = invoke("runs", "--runs-dir", str(tmp_path))
+    assert result.exit_code == 1 and "no MLflow store" in result.stderr
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_trajectories_summarize_steps_and_questions(trained: tuple[Any, Path]) -> None:
+    from infra.store import TrajectoryStore
+
+    _, runs = trained
+    run = _only_run(runs)
+    leaves = TrajectoryStore(runs / "trajectories").read_trajectories(run["run_id"])
+    by_name = invoke("trajectories", "tiny", "--runs-dir", str(runs))  # resolved through MLflow's run name
+    assert by_name.exit_code == 0, by_name.output
+    step_row = next(line for line in by_name.stdout.splitlines() if line.startswith("│ 1 "))
+    cells = [c.strip() for c in step_row.strip("│ ").split("│")]
+    assert cells[1] == str(leaves["question_id"].nunique()) and cells[2] == str(len(leaves))
+    detail = invoke("trajectories", run["run_id"][:8], "--step", "1", "--runs-dir", str(runs))
+    assert detail.exit_code == 0, detail.output
+    for qid in leaves["question_id"].unique():
+        assert qid in detail.stdout
+    missing = invoke("trajectories", "no-such-run", "--runs-dir", str(runs))
+    assert missing.exit_code == 1 and "no stored trajectories" in missing.stderr
+
+
+def test_eval_command_on_the_trained_checkpoint(trained: tuple[Any, Path]) -> None:
+    _, runs = trained
+    result = invoke("eval", "--checkpoint", str(runs / "checkpoints" / "tiny"), "--runs-dir", str(runs),
+                    *sets("eval.max_questions=1", "eval.top_p=1.0"), "--run-name", "cli-eval")
+    assert result.exit_code == 0, result.output
+    assert "aepo eval: cli-eval (step 1)" in result.stdout
+    assert (runs / "eval" / "cli-eval" / "synthetic_test.parquet").is_file()
+    bad = invoke("eval", "--checkpoint", str(runs / "nope"), "--runs-dir", str(runs))
+    assert bad.exit_code == 2 and "does not exist" in bad.stderr
+
+
+def test_config_show_prints_the_resolved_yaml() -> None:
+    from infra.config_files import load_config
+
+    result = invoke("config", "show", "-c", TINY, "--set", "rollout.k=3")
+    assert result.exit_code == 0
+    assert yaml.safe_load(result.stdout) == load_config(TINY, ["rollout.k=3"]).to_dict()
+
+
+def test_serve_without_a_prefect_server_says_how_to_start_one(tmp_path: Path) -> None:
+    result = invoke("serve", "-c", TINY, "--sweep", str(REPO / "configs" / "sweeps" / "tiny.yaml"),
+                    "--runs-dir", str(tmp_path), "--api-url", "http://127.0.0.1:9/api")
+    assert result.exit_code == 1 and "aepo ui" in result.stderr
+
+
+def test_served_deployments_are_built(prefect_harness: Any, tmp_path: Path) -> None:
+    from flows.serve import build_deployments
+
+    deployments = {d.name: d for d in build_deployments(tmp_path, TINY, REPO / "configs" / "sweeps" / "tiny.yaml")}
+    assert set(deployments) == {"train", "evaluate", "sweep"}
+    assert deployments["train"].parameters["config"]["name"] == "tiny"
+    assert [s.schedule.cron for s in deployments["sweep"].schedules] == ["0 3 * * 1"]
+
+
+def test_prefect_yaml_deployments_load_and_validate(prefect_harness: Any) -> None:
+    from prefect.flows import load_flow_from_entrypoint
+
+    from infra.config_files import load_config
+
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    deployments = {d["name"]: d for d in spec["deployments"]}
+    assert set(deployments) == {"train", "evaluate", "sweep"}
+    for d in deployments.values():
+        assert d["work_pool"]["name"] == "aepo-process"
+        flow = load_flow_from_entrypoint(str(REPO / d["entrypoint"]))
+        flow.validate_parameters(d.get("parameters") or {})
+    params = load_flow_from_entrypoint(str(REPO / "flows/train.py:train")).validate_parameters(
+        deployments["train"]["parameters"])
+    assert params["config"] == load_config(TINY)  # the deployment's default is the tiny config
+    assert deployments["sweep"]["schedules"][0]["cron"]

@@ -1,0 +1,235 @@
+"""The evaluate flow on a checkpoint: per-question Parquet, MLflow run, table artifact, paired comparison, and an
+LLM judge reached over real HTTP (a fake OpenAI-compatible chat server on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny.yaml"
+FAST = ["eval.max_questions=2", "eval.n_samples=2", "eval.pass_k=2", "eval.top_p=1.0",
+        "rollout.max_response_tokens=48", "rollout.max_segment_tokens=16", "tracking.system_metrics=false"]
+DS = "synthetic:test"
+
+
+class JsonServer:
+    """A real HTTP server on 127.0.0.1 whose POST handler is a Python function (body → (status, payload))."""
+
+    def __init__(self, handle: Callable[[str, dict[str, Any]], tuple[int, dict[str, Any]]]) -> None:
+        self.requests: list[dict[str, Any]] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                return
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests.append(body)
+                status, payload = handle(self.path, body)
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self) -> JsonServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def fake_judge(fail_first: int = 0) -> Callable[[str, dict[str, Any]], tuple[int, dict[str, Any]]]:
+    """An OpenAI-compatible chat endpoint that grades like a careful judge: CORRECT iff the predicted answer is
+    one of the gold answers (case-insensitive); the first ``fail_first`` calls get a 503."""
+    calls = {"n": 0}
+
+    def handle(path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        calls["n"] += 1
+        if calls["n"] <= fail_first:
+            return 503, {"error": "warming up"}
+        if path != "/v1/chat/completions":
+            return 404, {"error": path}
+        user = body["messages"][-1]["content"]
+        golds = re.search(r"Gold answer\(s\): (.*)", user).group(1).split(" | ")
+        answer = re.search(r"Predicted answer: (.*)", user).group(1)
+        word = "CORRECT" if answer.strip().lower() in {g.strip().lower() for g in golds} else "INCORRECT"
+        return 200, {"id": "chat-1", "object": "chat.completion", "model": body["model"],
+                     "choices": [{"index": 0, "finish_reason": "stop",
+                                  "message": {"role": "assistant", "content": word}}]}
+
+    return handle
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory, tiny_policy: tuple[Any, Any], prefect_harness: Any) -> Path:
+    """A committed checkpoint of the tiny policy (saved, not trained: evaluation only reads it)."""
+    from infra.config_files import load_config
+    from infra.training.checkpoint import save_checkpoint
+
+    model, tokenizer = tiny_policy
+    root = tmp_path_factory.mktemp("ckpt") / "tiny"
+    return save_checkpoint(root, 3, model=model, tokenizer=tokenizer, config=load_config(TINY))
+
+
+@pytest.fixture(scope="module")
+def first_eval(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    from flows.evaluate import evaluate
+
+    runs = tmp_path_factory.mktemp("eval-runs")
+    state = evaluate(config=str(TINY), checkpoint=str(checkpoint.parent), overrides=FAST, runs_dir=str(runs),
+                     return_state=True)
+    assert state.is_completed(), state.message
+    return state.result(), runs
+
+
+def test_eval_writes_per_question_parquet_mlflow_run_and_table(first_eval: tuple[dict[str, Any], Path],
+                                                               checkpoint: Path) -> None:
+    from flows.evaluate import QUESTION_SCHEMA
+    from infra.tracking import Tracker
+
+    result, runs = first_eval
+    assert result["checkpoint"] == str(checkpoint) and result["checkpoint_step"] == 3
+    path = Path(result["files"][DS])
+    assert path == runs / "eval" / result["run_name"] / "synthetic_test.parquet"
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no temporary leftovers
+    table = pq.read_table(path)
+    assert table.schema.equals(QUESTION_SCHEMA, check_metadata=False)
+    rows = table.to_pylist()
+    assert len(rows) == 2 and {r["dataset"] for r in rows} == {DS}
+    for r in rows:
+        assert r["n"] == 2 and len(r["answers"]) == 2 and r["golds"] and r["question"]
+        assert r["pass_at_1"] == r["correct"] / r["n"]
+        assert r["judge_verdicts"] is None  # no judge configured
+    summary = result["summary"][DS]
+    assert summary["questions"] == 2 and 0.0 <= summary["pass@1_ci_low"] <= summary["pass@1"]
+
+    tracker = Tracker(result["tracking_uri"])
+    run = tracker.client.get_run(result["run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["kind"] == "eval"
+    assert run.data.tags["checkpoint_step"] == "3"
+    assert "eval/synthetic_test/pass_at_1" in run.data.metrics
+    artifacts = {f.path for f in tracker.client.list_artifacts(result["run_id"], "eval")}
+    assert "eval/summary.json" in artifacts
+
+
+def test_eval_table_artifact(checkpoint: Path, tmp_path: Path) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    from flows.evaluate import evaluate
+
+    state = evaluate(config=str(TINY), checkpoint=str(checkpoint), overrides=[*FAST, "eval.max_questions=1"],
+                     runs_dir=str(tmp_path), return_state=True)
+    assert state.is_completed()
+    flow_run_id = state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
+            any_=[flow_run_id])))
+    tables = [a for a in arts if a.type == "table"]
+    assert len(tables) == 1
+    data = json.loads(tables[0].data) if isinstance(tables[0].data, str) else tables[0].data
+    assert {r["family"] for r in data} >= {"all"} and all(r["dataset"] == DS for r in data)
+
+
+def test_paired_comparison_with_itself_is_zero(first_eval: tuple[dict[str, Any], Path], checkpoint: Path) -> None:
+    from flows.evaluate import evaluate
+    from infra.tracking import Tracker
+
+    first, runs = first_eval
+    again = evaluate(config=str(TINY), checkpoint=str(checkpoint), overrides=FAST, runs_dir=str(runs),
+                     compare_to=first["results_dir"])
+    cmp = again["compare"][DS]
+    assert cmp["diff"] == 0.0 and cmp["ci_low"] <= 0.0 <= cmp["ci_high"] and cmp["questions"] == 2
+    metrics = Tracker(again["tracking_uri"]).client.get_run(again["run_id"]).data.metrics
+    assert metrics["compare/synthetic_test/pass_at_1_diff"] == 0.0
+
+
+def test_compare_to_a_missing_file_fails_before_evaluating(checkpoint: Path, tmp_path: Path) -> None:
+    from flows.evaluate import evaluate
+
+    state = evaluate(config=str(TINY), checkpoint=str(checkpoint), overrides=FAST, runs_dir=str(tmp_path / "r"),
+                     compare_to=str(tmp_path / "nope.parquet"), return_state=True)
+    assert state.is_failed() and "nope.parquet" in state.message
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.fixture()
+def scripted_policy_server(tiny_policy: tuple[Any, Any]) -> Iterator[tuple[JsonServer, dict[str, str]]]:
+    """An OpenAI-compatible *completions* server standing in for the policy: it answers the first synthetic test
+    question correctly and the others wrongly, in the project's tag protocol, as token ids."""
+    from infra.config_files import load_config
+    from infra.data.loaders import load_dataset_rows
+    from infra.data.synthetic import SyntheticTask
+
+    _, tokenizer = tiny_policy
+    cfg = load_config(TINY)
+    rows = load_dataset_rows(DS, "fail", synthetic=SyntheticTask.from_config(cfg.data))[:2]
+    answers = {rows[0].question: rows[0].golds[0], rows[1].question: "nobody knows"}
+
+    def handle(path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        prompt = tokenizer.decode(body["prompt"])
+        answer = next(a for q, a in answers.items() if q in prompt)
+        ids = tokenizer.encode(f"<think>I know this.</think>\n<answer>{answer}</answer>", add_special_tokens=False)
+        ids.append(tokenizer.eos_token_id)
+        choice = {"index": 0, "text": tokenizer.decode(ids), "finish_reason": "stop", "stop_reason": None,
+                  "logprobs": {"tokens": [f"token_id:{t}" for t in ids], "token_logprobs": [-0.5] * len(ids),
+                               "top_logprobs": [{f"token_id:{t}": -0.5} for t in ids]}}
+        return 200, {"id": "cmpl-1", "object": "text_completion", "choices": [choice]}
+
+    with JsonServer(handle) as server:
+        yield server, answers
+
+
+def test_judge_verdicts_are_recorded(scripted_policy_server: tuple[JsonServer, dict[str, str]], tmp_path: Path,
+                                     prefect_harness: Any) -> None:
+    from flows.evaluate import evaluate
+
+    policy, answers = scripted_policy_server
+    with JsonServer(fake_judge(fail_first=1)) as judge:
+        result = evaluate(config=str(TINY), runs_dir=str(tmp_path),
+                          overrides=[*FAST, "rollout.engine=remote", f"rollout.remote_url={policy.url}",
+                                     f"eval.judge_url={judge.url}/v1", "eval.judge_model=fake-judge"])
+    assert len(policy.requests) == 4  # 2 questions × 2 samples
+    assert len(judge.requests) == 1 + 4  # one 503, retried
+    assert {r["model"] for r in judge.requests} == {"fake-judge"}
+    rows = {r["question"]: r for r in pq.read_table(result["files"][DS]).to_pylist()}
+    good, bad = list(answers)
+    assert rows[good]["answers"] == [answers[good]] * 2 and rows[good]["judge_verdicts"] == ["correct"] * 2
+    assert rows[good]["judge_raw"] == ["CORRECT"] * 2 and rows[good]["judge_pass_at_1"] == 1.0
+    assert rows[bad]["judge_verdicts"] == ["incorrect"] * 2 and rows[bad]["judge_correct"] == 0
+    assert result["judge"][DS] == 0.5
+
+
+def test_judge_client_verdicts_over_http() -> None:
+    from infra.judge import JUDGE_USER_TEMPLATE, LLMJudge, chat_url, parse_verdict
+
+    assert parse_verdict("Incorrect.") == "incorrect" and parse_verdict("**CORRECT**") == "correct"
+    assert parse_verdict("I am not sure") == "unparsed"
+    assert chat_url("http://h:1") == chat_url("http://h:1/v1/") == "http://h:1/v1/chat/completions"
+    assert "{question}" in JUDGE_USER_TEMPLATE and "{answer}" in JUDGE_USER_TEMPLATE
+    with JsonServer(fake_judge(fail_first=2)) as server:
+        judge = LLMJudge(server.url, "m", backoff_s=0.01)
+        verdicts = judge.judge_many([("Q?", ["Paris"], "paris"), ("Q?", ["Paris"], "Rome"), ("Q?", ["x"], None)])
+        assert [v.verdict for v in verdicts] == ["correct", "incorrect", "no_answer"]
+        assert len(server.requests) == 2 + 2  # two 503s retried; no request for the missing answer
+        url = server.url
+    down = LLMJudge(url, retries=0, timeout_s=2).judge("Q?", ["a"], "a")  # server closed
+    assert down.verdict == "error" and not down.correct

@@ -1,0 +1,104 @@
+"""The sweep flow: 2 cells on the tiny config → a parent MLflow run with 2 nested runs and a comparison table;
+sweep files are validated cell by cell before anything runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+
+from aepo_core.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_SWEEP = REPO / "configs" / "sweeps" / "tiny.yaml"
+
+
+def test_sweep_of_two_cells_nests_runs_and_compares(prefect_harness: Any, tmp_path: Path) -> None:
+    from prefect.artifacts import Artifact
+
+    from flows.sweep import sweep
+    from infra.tracking import Tracker
+
+    result = sweep(sweep_config=str(TINY_SWEEP), runs_dir=str(tmp_path))
+
+    tracker = Tracker(result["tracking_uri"])
+    parent = tracker.client.get_run(result["parent_run_id"])
+    assert parent.info.run_name == "tiny-sweep" and parent.info.status == "FINISHED"
+    assert parent.data.tags["kind"] == "sweep"
+    children = tracker.search_runs(filter_string=f"tags.mlflow.parentRunId = '{result['parent_run_id']}'")
+    assert sorted(children["run_name"]) == ["tiny-sweep-aepo-s0", "tiny-sweep-grpo-s0"]
+    assert set(children["status"]) == {"FINISHED"}
+    assert sorted(children["tags.sweep_cell"]) == ["aepo", "grpo"]
+    assert sorted(children["params.rollout.mode"]) == ["aepo", "independent"]
+
+    out = tmp_path / "sweeps" / "tiny-sweep"
+    table = pd.read_csv(out / "comparison.csv")
+    assert list(table["cell"]) == ["aepo", "grpo"] and set(table["dataset"]) == {"synthetic_test"}
+    assert table["pass@1"].between(0, 1).all() and table["run_id"].isin(children["run_id"]).all()
+    assert len(pd.read_csv(out / "summary.csv")) == 2
+    assert (out / "comparison.png").stat().st_size > 1000
+    logged = {f.path for f in tracker.client.list_artifacts(result["parent_run_id"], "comparison")}
+    assert {"comparison/comparison.csv", "comparison/comparison.png", "comparison/comparison.md"} <= logged
+
+    artifact = Artifact.get("sweep-tiny-sweep")
+    assert artifact is not None and artifact.type == "markdown"
+    assert "## Per run" in artifact.data
+    assert "| aepo |" in artifact.data and result["parent_run_id"] in artifact.data
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "sweep.yaml"
+    path.write_text(text.replace("BASE", str(REPO / "configs" / "tiny.yaml")))
+    return path
+
+
+def test_grid_is_the_cross_product_plus_extra_cells(tmp_path: Path) -> None:
+    from flows.sweep import load_sweep
+
+    spec = load_sweep(_write(tmp_path, """
+name: g
+base: BASE
+overrides: ["train.steps=2"]
+seeds: [0, 1]
+grid:
+  mode: {aepo: {rollout.mode: aepo}, arpo: {rollout.mode: arpo}}
+  pen: {p0: {rollout.branch_penalty: 0}, p1: {rollout.branch_penalty: 0.1}}
+cells:
+  extra: {algorithm.loss: ppo_clip}
+"""))
+    assert list(spec.cells) == ["aepo-p0", "aepo-p1", "arpo-p0", "arpo-p1", "extra"]
+    assert len(spec.runs) == 10 and spec.runs[0].run_name == "g-aepo-p0-s0"
+    arpo_p1 = next(r for r in spec.runs if r.cell == "arpo-p1" and r.seed == 1)
+    assert (arpo_p1.config.rollout.mode, arpo_p1.config.rollout.branch_penalty, arpo_p1.config.seed) == ("arpo", 0.1, 1)
+    assert all(r.config.train.steps == 2 for r in spec.runs)
+
+
+def test_shipped_algorithms_sweep_is_valid() -> None:
+    from flows.sweep import load_sweep
+
+    spec = load_sweep(REPO / "configs" / "sweeps" / "algorithms.yaml")
+    assert spec.seeds == [0, 1, 2] and len(spec.runs) == 7 * 3
+    cfg = {r.cell: r.config for r in spec.runs if r.seed == 0}
+    assert (cfg["grpo"].rollout.mode, cfg["grpo"].algorithm.loss) == ("independent", "ppo_clip")
+    assert (cfg["arpo"].rollout.mode, cfg["arpo"].algorithm.entropy_advantage) == ("arpo", False)
+    assert cfg["aepo-no-premonitor"].rollout.premonitor is False
+    assert cfg["aepo-no-branch-penalty"].rollout.branch_penalty == 0
+    assert (cfg["aepo-no-clip-balance"].rollout.mode, cfg["aepo-no-clip-balance"].algorithm.loss) == ("aepo",
+                                                                                                    "ppo_clip")
+    assert cfg["aepo-no-entropy-advantage"].algorithm.entropy_advantage is False
+
+
+@pytest.mark.parametrize(("body", "needle"), [
+    ("cells: {bad: {rollout.k: -1}}", "cell bad"),
+    ("cells: {typo: {rollout.nope: 1}}", "rollout.nope"),
+    ("seeds: []", "seeds"),
+    ("grids: {}", "grids"),
+    ("cells: {x: {tracking.experiment: other}}", "tracking"),
+])
+def test_bad_sweep_fails_naming_the_problem(tmp_path: Path, body: str, needle: str) -> None:
+    from flows.sweep import load_sweep
+
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        load_sweep(_write(tmp_path, f"name: s\nbase: BASE\n{body}\n"))
