@@ -56,6 +56,10 @@ class RolloutConfig(Section):
     engine: Literal["hf", "remote"] = "hf"
     remote_url: str | None = Field(None, description="Base URL of an OpenAI-compatible completions server.")
     remote_model: str | None = None
+    remote_reload_url: str | None = Field(
+        None, description="After each update the weights are saved (HF format) and their path POSTed here as "
+        '{"path": …} so the server reloads them; None: the server keeps its weights (evaluation-only use).',
+    )
     k: int = Field(12, ge=1, description="Rollouts (leaves) per question: the group size.")
     initial_rollouts: int = Field(
         6, ge=1, description="Global samples per question when pre-monitoring is off (arpo mode, or aepo without it)."

@@ -114,7 +114,8 @@ class Experiment:
 
             if not r.remote_url:
                 raise ValueError("rollout.engine=remote needs rollout.remote_url")
-            return RemoteEngine(r.remote_url, r.remote_model or self.cfg.model.name, self.tokenizer)
+            return RemoteEngine(r.remote_url, r.remote_model or self.cfg.model.name, self.tokenizer,
+                                reload_url=r.remote_reload_url)
         from infra.engines.hf import HFEngine
 
         return HFEngine(self.model, self.tokenizer, seed=self.cfg.seed,
@@ -163,6 +164,12 @@ class Experiment:
         trees = [t for t in result.trees if t.question_id not in summary.uninformative_questions]
         metrics = self.updater.update(samples_from_trees(trees))
         self.step += 1
+        sync = getattr(self.engine, "sync_weights", None)
+        if sync is not None:  # a remote engine gets the new weights through its documented hook
+            path = self.runs_dir / "weights" / self.run_name / f"step-{self.step:06d}"
+            self.model.save_pretrained(path)
+            self.tokenizer.save_pretrained(path)
+            sync(str(path))
         return metrics
 
     def store_step(self, step: int, result: RolloutResult) -> list[str]:

@@ -52,7 +52,9 @@ class RemoteEngine:
         retry_backoff_s: float = 1.0,
         workers: int = 64,
         api_key: str | None = None,
+        reload_url: str | None = None,
     ) -> None:
+        self.reload_url = reload_url
         self.url = base_url.rstrip("/") + "/v1/completions"
         self.model = model
         self.tokenizer = tokenizer
@@ -80,6 +82,16 @@ class RemoteEngine:
             return []
         with ThreadPoolExecutor(max_workers=min(self.workers, len(requests))) as pool:
             return list(pool.map(lambda r: self._one(r, sampling), requests))
+
+    def sync_weights(self, path: str) -> None:
+        """The weight-update hook: ask the server to load the HF checkpoint at ``path`` (a shared filesystem)."""
+        if not self.reload_url:
+            log.warning("rollout.remote_reload_url is not set: the server keeps sampling from its old weights")
+            return
+        request = urllib.request.Request(self.reload_url, data=json.dumps({"path": path}).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
+            resp.read()
 
     # ------------------------------------------------------------------ internals
     def _payload(self, req: GenerationRequest, sampling: SamplingParams) -> dict[str, Any]:

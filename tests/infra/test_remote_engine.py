@@ -62,3 +62,31 @@ def test_scheduler_runs_on_the_remote_engine(server, tiny_policy, tiny_engine):
     for leaf in tree.leaves:
         assert len(tree.response_ids(leaf)) <= 24
         assert all(n.entropy_is_estimate for n in tree.path(leaf) if n.kind == "model")
+
+
+def test_weight_sync_hook_posts_the_checkpoint_path(tiny_policy):
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    received = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            return
+
+        def do_POST(self):
+            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/reload"
+        RemoteEngine("http://127.0.0.1:9", "tiny", tiny_policy[1], reload_url=url).sync_weights("/shared/ckpt")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert received == [{"path": "/shared/ckpt"}]
