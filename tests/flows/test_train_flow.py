@@ -128,7 +128,8 @@ def _run(runs: Path, resume: bool, steps: int, model_cache: Path) -> subprocess.
     args = [sys.executable, str(ROOT / "tests/flows/run_train.py"), str(TINY), str(runs),
             "resume" if resume else "fresh", f"train.steps={steps}", "checkpoint.every=1", "checkpoint.keep=3",
             "data.max_questions=8", "train.batch_size=2", "eval.max_questions=1", "tracking.log_model=false"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "AEPO_MODEL_CACHE": str(model_cache)}
+    # One thread each: the straight and the killed run share the CPU, and oversubscribed torch crawls.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "AEPO_MODEL_CACHE": str(model_cache), "OMP_NUM_THREADS": "1"}
     env.pop("PREFECT_API_URL", None)
     log = open(runs / ("resume.log" if resume else "run.log"), "w")
     return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
