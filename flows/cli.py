@@ -1,0 +1,645 @@
+"""The ``aepo`` command line: train, evaluate, sweep, serve, and look at what runs left behind.
+
+All state lives under one runs directory (``--runs-dir``, else ``$AEPO_RUNS_DIR``, else the config's
+``storage.runs_dir``, default ``./runs``)::
+
+    runs/mlflow.db  runs/mlartifacts/   MLflow tracking store and artifacts
+    runs/prefect/                       PREFECT_HOME (the ephemeral API's SQLite database, results, profiles)
+    runs/trajectories/                  Parquet trajectory store (trajectories/ and nodes/ tables)
+    runs/checkpoints/<run name>/        checkpoints
+    runs/eval/<run name>/<dataset>.parquet   per-question evaluation results
+    runs/sweeps/<sweep name>/           sweep comparison tables and plot
+
+Prefect reads its settings when it is imported, so this module imports no flow (hence no Prefect) at the top:
+each command validates its inputs first — a bad config exits with status 2 and a one-line message before
+anything is created — then sets ``PREFECT_HOME`` and the ephemeral-server settings, then imports its flow.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+import yaml
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from aepo_core.config import ConfigError, ExperimentConfig, build_config
+
+log = logging.getLogger(__name__)
+
+RUNS_ENV = "AEPO_RUNS_DIR"
+DEFAULT_RUNS_DIR = "runs"
+EXIT_USAGE = 2
+PREFECT_ENV = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+
+app = typer.Typer(name="aepo", help="Agentic entropy-balanced policy optimization: experiments on Prefect + MLflow.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+config_app = typer.Typer(help="Inspect experiment configs.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="Experiment config YAML.")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="Dotted override key=value (repeatable).")]
+RunsOpt = Annotated[str | None, typer.Option("--runs-dir", envvar=RUNS_ENV, show_envvar=True,
+                                             help="Where all state goes (default: the config's storage.runs_dir, "
+                                                  "./runs).")]
+
+
+# ---------------------------------------------------------------------------------------------- plumbing
+
+
+def _out() -> Console:
+    return Console()
+
+
+def _err() -> Console:
+    return Console(stderr=True)
+
+
+def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
+    """One line on stderr, then exit (2: bad input, nothing was created)."""
+    _err().print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def resolve_runs_dir(option: str | None, cfg: ExperimentConfig | None = None) -> Path:
+    """--runs-dir / $AEPO_RUNS_DIR (typer fills ``option`` from both), else the config's, else ./runs."""
+    raw = option or (cfg.storage.runs_dir if cfg is not None else DEFAULT_RUNS_DIR)
+    return Path(raw).expanduser().resolve()
+
+
+def prepare_environment(runs: Path) -> None:
+    """Point Prefect at ``<runs>/prefect`` before it is imported (afterwards its settings are fixed: then this
+    only warns, e.g. under a test harness that already configured Prefect)."""
+    home = runs / "prefect"
+    if "prefect" in sys.modules:
+        log.debug("prefect already imported: PREFECT_HOME stays %s", os.environ.get("PREFECT_HOME"))
+        return
+    home.mkdir(parents=True, exist_ok=True)
+    os.environ["PREFECT_HOME"] = str(home)
+    for key, value in PREFECT_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def check_datasets(cfg: ExperimentConfig) -> None:
+    """Every dataset the config names must exist (synthetic ones always do): fail before any run is created."""
+    from infra.data.loaders import resolve_spec
+    from infra.experiment import is_synthetic
+
+    specs = [("data.train", cfg.data.train), ("data.validation", cfg.data.validation)]
+    specs += [(f"eval.datasets[{i}]", d) for i, d in enumerate(cfg.eval.datasets)]
+    for key, spec in specs:
+        if spec and not is_synthetic(spec):
+            try:
+                resolve_spec(spec, cfg.data.data_root)
+            except FileNotFoundError as exc:
+                raise ConfigError(f"{key}: {exc}") from None
+
+
+def load_checked_config(path: Path | None, sets: Sequence[str] | None) -> ExperimentConfig:
+    """The config with overrides, its datasets checked; exits 2 with the problem named."""
+    from infra.config_files import load_config
+
+    try:
+        cfg = load_config(path, list(sets or []))
+        check_datasets(cfg)
+    except ConfigError as exc:
+        fail(str(exc))
+    return cfg
+
+
+def _with_runs_dir(cfg: ExperimentConfig, runs: Path) -> ExperimentConfig:
+    """Record the runs dir actually used in the config (so the logged config re-runs the same way)."""
+    return build_config(cfg.to_dict(), {"storage.runs_dir": str(runs)})
+
+
+class _LogProgress(logging.Handler):
+    """Turns the flows' log lines into progress updates (the flows stay unaware of the CLI)."""
+
+    def __init__(self, rules: Sequence[tuple[re.Pattern[str], Callable[[re.Match[str]], None]]]) -> None:
+        super().__init__(logging.INFO)
+        self.rules = rules
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = record.getMessage()
+        except Exception:
+            return
+        for pattern, action in self.rules:
+            m = pattern.match(msg)
+            if m:
+                action(m)
+
+
+@contextmanager
+def flow_progress(label: str, total: int | None,
+                  rules: Callable[[Progress, Any], Sequence[tuple[re.Pattern[str], Callable[[re.Match[str]], None]]]]
+                  ) -> Iterator[Progress]:
+    """A rich progress bar fed by the Prefect run loggers while a flow runs."""
+    progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=_err(), transient=False)
+    task = progress.add_task(label, total=total)
+    handler = _LogProgress(rules(progress, task))
+    loggers = [logging.getLogger("prefect.task_runs"), logging.getLogger("prefect.flow_runs")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    try:
+        with progress:
+            yield progress
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
+
+
+def _train_rules(progress: Progress, task: Any) -> list[tuple[re.Pattern[str], Callable[[re.Match[str]], None]]]:
+    return [
+        (re.compile(r"^run (\S+) \(MLflow (\w+)\): (\d+) RL steps"),
+         lambda m: progress.update(task, total=int(m.group(3)), description=f"{m.group(1)}: training")),
+        (re.compile(r"^step (\d+) rollout"), lambda m: progress.update(task, description=f"step {m.group(1)}: update")),
+        (re.compile(r"^step (\d+) update"),
+         lambda m: progress.update(task, completed=int(m.group(1)), description=f"step {m.group(1)} done")),
+        (re.compile(r"^eval (\S+) \[(\S+)\]"),
+         lambda m: progress.update(task, description=f"evaluated {m.group(1)} ({m.group(2)})")),
+    ]
+
+
+def _fmt(x: Any, digits: int = 3) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, float):
+        return "–" if math.isnan(x) else f"{x:.{digits}f}"
+    return str(x)
+
+
+def _eval_table(title: str, summaries: dict[str, dict[str, float]], k: int,
+                extra: dict[str, float] | None = None) -> Table:
+    table = Table(title=title, title_justify="left")
+    for col in ("dataset", "questions", "pass@1 [95% CI]", f"pass@{k}", "F1", "tool calls/q", "answered"):
+        table.add_column(col, overflow="fold")
+    if extra is not None:
+        table.add_column("judge pass@1")
+    for ds, s in summaries.items():
+        row = [ds, _fmt(s.get("questions"), 0),
+               f"{_fmt(s['pass@1'])} [{_fmt(s['pass@1_ci_low'])}, {_fmt(s['pass@1_ci_high'])}]",
+               _fmt(s.get(f"pass@{k}")), _fmt(s.get("f1")), _fmt(s.get("tool_calls_per_question"), 2),
+               _fmt(s.get("answered_rate"), 2)]
+        if extra is not None:
+            row.append(_fmt(extra.get(ds)))
+        table.add_row(*row)
+    return table
+
+
+def _where_table(rows: Sequence[tuple[str, str]]) -> Table:
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def _ui_hint(tracking_uri: str, runs: Path) -> str:
+    return (f"browse: `mlflow ui --backend-store-uri {tracking_uri}` or `aepo ui --runs-dir {runs}` "
+            "(Prefect + MLflow)")
+
+
+# ---------------------------------------------------------------------------------------------- train
+
+
+@app.command()
+def train(
+    config: ConfigOpt,
+    set_: SetOpt = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's last checkpoint.")] = False,
+    runs_dir: RunsOpt = None,
+    run_name: Annotated[str | None, typer.Option("--run-name", help="Run name (default: the config's).")] = None,
+    force_resume: Annotated[bool, typer.Option("--force-resume", help="Resume despite config changes.")] = False,
+) -> None:
+    """Train a policy (cold-start SFT if configured, RL steps, final evaluation), tracked in MLflow."""
+    cfg = load_checked_config(config, set_)
+    runs = resolve_runs_dir(runs_dir, cfg)
+    cfg = _with_runs_dir(cfg, runs)
+    prepare_environment(runs)
+    from flows.train import train as train_flow
+
+    try:
+        with flow_progress(f"{run_name or cfg.tracking.run_name or cfg.name}: starting", cfg.train.steps,
+                           _train_rules):
+            result = train_flow(config=cfg, resume=resume, runs_dir=str(runs), run_name=run_name,
+                                force_resume=force_resume)
+    except Exception as exc:
+        fail(f"training failed: {exc}", code=1)
+    out = _out()
+    out.print(_eval_table(f"aepo train: {result['run_name']} — final evaluation after {result['steps']} steps",
+                          result["final_eval"], cfg.eval.pass_k))
+    out.print(_where_table([
+        ("MLflow run", f"{result['run_id']}  ({result['tracking_uri']})"),
+        ("checkpoints", result["checkpoint_dir"]),
+        ("trajectories", result["trajectories"]),
+        ("runs dir", result["runs_dir"]),
+    ]))
+    out.print(escape(_ui_hint(result["tracking_uri"], runs)))
+
+
+# ---------------------------------------------------------------------------------------------- eval
+
+
+@app.command("eval")
+def eval_(
+    checkpoint: Annotated[str | None, typer.Option("--checkpoint", help="Checkpoint dir (step-NNNNNN) or a run's "
+                                                   "checkpoint root (its newest); omit for the configured model.")],
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="Config YAML (default: the checkpoint's).")
+                      ] = None,
+    dataset: Annotated[list[str] | None, typer.Option("--dataset", "-d", help="Dataset to evaluate (repeatable; "
+                                                      "default: eval.datasets).")] = None,
+    set_: SetOpt = None,
+    runs_dir: RunsOpt = None,
+    run_name: Annotated[str | None, typer.Option("--run-name")] = None,
+    compare_to: Annotated[str | None, typer.Option("--compare-to", help="A previous evaluation's per-question "
+                                                   "Parquet (or its directory): paired Pass@1 difference.")] = None,
+) -> None:
+    """Evaluate a checkpoint: Pass@1/Pass@k with CIs, per-question Parquet, optional judge and paired comparison."""
+    base = load_checked_config(config, []) if config is not None else None
+    runs = resolve_runs_dir(runs_dir, base)
+    if compare_to is not None and not Path(compare_to).exists():
+        fail(f"--compare-to {compare_to}: no such file or directory")
+    prepare_environment(runs)
+    from flows.evaluate import evaluate, resolve_checkpoint, resolve_eval_config
+    from infra.training.checkpoint import CheckpointError
+
+    try:
+        ckpt = resolve_checkpoint(checkpoint)
+        cfg = resolve_eval_config(base, ckpt, set_, dataset)
+        check_datasets(cfg)
+    except (ConfigError, CheckpointError) as exc:
+        fail(str(exc))
+    cfg = _with_runs_dir(cfg, runs)
+    try:
+        with flow_progress("evaluating", len(cfg.eval.datasets) or None, _eval_rules):
+            result = evaluate(config=cfg, checkpoint=str(ckpt) if ckpt else None, runs_dir=str(runs),
+                              compare_to=compare_to, run_name=run_name)
+    except Exception as exc:
+        fail(f"evaluation failed: {exc}", code=1)
+    out = _out()
+    out.print(_eval_table(f"aepo eval: {result['run_name']} (step {result['checkpoint_step']})", result["summary"],
+                          result["pass_k"], result["judge"] if result["judge"] else None))
+    if result["compare"]:
+        cmp = Table(title=f"paired Pass@1 difference vs {compare_to}", title_justify="left")
+        for col in ("dataset", "questions", "diff", "95% CI"):
+            cmp.add_column(col)
+        for ds, c in result["compare"].items():
+            cmp.add_row(ds, _fmt(c["questions"], 0), f"{c['diff']:+.4f}", f"[{c['ci_low']:.4f}, {c['ci_high']:.4f}]")
+        out.print(cmp)
+    out.print(_where_table([("MLflow run", f"{result['run_id']}  ({result['tracking_uri']})"),
+                            ("per-question results", result["results_dir"])]))
+    out.print(escape(_ui_hint(result["tracking_uri"], runs)))
+
+
+def _eval_rules(progress: Progress, task: Any) -> list[tuple[re.Pattern[str], Callable[[re.Match[str]], None]]]:
+    return [(re.compile(r"^eval (\S+) \[(\S+)\]"),
+             lambda m: progress.update(task, advance=1, description=f"evaluated {m.group(1)}"))]
+
+
+# ---------------------------------------------------------------------------------------------- sweep
+
+
+def _sweep_runs_dir(option: str | None, path: Path) -> Path:
+    """--runs-dir / $AEPO_RUNS_DIR, else the sweep file's runs_dir (relative to the file), else ./runs."""
+    if option:
+        return Path(option).expanduser().resolve()
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        fail(f"cannot read sweep file {path}: {exc}")
+    value = raw.get("runs_dir") if isinstance(raw, dict) else None
+    if value:
+        p = Path(str(value)).expanduser()
+        return (p if p.is_absolute() else path.resolve().parent / p).resolve()
+    return Path(DEFAULT_RUNS_DIR).resolve()
+
+
+@app.command("sweep")
+def sweep_cmd(
+    config: Annotated[Path, typer.Option("--config", "-c", help="Sweep YAML (format: flows/sweep.py).")],
+    runs_dir: RunsOpt = None,
+) -> None:
+    """Run a grid of training runs (cells × seeds) nested under one MLflow run, then compare them."""
+    if not config.is_file():
+        fail(f"sweep file not found: {config}")
+    runs = _sweep_runs_dir(runs_dir, config)
+    prepare_environment(runs)
+    from flows.sweep import load_sweep, sweep
+
+    try:
+        spec = load_sweep(config)
+        for run in spec.runs:
+            check_datasets(run.config)
+    except ConfigError as exc:
+        fail(str(exc))
+
+    def rules(progress: Progress, task: Any) -> list[tuple[re.Pattern[str], Callable[[re.Match[str]], None]]]:
+        return [(re.compile(r"^sweep cell (\d+)/(\d+): (\S+)"),
+                 lambda m: progress.update(task, completed=int(m.group(1)) - 1, total=int(m.group(2)),
+                                           description=m.group(3)))]
+
+    try:
+        with flow_progress(f"sweep {spec.name}", len(spec.runs), rules) as progress:
+            result = sweep(sweep_config=str(config.resolve()), runs_dir=str(runs))
+            progress.update(progress.task_ids[0], completed=len(spec.runs), description=f"sweep {spec.name} done")
+    except Exception as exc:
+        fail(f"sweep failed: {exc}", code=1)
+    table = Table(title=f"aepo sweep: {result['name']} (parent MLflow run {result['parent_run_id']})",
+                  title_justify="left")
+    for col in ("cell", "seed", "status", "dataset", "pass@1", "95% CI", "pass@k", "tool calls/q", "reward"):
+        table.add_column(col, overflow="fold")
+    for r in result["runs"]:
+        table.add_row(r["cell"], str(r["seed"]), r["status"], r["dataset"], _fmt(r["pass@1"]),
+                      f"[{_fmt(r['pass@1_ci_low'])}, {_fmt(r['pass@1_ci_high'])}]", _fmt(r["pass@k"]),
+                      _fmt(r["tool_calls_per_question"], 2), _fmt(r["reward_mean"]))
+    out = _out()
+    out.print(table)
+    out.print(_where_table([(k, v) for k, v in result["files"].items()]))
+    out.print(escape(_ui_hint(result["tracking_uri"], runs)))
+
+
+# ---------------------------------------------------------------------------------------------- serve
+
+
+def _api_healthy(api_url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(api_url.rstrip("/") + "/health", timeout=timeout_s) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+@app.command()
+def serve(
+    runs_dir: RunsOpt = None,
+    config: Annotated[Path, typer.Option("--config", "-c", help="Default config of the train/evaluate "
+                                         "deployments.")] = Path("configs/tiny.yaml"),
+    sweep_file: Annotated[Path, typer.Option("--sweep", help="Sweep file of the scheduled sweep deployment.")
+                          ] = Path("configs/sweeps/tiny.yaml"),
+    cron: Annotated[str, typer.Option("--cron", help="Schedule of the sweep deployment ('' for none).")
+                    ] = "0 3 * * 1",
+    api_url: Annotated[str, typer.Option("--api-url", envvar="PREFECT_API_URL", help="Prefect server API.")
+                       ] = "http://127.0.0.1:4200/api",
+) -> None:
+    """Serve the train / evaluate / sweep deployments from this process (no work pool needed; Ctrl-C stops)."""
+    load_checked_config(config, [])
+    if not sweep_file.is_file():
+        fail(f"sweep file not found: {sweep_file}")
+    runs = resolve_runs_dir(runs_dir)
+    if not _api_healthy(api_url):
+        fail(f"no Prefect server at {api_url}: start one with `aepo ui --runs-dir {runs}` (or `prefect server "
+             "start`), or pass --api-url", code=1)
+    os.environ["PREFECT_API_URL"] = api_url
+    prepare_environment(runs)
+    from prefect import serve as prefect_serve
+
+    from flows.serve import build_deployments
+
+    deployments = build_deployments(runs, config, sweep_file, cron or None)
+    _out().print(f"serving {', '.join(d.name for d in deployments)} against {api_url}; runs dir {runs}; "
+                 "trigger them from the UI or `prefect deployment run 'aepo-train/train'`")
+    prefect_serve(*deployments)
+
+
+# ---------------------------------------------------------------------------------------------- runs
+
+
+def _tracking_uri(runs: Path, tracking_uri: str | None) -> str:
+    from infra.tracking import tracking_uri_for
+
+    uri = tracking_uri or tracking_uri_for(runs)
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        fail(f"no MLflow store at {uri} (nothing has run with --runs-dir {runs} yet)", code=1)
+    return uri
+
+
+def _first_metric(row: Any, pattern: re.Pattern[str]) -> float | None:
+    for key, value in row.items():
+        if pattern.match(str(key)) and value is not None and not (isinstance(value, float) and math.isnan(value)):
+            return float(value)
+    return None
+
+
+@app.command()
+def runs(
+    runs_dir: RunsOpt = None,
+    experiment: Annotated[str, typer.Option("--experiment", "-e", help="MLflow experiment.")] = "aepo",
+    limit: Annotated[int, typer.Option("--limit", "-n", help="Newest N runs.")] = 30,
+    tracking_uri: Annotated[str | None, typer.Option("--tracking-uri", help="Default: the runs dir's SQLite store.")
+                            ] = None,
+) -> None:
+    """Table of MLflow runs: name, kind, status, algorithm, final Pass@1 and reward."""
+    rdir = resolve_runs_dir(runs_dir)
+    uri = _tracking_uri(rdir, tracking_uri)
+    from infra.tracking import Tracker
+
+    frame = Tracker(uri, experiment=experiment).search_runs(max_results=limit)
+    table = Table(title=f"MLflow runs in {experiment!r} at {uri}", title_justify="left")
+    for col in ("started", "name", "run id", "kind", "status", "algorithm", "mode", "seed", "pass@1", "reward"):
+        table.add_column(col, overflow="fold")
+    pass1 = re.compile(r"^metrics\.eval/.+/pass_at_1$")
+    for _, row in frame.iterrows():
+        kind = row.get("tags.kind")
+        kind = kind if isinstance(kind, str) and kind else "train"
+        if isinstance(row.get("tags.sweep_name"), str) and kind == "train":
+            kind = f"train ({row['tags.sweep_name']})"
+        started = row["start_time"].strftime("%Y-%m-%d %H:%M") if row["start_time"] is not None else "–"
+        table.add_row(started, str(row["run_name"]), str(row["run_id"])[:12], kind, str(row["status"]),
+                      str(row.get("tags.algorithm", "–")), str(row.get("tags.mode", "–")),
+                      str(row.get("tags.seed", "–")), _fmt(_first_metric(row, pass1)),
+                      _fmt(row.get("metrics.rollout/reward_mean")))
+    out = _out()
+    out.print(table)
+    if frame.empty:
+        out.print("no runs yet")
+
+
+# ---------------------------------------------------------------------------------------------- trajectories
+
+
+def _resolve_store_run(store: Any, run: str, uri: str | None, experiment: str) -> str:
+    """A stored run id from a run id, a unique prefix of one, or an MLflow run name."""
+    stored = store.run_ids()
+    if run in stored:
+        return run
+    prefixed = [r for r in stored if r.startswith(run)]
+    if len(prefixed) == 1:
+        return prefixed[0]
+    if uri is not None:
+        from infra.tracking import Tracker
+
+        frame = Tracker(uri, experiment=experiment).search_runs(filter_string=f"attributes.run_name = '{run}'")
+        ids = [r for r in frame["run_id"] if r in stored] if not frame.empty else []
+        if ids:
+            return ids[0]  # newest first
+    listed = ", ".join(stored[:10]) + (" …" if len(stored) > 10 else "")
+    fail(f"no stored trajectories for run {run!r} in {store.uri} (stored runs: {listed or 'none'})", code=1)
+
+
+@app.command()
+def trajectories(
+    run: Annotated[str, typer.Argument(help="MLflow run id (or a unique prefix) or run name.")],
+    step: Annotated[int | None, typer.Option("--step", help="Per-question detail of one step.")] = None,
+    runs_dir: RunsOpt = None,
+    store_uri: Annotated[str | None, typer.Option("--store", help="Trajectory store (default: <runs>/trajectories;"
+                                                  " s3://… works).")] = None,
+    experiment: Annotated[str, typer.Option("--experiment", "-e")] = "aepo",
+) -> None:
+    """Summary of a run's stored rollout trees: per step, or per question with --step."""
+    from infra.store import TrajectoryStore
+    from infra.tracking import tracking_uri_for
+
+    rdir = resolve_runs_dir(runs_dir)
+    store = TrajectoryStore(store_uri or rdir / "trajectories")
+    db = tracking_uri_for(rdir)
+    run_id = _resolve_store_run(store, run, db if Path(db.removeprefix("sqlite:///")).is_file() else None,
+                                experiment)
+    cols = ["step", "question_id", "leaf_id", "sample_kind", "reward", "status", "num_tool_calls", "tool_errors",
+            "global_budget", "h_root"]
+    traj = store.read_trajectories(run_id, step=step, columns=cols)
+    nodes = store.read_nodes(run_id, step=step, columns=["step", "question_id", "branched"])
+    if traj.empty:
+        fail(f"run {run_id} has no stored trajectories{f' at step {step}' if step is not None else ''} "
+             f"(steps: {store.steps(run_id)})", code=1)
+    per_question = step is not None
+    key = "question_id" if per_question else "step"
+    title = (f"run {run_id} step {step}: per question" if per_question
+             else f"run {run_id}: {traj['step'].nunique()} steps in {store.uri}")
+    table = Table(title=title, title_justify="left")
+    lead = ["question", "m", "H_root"] if per_question else ["step", "questions"]
+    for col in (*lead, "leaves", "global", "branch", "branch points", "mean reward", "tool calls/leaf",
+                "tool errors", "statuses"):
+        table.add_column(col, overflow="fold")
+    branches = nodes.groupby(key)["branched"].sum() if not nodes.empty else {}
+    for value, g in traj.groupby(key, sort=True):
+        statuses = g["status"].value_counts()
+        first = ([str(value), str(int(g["global_budget"].iloc[0])), _fmt(float(g["h_root"].iloc[0]))]
+                 if per_question else [str(value), str(g["question_id"].nunique())])
+        table.add_row(*first, str(len(g)), str(int((g["sample_kind"] == "global").sum())),
+                      str(int((g["sample_kind"] == "branch").sum())), str(int(branches.get(value, 0))),
+                      _fmt(float(g["reward"].mean())), _fmt(float(g["num_tool_calls"].mean()), 2),
+                      str(int(g["tool_errors"].sum())), ", ".join(f"{s}:{n}" for s, n in statuses.items()))
+    _out().print(table)
+
+
+# ---------------------------------------------------------------------------------------------- ui
+
+
+def _wait_http(url: str, procs: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            return False
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.5)
+    return False
+
+
+def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+@app.command()
+def ui(
+    runs_dir: RunsOpt = None,
+    prefect_port: Annotated[int, typer.Option("--prefect-port")] = 4200,
+    mlflow_port: Annotated[int, typer.Option("--mlflow-port")] = 5000,
+    startup_timeout: Annotated[float, typer.Option("--startup-timeout", help="Seconds to wait for each UI.")] = 180,
+) -> None:
+    """Start the Prefect and MLflow servers on 127.0.0.1 (SQLite under the runs dir); Ctrl-C stops both."""
+    from infra.tracking import artifact_location_for, tracking_uri_for
+
+    rdir = resolve_runs_dir(runs_dir)
+    (rdir / "prefect").mkdir(parents=True, exist_ok=True)
+    bindir = Path(sys.executable).parent
+    env = {**os.environ, "PREFECT_HOME": str(rdir / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_UI_API_URL": f"http://127.0.0.1:{prefect_port}/api"}
+    env.pop("PREFECT_API_URL", None)
+    art = rdir / "mlartifacts"
+    commands = {
+        "prefect": [str(bindir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)],
+        "mlflow": [str(bindir / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port),
+                   "--backend-store-uri", tracking_uri_for(rdir), "--default-artifact-root",
+                   artifact_location_for(rdir), "--artifacts-destination", str(art), "--workers", "1"],
+    }
+    logs = rdir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    procs: list[subprocess.Popen[bytes]] = []
+    out = _out()
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # `kill` stops the servers too (finally)
+    try:
+        for name, cmd in commands.items():
+            with open(logs / f"{name}-server.log", "ab") as fh:
+                procs.append(subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT))
+        urls = {"Prefect": (f"http://127.0.0.1:{prefect_port}", f"http://127.0.0.1:{prefect_port}/api/health"),
+                "MLflow": (f"http://127.0.0.1:{mlflow_port}", f"http://127.0.0.1:{mlflow_port}/health")}
+        with out.status("starting the Prefect and MLflow servers…"):
+            for name, (_, health) in urls.items():
+                if not _wait_http(health, procs, startup_timeout):
+                    fail(f"the {name} server did not come up (logs in {logs})", code=1)
+        out.print(_where_table([
+            ("Prefect UI", urls["Prefect"][0]),
+            ("MLflow UI", urls["MLflow"][0]),
+            ("runs dir", str(rdir)),
+            ("server logs", str(logs)),
+        ]))
+        out.print(f"to send flow runs to this Prefect server: export PREFECT_API_URL=http://127.0.0.1:{prefect_port}"
+                  "/api   (Ctrl-C stops both servers)")
+        while all(p.poll() is None for p in procs):
+            time.sleep(1.0)
+        dead = [name for name, p in zip(commands, procs, strict=True) if p.poll() is not None]
+        fail(f"{', '.join(dead)} server exited (logs in {logs})", code=1)
+    except KeyboardInterrupt:
+        out.print("stopping…")
+    finally:
+        _stop(procs)
+        signal.signal(signal.SIGTERM, previous)
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+@config_app.command("show")
+def config_show(config: ConfigOpt, set_: SetOpt = None) -> None:
+    """Print the resolved config (defaults + file + overrides) as YAML."""
+    cfg = load_checked_config(config, set_)
+    typer.echo(cfg.to_yaml(), nl=False)
+
+
+def main() -> None:  # pragma: no cover - console entry point alternative
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

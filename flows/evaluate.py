@@ -1,0 +1,316 @@
+"""The evaluation flow: a checkpoint (or the configured model) on every evaluation dataset, tracked in MLflow.
+
+Per dataset: n samples per question at the evaluation temperature → unbiased Pass@1 / Pass@k with bootstrap
+95% CIs, EM, F1 and tool-use statistics, per dataset and per question family.  Optionally every final answer is
+judged by an LLM (``eval.judge_url``, see :mod:`infra.judge`), and, with ``compare_to``, the per-question Pass@1
+is compared with a previous evaluation on the same questions (mean difference with a paired bootstrap CI).
+
+Outputs:
+
+- an MLflow run of its own (tag ``kind=eval``, the checkpoint and its training run in tags), with the metrics
+  ``eval/<dataset>/…`` at the checkpoint's step, the per-question files and a JSON summary as artifacts;
+- per-question results as Parquet, ``<runs_dir>/eval/<run name>/<dataset>.parquet`` (written atomically), with
+  the columns of :data:`QUESTION_SCHEMA`; a later evaluation's ``compare_to`` points at this file or directory;
+- a Prefect table artifact with one row per dataset and per (dataset, family).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tempfile
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_table_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.context import get_run_context
+
+from aepo_core.config import ExperimentConfig, build_config
+from aepo_core.evaluation import paired_comparison
+from aepo_core.metrics import pass_at_k
+from infra.config_files import load_config
+from infra.data.rows import QuestionRow
+from infra.experiment import EvalReport, Experiment
+from infra.judge import LLMJudge, RecordingRewardFn
+from infra.tracking import Tracker
+from infra.training.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_checkpoint_state
+from tasks.rl import evaluate as evaluate_task
+from tasks.rl import report_metrics
+
+log = logging.getLogger(__name__)
+
+QUESTION_SCHEMA = pa.schema(
+    [
+        pa.field("eval_run_id", pa.string(), nullable=False),
+        pa.field("eval_run_name", pa.string(), nullable=False),
+        pa.field("checkpoint", pa.string()),
+        pa.field("checkpoint_step", pa.int64(), nullable=False),
+        pa.field("dataset", pa.string(), nullable=False),
+        pa.field("question_id", pa.string(), nullable=False),
+        pa.field("family", pa.string(), nullable=False),
+        pa.field("question", pa.string(), nullable=False),
+        pa.field("golds", pa.list_(pa.string()), nullable=False),
+        pa.field("n", pa.int32(), nullable=False),
+        pa.field("correct", pa.int32(), nullable=False),
+        pa.field("k", pa.int32(), nullable=False),
+        pa.field("pass_at_1", pa.float64(), nullable=False),
+        pa.field("pass_at_k", pa.float64(), nullable=False),
+        pa.field("em", pa.float64(), nullable=False),
+        pa.field("f1", pa.float64(), nullable=False),
+        pa.field("tool_calls_mean", pa.float64(), nullable=False),
+        pa.field("tool_error_rate", pa.float64(), nullable=False),
+        pa.field("answered_rate", pa.float64(), nullable=False),
+        pa.field("answers", pa.list_(pa.string())),
+        pa.field("judge_verdicts", pa.list_(pa.string())),
+        pa.field("judge_raw", pa.list_(pa.string())),
+        pa.field("judge_correct", pa.int32()),
+        pa.field("judge_pass_at_1", pa.float64()),
+    ],
+    metadata={"aepo.table": "eval_questions", "aepo.schema_version": "1"},
+)
+"""One row per question of one dataset.
+
+- ``eval_run_id`` / ``eval_run_name``: the evaluation's MLflow run; ``checkpoint`` / ``checkpoint_step``: what
+  was evaluated (null checkpoint and step 0: the configured model as loaded).
+- ``dataset``, ``question_id``, ``family``, ``question``, ``golds``: the question.
+- ``n`` samples, ``correct`` of them; ``k``; ``pass_at_1`` and ``pass_at_k`` (unbiased estimators).
+- ``em``, ``f1``, ``tool_calls_mean``, ``tool_error_rate``, ``answered_rate``: means over the samples.
+- ``answers``: each sample's final answer (null when it gave none).
+- ``judge_verdicts`` / ``judge_raw`` (per sample: ``correct`` / ``incorrect`` / ``no_answer`` / ``unparsed`` /
+  ``error`` and the judge's reply), ``judge_correct`` (count) and ``judge_pass_at_1``: null without a judge.
+"""
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def dataset_file_name(dataset: str) -> str:
+    """A dataset spec as a file stem: ``synthetic:test`` → ``synthetic_test``."""
+    return _UNSAFE.sub("_", dataset).strip("._") or "dataset"
+
+
+# ---------------------------------------------------------------------------------------------- parameters
+
+
+def resolve_eval_config(config: ExperimentConfig | dict[str, Any] | str | None, checkpoint: Path | None,
+                        overrides: Sequence[str] | None, datasets: Sequence[str] | None) -> ExperimentConfig:
+    """The config to evaluate with: the given one (object, dict or YAML path), else the checkpoint's own, else
+    the defaults; then the dotted overrides and the dataset list."""
+    if isinstance(config, str):
+        cfg = load_config(config)
+        tree = cfg.to_dict()
+    elif isinstance(config, ExperimentConfig):
+        tree = config.to_dict()
+    elif config is not None:
+        tree = dict(config)
+    elif checkpoint is not None:
+        tree = read_checkpoint_state(checkpoint).config or {}
+    else:
+        tree = {}
+    cfg = build_config(tree, list(overrides or []), source="evaluate parameters")
+    if datasets:
+        cfg = build_config(cfg.to_dict(), {"eval.datasets": list(datasets)}, source="evaluate datasets")
+    return cfg
+
+
+def resolve_checkpoint(path: str | os.PathLike[str] | None) -> Path | None:
+    """A checkpoint directory (``step-NNNNNN``) or a run's checkpoint root (its newest complete checkpoint)."""
+    if path is None:
+        return None
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise CheckpointError(f"checkpoint {p} does not exist")
+    if (p / "manifest.json").is_file():
+        return p
+    latest = latest_checkpoint(p)
+    if latest is None:
+        raise CheckpointError(f"{p} is neither a checkpoint nor a directory holding complete checkpoints")
+    return latest
+
+
+def read_question_results(path: str | os.PathLike[str]) -> dict[str, dict[str, float]]:
+    """Per-question Pass@1 of a previous evaluation (a ``<dataset>.parquet`` or its run directory), by dataset."""
+    p = Path(path).expanduser()
+    files = sorted(p.glob("*.parquet")) if p.is_dir() else [p]
+    if not files or not all(f.is_file() for f in files):
+        raise FileNotFoundError(f"compare_to {p}: no per-question Parquet file there")
+    out: dict[str, dict[str, float]] = {}
+    for f in files:
+        table = pq.read_table(f, columns=["dataset", "question_id", "pass_at_1"]).to_pylist()
+        for row in table:
+            out.setdefault(row["dataset"], {})[row["question_id"]] = float(row["pass_at_1"])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- tasks
+
+
+@task(name="judge", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
+def judge_answers(url: str, model: str | None, dataset: str,
+                  items: list[tuple[str, list[str], str | None]]) -> list[dict[str, Any]]:
+    """Every final answer through the LLM judge (verdict dicts in input order)."""
+    judge = LLMJudge(url, model)
+    verdicts = [v.as_dict() for v in judge.judge_many(items)]
+    counts: dict[str, int] = {}
+    for v in verdicts:
+        counts[v["verdict"]] = counts.get(v["verdict"], 0) + 1
+    get_run_logger().info("judge %s on %s: %d answers, %s", judge.url, dataset, len(items), counts)
+    return verdicts
+
+
+@task(name="write_results", cache_policy=NO_CACHE, retries=1)
+def write_results(rows: list[dict[str, Any]], path: str) -> str:
+    """The per-question Parquet, atomically (temporary name in the same directory, fsync, rename)."""
+    table = pa.Table.from_pylist(rows, schema=QUESTION_SCHEMA)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            pq.write_table(table, fh, compression="zstd")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    get_run_logger().info("wrote %d question rows to %s", table.num_rows, out)
+    return str(out)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def _question_rows(report: EvalReport, rows_by_id: dict[str, QuestionRow], k: int,
+                   answers: dict[str, list[str | None]], verdicts: dict[str, list[dict[str, Any]]] | None,
+                   base: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for o in report.outcomes:
+        row = rows_by_id[o.question_id]
+        v = verdicts.get(o.question_id) if verdicts is not None else None
+        judged = sum(x["correct"] for x in v) if v is not None else None
+        out.append({**base, "dataset": report.dataset, "question_id": o.question_id, "family": o.family,
+                    "question": row.question, "golds": list(row.golds), "n": o.n, "correct": o.correct, "k": k,
+                    "pass_at_1": pass_at_k(o.n, o.correct, 1), "pass_at_k": pass_at_k(o.n, o.correct, min(k, o.n)),
+                    "em": o.em_mean, "f1": o.f1_mean, "tool_calls_mean": o.tool_calls_mean,
+                    "tool_error_rate": o.tool_error_rate, "answered_rate": o.answered_rate,
+                    "answers": answers.get(o.question_id),
+                    "judge_verdicts": [x["verdict"] for x in v] if v is not None else None,
+                    "judge_raw": [x["raw"] for x in v] if v is not None else None,
+                    "judge_correct": judged, "judge_pass_at_1": judged / o.n if v is not None else None})
+    return out
+
+
+def _table_rows(report: EvalReport, k: int, judge_acc: float | None) -> list[dict[str, Any]]:
+    def row(family: str, s: dict[str, float]) -> dict[str, Any]:
+        return {"dataset": report.dataset, "family": family, "questions": int(s["questions"]),
+                "pass@1": round(s["pass@1"], 4),
+                "pass@1 95% CI": f"[{s['pass@1_ci_low']:.3f}, {s['pass@1_ci_high']:.3f}]",
+                f"pass@{k}": round(s[f"pass@{k}"], 4), "em": round(s["em"], 4), "f1": round(s["f1"], 4),
+                "tool calls/q": round(s["tool_calls_per_question"], 3), "answered": round(s["answered_rate"], 3),
+                "judge": round(judge_acc, 4) if judge_acc is not None and family == "all" else None}
+
+    return [row("all", report.summary)] + [row(fam or "-", s) for fam, s in report.by_family.items()]
+
+
+def _flow_run_id() -> str | None:
+    fr = getattr(get_run_context(), "flow_run", None)
+    return str(fr.id) if fr is not None else None
+
+
+# ---------------------------------------------------------------------------------------------- the flow
+
+
+@flow(name="aepo-evaluate", log_prints=True)
+def evaluate(
+    config: ExperimentConfig | dict[str, Any] | str | None = None,
+    checkpoint: str | None = None,
+    overrides: list[str] | None = None,
+    runs_dir: str | None = None,
+    datasets: list[str] | None = None,
+    compare_to: str | None = None,
+    run_name: str | None = None,
+) -> dict[str, Any]:
+    """Evaluate a checkpoint (None: the configured model) on every dataset; returns summaries and file paths."""
+    logger = get_run_logger()
+    ckpt = resolve_checkpoint(checkpoint)
+    cfg = resolve_eval_config(config, ckpt, overrides, datasets)
+    previous = read_question_results(compare_to) if compare_to else None
+    runs = Path(runs_dir or cfg.storage.runs_dir)
+    runs.mkdir(parents=True, exist_ok=True)
+
+    exp = Experiment(cfg, runs, run_name=run_name)
+    state = load_checkpoint(ckpt, model=exp.model, restore_rng=False) if ckpt is not None else None
+    step = state.step if state is not None else 0
+    name = run_name or f"{cfg.name}-eval-step{step}-{uuid.uuid4().hex[:6]}"
+    eval_sets = exp.eval_datasets()
+    if not eval_sets:
+        raise ValueError("nothing to evaluate: set eval.datasets (or data.validation)")
+    if previous is not None and not set(previous) & set(eval_sets):
+        raise ValueError(f"compare_to {compare_to} holds datasets {sorted(previous)}, none of {eval_sets}")
+
+    tracker = Tracker.from_config(cfg, runs, system_metrics=False)
+    tags = {"kind": "eval", "checkpoint": str(ckpt) if ckpt else "", "checkpoint_step": step,
+            "source_run_id": (state.run_id if state else None) or "", "compare_to": compare_to or ""}
+    run_id = tracker.start(cfg, run_name=name, tags=tags, flow_run_id=_flow_run_id())
+    out_dir = runs / "eval" / name
+    logger.info("evaluating %s (step %d) on %s → MLflow run %s, results in %s", ckpt or cfg.model.name, step,
+                ", ".join(eval_sets), run_id, out_dir)
+    recorder = RecordingRewardFn(exp.reward_fn)
+    exp.reward_fn = recorder
+    k = cfg.eval.pass_k
+    summaries: dict[str, dict[str, float]] = {}
+    by_family: dict[str, dict[str, dict[str, float]]] = {}
+    files: dict[str, str] = {}
+    judged: dict[str, float] = {}
+    compared: dict[str, dict[str, float]] = {}
+    table: list[dict[str, Any]] = []
+    status = "FAILED"
+    try:
+        for ds in eval_sets:
+            report = evaluate_task.with_options(timeout_seconds=cfg.train.eval_timeout_s)(exp, ds, "eval")
+            rows_by_id = {r.id: r for r in exp.load_rows(ds)}
+            answers = recorder.answers_for(report.outcomes, {q: r.golds for q, r in rows_by_id.items()})
+            recorder.responses.clear()
+            metrics = report_metrics(report, k)
+            verdicts = None
+            if cfg.eval.judge_url:
+                items = [(rows_by_id[q].question, list(rows_by_id[q].golds), a) for q in answers for a in answers[q]]
+                flat = judge_answers(cfg.eval.judge_url, cfg.eval.judge_model, ds, items)
+                verdicts, pos = {}, 0
+                for q, samples in answers.items():
+                    verdicts[q] = flat[pos: pos + len(samples)]
+                    pos += len(samples)
+                judged[ds] = sum(sum(v["correct"] for v in vs) / len(vs) for vs in verdicts.values()) / len(verdicts)
+                metrics[f"eval/{ds.replace(':', '_')}/judge_pass@1"] = judged[ds]
+            base = {"eval_run_id": run_id, "eval_run_name": name, "checkpoint": str(ckpt) if ckpt else None,
+                    "checkpoint_step": step}
+            rows = _question_rows(report, rows_by_id, k, answers, verdicts, base)
+            files[ds] = write_results(rows, str(out_dir / f"{dataset_file_name(ds)}.parquet"))
+            if previous is not None and ds in previous:
+                cmp = paired_comparison(report.per_question_pass1, previous[ds],
+                                        n_resamples=cfg.eval.bootstrap_samples, seed=cfg.seed)
+                compared[ds] = cmp
+                metrics.update({f"compare/{ds.replace(':', '_')}/pass@1_{key}": v for key, v in cmp.items()})
+                logger.info("paired Pass@1 vs %s on %s: %+.4f [%.4f, %.4f] over %d questions", compare_to, ds,
+                            cmp["diff"], cmp["ci_low"], cmp["ci_high"], int(cmp["questions"]))
+            tracker.log_metrics(metrics, step)
+            summaries[ds], by_family[ds] = report.summary, report.by_family
+            table.extend(_table_rows(report, k, judged.get(ds)))
+        tracker.log_artifact(out_dir, "eval")
+        tracker.log_dict({"summary": summaries, "by_family": by_family, "judge_pass@1": judged,
+                          "compare": compared, "compare_to": compare_to}, "eval/summary.json")
+        status = "FINISHED"
+    finally:
+        tracker.finish(status)
+    create_table_artifact(table=table, key=None, description=f"evaluation {name} of {ckpt or cfg.model.name}")
+    return {"run_id": run_id, "run_name": name, "checkpoint": str(ckpt) if ckpt else None, "checkpoint_step": step,
+            "runs_dir": str(runs), "results_dir": str(out_dir), "files": files, "summary": summaries,
+            "by_family": by_family, "judge": judged, "compare": compared, "tracking_uri": tracker.tracking_uri,
+            "pass_k": k}

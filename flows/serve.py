@@ -1,0 +1,44 @@
+"""Deployments of the train / evaluate / sweep flows for ``prefect.serve`` (``aepo serve``).
+
+For users without a work pool: one long-running process polls the Prefect API for runs of these deployments
+and executes them in subprocesses.  With a process work pool, ``prefect.yaml`` declares the same deployments
+(``prefect deploy --all`` then ``prefect worker start --pool aepo-process``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from flows.evaluate import evaluate
+from flows.sweep import sweep
+from flows.train import train
+from infra.config_files import load_config
+
+DEFAULT_CONFIG = "configs/tiny.yaml"
+DEFAULT_SWEEP = "configs/sweeps/tiny.yaml"
+DEFAULT_SWEEP_CRON = "0 3 * * 1"  # Mondays 03:00
+
+
+def build_deployments(runs_dir: str | Path = "runs", config: str | Path = DEFAULT_CONFIG,
+                      sweep_file: str | Path = DEFAULT_SWEEP, sweep_cron: str | None = DEFAULT_SWEEP_CRON) -> list[Any]:
+    """RunnerDeployments named ``train``, ``evaluate`` and ``sweep`` (the last on ``sweep_cron``; None: no schedule).
+
+    The train deployment's ``config`` parameter is the resolved config (the UI renders it as a form); the
+    evaluate and sweep deployments take file paths, resolved to absolute paths here so runs do not depend on
+    the serving process's working directory.
+    """
+    cfg = load_config(config)
+    runs = str(Path(runs_dir).expanduser().resolve())
+    return [
+        train.to_deployment(name="train", parameters={"config": cfg.to_dict(), "runs_dir": runs},
+                            description="RL training run (edit the config form; overrides as dotted key=value)",
+                            tags=["aepo"]),
+        evaluate.to_deployment(name="evaluate",
+                               parameters={"config": str(Path(config).resolve()), "checkpoint": None,
+                                           "runs_dir": runs},
+                               description="Evaluate a checkpoint (None: the configured model)", tags=["aepo"]),
+        sweep.to_deployment(name="sweep", cron=sweep_cron,
+                            parameters={"sweep_config": str(Path(sweep_file).resolve()), "runs_dir": runs},
+                            description="Scheduled sweep of training runs with a comparison table", tags=["aepo"]),
+    ]

@@ -1,0 +1,358 @@
+"""The sweep flow: a grid of training runs over config overrides, compared in one table.
+
+Each (cell, seed) is a child ``train`` flow run and a nested MLflow run under one parent run named after the
+sweep; the sweep ends with a comparison table built from ``mlflow.search_runs`` over the children (a markdown
+Prefect artifact, CSVs and a PNG, logged to the parent run and written to ``<runs_dir>/sweeps/<name>/``).
+Cells run one after another (CPU); on a work pool, run several sweeps or shard the grid across deployments.
+
+Sweep file (YAML; relative paths are relative to the sweep file)::
+
+    name: algorithms              # parent MLflow run name; output directory <runs_dir>/sweeps/<name>/
+    base: ../tiny.yaml            # the experiment config every cell starts from (default: built-in defaults)
+    overrides:                    # dotted overrides applied to every cell (a mapping or a list of "k=v")
+      train.steps: 4
+    seeds: [0, 1, 2]              # every cell runs once per seed (sets `seed`); default: the base config's seed
+    grid:                         # axes → levels → overrides; the cells are the cross product of the levels,
+      algorithm:                  # named by joining the level names with "-" (one axis: the level name)
+        aepo: {rollout.mode: aepo, algorithm.loss: aepo}
+        grpo: {rollout.mode: independent, algorithm.loss: ppo_clip, algorithm.entropy_advantage: false}
+    cells:                        # extra cells after the grid: name → overrides (e.g. ablations)
+      aepo-no-premonitor: {rollout.mode: aepo, algorithm.loss: aepo, rollout.premonitor: false}
+    runs_dir: runs                # optional; the flow's runs_dir parameter (or the CLI's --runs-dir) wins
+
+A child run is named ``<name>-<cell>-s<seed>`` and tagged ``sweep_name``, ``sweep_cell`` (its MLflow params hold
+the whole resolved config).  Every cell's config is validated before the first one runs, so a typo in the last
+ablation fails the sweep at once with the cell and key in the message.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+from matplotlib.figure import Figure
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from prefect.context import get_run_context
+
+from aepo_core.config import ConfigError, ExperimentConfig, build_config, parse_override
+from flows.train import train
+from infra.config_files import load_config
+from infra.plots import save_png
+from infra.tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+SPEC_KEYS = frozenset({"name", "base", "overrides", "seeds", "grid", "cells", "runs_dir", "description"})
+TAG_SWEEP = "sweep_name"
+TAG_CELL = "sweep_cell"
+RUN_COLUMNS = ["cell", "seed", "run_name", "run_id", "status", "dataset", "pass@1", "pass@1_ci_low",
+               "pass@1_ci_high", "k", "pass@k", "tool_calls_per_question", "answered_rate", "reward_mean",
+               "branch_samples", "max_branches_per_path"]
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_PASS1_RE = re.compile(r"^metrics\.eval/(?P<ds>.+)/pass_at_1$")
+
+
+@dataclass(frozen=True)
+class SweepRun:
+    """One child training run: a cell of the grid at one seed, with its fully resolved config."""
+
+    cell: str
+    seed: int
+    run_name: str
+    overrides: dict[str, Any]
+    config: ExperimentConfig = field(repr=False)
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """A parsed, validated sweep file (see the module docstring)."""
+
+    name: str
+    base: ExperimentConfig = field(repr=False)
+    base_source: str
+    overrides: dict[str, Any]
+    seeds: list[int]
+    cells: dict[str, dict[str, Any]]
+    runs_dir: str | None = None
+    runs: list[SweepRun] = field(default_factory=list, repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The sweep as plain data (logged to the parent run)."""
+        return {"name": self.name, "base": self.base_source, "overrides": self.overrides, "seeds": self.seeds,
+                "cells": self.cells, "runs": [r.run_name for r in self.runs]}
+
+
+def _override_map(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        return {str(k): v for k, v in value.items()}
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return dict(parse_override(v) for v in value)
+    raise ConfigError(f"sweep {where}: expected a mapping of dotted keys or a list of 'key=value'; got {value!r}")
+
+
+def _check_name(name: str, what: str) -> str:
+    if not _NAME_RE.match(name):
+        raise ConfigError(f"sweep {what} {name!r}: use letters, digits, '.', '_' or '-' (it names runs and files)")
+    return name
+
+
+def _grid_cells(grid: Any) -> dict[str, dict[str, Any]]:
+    if grid is None:
+        return {}
+    if not isinstance(grid, Mapping) or not grid:
+        raise ConfigError(f"sweep grid: expected a mapping axis → {{level: overrides}}; got {grid!r}")
+    axes = []
+    for axis, levels in grid.items():
+        if not isinstance(levels, Mapping) or not levels:
+            raise ConfigError(f"sweep grid.{axis}: expected a non-empty mapping level → overrides; got {levels!r}")
+        axes.append([(_check_name(str(lv), f"grid.{axis} level"), _override_map(ov, f"grid.{axis}.{lv}"))
+                     for lv, ov in levels.items()])
+    cells: dict[str, dict[str, Any]] = {}
+    for combo in itertools.product(*axes):
+        merged: dict[str, Any] = {}
+        for _, ov in combo:
+            merged.update(ov)
+        cells["-".join(lv for lv, _ in combo)] = merged
+    return cells
+
+
+def load_sweep(source: str | Path | Mapping[str, Any]) -> SweepSpec:
+    """Parse and validate a sweep (a YAML path or the same data as a dict); every cell × seed config is built,
+    so any bad key fails here with the cell named (:class:`ConfigError`)."""
+    if isinstance(source, Mapping):
+        raw, here, label = dict(source), Path.cwd(), "sweep parameters"
+    else:
+        path = Path(source).expanduser()
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"sweep file not found: {path}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"sweep file {path}: invalid YAML: {exc}") from None
+        here, label = path.resolve().parent, str(path)
+        if not isinstance(raw, dict):
+            raise ConfigError(f"sweep file {path}: expected a mapping at the top level")
+    unknown = sorted(set(raw) - SPEC_KEYS)
+    if unknown:
+        raise ConfigError(f"{label}: unknown sweep key(s) {unknown}; known: {sorted(SPEC_KEYS)}")
+    name = _check_name(str(raw.get("name") or "sweep"), "name")
+    base_ref = raw.get("base")
+    if base_ref is None:
+        base, base_source = load_config(None), "defaults"
+    else:
+        base_path = Path(str(base_ref)).expanduser()
+        base_path = base_path if base_path.is_absolute() else here / base_path
+        base, base_source = load_config(base_path), str(base_path.resolve())
+    common = _override_map(raw.get("overrides"), "overrides")
+    seeds_raw = raw.get("seeds")
+    seeds = [base.seed] if seeds_raw is None else seeds_raw
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool)
+                                                             for s in seeds):
+        raise ConfigError(f"{label}: seeds must be a non-empty list of integers; got {seeds_raw!r}")
+    cells = _grid_cells(raw.get("grid"))
+    extra = raw.get("cells") or {}
+    if not isinstance(extra, Mapping):
+        raise ConfigError(f"{label}: cells must be a mapping name → overrides; got {extra!r}")
+    for cell, ov in extra.items():
+        cell = _check_name(str(cell), "cell")
+        if cell in cells:
+            raise ConfigError(f"{label}: cell {cell!r} is defined twice (grid and cells)")
+        cells[cell] = _override_map(ov, f"cells.{cell}")
+    if not cells:
+        cells = {"base": {}}
+    runs = []
+    for cell, ov in cells.items():
+        for seed in seeds:
+            cfg = build_config(base.to_dict(), {**common, **ov, "seed": seed}, source=f"{label}, cell {cell}")
+            if (cfg.tracking.tracking_uri, cfg.tracking.experiment) != (base.tracking.tracking_uri,
+                                                                        base.tracking.experiment):
+                raise ConfigError(f"{label}, cell {cell}: tracking.* must match the base config (the children are "
+                                  "nested under one parent run in one MLflow experiment)")
+            runs.append(SweepRun(cell, seed, f"{name}-{cell}-s{seed}", {**common, **ov, "seed": seed}, cfg))
+    runs_dir = raw.get("runs_dir")
+    if runs_dir is not None and not Path(str(runs_dir)).expanduser().is_absolute():
+        runs_dir = str(here / str(runs_dir)) if not isinstance(source, Mapping) else str(runs_dir)
+    return SweepSpec(name, base, base_source, common, list(seeds), cells, runs_dir, runs)
+
+
+# ---------------------------------------------------------------------------------------------- comparison
+
+
+def _metric(row: pd.Series, key: str) -> float:
+    value = row.get(f"metrics.{key}")
+    return float(value) if value is not None and not pd.isna(value) else math.nan
+
+
+def comparison_frame(children: pd.DataFrame, spec: SweepSpec) -> pd.DataFrame:
+    """One row per (child run, evaluation dataset) from a ``search_runs`` frame, in the sweep's order."""
+    by_name = {r.run_name: r for r in spec.runs}
+    datasets = sorted({m.group("ds") for c in children.columns if (m := _PASS1_RE.match(c))})
+    rows = []
+    for _, child in children.iterrows():
+        run = by_name.get(child["run_name"])
+        if run is None:
+            continue
+        k = int(child.get("params.eval.pass_k") or run.config.eval.pass_k)
+        common = {"cell": run.cell, "seed": run.seed, "run_name": run.run_name, "run_id": child["run_id"],
+                  "status": child["status"], "k": k, "reward_mean": _metric(child, "rollout/reward_mean"),
+                  "branch_samples": _metric(child, "rollout/branch_samples"),
+                  "max_branches_per_path": _metric(child, "rollout/max_branches_per_path")}
+        for ds in datasets or [""]:
+            rows.append({**common, "dataset": ds, "pass@1": _metric(child, f"eval/{ds}/pass_at_1"),
+                         "pass@1_ci_low": _metric(child, f"eval/{ds}/pass_at_1_ci_low"),
+                         "pass@1_ci_high": _metric(child, f"eval/{ds}/pass_at_1_ci_high"),
+                         "pass@k": _metric(child, f"eval/{ds}/pass_at_{k}"),
+                         "tool_calls_per_question": _metric(child, f"eval/{ds}/tool_calls_per_question"),
+                         "answered_rate": _metric(child, f"eval/{ds}/answered_rate")})
+    frame = pd.DataFrame(rows, columns=RUN_COLUMNS)
+    order = {r.run_name: i for i, r in enumerate(spec.runs)}
+    return frame.sort_values(["run_name", "dataset"], key=lambda s: s.map(order) if s.name == "run_name" else s,
+                             kind="stable").reset_index(drop=True)
+
+
+def summary_frame(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per (cell, dataset): runs, mean / std (over seeds) / min / max Pass@1, mean Pass@k, reward, tool calls."""
+    if runs.empty:
+        return pd.DataFrame(columns=["cell", "dataset", "runs", "pass@1_mean", "pass@1_std", "pass@1_min",
+                                     "pass@1_max", "pass@k_mean", "reward_mean", "tool_calls_per_question"])
+    g = runs.groupby(["cell", "dataset"], sort=False)
+    out = g.agg(runs=("run_name", "count"), **{"pass@1_mean": ("pass@1", "mean"), "pass@1_std": ("pass@1", "std"),
+                                               "pass@1_min": ("pass@1", "min"), "pass@1_max": ("pass@1", "max"),
+                                               "pass@k_mean": ("pass@k", "mean")},
+                reward_mean=("reward_mean", "mean"), tool_calls_per_question=("tool_calls_per_question", "mean"))
+    out["pass@1_std"] = out["pass@1_std"].fillna(0.0)
+    return out.reset_index()
+
+
+def _fmt(x: Any, digits: int = 3) -> str:
+    if isinstance(x, float):
+        return "–" if math.isnan(x) else f"{x:.{digits}f}"
+    return str(x)
+
+
+def markdown_table(frame: pd.DataFrame, columns: list[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for _, row in frame.iterrows():
+        lines.append("| " + " | ".join(_fmt(row[c]) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def comparison_markdown(spec: SweepSpec, parent_run_id: str, tracking_uri: str, runs: pd.DataFrame,
+                        summary: pd.DataFrame) -> str:
+    return "\n".join([
+        f"# Sweep `{spec.name}`",
+        "",
+        f"- parent MLflow run `{parent_run_id}` at `{tracking_uri}`; {len(spec.runs)} child runs "
+        f"({len(spec.cells)} cells × seeds {spec.seeds}); base config `{spec.base_source}`",
+        "",
+        "## Per cell (mean over seeds)",
+        "",
+        markdown_table(summary, list(summary.columns)),
+        "",
+        "## Per run",
+        "",
+        markdown_table(runs, ["cell", "seed", "status", "dataset", "pass@1", "pass@1_ci_low", "pass@1_ci_high",
+                              "pass@k", "tool_calls_per_question", "reward_mean", "run_id"]),
+    ])
+
+
+def comparison_figure(runs: pd.DataFrame, title: str) -> Figure:
+    """Mean Pass@1 per cell (bars, ± std over seeds) with each seed's value as a dot; one panel per dataset."""
+    datasets = list(dict.fromkeys(runs["dataset"])) or [""]
+    fig = Figure(figsize=(max(5.0, 1.1 * runs["cell"].nunique() + 2), 3.2 * len(datasets)))
+    for i, ds in enumerate(datasets):
+        ax = fig.add_subplot(len(datasets), 1, i + 1)
+        sub = runs[runs["dataset"] == ds]
+        cells = list(dict.fromkeys(sub["cell"]))
+        stats = sub.groupby("cell", sort=False)["pass@1"].agg(["mean", "std"]).reindex(cells).fillna(0.0)
+        ax.bar(range(len(cells)), stats["mean"], yerr=stats["std"], capsize=4, color="#9ecae1", edgecolor="#3182bd")
+        for j, cell in enumerate(cells):
+            vals = sub[sub["cell"] == cell]["pass@1"].dropna()
+            ax.scatter([j] * len(vals), vals, color="#08306b", s=14, zorder=3)
+        ax.set_xticks(range(len(cells)), cells, rotation=20, ha="right")
+        ax.set_ylabel("pass@1")
+        ax.set_ylim(0, max(1e-3, float(sub["pass@1"].max(skipna=True) or 0)) * 1.15 + 0.01)
+        ax.set_title(f"{title} — {ds}" if ds else title)
+    fig.tight_layout()
+    return fig
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-") or "sweep"
+
+
+def _flow_run_id() -> str | None:
+    fr = getattr(get_run_context(), "flow_run", None)
+    return str(fr.id) if fr is not None else None
+
+
+# ---------------------------------------------------------------------------------------------- the flow
+
+
+@flow(name="aepo-sweep", log_prints=True)
+def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None) -> dict[str, Any]:
+    """Run every (cell, seed) of the sweep as a nested training run, then compare them; returns the tables' paths."""
+    logger = get_run_logger()
+    spec = load_sweep(sweep_config)
+    runs = Path(runs_dir or spec.runs_dir or spec.base.storage.runs_dir)
+    runs.mkdir(parents=True, exist_ok=True)
+    tracker = Tracker.from_config(spec.base, runs, system_metrics=False)
+    parent = tracker.start(spec.base, run_name=spec.name, flow_run_id=_flow_run_id(),
+                           tags={"kind": "sweep", TAG_SWEEP: spec.name, "sweep_cells": len(spec.cells),
+                                 "sweep_seeds": ",".join(map(str, spec.seeds))})
+    tracker.log_dict(spec.as_dict(), "sweep.json")
+    out_dir = runs / "sweeps" / spec.name
+    failed: list[str] = []
+    status = "FAILED"
+    try:
+        for i, run in enumerate(spec.runs, 1):
+            logger.info("sweep cell %d/%d: %s (%s)", i, len(spec.runs), run.run_name,
+                        ", ".join(f"{k}={v}" for k, v in run.overrides.items()))
+            state = train(config=run.config, runs_dir=str(runs), run_name=run.run_name, parent_run_id=parent,
+                          return_state=True)
+            if not state.is_completed():
+                failed.append(run.run_name)
+                logger.error("sweep run %s ended %s: %s", run.run_name, state.type.value, state.message)
+        children = tracker.search_runs(filter_string=f"tags.mlflow.parentRunId = '{parent}'")
+        for _, child in children.iterrows():
+            cell = next((r.cell for r in spec.runs if r.run_name == child["run_name"]), None)
+            if cell is not None:
+                tracker.client.set_tag(child["run_id"], TAG_CELL, cell)
+                tracker.client.set_tag(child["run_id"], TAG_SWEEP, spec.name)
+        per_run = comparison_frame(children, spec)
+        summary = summary_frame(per_run)
+        markdown = comparison_markdown(spec, parent, tracker.tracking_uri, per_run, summary)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        files = {"runs_csv": out_dir / "comparison.csv", "summary_csv": out_dir / "summary.csv",
+                 "markdown": out_dir / "comparison.md", "plot": out_dir / "comparison.png"}
+        per_run.to_csv(files["runs_csv"], index=False)
+        summary.to_csv(files["summary_csv"], index=False)
+        files["markdown"].write_text(markdown + "\n", encoding="utf-8")
+        save_png(comparison_figure(per_run, spec.name), files["plot"])
+        for path in files.values():
+            tracker.log_artifact(path, "comparison")
+        tracker.log_metrics({f"sweep/{row['cell']}/{row['dataset']}/pass@1_mean": row["pass@1_mean"]
+                             for _, row in summary.iterrows()}, 0)
+        status = "FINISHED" if not failed else "FAILED"
+    finally:
+        tracker.finish(status)
+    artifact_id = create_markdown_artifact(markdown=markdown, key=f"sweep-{_slug(spec.name)}",
+                                           description=f"comparison of sweep {spec.name}")
+    if failed:
+        raise RuntimeError(f"sweep {spec.name}: {len(failed)} of {len(spec.runs)} runs failed: {', '.join(failed)} "
+                           f"(comparison written to {out_dir})")
+    return {"name": spec.name, "parent_run_id": parent, "runs_dir": str(runs), "out_dir": str(out_dir),
+            "files": {k: str(v) for k, v in files.items()}, "markdown_artifact_id": str(artifact_id),
+            "runs": per_run.to_dict(orient="records"), "summary": summary.to_dict(orient="records"),
+            "tracking_uri": tracker.tracking_uri}
