@@ -38,7 +38,7 @@ from aepo_core.metrics import pass_at_k
 from infra.config_files import load_config
 from infra.data.rows import QuestionRow
 from infra.experiment import EvalReport, Experiment
-from infra.judge import LLMJudge, RecordingRewardFn
+from infra.judge import LLMJudge
 from infra.tracking import Tracker
 from infra.training.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_checkpoint_state
 from tasks.rl import evaluate as evaluate_task
@@ -262,8 +262,6 @@ def evaluate(
     out_dir = runs / "eval" / name
     logger.info("evaluating %s (step %d) on %s → MLflow run %s, results in %s", ckpt or cfg.model.name, step,
                 ", ".join(eval_sets), run_id, out_dir)
-    recorder = RecordingRewardFn(exp.reward_fn)
-    exp.reward_fn = recorder
     k = cfg.eval.pass_k
     summaries: dict[str, dict[str, float]] = {}
     by_family: dict[str, dict[str, dict[str, float]]] = {}
@@ -276,8 +274,7 @@ def evaluate(
         for ds in eval_sets:
             report = evaluate_task.with_options(timeout_seconds=cfg.train.eval_timeout_s)(exp, ds, "eval")
             rows_by_id = {r.id: r for r in exp.load_rows(ds)}
-            answers = recorder.answers_for(report.outcomes, {q: r.golds for q, r in rows_by_id.items()})
-            recorder.responses.clear()
+            answers = report.answers
             metrics = report_metrics(report, k)
             verdicts = None
             if cfg.eval.judge_url:

@@ -23,7 +23,7 @@ from aepo_core.config import ExperimentConfig
 from aepo_core.evaluation import QuestionOutcome, is_correct, summarize, summarize_by
 from aepo_core.interfaces import Engine, SamplingParams
 from aepo_core.protocol import SYSTEM_PROMPT
-from aepo_core.rewards import make_reward_fn
+from aepo_core.rewards import make_reward_fn, predicted_answer
 from aepo_core.rollout.scheduler import Question, RolloutResult, RolloutScheduler, derive_seed
 from aepo_core.scoring import NOTICE_EVENTS, ScoreSummary, score_trees
 from infra.data.loaders import load_dataset_rows
@@ -61,6 +61,7 @@ class EvalReport:
     by_family: dict[str, dict[str, float]]
     outcomes: list[QuestionOutcome]
     per_question_pass1: dict[str, float] = field(default_factory=dict)
+    answers: dict[str, list[str | None]] = field(default_factory=dict)  # per question: each sample's answer
 
 
 class Experiment:
@@ -226,6 +227,7 @@ class Experiment:
         scheduler = RolloutScheduler(self.engine, self.tools, rollout_cfg, tool_timeout_s=self.cfg.tools.timeout_s,
                                      tool_workers=self.cfg.tools.workers)
         outcomes: list[QuestionOutcome] = []
+        answers: dict[str, list[str | None]] = {}
         batch = max(1, self.cfg.train.batch_size)
         for start in range(0, len(rows), batch):
             chunk = rows[start : start + batch]
@@ -234,10 +236,11 @@ class Experiment:
                                    sampling=SamplingParams(ev.temperature, ev.top_p, 0))
             for row, tree in zip(chunk, result.trees, strict=True):
                 outcomes.append(self._outcome(spec, row, tree))
+                answers[row.id] = [predicted_answer(tree.text(leaf)) for leaf in tree.leaves]
         summary = summarize(outcomes, ev.pass_k, n_resamples=ev.bootstrap_samples, seed=self.cfg.seed)
         by_family = summarize_by(outcomes, "family", ev.pass_k, n_resamples=ev.bootstrap_samples, seed=self.cfg.seed)
         pass1 = {o.question_id: o.correct / o.n for o in outcomes}
-        return EvalReport(spec, summary, by_family, outcomes, pass1)
+        return EvalReport(spec, summary, by_family, outcomes, pass1, answers)
 
     def _outcome(self, spec: str, row: QuestionRow, tree: Any) -> QuestionOutcome:
         correct = em = f1 = calls = errors = answered = 0.0

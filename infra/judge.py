@@ -31,13 +31,10 @@ import re
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
-
-from aepo_core.interfaces import RewardFn, RewardResult
-from aepo_core.rewards import predicted_answer
 
 log = logging.getLogger(__name__)
 
@@ -178,41 +175,6 @@ class LLMJudge:
         return verdicts
 
 
-class RecordingRewardFn:
-    """Wraps a reward function and records every response it scores, in call order.
-
-    Why: :meth:`Experiment.evaluate` scores each sample with the reward function and keeps only counts; the
-    judge needs the final answers themselves.  The evaluation scores question by question, sample by sample,
-    so the last ``sum(n)`` records are that evaluation's samples in outcome order (see :meth:`answers_for`).
-    """
-
-    def __init__(self, inner: RewardFn) -> None:
-        self.inner = inner
-        self.responses: list[tuple[str, tuple[str, ...]]] = []
-
-    def __call__(self, response_text: str, golds: Sequence[str], tool_names: Sequence[str] = ()) -> RewardResult:
-        self.responses.append((response_text, tuple(golds)))
-        return self.inner(response_text, golds, tool_names)
-
-    def answers_for(self, outcomes: Sequence[Any], golds: Mapping[str, Sequence[str]]) -> Answers:
-        """Final answers per question id for the outcomes of the latest evaluation (retries leave earlier
-        records first, so the tail is taken); checks that each record's golds are its question's."""
-        total = sum(int(o.n) for o in outcomes)
-        if total > len(self.responses):
-            raise ValueError(f"recorded {len(self.responses)} responses but the evaluation has {total} samples")
-        tail = self.responses[len(self.responses) - total:]
-        out: dict[str, list[str | None]] = {}
-        pos = 0
-        for o in outcomes:
-            chunk = tail[pos: pos + int(o.n)]
-            pos += int(o.n)
-            expected = tuple(golds[o.question_id])
-            if any(g != expected for _, g in chunk):
-                raise ValueError(f"recorded responses are out of step with the outcomes at {o.question_id!r}")
-            out[o.question_id] = [predicted_answer(text) for text, _ in chunk]
-        return out
-
-
 __all__ = [
     "API_KEY_ENV",
     "JUDGE_SYSTEM_PROMPT",
@@ -220,7 +182,6 @@ __all__ = [
     "VERDICTS",
     "JudgeError",
     "LLMJudge",
-    "RecordingRewardFn",
     "Verdict",
     "chat_url",
     "judge_messages",
