@@ -6,6 +6,9 @@ BIN := $(VENV)/bin
 CONSTRAINTS ?= constraints-cpu.txt
 EXTRAS ?= gpu,distributed,s3,dev
 STAMP := $(VENV)/.installed
+# The SmolLM2 demo (configs/demo.yaml) is still being tuned to fit 20 CPU minutes (issue 6); until then the
+# demo is the tiny config: a real run end to end (rollouts, AEPO update, checkpoints, MLflow, Parquet, eval).
+DEMO_CONFIG ?= configs/tiny.yaml
 
 .PHONY: install demo test lint bench clean
 
@@ -19,7 +22,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/aepo train -c configs/demo.yaml
+	$(BIN)/aepo train -c $(DEMO_CONFIG)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

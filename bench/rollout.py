@@ -1,0 +1,604 @@
+"""Rollout benchmark (issue 3): scheduler vs raw ``model.generate``, aepo vs arpo wall time, tool-call latency.
+
+Every comparison is against a baseline measured in the same run, interleaved (A B, B A, …) so that load from
+other processes on a shared machine hits both sides alike. Three parts:
+
+(a) tokens/s of :class:`RolloutScheduler` in ``independent`` mode (tools off: an empty tools dict) over
+    :class:`HFEngine`, vs ``model.generate`` (do_sample, same temperature, no top-k/top-p, same prompts, same
+    batch of rows, same autocast). EOS is disabled on both sides so every row generates exactly N tokens.
+    Target: ratio ≥ 0.7.
+(b) wall time of ``aepo`` over ``arpo`` at equal k on the same questions and seed (target ≤ 1.15×). Untrained
+    models never call tools, so branching needs a tool-calling policy: SmolLM2 after a few cold-start SFT steps
+    on oracle transcripts (cached on disk after the first run). On tiny-random it measures only the phase
+    structure (probe → globals → fill) without branches, and says so.
+(c) tool-call latency p50/p95: BM25 search over the synthetic corpus and the Python sandbox, uncached, then
+    behind the SQLite cache (first pass = misses incl. the write, second pass = hits).
+
+Run: ``.venv/bin/python -m bench.rollout [--model tiny-random|smollm2-135m-instruct|both] [--quick]``.
+Writes ``bench/results/rollout.json`` (``rollout-quick.json`` with ``--quick``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aepo_core.config import (
+    ModelConfig,
+    OptimConfig,
+    PythonToolConfig,
+    RolloutConfig,
+    SearchToolConfig,
+    SFTConfig,
+)
+from aepo_core.interfaces import GenerationRequest, GenerationResult, SamplingParams, Tool
+from aepo_core.protocol import SYSTEM_PROMPT
+from aepo_core.rollout.scheduler import Question, RolloutScheduler
+from infra.data.synthetic import OracleError, SyntheticTask, oracle_transcript
+from infra.engines.hf import HFEngine
+from infra.models import BUILTIN_SMOLLM2, TINY_RANDOM, cache_root, load_policy
+from infra.tools.cache import CachedTool, ToolResultCache
+from infra.tools.python_sandbox import PythonSandbox
+from infra.tools.search import Bm25Backend, build_search_tool
+from infra.training.backends import TorchBackend
+from infra.training.sft import run_sft, sft_sample
+
+log = logging.getLogger("bench.rollout")
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+MODELS = (TINY_RANDOM, BUILTIN_SMOLLM2)
+TARGET_SCHED_RATIO = 0.7
+TARGET_AEPO_OVERHEAD = 1.15
+# Per-model default precision: tiny-random is faster in plain float32 (configs/tiny.yaml); SmolLM2 uses the
+# project default (float32 weights, bfloat16 autocast compute).
+DEFAULT_COMPUTE = {TINY_RANDOM: "float32", BUILTIN_SMOLLM2: "bfloat16"}
+TASK_KW: dict[str, Any] = {"n_companies": 40, "families": ("single_hop", "two_hop")}
+
+
+# ----------------------------------------------------------------------------------------------------- helpers
+def atomic_write_json(path: Path, data: Any) -> None:
+    """Write JSON to a temporary file in the same directory, fsync, then rename over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=1, sort_keys=False, default=_json_default)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return str(obj)
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """A rich table when rich is importable, else aligned plain text."""
+    cells = [[_fmt(c) for c in row] for row in rows]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(columns)]
+        print(f"\n{title}")
+        print("  ".join(str(h).ljust(w) for h, w in zip(columns, widths, strict=True)))
+        for row in cells:
+            print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+        return
+    table = Table(title=title, title_justify="left")
+    for col in columns:
+        table.add_column(str(col))
+    for row in cells:
+        table.add_row(*row)
+    Console(width=max(160, shutil.get_terminal_size().columns)).print(table)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return "-"
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+    return str(value)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolation percentile (q in [0, 100]); NaN for no values."""
+    if not values:
+        return math.nan
+    data = sorted(values)
+    pos = (len(data) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def set_threads(n: int) -> None:
+    """Fix torch's intra-op threads (and inter-op, when still allowed) for the whole run."""
+    torch.set_num_threads(n)
+    try:
+        torch.set_num_interop_threads(n)
+    except RuntimeError:  # already set (parallel work ran): intra-op is what matters here
+        pass
+
+
+def autocast_of(name: str) -> torch.dtype | None:
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name)
+
+
+def environment(threads: int) -> dict[str, Any]:
+    import transformers
+
+    return {
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "torch_threads": threads,
+        "cpu_count": os.cpu_count(),
+        "cpu": platform.processor() or platform.machine(),
+        "load_avg_start": list(os.getloadavg()),
+    }
+
+
+def prompt_ids(tokenizer: Any, question: str) -> list[int]:
+    """The rollout's prompt: system prompt + question through the chat template (as Experiment.prompt_ids)."""
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def model_config(name: str, cache: str | None) -> ModelConfig:
+    return ModelConfig(name=name, dtype="float32", cache_dir=cache)
+
+
+class CountingEngine:
+    """Engine proxy that counts generate calls, rows, prompt (re-prefilled) and generated tokens, seconds."""
+
+    def __init__(self, engine: HFEngine) -> None:
+        self.engine = engine
+        self.calls = self.rows = self.prompt_tokens = self.new_tokens = 0
+        self.seconds = 0.0
+
+    def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[GenerationResult]:
+        t0 = time.perf_counter()
+        out = self.engine.generate(requests, sampling)
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        self.rows += len(requests)
+        self.prompt_tokens += sum(len(r.prompt_ids) for r in requests)
+        self.new_tokens += sum(len(r.token_ids) for r in out)
+        return out
+
+    def __getattr__(self, name: str) -> Any:  # encode, decode, eos_token_id, …
+        return getattr(self.engine, name)
+
+
+# ------------------------------------------------------------------------------------ (a) scheduler vs generate
+@dataclass(frozen=True)
+class Sizes:
+    questions: int
+    k: int
+    new_tokens: int
+    reps: int
+
+
+SIZES_A = {
+    (TINY_RANDOM, False): Sizes(4, 4, 128, 3),
+    (TINY_RANDOM, True): Sizes(2, 4, 64, 2),
+    (BUILTIN_SMOLLM2, False): Sizes(2, 4, 32, 2),
+    (BUILTIN_SMOLLM2, True): Sizes(1, 4, 16, 1),
+}
+
+
+def bench_scheduler_vs_generate(model: Any, tokenizer: Any, compute: str, prompts: Sequence[list[int]],
+                                sizes: Sizes, seed: int, temperature: float = 1.0) -> dict[str, Any]:
+    """Tokens/s of the scheduler (independent, no tools) vs ``model.generate`` over the same rows."""
+    ac = autocast_of(compute)
+    engine = HFEngine(model, tokenizer, seed=seed, stop_token_ids=(), autocast_dtype=ac)  # no EOS: fixed length
+    cfg = RolloutConfig(mode="independent", k=sizes.k, initial_rollouts=sizes.k, max_response_tokens=sizes.new_tokens,
+                        temperature=temperature, top_p=1.0, top_k=0)
+    scheduler = RolloutScheduler(engine, {}, cfg)
+    questions = [Question(f"q{i}", p) for i, p in enumerate(prompts)]
+    rows = [p for p in prompts for _ in range(sizes.k)]
+    width = max(map(len, rows))
+    pad = int(tokenizer.pad_token_id)
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, p in enumerate(rows):
+        input_ids[i, width - len(p):] = torch.tensor(p)
+        attention[i, width - len(p):] = 1
+
+    def run_scheduler(rep: int, n_new: int) -> tuple[int, float, float]:
+        scheduler.cfg = cfg.model_copy(update={"max_response_tokens": n_new})
+        t0 = time.perf_counter()
+        res = scheduler.run(questions, seed=seed + rep)
+        return int(res.stats["tokens_generated"]), time.perf_counter() - t0, float(res.stats["generate_s"])
+
+    def run_generate(rep: int, n_new: int) -> tuple[int, float, float]:
+        torch.manual_seed(seed + rep)
+        t0 = time.perf_counter()
+        with torch.inference_mode(), torch.autocast(model.device.type, dtype=ac or torch.float32,
+                                                    enabled=ac is not None):
+            out = model.generate(input_ids=input_ids, attention_mask=attention, do_sample=True,
+                                 temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=n_new,
+                                 eos_token_id=None, pad_token_id=pad)
+        wall = time.perf_counter() - t0
+        generated = out.shape[1] - width
+        if generated != n_new:
+            raise RuntimeError(f"model.generate stopped early ({generated} of {n_new} tokens): EOS not disabled")
+        return generated * out.shape[0], wall, wall
+
+    run_scheduler(-1, 4)  # warm-up both paths (allocator, kernels, tokenizer)
+    run_generate(-1, 4)
+    reps = []
+    for rep in range(sizes.reps):
+        order = (run_scheduler, run_generate) if rep % 2 == 0 else (run_generate, run_scheduler)
+        got = {fn.__name__: fn(rep, sizes.new_tokens) for fn in order}
+        (s_tok, s_wall, s_gen), (g_tok, g_wall, _) = got["run_scheduler"], got["run_generate"]
+        reps.append({"scheduler_tokens": s_tok, "scheduler_s": s_wall, "scheduler_engine_s": s_gen,
+                     "generate_tokens": g_tok, "generate_s": g_wall,
+                     "scheduler_tok_s": s_tok / s_wall, "generate_tok_s": g_tok / g_wall,
+                     "ratio": (s_tok / s_wall) / (g_tok / g_wall)})
+        log.info("(a) rep %d: scheduler %.1f tok/s, generate %.1f tok/s", rep, reps[-1]["scheduler_tok_s"],
+                 reps[-1]["generate_tok_s"])
+    ratio = statistics.median(r["ratio"] for r in reps)
+    return {
+        "batch_rows": len(rows),
+        "questions": sizes.questions,
+        "k": sizes.k,
+        "new_tokens_per_row": sizes.new_tokens,
+        "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts),
+        "reps": reps,
+        "scheduler_tok_s": statistics.median(r["scheduler_tok_s"] for r in reps),
+        "generate_tok_s": statistics.median(r["generate_tok_s"] for r in reps),
+        "scheduler_overhead_frac": statistics.median(1 - r["scheduler_engine_s"] / r["scheduler_s"] for r in reps),
+        "ratio_median": ratio,
+        "ratio_min": min(r["ratio"] for r in reps),
+        "ratio_max": max(r["ratio"] for r in reps),
+        "target": TARGET_SCHED_RATIO,
+        "met": ratio >= TARGET_SCHED_RATIO,
+    }
+
+
+# ------------------------------------------------------------------------------------------- (b) aepo vs arpo
+@dataclass(frozen=True)
+class SizesB:
+    questions: int
+    k: int
+    initial_rollouts: int
+    max_response_tokens: int
+    max_tool_calls: int
+    reps: int
+
+
+SIZES_B = {
+    (TINY_RANDOM, False): SizesB(4, 4, 2, 96, 2, 2),
+    (TINY_RANDOM, True): SizesB(2, 4, 2, 64, 2, 1),
+    (BUILTIN_SMOLLM2, False): SizesB(2, 4, 2, 512, 3, 1),
+}
+
+
+def build_bench_tools(docs: Sequence[dict[str, str]], workdir: Path, cache_path: Path | None) -> dict[str, Tool]:
+    """BM25 search over ``docs`` and the Python sandbox (as build_tools makes them), optionally cached."""
+    search = build_search_tool(SearchToolConfig(top_k=3, snippet_chars=200), timeout_s=10.0,
+                               backend=Bm25Backend(docs, workdir / "index"))
+    python = PythonSandbox.from_config(PythonToolConfig(cpu_seconds=5), timeout_s=10.0)
+    tools: dict[str, Tool] = {"search": search, "python": python}
+    if cache_path is not None:
+        cache = ToolResultCache(cache_path)
+        tools["search"] = CachedTool(search, cache, backend="bm25:bench")
+    return tools
+
+
+def sft_for_tools(model: Any, tokenizer: Any, compute: str, task: SyntheticTask, tools: dict[str, Tool],
+                  steps: int, batch: int, lr: float, seed: int) -> dict[str, Any]:
+    """A few cold-start SFT steps on oracle transcripts (as Experiment.sft): enough for SmolLM2 to call tools."""
+    def encode(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    samples = []
+    for row in task.questions("train"):
+        if len(samples) >= steps * batch:
+            break
+        try:
+            segments = oracle_transcript(row, lambda q: tools["search"](q).text, lambda c: tools["python"](c).text,
+                                         max_result_chars=600)
+        except OracleError:
+            continue
+        samples.append(sft_sample(prompt_ids(tokenizer, row.question), segments, encode))
+    backend = TorchBackend(model, OptimConfig(lr=lr), steps, lr=lr, compute_dtype=autocast_of(compute))
+    t0 = time.perf_counter()
+    history = run_sft(backend, samples, SFTConfig(epochs=1, lr=lr, batch_size=batch), int(tokenizer.pad_token_id),
+                      4096, seed=seed)
+    model.eval()
+    return {"sft_steps": len(history), "sft_examples": len(samples), "sft_s": time.perf_counter() - t0,
+            "sft_loss": [round(h["sft/loss"], 4) for h in history]}
+
+
+def load_or_sft(name: str, cache: str | None, compute: str, task: SyntheticTask, tools: dict[str, Tool], steps: int,
+                batch: int, lr: float, seed: int, reuse: bool) -> tuple[Any, Any, dict[str, Any]]:
+    """The SFT'd policy, from the on-disk cache when an identical run made it before (else trained and saved)."""
+    from transformers import AutoModelForCausalLM
+
+    model, tokenizer = load_policy(model_config(name, cache))
+    key = hashlib.sha256(json.dumps([name, compute, steps, batch, lr, seed, repr(TASK_KW), SYSTEM_PROMPT,
+                                     torch.__version__]).encode()).hexdigest()[:12]
+    final = cache_root(model_config(name, cache)) / f"bench-sft-{name}-{key}"
+    if reuse and (final / "info.json").is_file():
+        model = AutoModelForCausalLM.from_pretrained(str(final), dtype=torch.float32).eval()
+        info = json.loads((final / "info.json").read_text())
+        return model, tokenizer, {**info, "sft_s": 0.0, "from_cache": str(final)}
+    info = sft_for_tools(model, tokenizer, compute, task, tools, steps, batch, lr, seed)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    try:
+        model.save_pretrained(str(tmp))
+        (tmp / "info.json").write_text(json.dumps(info))
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return model, tokenizer, {**info, "from_cache": None}
+
+
+def bench_aepo_vs_arpo(model: Any, tokenizer: Any, compute: str, docs: Sequence[dict[str, str]],
+                       questions: Sequence[Question], sizes: SizesB, seed: int, workdir: Path) -> dict[str, Any]:
+    """Wall time of aepo vs arpo at equal k, same questions and seed; fresh tool cache per run."""
+    engine = HFEngine(model, tokenizer, seed=seed, autocast_dtype=autocast_of(compute))
+    base = RolloutConfig(k=sizes.k, initial_rollouts=sizes.initial_rollouts, max_tool_calls=sizes.max_tool_calls,
+                         max_response_tokens=sizes.max_response_tokens, max_result_chars=600)
+    runs: dict[str, list[dict[str, float]]] = {"arpo": [], "aepo": []}
+    for rep in range(sizes.reps):
+        order = ("arpo", "aepo") if rep % 2 == 0 else ("aepo", "arpo")
+        for mode in order:
+            tools = build_bench_tools(docs, workdir, workdir / f"cache-{mode}-{rep}.sqlite")
+            counting = CountingEngine(engine)
+            scheduler = RolloutScheduler(counting, tools, base.model_copy(update={"mode": mode}))
+            t0 = time.perf_counter()
+            res = scheduler.run(questions, seed=seed + rep)
+            wall = time.perf_counter() - t0
+            stats = res.stats
+            runs[mode].append({
+                "wall_s": wall, "generate_s": stats["generate_s"], "tools_s": stats["tools_s"],
+                "tokens_generated": stats["tokens_generated"], "prefill_tokens": float(counting.prompt_tokens),
+                "generate_calls": float(counting.calls), "rows_per_call": counting.rows / max(1, counting.calls),
+                "leaves": stats["leaves"], "global_samples": stats["global_samples"],
+                "branch_samples": stats["branch_samples"], "fill_samples": stats["fill_samples"],
+                "tool_calls_mean": stats["tool_calls_mean"], "branches_per_question": stats["branches_per_question"],
+                "answered": stats["status_answered"],
+            })
+            log.info("(b) %s rep %d: %.1f s, %d tokens, %d calls, %d branch samples", mode, rep, wall,
+                     stats["tokens_generated"], counting.calls, stats["branch_samples"])
+
+    def total(mode: str, key: str) -> float:
+        return sum(r[key] for r in runs[mode])
+
+    wall_ratio = total("aepo", "wall_s") / total("arpo", "wall_s")
+    per_token = (total("aepo", "wall_s") / max(1.0, total("aepo", "tokens_generated"))) / (
+        total("arpo", "wall_s") / max(1.0, total("arpo", "tokens_generated")))
+    branched = total("aepo", "branch_samples") + total("arpo", "branch_samples") > 0
+    tool_calls = total("aepo", "tool_calls_mean") + total("arpo", "tool_calls_mean") > 0
+    return {
+        "questions": len(questions), "k": sizes.k, "initial_rollouts_arpo": sizes.initial_rollouts,
+        "max_response_tokens": sizes.max_response_tokens, "reps": sizes.reps, "runs": runs,
+        "wall_ratio": wall_ratio, "wall_per_generated_token_ratio": per_token,
+        "generate_calls_ratio": total("aepo", "generate_calls") / max(1.0, total("arpo", "generate_calls")),
+        "branching_happened": branched, "tool_calls_happened": tool_calls,
+        "target": TARGET_AEPO_OVERHEAD, "met": wall_ratio <= TARGET_AEPO_OVERHEAD,
+    }
+
+
+# -------------------------------------------------------------------------------------------- (c) tool latency
+def _latencies(call: Callable[[str], Any], args: Sequence[str]) -> tuple[list[float], int]:
+    out, failures = [], 0
+    for a in args:
+        t0 = time.perf_counter()
+        res = call(a)
+        out.append(time.perf_counter() - t0)
+        failures += not res.ok
+    return out, failures
+
+
+def bench_tools(task: SyntheticTask, workdir: Path, n_search: int, n_python: int) -> dict[str, Any]:
+    """p50/p95 latency (ms) of search and python: uncached, cache miss (call + write), cache hit."""
+    docs = task.documents()
+    t0 = time.perf_counter()
+    raw = build_bench_tools(docs, workdir, None)
+    build_s = time.perf_counter() - t0
+    queries: list[str] = []
+    for row in task.questions("train") + task.questions("validation"):
+        if len(set(queries)) >= n_search:
+            break
+        try:
+            oracle_transcript(row, lambda q: (queries.append(q), raw["search"](q).text)[1],
+                              lambda c: raw["python"](c).text, max_result_chars=600)
+        except OracleError:
+            pass
+    queries = list(dict.fromkeys(queries))[:n_search]
+    codes = [f"print({1900 + 7 * i} - {1850 + 3 * i})" for i in range(n_python)]
+    cache = ToolResultCache(workdir / "latency-cache.sqlite")
+    out: dict[str, Any] = {"search_docs": len(docs), "search_index_build_s": build_s, "search_calls": len(queries),
+                           "python_calls": len(codes), "python_caps": raw["python"].capabilities.as_dict()}
+    for name, args in (("search", queries), ("python", codes)):
+        tool = raw[name]
+        cached = CachedTool(tool, cache, backend=f"bench-{name}")
+        for label, fn in (("uncached", tool), ("cache_miss", cached), ("cache_hit", cached)):
+            lat, fails = _latencies(fn, args)
+            out[f"{name}_{label}"] = {"p50_ms": percentile(lat, 50) * 1e3, "p95_ms": percentile(lat, 95) * 1e3,
+                                      "mean_ms": statistics.fmean(lat) * 1e3, "n": len(lat), "failures": fails}
+    stats = cache.stats()
+    out["cache_hit_rate"] = stats.hit_rate
+    return out
+
+
+# -------------------------------------------------------------------------------------------------------- main
+def run_aepo_vs_arpo(name: str, model: Any, tokenizer: Any, compute: str, sizes: SizesB, args: argparse.Namespace,
+                     task: SyntheticTask, workdir: Path) -> dict[str, Any]:
+    """(b) for one model: SmolLM2 is SFT'd first so that it calls tools; tiny-random runs untrained."""
+    valid = [r for r in task.questions("validation") if r.family == "two_hop"][: sizes.questions]
+    docs = task.documents()
+    sft = None
+    policy = f"{name} (untrained: no tool calls, so no branching; phase structure only)"
+    if name == BUILTIN_SMOLLM2 and args.sft_steps > 0:
+        log.info("[%s] (b) cold-start SFT (%d steps) so that the policy calls tools", name, args.sft_steps)
+        tools = build_bench_tools(docs, workdir, None)
+        model, tokenizer, sft = load_or_sft(name, args.model_cache, compute, task, tools, args.sft_steps,
+                                            args.sft_batch, args.sft_lr, args.seed, reuse=not args.no_sft_cache)
+        policy = f"{name} + {sft['sft_steps']} SFT steps"
+    questions = [Question(r.id, prompt_ids(tokenizer, r.question)) for r in valid]
+    log.info("[%s] (b) aepo vs arpo on %d questions", name, len(questions))
+    res = bench_aepo_vs_arpo(model, tokenizer, compute, docs, questions, sizes, args.seed, workdir)
+    return {"policy": policy, "sft": sft, **res}
+
+
+def run_model(name: str, args: argparse.Namespace, task: SyntheticTask, workdir: Path) -> dict[str, Any]:
+    compute = args.compute or DEFAULT_COMPUTE[name]
+    t0 = time.perf_counter()
+    model, tokenizer = load_policy(model_config(name, args.model_cache))
+    load_s = time.perf_counter() - t0
+    sizes_a = SIZES_A[(name, args.quick)]
+    if args.reps:
+        sizes_a = Sizes(sizes_a.questions, sizes_a.k, sizes_a.new_tokens, args.reps)
+    rows = task.questions("train")[: sizes_a.questions]
+    prompts = [prompt_ids(tokenizer, r.question) for r in rows]
+    out: dict[str, Any] = {"model": name, "weights_dtype": "float32", "compute_dtype": compute, "load_s": load_s}
+    log.info("[%s] (a) scheduler vs model.generate", name)
+    out["scheduler_vs_generate"] = bench_scheduler_vs_generate(model, tokenizer, compute, prompts, sizes_a,
+                                                               args.seed)
+    sizes_b = SIZES_B.get((name, args.quick))
+    if sizes_b is None:
+        out["aepo_vs_arpo"] = {"skipped": "--quick: a tool-calling SmolLM2 needs SFT first; run without --quick"}
+    else:
+        out["aepo_vs_arpo"] = run_aepo_vs_arpo(name, model, tokenizer, compute, sizes_b, args, task, workdir)
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return out
+
+
+def report(results: dict[str, Any]) -> None:
+    env = results["environment"]
+    rows_a, rows_b = [], []
+    for m in results["models"]:
+        a = m["scheduler_vs_generate"]
+        rows_a.append([m["model"], f"{m['weights_dtype']}/{m['compute_dtype']}", a["batch_rows"],
+                       a["new_tokens_per_row"], a["scheduler_tok_s"], a["generate_tok_s"], a["ratio_median"],
+                       f"{a['ratio_min']:.2f}–{a['ratio_max']:.2f}", len(a["reps"]), a["met"]])
+        b = m["aepo_vs_arpo"]
+        if "skipped" in b:
+            rows_b.append([m["model"], "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "skipped (--quick)"])
+            continue
+        arpo, aepo = b["runs"]["arpo"], b["runs"]["aepo"]
+
+        def tot(runs: list[dict[str, float]], key: str) -> float:
+            return sum(r[key] for r in runs)
+
+        rows_b.append([b["policy"], b["k"], b["questions"], tot(arpo, "wall_s"), tot(aepo, "wall_s"),
+                       f"{tot(arpo, 'tokens_generated'):.0f}/{tot(aepo, 'tokens_generated'):.0f}",
+                       f"{tot(arpo, 'generate_calls'):.0f}/{tot(aepo, 'generate_calls'):.0f}",
+                       f"{tot(arpo, 'branch_samples'):.0f}/{tot(aepo, 'branch_samples'):.0f}",
+                       f"{tot(arpo, 'tool_calls_mean'):.2f}/{tot(aepo, 'tool_calls_mean'):.2f}",
+                       b["wall_ratio"], b["wall_per_generated_token_ratio"], b["met"]])
+    threads = env["torch_threads"]
+    print_table(f"(a) scheduler (independent, no tools) vs model.generate — torch threads {threads}",
+                ["model", "weights/compute", "rows", "new tok/row", "sched tok/s", "generate tok/s",
+                 "ratio (median)", "ratio range", "reps", f"≥ {TARGET_SCHED_RATIO}"], rows_a)
+    print_table("(b) aepo vs arpo at equal k (same questions, seed)",
+                ["policy", "k", "questions", "arpo s", "aepo s", "tokens arpo/aepo", "gen calls arpo/aepo",
+                 "branch samples arpo/aepo", "tool calls/leaf arpo/aepo", "wall ratio", "per-token ratio",
+                 f"≤ {TARGET_AEPO_OVERHEAD}"], rows_b)
+    t = results.get("tools")
+    if t:
+        rows_c = []
+        for name in ("search", "python"):
+            for label in ("uncached", "cache_miss", "cache_hit"):
+                r = t[f"{name}_{label}"]
+                rows_c.append([name, label, r["n"], r["p50_ms"], r["p95_ms"], r["mean_ms"], r["failures"]])
+        print_table(f"(c) tool-call latency (ms); BM25 over {t['search_docs']} synthetic docs",
+                    ["tool", "path", "calls", "p50", "p95", "mean", "failures"], rows_c)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", choices=[*MODELS, "both"], default="both")
+    p.add_argument("--quick", action="store_true", help="smaller sizes (~1–2 min instead of ~6)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (default 1: on 2 shared cores, 2 threads thrash under load)")
+    p.add_argument("--compute", choices=["float32", "bfloat16"], default=None,
+                   help="autocast compute dtype (default: float32 for tiny-random, bfloat16 for SmolLM2)")
+    p.add_argument("--reps", type=int, default=0, help="override the interleaved repetitions of (a)")
+    p.add_argument("--sft-steps", type=int, default=4, help="SFT steps before (b) on SmolLM2 (0: untrained)")
+    p.add_argument("--sft-batch", type=int, default=4)
+    p.add_argument("--sft-lr", type=float, default=2e-4)
+    p.add_argument("--no-sft-cache", action="store_true", help="retrain the SFT'd policy even if cached")
+    p.add_argument("--no-tools", action="store_true", help="skip (c)")
+    p.add_argument("--model-cache", default=os.environ.get("AEPO_MODEL_CACHE"),
+                   help="converted-model cache (default $AEPO_MODEL_CACHE, else ~/.cache/aepo/models)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/rollout[-quick].json)")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local (converted cache); never reach the hub
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    for noisy in ("transformers", "infra", "aepo_core", "bm25s"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    set_threads(args.threads)
+    started = time.perf_counter()
+    results: dict[str, Any] = {"benchmark": "rollout", "args": {k: str(v) for k, v in vars(args).items()},
+                               "environment": environment(args.threads), "models": []}
+    task = SyntheticTask(**TASK_KW)
+    names = MODELS if args.model == "both" else (args.model,)
+    with tempfile.TemporaryDirectory(prefix="aepo-bench-rollout-") as tmp:
+        workdir = Path(tmp)
+        for name in names:
+            results["models"].append(run_model(name, args, task, workdir))
+        if not args.no_tools:
+            log.info("(c) tool-call latency")
+            n_search, n_python = (16, 6) if args.quick else (40, 16)
+            results["tools"] = bench_tools(task, workdir, n_search, n_python)
+    results["environment"]["load_avg_end"] = list(os.getloadavg())
+    results["total_s"] = time.perf_counter() - started
+    results["targets"] = {
+        **{f"scheduler_vs_generate[{m['model']}]": m["scheduler_vs_generate"]["met"] for m in results["models"]},
+        **{f"aepo_overhead[{m['model']}]": m["aepo_vs_arpo"].get("met") for m in results["models"]},
+    }
+    out = args.out or RESULTS_DIR / ("rollout-quick.json" if args.quick else "rollout.json")
+    atomic_write_json(out, results)
+    report(results)
+    env = results["environment"]
+    print(f"\ntotal {results['total_s']:.0f} s; torch threads {args.threads}; "
+          f"load avg {env['load_avg_start'][0]:.1f} → {env['load_avg_end'][0]:.1f}; wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

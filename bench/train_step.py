@@ -1,0 +1,439 @@
+"""Train-step benchmark (issue 4): PolicyUpdater tokens/s vs a raw forward+backward, padding, memory, checkpoints.
+
+Samples are realistic RL samples: the rollout prompt (system prompt + synthetic question through the chat
+template, ~120 tokens) and an oracle response written with the real tools (BM25 search, Python sandbox), whose
+tool-result spans are masked out (loss mask 0); rollout log-probs are random, advantages are GRPO-normalized
+random rewards over groups of k. For each model, in a fresh subprocess (so peak RSS is the model's own):
+
+- ``PolicyUpdater.update`` (scoring pass + PPO mini-batches + AdamW step) vs a raw forward+backward of the same
+  samples in the same token-budget micro-batches (HF ``model(input_ids, attention_mask, labels)`` with labels
+  on response tokens, same autocast), interleaved A B B A. Target: updater tokens/s ≥ 0.8 × raw. The updater's
+  no-grad scoring pass (π_old and entropies) is a whole extra forward, so the ratio is also given without it.
+- padding waste of the updater's micro-batches (and of one unsorted batch, for scale), peak RSS.
+- ``save_checkpoint`` / ``load_checkpoint`` wall time (load with and without checksum verification) and size.
+
+Run: ``.venv/bin/python -m bench.train_step [--model tiny-random|smollm2-135m-instruct|both] [--quick]``.
+Writes ``bench/results/train_step.json`` (``train_step-quick.json`` with ``--quick``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import multiprocessing
+import os
+import platform
+import random
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aepo_core.config import ExperimentConfig, PythonToolConfig, SearchToolConfig
+from aepo_core.protocol import SYSTEM_PROMPT
+from infra.data.synthetic import OracleError, SyntheticTask, oracle_transcript
+from infra.models import BUILTIN_SMOLLM2, TINY_RANDOM, load_policy
+from infra.tools.python_sandbox import PythonSandbox
+from infra.tools.search import Bm25Backend, build_search_tool
+from infra.training.backends import TorchBackend
+from infra.training.batching import TrainSample, collate, plan_micro_batches
+from infra.training.checkpoint import load_checkpoint, save_checkpoint
+from infra.training.sft import sft_sample
+from infra.training.update import PolicyUpdater
+
+log = logging.getLogger("bench.train_step")
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+MODELS = (TINY_RANDOM, BUILTIN_SMOLLM2)
+TARGET_RATIO = 0.8
+DEFAULT_COMPUTE = {TINY_RANDOM: "float32", BUILTIN_SMOLLM2: "bfloat16"}
+# (questions, k, interleaved reps) per (model, quick)
+SIZES = {
+    (TINY_RANDOM, False): (8, 4, 2),
+    (TINY_RANDOM, True): (4, 4, 1),
+    (BUILTIN_SMOLLM2, False): (4, 4, 2),
+    (BUILTIN_SMOLLM2, True): (2, 4, 1),
+}
+
+
+# ----------------------------------------------------------------------------------------------------- helpers
+def atomic_write_json(path: Path, data: Any) -> None:
+    """Write JSON to a temporary file in the same directory, fsync, then rename over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=1, default=str)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """A rich table when rich is importable, else aligned plain text."""
+    cells = [[_fmt(c) for c in row] for row in rows]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(columns)]
+        print(f"\n{title}")
+        print("  ".join(str(h).ljust(w) for h, w in zip(columns, widths, strict=True)))
+        for row in cells:
+            print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+        return
+    table = Table(title=title, title_justify="left")
+    for col in columns:
+        table.add_column(str(col))
+    for row in cells:
+        table.add_row(*row)
+    Console(width=max(160, shutil.get_terminal_size().columns)).print(table)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return "-"
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+    return str(value)
+
+
+def set_threads(n: int) -> None:
+    torch.set_num_threads(n)
+    try:
+        torch.set_num_interop_threads(n)
+    except RuntimeError:
+        pass
+
+
+def autocast_of(name: str) -> torch.dtype | None:
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name)
+
+
+def rss_mb() -> float:
+    """Current resident set size (MB), from /proc (Linux) or psutil."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**20
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+class TimedBackend:
+    """Backend proxy that times the optimizer step (clip + AdamW + schedule) of the wrapped backend."""
+
+    def __init__(self, backend: TorchBackend) -> None:
+        self.inner = backend
+        self.compute_dtype = getattr(backend, "compute_dtype", None)
+        self.step_s = 0.0
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.inner.module
+
+    def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.inner.forward_hidden(input_ids, attention_mask)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.inner.backward(loss)
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        norm = self.inner.step()
+        self.step_s += time.perf_counter() - t0
+        return norm
+
+    def current_lr(self) -> float:
+        return self.inner.current_lr()
+
+
+# ----------------------------------------------------------------------------------------------------- samples
+def build_samples(tokenizer: Any, questions: int, k: int, seed: int, workdir: Path) -> list[TrainSample]:
+    """``questions × k`` samples from oracle transcripts (real tool results, masked), GRPO advantages per group."""
+    task = SyntheticTask(n_companies=40)  # all three families: one to three tool calls, Python included
+    search = build_search_tool(SearchToolConfig(top_k=3, snippet_chars=200), timeout_s=10.0,
+                               backend=Bm25Backend(task.documents(), workdir / "index"))
+    python = PythonSandbox.from_config(PythonToolConfig(cpu_seconds=5), timeout_s=10.0)
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    rng = random.Random(seed)
+    rows = task.questions("train")
+    rng.shuffle(rows)
+    out: list[TrainSample] = []
+    for row in rows:
+        if len(out) >= questions * k:
+            break
+        try:
+            segments = oracle_transcript(row, lambda q: search(q).text, lambda c: python(c).text,
+                                         max_result_chars=400)
+        except OracleError:
+            continue
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": row.question}]
+        prompt = encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        s = sft_sample(prompt, segments, encode)
+        logprobs = [-rng.uniform(0.0, 3.0) if m else 0.0 for m in s.loss_mask]
+        out.append(replace(s, rollout_logprobs=logprobs, group=len(out) // k))
+    rewards = [rng.random() for _ in out]
+    final = []
+    for g in range(questions):
+        idx = [i for i, s in enumerate(out) if s.group == g]
+        rs = [rewards[i] for i in idx]
+        mean, std = statistics.fmean(rs), statistics.pstdev(rs)
+        final += [replace(out[i], advantage=(rewards[i] - mean) / (std + 1e-6)) for i in idx]
+    return final
+
+
+# --------------------------------------------------------------------------------------------------- measuring
+def raw_forward_backward(model: Any, samples: Sequence[TrainSample], pad_id: int, budget: int,
+                         compute: torch.dtype | None) -> float:
+    """Seconds for a plain HF forward+backward (CE on response tokens) over the updater's micro-batches."""
+    model.train()
+    t0 = time.perf_counter()
+    for mb in plan_micro_batches([len(s.input_ids) for s in samples], budget):
+        batch = collate([samples[i] for i in mb], pad_id)
+        labels = batch.input_ids.masked_fill(batch.attention_mask == 0, -100)
+        for row, i in enumerate(mb):
+            labels[row, : samples[i].prompt_len] = -100
+        with torch.autocast(batch.input_ids.device.type, dtype=compute or torch.float32, enabled=compute is not None):
+            out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=labels)
+        out.loss.backward()
+    wall = time.perf_counter() - t0
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    return wall
+
+
+def bench_model(name: str, args_dict: dict[str, Any]) -> dict[str, Any]:
+    """Everything for one model (run in a fresh process so that peak RSS is this model's)."""
+    args = argparse.Namespace(**args_dict)
+    set_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    for noisy in ("transformers", "infra", "aepo_core", "bm25s"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    compute_name = args.compute or DEFAULT_COMPUTE[name]
+    compute = autocast_of(compute_name)
+    questions, k, reps = SIZES[(name, args.quick)]
+    reps = args.reps or reps
+    rss_start = rss_mb()
+    cfg = ExperimentConfig.model_validate({
+        "model": {"name": name, "dtype": "float32", "compute_dtype": compute_name, "cache_dir": args.model_cache},
+        "rollout": {"k": k, "initial_rollouts": min(k, 2), "max_response_tokens": 512, "temperature": 1.0},
+        "optim": {"lr": 1e-6, "mini_batch_size": questions, "micro_batch_tokens": args.micro_batch_tokens,
+                  "ppo_epochs": 1},
+        "algorithm": {"loss": "aepo", "entropy_advantage": True},
+        "checkpoint": {"keep": 2},
+    })
+    t0 = time.perf_counter()
+    model, tokenizer = load_policy(cfg.model)
+    load_s = time.perf_counter() - t0
+    rss_model = rss_mb()
+    pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+    with tempfile.TemporaryDirectory(prefix="aepo-bench-train-") as tmp:
+        workdir = Path(tmp)
+        samples = build_samples(tokenizer, questions, k, args.seed, workdir)
+        tokens = sum(len(s.input_ids) for s in samples)
+        lengths = [len(s.input_ids) for s in samples]
+        prompt_lens = [s.prompt_len for s in samples]
+        resp_lens = [s.response_len for s in samples]
+        masked = sum(s.response_len - sum(s.loss_mask) for s in samples) / max(1, sum(resp_lens))
+        backend = TimedBackend(TorchBackend(model, cfg.optim, total_steps=1000, compute_dtype=compute))
+        updater = PolicyUpdater(backend, cfg, pad_id=pad)  # type: ignore[arg-type]
+
+        log.info("[%s] %d samples, %d tokens; warm-up", name, len(samples), tokens)
+        warm = [s for s in samples if s.group == 0]
+        raw_forward_backward(model, warm, pad, args.micro_batch_tokens, compute)
+        updater.update(warm)  # also allocates AdamW state (a one-time cost)
+        rss_warm = rss_mb()
+
+        reps_out = []
+        for rep in range(reps):
+            order = ("raw", "update") if rep % 2 == 0 else ("update", "raw")
+            got: dict[str, Any] = {}
+            for what in order:
+                if what == "raw":
+                    got["raw_s"] = raw_forward_backward(model, samples, pad, args.micro_batch_tokens, compute)
+                else:
+                    backend.step_s = 0.0
+                    t1 = time.perf_counter()
+                    metrics = updater.update(samples)
+                    got["update_s"] = time.perf_counter() - t1
+                    got["scoring_s"] = metrics["train/scoring_pass_s"]
+                    got["optimizer_step_s"] = backend.step_s
+                    got["padding_waste"] = metrics["train/padding_waste"]
+                    got["updater_reported_tok_s"] = metrics["train/tokens_per_s"]
+            raw_tps = tokens / got["raw_s"]
+            got["raw_tok_s"] = raw_tps
+            got["update_tok_s"] = tokens / got["update_s"]
+            got["ratio_total"] = got["update_tok_s"] / raw_tps
+            got["ratio_without_scoring"] = tokens / (got["update_s"] - got["scoring_s"]) / raw_tps
+            train_s = got["update_s"] - got["scoring_s"] - got["optimizer_step_s"]
+            got["ratio_fwd_bwd_only"] = tokens / train_s / raw_tps
+            reps_out.append(got)
+            log.info("[%s] rep %d: raw %.0f tok/s, update %.0f tok/s (scoring %.1f s of %.1f s)", name, rep,
+                     raw_tps, got["update_tok_s"], got["scoring_s"], got["update_s"])
+        rss_train = rss_mb()
+
+        # checkpoints: two saves (the second prunes nothing with keep=2), loads with and without checksums
+        ckpt_root = workdir / "ckpt"
+        saves, loads, loads_verified, size = [], [], [], 0
+        for step in (1, 2):
+            t1 = time.perf_counter()
+            path = save_checkpoint(ckpt_root, step, model=model, tokenizer=tokenizer, config=cfg,
+                                   optimizer=backend.inner.optimizer, scheduler=backend.inner.scheduler, keep=2)
+            saves.append(time.perf_counter() - t1)
+            size = dir_size(path)
+            t1 = time.perf_counter()
+            load_checkpoint(path, model=model, optimizer=backend.inner.optimizer, scheduler=backend.inner.scheduler,
+                            verify=False, config=cfg)
+            loads.append(time.perf_counter() - t1)
+            t1 = time.perf_counter()
+            load_checkpoint(path, model=model, optimizer=backend.inner.optimizer, scheduler=backend.inner.scheduler,
+                            verify=True, config=cfg)
+            loads_verified.append(time.perf_counter() - t1)
+
+    naive_waste = 1 - tokens / (len(samples) * max(lengths))
+    med = {key: statistics.median(r[key] for r in reps_out) for key in reps_out[0]}
+    return {
+        "model": name,
+        "weights_dtype": "float32",
+        "compute_dtype": compute_name,
+        "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+        "load_s": load_s,
+        "samples": len(samples),
+        "questions": questions,
+        "k": k,
+        "tokens": tokens,
+        "prompt_tokens_mean": statistics.fmean(prompt_lens),
+        "response_tokens_mean": statistics.fmean(resp_lens),
+        "response_masked_frac": masked,
+        "micro_batch_tokens": args.micro_batch_tokens,
+        "micro_batches": len(plan_micro_batches(lengths, args.micro_batch_tokens)),
+        "reps": reps_out,
+        "median": med,
+        "padding_waste": med["padding_waste"],
+        "padding_waste_unsorted_single_batch": naive_waste,
+        "rss_mb": {"start": rss_start, "model_loaded": rss_model, "after_warmup": rss_warm, "after_updates": rss_train},
+        "peak_rss_mb": peak_rss_mb(),
+        "checkpoint": {"size_mb": size / 2**20, "save_s": saves, "load_s": loads, "load_verified_s": loads_verified},
+        "target": TARGET_RATIO,
+        "met": med["ratio_total"] >= TARGET_RATIO,
+        "met_without_scoring": med["ratio_without_scoring"] >= TARGET_RATIO,
+    }
+
+
+# -------------------------------------------------------------------------------------------------------- main
+def report(results: dict[str, Any]) -> None:
+    threads = results["environment"]["torch_threads"]
+    rows, rows2 = [], []
+    for m in results["models"]:
+        med = m["median"]
+        rows.append([m["model"], f"{m['weights_dtype']}/{m['compute_dtype']}", m["samples"], m["tokens"],
+                     f"{m['prompt_tokens_mean']:.0f}+{m['response_tokens_mean']:.0f}", med["raw_tok_s"],
+                     med["update_tok_s"], med["ratio_total"], med["ratio_without_scoring"],
+                     med["ratio_fwd_bwd_only"], f"{med['scoring_s']:.1f}/{med['update_s']:.1f}",
+                     len(m["reps"]), m["met"]])
+        c = m["checkpoint"]
+        rows2.append([m["model"], f"{m['padding_waste'] * 100:.1f}%",
+                      f"{m['padding_waste_unsorted_single_batch'] * 100:.1f}%", m["peak_rss_mb"],
+                      m["rss_mb"]["model_loaded"], c["size_mb"], min(c["save_s"]), min(c["load_s"]),
+                      min(c["load_verified_s"])])
+    print_table(f"trainer tokens/s: PolicyUpdater.update vs raw HF forward+backward — torch threads {threads}",
+                ["model", "weights/compute", "samples", "tokens", "prompt+resp", "raw tok/s", "update tok/s",
+                 "ratio", "ratio w/o scoring", "ratio fwd+bwd only", "scoring/update s", "reps",
+                 f"≥ {TARGET_RATIO}"], rows)
+    print_table("padding, memory, checkpoints",
+                ["model", "padding waste", "unsorted 1-batch", "peak RSS MB", "RSS after load MB", "ckpt MB",
+                 "save s", "load s", "load+verify s"], rows2)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=[*MODELS, "both"], default="both")
+    p.add_argument("--quick", action="store_true", help="smaller batches, one repetition (~1–2 min)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (default 1: on 2 shared cores, 2 threads thrash under load)")
+    p.add_argument("--compute", choices=["float32", "bfloat16"], default=None,
+                   help="autocast compute dtype (default: float32 for tiny-random, bfloat16 for SmolLM2)")
+    p.add_argument("--micro-batch-tokens", type=int, default=4096)
+    p.add_argument("--reps", type=int, default=0, help="override the interleaved repetitions")
+    p.add_argument("--model-cache", default=os.environ.get("AEPO_MODEL_CACHE"),
+                   help="converted-model cache (default $AEPO_MODEL_CACHE, else ~/.cache/aepo/models)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--in-process", action="store_true", help="no subprocess per model (peak RSS accumulates)")
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/train_step[-quick].json)")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local (converted cache); never reach the hub
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    import transformers
+
+    started = time.perf_counter()
+    results: dict[str, Any] = {
+        "benchmark": "train_step",
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "environment": {
+            "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "torch_threads": args.threads,
+            "cpu_count": os.cpu_count(), "load_avg_start": list(os.getloadavg()),
+        },
+        "models": [],
+    }
+    names = MODELS if args.model == "both" else (args.model,)
+    args_dict = {k: v for k, v in vars(args).items() if k != "out"}
+    for name in names:
+        if args.in_process:
+            results["models"].append(bench_model(name, args_dict))
+            continue
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Pool(1) as pool:
+            results["models"].append(pool.apply(bench_model, (name, args_dict)))
+    results["environment"]["load_avg_end"] = list(os.getloadavg())
+    results["total_s"] = time.perf_counter() - started
+    results["targets"] = {f"trainer_ratio[{m['model']}]": m["met"] for m in results["models"]}
+    out = args.out or RESULTS_DIR / ("train_step-quick.json" if args.quick else "train_step.json")
+    atomic_write_json(out, results)
+    report(results)
+    env = results["environment"]
+    print(f"\ntotal {results['total_s']:.0f} s; torch threads {args.threads}; "
+          f"load avg {env['load_avg_start'][0]:.1f} → {env['load_avg_end'][0]:.1f}; wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
