@@ -89,16 +89,20 @@ def test_prefect_api_shows_the_completed_runs(tiny_run):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
+    out, _ = tiny_run
+
     async def read():
         async with get_client() as client:
             flows = await client.read_flow_runs()
-            train_runs = [f for f in flows if f.state and f.state.is_completed()]
-            tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [train_runs[0].id]}))
-            return train_runs, tasks
+            done = [f for f in flows if f.state and f.state.is_completed()]
+            # The train flow run of the fixture: the completed run whose parameters name its runs dir.
+            mine = [f for f in done if f.parameters.get("runs_dir") == out["runs_dir"]]
+            tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [mine[0].id]}))
+            return mine, tasks
 
     del FlowRunFilterName
     flows, tasks = asyncio.run(read())
-    assert flows
+    assert len(flows) == 1
     names = {t.name.rsplit("-", 1)[0] for t in tasks}
     assert {"prepare_data", "rollout", "score", "update", "store", "checkpoint", "evaluate"} <= names
     assert all(t.state.is_completed() for t in tasks)

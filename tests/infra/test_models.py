@@ -86,7 +86,7 @@ def test_bad_sources_fail_clearly_and_leave_no_partial_cache(tmp_path: Path) -> 
 
 
 def test_builtin_smollm2_converts_once_then_reloads_from_cache(model_cache: Path) -> None:
-    cfg = ModelConfig(name=BUILTIN_SMOLLM2, cache_dir=str(model_cache))  # default dtype bfloat16
+    cfg = ModelConfig(name=BUILTIN_SMOLLM2, cache_dir=str(model_cache), dtype="bfloat16")
     t0 = time.perf_counter()
     model, tokenizer = load_policy(cfg)
     first_s = time.perf_counter() - t0
