@@ -31,9 +31,11 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -61,10 +63,10 @@ TARGET_RATIO = 0.8
 DEFAULT_COMPUTE = {TINY_RANDOM: "float32", BUILTIN_SMOLLM2: "bfloat16"}
 # (questions, k, interleaved reps) per (model, quick)
 SIZES = {
-    (TINY_RANDOM, False): (8, 4, 2),
+    (TINY_RANDOM, False): (6, 4, 2),
     (TINY_RANDOM, True): (4, 4, 1),
-    (BUILTIN_SMOLLM2, False): (4, 4, 2),
-    (BUILTIN_SMOLLM2, True): (2, 4, 1),
+    (BUILTIN_SMOLLM2, False): (2, 4, 2),
+    (BUILTIN_SMOLLM2, True): (1, 4, 1),
 }
 
 
@@ -141,6 +143,31 @@ def rss_mb() -> float:
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class RssPeak:
+    """Samples this process's RSS every ``interval_s`` in a thread: the peak (MB) of a phase (``with`` block)."""
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        self.interval_s = interval_s
+        self.peak = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_mb())
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> RssPeak:
+        self.peak = rss_mb()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_mb())
 
 
 def dir_size(path: Path) -> int:
@@ -271,7 +298,7 @@ def bench_model(name: str, args_dict: dict[str, Any]) -> dict[str, Any]:
         updater = PolicyUpdater(backend, cfg, pad_id=pad)  # type: ignore[arg-type]
 
         log.info("[%s] %d samples, %d tokens; warm-up", name, len(samples), tokens)
-        warm = [s for s in samples if s.group == 0]
+        warm = [replace(samples[0], advantage=1.0)]
         raw_forward_backward(model, warm, pad, args.micro_batch_tokens, compute)
         updater.update(warm)  # also allocates AdamW state (a one-time cost)
         rss_warm = rss_mb()
@@ -282,12 +309,16 @@ def bench_model(name: str, args_dict: dict[str, Any]) -> dict[str, Any]:
             got: dict[str, Any] = {}
             for what in order:
                 if what == "raw":
-                    got["raw_s"] = raw_forward_backward(model, samples, pad, args.micro_batch_tokens, compute)
+                    with RssPeak() as peak:
+                        got["raw_s"] = raw_forward_backward(model, samples, pad, args.micro_batch_tokens, compute)
+                    got["raw_peak_rss_mb"] = peak.peak
                 else:
                     backend.step_s = 0.0
                     t1 = time.perf_counter()
-                    metrics = updater.update(samples)
+                    with RssPeak() as peak:
+                        metrics = updater.update(samples)
                     got["update_s"] = time.perf_counter() - t1
+                    got["update_peak_rss_mb"] = peak.peak
                     got["scoring_s"] = metrics["train/scoring_pass_s"]
                     got["optimizer_step_s"] = backend.step_s
                     got["padding_waste"] = metrics["train/padding_waste"]
@@ -304,10 +335,10 @@ def bench_model(name: str, args_dict: dict[str, Any]) -> dict[str, Any]:
                      raw_tps, got["update_tok_s"], got["scoring_s"], got["update_s"])
         rss_train = rss_mb()
 
-        # checkpoints: two saves (the second prunes nothing with keep=2), loads with and without checksums
+        # checkpoints: two saves (one with --quick; keep=2 prunes nothing), loads with and without checksums
         ckpt_root = workdir / "ckpt"
         saves, loads, loads_verified, size = [], [], [], 0
-        for step in (1, 2):
+        for step in (1,) if args.quick else (1, 2):
             t1 = time.perf_counter()
             path = save_checkpoint(ckpt_root, step, model=model, tokenizer=tokenizer, config=cfg,
                                    optimizer=backend.inner.optimizer, scheduler=backend.inner.scheduler, keep=2)
@@ -366,15 +397,15 @@ def report(results: dict[str, Any]) -> None:
         c = m["checkpoint"]
         rows2.append([m["model"], f"{m['padding_waste'] * 100:.1f}%",
                       f"{m['padding_waste_unsorted_single_batch'] * 100:.1f}%", m["peak_rss_mb"],
-                      m["rss_mb"]["model_loaded"], c["size_mb"], min(c["save_s"]), min(c["load_s"]),
-                      min(c["load_verified_s"])])
+                      m["rss_mb"]["model_loaded"], med["raw_peak_rss_mb"], med["update_peak_rss_mb"],
+                      c["size_mb"], min(c["save_s"]), min(c["load_s"]), min(c["load_verified_s"])])
     print_table(f"trainer tokens/s: PolicyUpdater.update vs raw HF forward+backward — torch threads {threads}",
                 ["model", "weights/compute", "samples", "tokens", "prompt+resp", "raw tok/s", "update tok/s",
                  "ratio", "ratio w/o scoring", "ratio fwd+bwd only", "scoring/update s", "reps",
                  f"≥ {TARGET_RATIO}"], rows)
     print_table("padding, memory, checkpoints",
-                ["model", "padding waste", "unsorted 1-batch", "peak RSS MB", "RSS after load MB", "ckpt MB",
-                 "save s", "load s", "load+verify s"], rows2)
+                ["model", "padding waste", "unsorted 1-batch", "peak RSS MB", "RSS after load MB",
+                 "peak RSS raw MB", "peak RSS update MB", "ckpt MB", "save s", "load s", "load+verify s"], rows2)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -420,9 +451,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.in_process:
             results["models"].append(bench_model(name, args_dict))
             continue
-        ctx = multiprocessing.get_context("spawn")
-        with ctx.Pool(1) as pool:
-            results["models"].append(pool.apply(bench_model, (name, args_dict)))
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results["models"].append(pool.submit(bench_model, name, args_dict).result())
     results["environment"]["load_avg_end"] = list(os.getloadavg())
     results["total_s"] = time.perf_counter() - started
     results["targets"] = {f"trainer_ratio[{m['model']}]": m["met"] for m in results["models"]}
