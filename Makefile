@@ -32,3 +32,6 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+bench: $(STAMP)
+	$(BIN)/python -m bench.rollout
+	$(BIN)/python -m bench.train_step

@@ -85,6 +85,7 @@ def atomic_write_json(path: Path, data: Any) -> None:
             fh.write("\n")
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are ordinary shared files
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -364,6 +365,7 @@ def load_or_sft(name: str, cache: str | None, compute: str, task: SyntheticTask,
     try:
         model.save_pretrained(str(tmp))
         (tmp / "info.json").write_text(json.dumps(info))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary shared directory
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
     finally:
