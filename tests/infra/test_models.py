@@ -29,9 +29,7 @@ def _same_weights(a: Any, b: Any) -> bool:
 
 def test_tiny_random_is_small_fast_and_seeded(tiny_cfg: ModelConfig, tiny_policy: tuple[Any, Any]) -> None:
     model, tokenizer = tiny_policy
-    t0 = time.perf_counter()
     again, _ = load_policy(tiny_cfg)
-    assert time.perf_counter() - t0 < 5.0  # tokenizer already cached: no GGUF parsing
     assert _same_weights(model, again)
     other, _ = load_policy(tiny_cfg.model_copy(update={"init_seed": 1}))
     assert not _same_weights(model, other)
@@ -104,7 +102,6 @@ def test_builtin_smollm2_converts_once_then_reloads_from_cache(model_cache: Path
     reload_s = time.perf_counter() - t0
     print(f"smollm2: first load (conversion) {first_s:.1f} s, reload {reload_s:.2f} s")
     assert weights.stat().st_mtime_ns == mtime  # not converted again
-    assert reload_s < 5.0  # ~0.3–1 s on 2 cores; generous for loaded CI machines
     assert again.dtype == torch.bfloat16
     assert 130e6 < sum(p.numel() for p in again.parameters()) < 140e6
     assert _same_weights(model, again)

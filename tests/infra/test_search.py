@@ -147,7 +147,7 @@ def test_backend_that_raises_becomes_an_error_result_without_retry() -> None:
 def test_wall_timeout_on_a_hanging_backend() -> None:
     started = time.perf_counter()
     result = _tool(_SlowBackend(), timeout_s=0.3)("anything")
-    assert time.perf_counter() - started < 1.0
+    assert time.perf_counter() - started < 2.5  # the backend takes 3 s: only the wall timeout returns sooner
     assert not result.ok and result.error == "timeout"
 
 
@@ -232,7 +232,7 @@ class _SearchApi(BaseHTTPRequestHandler):
         if query.startswith("down"):
             return self._reply(503, {"message": "busy"})
         if query.startswith("slow"):
-            time.sleep(1.5)
+            time.sleep(4.0)
         organic = [
             {"title": f"Result {i} for {query}", "snippet": f"Snippet {i} about {query}.", "link": f"https://x/{i}"}
             for i in range(1, body["num"] + 3)
@@ -304,7 +304,7 @@ def test_http_retries_are_bounded(search_api: str) -> None:
 def test_http_slow_server_hits_the_wall_timeout(search_api: str) -> None:
     started = time.perf_counter()
     result = _http_tool(search_api, timeout_s=0.6, request_timeout_s=0.4, max_retries=5)("slow question")
-    assert time.perf_counter() - started < 1.2
+    assert time.perf_counter() - started < 3.0  # the server takes 4 s: only the wall timeout returns sooner
     assert not result.ok and result.error in {"timeout", "transient_error"}
 
 
