@@ -14,6 +14,9 @@ A branch is decided on the model segment that follows a tool result, from the en
 it forks ``beam_size − 1`` paths from the tool-result node, which sample their own continuation.  No question
 ever gets more than k leaves; when all its paths are done with budget left, fresh global samples fill it.
 
+Phases advance per question (probe → m − 1 globals → fill), never behind a batch-wide barrier, so one slow
+question does not hold the others' work back.
+
 Everything that touches the outside world is handed in: the engine (token ids in and out) and the tools.
 Seeds are derived per (question, leaf, segment), so a path's tokens do not depend on batch composition.
 """
@@ -85,6 +88,7 @@ class _QuestionState:
     m: int = 0
     h_root: float = math.nan
     h_tool: float = math.nan
+    probing: bool = False  # the pre-monitoring probe is still running (aepo with premonitor)
 
     @property
     def leaves_started(self) -> int:
@@ -135,24 +139,15 @@ class RolloutScheduler:
         start = time.perf_counter()
         with ThreadPoolExecutor(max_workers=self.tool_workers, thread_name_prefix="aepo-tool") as pool:
             self._pool = pool
-            if cfg.mode == "aepo" and cfg.premonitor:
-                for st in states:
-                    self._new_path(st, "global")
-                self._run_rounds(states, sampling, branching=False)
-                for st in states:
-                    self._premonitor(st)
-            else:
-                for st in states:
-                    st.m = cfg.k if cfg.mode == "independent" else fixed_budget(cfg.k, cfg.initial_rollouts)
             for st in states:
-                while st.leaves_started < st.m:
+                if cfg.mode == "aepo" and cfg.premonitor:
+                    st.probing = True
                     self._new_path(st, "global")
-            self._run_rounds(states, sampling, branching=cfg.mode != "independent")
-            while any(st.leaves_started < cfg.k for st in states):
-                for st in states:
-                    while st.leaves_started < cfg.k:
-                        self._new_path(st, "fill")
-                self._run_rounds(states, sampling, branching=cfg.mode != "independent")
+                else:
+                    st.m = cfg.k if cfg.mode == "independent" else fixed_budget(cfg.k, cfg.initial_rollouts)
+                    self._start_globals(st)
+            self._run_rounds(states, sampling)
+        trees = [self._finish(st) for st in states]
         trees = [self._finish(st) for st in states]
         total = time.perf_counter() - start
         stats, by_l = rollout_stats(trees, self._decisions)
@@ -192,19 +187,46 @@ class RolloutScheduler:
         return path
 
     # ------------------------------------------------------------------ rounds
-    def _run_rounds(self, states: list[_QuestionState], sampling: SamplingParams, branching: bool) -> None:
+    def _run_rounds(self, states: list[_QuestionState], sampling: SamplingParams) -> None:
+        """Rounds until every path of every question is done.
+
+        Phases advance per question, never behind a global barrier: a question whose probe is done starts its
+        m − 1 global samples at once, and one whose paths are all done fills its budget while others still run.
+        A question's own events happen in the same order either way, so its tree does not depend on the others.
+        """
+        branching = self.cfg.mode != "independent"
         while True:
+            for st in states:
+                while not any(p.status is None for p in st.paths) and self._advance(st):
+                    pass
             active = [(st, p) for st in states for p in st.paths if p.status is None]
             if not active:
                 return
             results = self._generate(states, active, sampling)
             tool_jobs: list[tuple[_QuestionState, _Path, ToolCall | None, str | None]] = []
             for (st, p), res in zip(active, results, strict=True):
-                job = self._absorb_segment(st, p, res, branching)
+                job = self._absorb_segment(st, p, res, branching and not st.probing)
                 if job is not None:
                     tool_jobs.append((st, p, *job))
             if tool_jobs:
                 self._dispatch_tools(tool_jobs)
+
+    def _advance(self, st: _QuestionState) -> bool:
+        """A question with no active path: probe done → budget and globals; else fill up to k. False: done."""
+        if st.probing:
+            st.probing = False
+            self._premonitor(st)
+            self._start_globals(st)
+            return True
+        if st.leaves_started >= self.cfg.k:
+            return False
+        while st.leaves_started < self.cfg.k:
+            self._new_path(st, "fill")
+        return True
+
+    def _start_globals(self, st: _QuestionState) -> None:
+        while st.leaves_started < st.m:
+            self._new_path(st, "global")
 
     def _generate(self, states: list[_QuestionState], active: list[tuple[_QuestionState, _Path]],
                   sampling: SamplingParams) -> list[GenerationResult]:

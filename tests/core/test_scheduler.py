@@ -266,3 +266,34 @@ def test_zero_token_segments_cannot_loop_forever():
     cfg = RolloutConfig(mode="independent", **{**BASE, "k": 1})
     res, _ = run(lambda t, s: Segment("", 1.0), cfg)
     assert res.trees[0].leaves[0].status == "truncated"
+
+
+def test_questions_advance_without_waiting_for_each_other():
+    """No global barrier: a quick question runs its budget while a slow probe still searches, and each tree is
+    exactly the tree the question gets alone."""
+    quick, slow = tool_then_answer(0, 1.0, 1.0), tool_then_answer(4, 1.0, 4.0)
+
+    def script(transcript: str, seed: int) -> Segment:
+        return (slow if transcript.startswith("Q: slow") else quick)(transcript, seed)
+
+    cfg = RolloutConfig(mode="aepo", premonitor=True, beta=0.5, **{**BASE, "max_tool_calls": 8})
+    prompts = {name: [ord(c) for c in f"Q: {name} one?\n"] for name in ("quick", "slow")}
+
+    def rollout(names: list[str]) -> tuple[list[RolloutTree], ScriptedEngine]:
+        engine = ScriptedEngine(script)
+        sched = RolloutScheduler(engine, {"search": EchoSearch()}, cfg)
+        res = sched.run([Question(n, prompts[n]) for n in names], seed=3)
+        return res.trees, engine
+
+    (slow_alone,), slow_engine = rollout(["slow"])
+    (quick_alone,), quick_engine = rollout(["quick"])
+    (slow_tree, quick_tree), both = rollout(["slow", "quick"])
+
+    def signature(tree: RolloutTree) -> list[tuple[object, ...]]:
+        return [(n.node_id, n.parent_id, n.kind, n.branch_reason, tuple(n.token_ids)) for n in tree.nodes]
+
+    assert signature(slow_tree) == signature(slow_alone) and signature(quick_tree) == signature(quick_alone)
+    # The quick question's probe, globals and fill all ride along the slow probe's rounds.
+    assert len(quick_engine.calls) <= 3 < len(slow_engine.calls)
+    assert len(both.calls) == len(slow_engine.calls)
+    assert both.calls[: len(quick_engine.calls)] == [a + b for a, b in zip(slow_engine.calls, quick_engine.calls)]
