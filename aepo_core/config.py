@@ -184,6 +184,12 @@ class OptimConfig(Section):
         description="π_old of the PPO ratio: the trainer's own no-grad forward before the update (exact under "
         "PPO epochs > 1, remote engines and top-p sampling), or the sampler's log-probs. The gap is logged.",
     )
+    scoring_pass: Literal["auto", "always"] = Field(
+        "auto",
+        description="The no-grad forward before the update. 'auto' skips it when it cannot change the update: "
+        "one PPO epoch over one mini-batch (on-policy: π_old is the gradient pass's own detached log-prob), no KL "
+        "term, and exact rollout entropies of the unfiltered sampling distribution (top_p 1, top_k 0).",
+    )
 
 
 class SFTConfig(Section):

@@ -24,6 +24,9 @@ class TrainSample:
     rollout_logprobs: list[float]  # per response token (0 on tool tokens)
     advantage: float
     group: int  # question index within the step
+    # Per response token, the sampler's exact full-vocabulary entropy (0 on tool tokens); None when the engine
+    # only estimated it (top-k + tail). Lets an on-policy update skip the scoring pass.
+    rollout_entropies: list[float] | None = None
 
     @property
     def response_len(self) -> int:
@@ -48,6 +51,9 @@ def samples_from_trees(trees: Sequence[RolloutTree]) -> list[TrainSample]:
                     rollout_logprobs=tree.logprobs(leaf),
                     advantage=float(leaf.advantage),
                     group=gi,
+                    rollout_entropies=None
+                    if any(n.entropy_is_estimate for n in tree.path(leaf) if n.kind == "model")
+                    else tree.entropies(leaf),
                 )
             )
     return out

@@ -41,7 +41,7 @@ def _nll_sum(backend: TrainBackend, samples: Sequence[TrainSample], pad_id: int,
     lengths = [len(s.input_ids) for s in samples]
     for mb in plan_micro_batches(lengths, token_budget):
         batch = collate([samples[i] for i in mb], pad_id, device)
-        logprobs, _ = response_logprobs_and_entropy(backend, batch, 1.0, with_grad=with_grad)
+        logprobs, _ = response_logprobs_and_entropy(backend, batch, 1.0, with_grad=with_grad, with_entropy=False)
         loss = -(logprobs * batch.loss_mask).sum() / norm
         if with_grad:
             backend.backward(loss)

@@ -1,7 +1,10 @@
 """The policy update of one RL step: scoring pass, PPO mini-batches, token-budget micro-batches, one loss.
 
 1. A no-grad *scoring pass* over all samples with the pre-update policy gives, per response token, the
-   trainer's log-prob (π_old of the ratio, and the rollout-vs-trainer gap) and its entropy (detached).
+   trainer's log-prob (π_old of the ratio, and the rollout-vs-trainer gap) and its entropy (detached). It is
+   skipped when it cannot change the update (``optim.scoring_pass: auto``): one epoch over one mini-batch is
+   on-policy, so π_old is the gradient pass's own detached log-prob, and the sampler's exact entropies of the
+   same distribution stand in for the trainer's.
 2. For each PPO epoch and mini-batch (whole question groups): the entropy statistics and the high-entropy
    threshold are taken over the mini-batch's model tokens, so the entropy-aware advantage and the clip gate do
    not depend on how the mini-batch is split; micro-batches are length-sorted buckets under a token budget, and
@@ -47,11 +50,13 @@ class TrainBackend(Protocol):
 
 
 def response_logprobs_and_entropy(
-    backend: TrainBackend, batch: PaddedBatch, temperature: float, with_grad: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per response token: log π(token) and the full-vocabulary entropy, from temperature-scaled logits.
+    backend: TrainBackend, batch: PaddedBatch, temperature: float, with_grad: bool, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per response token: log π(token) and (optionally) the full-vocabulary entropy, from temperature-scaled logits.
 
-    Only response positions go through the vocabulary projection (the prompt's would be wasted work).
+    Only response positions go through the vocabulary projection (the prompt's would be wasted work). The
+    log-prob is a fused cross-entropy (no [B, R, V] log-softmax kept for backward); the entropy, always detached,
+    is computed only when asked, since the gradient pass gets it from the scoring pass or the rollout.
     """
     module = backend.module
     with torch.set_grad_enabled(with_grad):
@@ -64,11 +69,16 @@ def response_logprobs_and_entropy(
         with torch.autocast(h.device.type, dtype=getattr(backend, "compute_dtype", None) or torch.float32,
                             enabled=getattr(backend, "compute_dtype", None) is not None):
             logits = module.get_output_embeddings()(h)
-        logits = logits.float() / temperature
-        logp_all = torch.log_softmax(logits, dim=-1)
-        logprobs = logp_all.gather(-1, batch.targets[..., None]).squeeze(-1)
-        with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
+        logits = logits.float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        flat = logits.reshape(b * r, -1)
+        logprobs = -torch.nn.functional.cross_entropy(flat, batch.targets.reshape(-1), reduction="none").view(b, r)
+        entropy = None
+        if with_entropy:
+            with torch.no_grad():
+                logp_all = torch.log_softmax(flat.detach(), dim=-1)
+                entropy = -(logp_all.exp() * logp_all).sum(-1).view(b, r)
     return logprobs, entropy
 
 
@@ -97,8 +107,8 @@ class PolicyUpdater:
         return [[indices[j] for j in mb] for mb in plan_micro_batches(lengths, self.cfg.optim.micro_batch_tokens)]
 
     @torch.no_grad()
-    def score(self, samples: Sequence[TrainSample]) -> _Scored:
-        """The no-grad pass with the pre-update policy (and the reference policy when KL is on)."""
+    def score(self, samples: Sequence[TrainSample], policy: bool = True) -> _Scored:
+        """The no-grad pass with the pre-update policy (when ``policy``) and the reference policy (when KL is on)."""
         temp = self.cfg.rollout.temperature
         n = len(samples)
         logprobs: list[torch.Tensor] = [torch.empty(0)] * n
@@ -107,17 +117,30 @@ class PolicyUpdater:
         self.backend.module.eval()
         for mb in self._micro_batches(samples, list(range(n))):
             batch = collate([samples[i] for i in mb], self.pad_id, self.device)
-            lp, ent = response_logprobs_and_entropy(self.backend, batch, temp, with_grad=False)
-            ref_lp = None
-            if self.ref_backend is not None and ref is not None:
-                ref_lp, _ = response_logprobs_and_entropy(self.ref_backend, batch, temp, with_grad=False)
+            lp = ent = ref_lp = None
+            if policy:
+                lp, ent = response_logprobs_and_entropy(self.backend, batch, temp, with_grad=False)
+            if self.ref_backend is not None:
+                ref_lp, _ = response_logprobs_and_entropy(self.ref_backend, batch, temp, with_grad=False,
+                                                          with_entropy=False)
             for row, i in enumerate(mb):
                 r = samples[i].response_len
-                logprobs[i] = lp[row, :r].cpu()
-                entropy[i] = ent[row, :r].cpu()
+                if lp is not None and ent is not None:
+                    logprobs[i] = lp[row, :r].cpu()
+                    entropy[i] = ent[row, :r].cpu()
                 if ref is not None and ref_lp is not None:
                     ref[i] = ref_lp[row, :r].cpu()
         return _Scored(logprobs, entropy, ref)
+
+    def needs_scoring_pass(self, samples: Sequence[TrainSample]) -> bool:
+        """False when the pre-update forward could not change the update (see ``optim.scoring_pass``)."""
+        cfg = self.cfg
+        if cfg.optim.scoring_pass == "always":
+            return True
+        on_policy = cfg.optim.ppo_epochs == 1 and len(split_mini_batches(samples, cfg.optim.mini_batch_size)) == 1
+        exact_entropy = (cfg.rollout.top_p >= 1.0 and cfg.rollout.top_k == 0
+                         and all(s.rollout_entropies is not None for s in samples))
+        return not (on_policy and exact_entropy)
 
     def _stack(self, rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
         out = torch.zeros((len(rows), width), dtype=torch.float32)
@@ -132,13 +155,20 @@ class PolicyUpdater:
         if not samples:
             return {"train/skipped": 1.0}
         t0 = time.perf_counter()
-        scored = self.score(samples)
+        scoring = self.needs_scoring_pass(samples)
+        scored = self.score(samples, policy=scoring) if scoring or self.ref_backend is not None else None
         t_score = time.perf_counter() - t0
+        if scoring and scored is not None:
+            entropies = scored.entropy
+        else:  # on-policy: the sampler's exact entropies of the same distribution
+            entropies = [torch.tensor(s.rollout_entropies, dtype=torch.float32) for s in samples]
+        ref_logprobs = scored.ref_logprobs if scored is not None else None
         gap_sum, gap_n = 0.0, 0
-        for i, s in enumerate(samples):
-            m = torch.tensor(s.loss_mask, dtype=torch.bool)
-            gap_sum += float((scored.logprobs[i][m] - torch.tensor(s.rollout_logprobs)[m]).abs().sum())
-            gap_n += int(m.sum())
+        if scoring and scored is not None:
+            for i, s in enumerate(samples):
+                m = torch.tensor(s.loss_mask, dtype=torch.bool)
+                gap_sum += float((scored.logprobs[i][m] - torch.tensor(s.rollout_logprobs)[m]).abs().sum())
+                gap_n += int(m.sum())
 
         sums: dict[str, float] = defaultdict(float)
         weights: dict[str, float] = defaultdict(float)
@@ -149,7 +179,7 @@ class PolicyUpdater:
             for mini in split_mini_batches(samples, cfg.optim.mini_batch_size):
                 mini_mask = self._stack([torch.tensor(samples[i].loss_mask, dtype=torch.float32) for i in mini],
                                         max(samples[i].response_len for i in mini))
-                mini_ent = self._stack([scored.entropy[i] for i in mini], mini_mask.shape[1])
+                mini_ent = self._stack([entropies[i] for i in mini], mini_mask.shape[1])
                 stats = entropy_stats(mini_ent, mini_mask)
                 norm = loss_normalizer(mini_mask, mini_ent, alg)
                 mini_loss = 0.0
@@ -158,18 +188,23 @@ class PolicyUpdater:
                     real_tokens += batch.real_tokens
                     padded_tokens += batch.padded_tokens
                     width = batch.targets.shape[1]
-                    ent = self._stack([scored.entropy[i] for i in mb], width)
-                    old = (
-                        self._stack([scored.logprobs[i] for i in mb], width)
-                        if cfg.optim.old_logprobs == "trainer"
-                        else batch.rollout_logprobs
-                    )
-                    ref = self._stack([scored.ref_logprobs[i] for i in mb], width) if scored.ref_logprobs else None
+                    ent = self._stack([entropies[i] for i in mb], width)
+                    ref = self._stack([ref_logprobs[i] for i in mb], width) if ref_logprobs else None
                     adv = batch.advantages
                     if alg.entropy_advantage:
                         adv = entropy_aware_advantage(adv, ent, batch.loss_mask, alg.entropy_advantage_alpha, stats,
                                                       alg.entropy_eps)
-                    logprobs, _ = response_logprobs_and_entropy(self.backend, batch, cfg.rollout.temperature, True)
+                    logprobs, _ = response_logprobs_and_entropy(self.backend, batch, cfg.rollout.temperature, True,
+                                                                with_entropy=False)
+                    if cfg.optim.old_logprobs == "rollout":
+                        old = batch.rollout_logprobs
+                    elif scoring and scored is not None:
+                        old = self._stack([scored.logprobs[i] for i in mb], width)
+                    else:  # on-policy without a scoring pass: π_old is this very forward, detached (ratio ≡ 1)
+                        old = logprobs.detach()
+                    if not scoring:
+                        gap_sum += float(((logprobs.detach() - batch.rollout_logprobs).abs() * batch.loss_mask).sum())
+                        gap_n += int(batch.loss_mask.sum())
                     loss, diag = compute_policy_loss(
                         LossInputs(logprobs, old, adv, batch.loss_mask, ent, ref), alg, norm,
                         norm_len=cfg.rollout.max_response_tokens,
@@ -201,11 +236,12 @@ class PolicyUpdater:
             "train/lr": self.backend.current_lr(),
             "train/optimizer_steps": float(len(grad_norms)),
             "train/entropy_mean": float(torch.cat([e[torch.tensor(s.loss_mask, dtype=torch.bool)]
-                                                   for e, s in zip(scored.entropy, samples, strict=True)]).mean()),
+                                                   for e, s in zip(entropies, samples, strict=True)]).mean()),
             "train/rollout_trainer_logprob_gap": gap_sum / max(1, gap_n),
             "train/tokens_per_s": real_tokens / max(wall, 1e-9),
             "train/padding_waste": 1.0 - real_tokens / max(1, padded_tokens),
             "train/scoring_pass_s": t_score,
+            "train/scoring_pass": float(scoring),
             "train/update_s": wall,
             "train/samples": float(len(samples)),
             "train/peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,

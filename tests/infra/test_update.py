@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 
 import pytest
@@ -135,3 +136,39 @@ def test_metrics_present():
     for key in ("train/loss", "train/grad_norm", "train/entropy_mean", "train/clip_frac_high",
                 "train/clip_frac_high_entropy", "train/tokens_per_s", "train/peak_rss_mb", "train/approx_kl"):
         assert key in met, key
+
+
+def _with_exact_rollout_entropies(samples: list[TrainSample], seed: int = 0) -> list[TrainSample]:
+    """The sampler's entropies as the in-process engine reports them: the model's own, at the rollout temperature."""
+    cfg = build_config({}, [])
+    updater = PolicyUpdater(TorchBackend(tiny_model(seed), cfg.optim, total_steps=1), cfg, pad_id=0)
+    scored = updater.score(samples)
+    return [dataclasses.replace(s, rollout_entropies=[e * m for e, m in zip(scored.entropy[i].tolist(), s.loss_mask,
+                                                                           strict=True)])
+            for i, s in enumerate(samples)]
+
+
+@pytest.mark.parametrize("old", ["trainer", "rollout"])
+def test_on_policy_update_skips_the_scoring_pass_without_changing_the_update(old):
+    samples = _with_exact_rollout_entropies(make_samples())
+    common = ["optim.mini_batch_size=8", "algorithm.entropy_advantage=true", "algorithm.clip_gate=high_entropy",
+              f"optim.old_logprobs={old}"]
+    skipped, met_skip = run_update([*common, "optim.scoring_pass=auto"], samples)
+    scored, met_scored = run_update([*common, "optim.scoring_pass=always"], samples)
+    assert met_skip["train/scoring_pass"] == 0.0 and met_scored["train/scoring_pass"] == 1.0
+    torch.testing.assert_close(params(skipped), params(scored), rtol=1e-5, atol=1e-6)
+    for key in ("train/loss", "train/entropy_mean", "train/rollout_trainer_logprob_gap", "train/clip_frac"):
+        assert met_skip[key] == pytest.approx(met_scored[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.parametrize(
+    ("overrides", "estimated"),
+    [(["optim.ppo_epochs=2"], False), (["optim.mini_batch_size=1"], False), (["rollout.top_p=0.9"], False),
+     ([], True)],
+)
+def test_scoring_pass_runs_whenever_it_can_change_the_update(overrides, estimated):
+    samples = _with_exact_rollout_entropies(make_samples())
+    if estimated:  # a remote engine's top-k + tail estimate is not the trainer's entropy
+        samples = [dataclasses.replace(s, rollout_entropies=None) for s in samples]
+    _, met = run_update(["optim.mini_batch_size=8", *overrides], samples)
+    assert met["train/scoring_pass"] == 1.0
