@@ -40,6 +40,13 @@ class ModelConfig(Section):
     compute_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "bfloat16", description="Autocast dtype of forward passes (generation and training); float32: no autocast."
     )
+    generation_dtype: Literal["same", "float32", "bfloat16", "float16"] = Field(
+        "same",
+        description="Weights of the in-process generation engine. 'same': the training model itself (no copy; "
+        "autocast per compute_dtype). A dtype: the engine keeps its own copy in that dtype, refreshed after every "
+        "weight change (SFT, update, resume) — autocast re-casts every weight at every decode step, so on CPU a "
+        "bf16 copy decodes ~1.5× and prefills ~4× faster than bf16 autocast over float32 weights.",
+    )
     device: str = Field("cpu", description="torch device for the policy (cpu, cuda, cuda:0).")
     cache_dir: str | None = Field(None, description="Where converted built-in models are cached.")
     trust_remote_code: bool = False

@@ -9,6 +9,7 @@ the weights, optimizer, schedule, RNG states and data cursor.
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 from collections.abc import Sequence
@@ -82,6 +83,7 @@ class Experiment:
         if not self.train_rows:
             raise ValueError(f"data.train={cfg.data.train!r} has no usable rows")
         self.model, self.tokenizer = load_policy(cfg.model)
+        self._generation_model: torch.nn.Module | None = None
         self.engine: Engine = self._build_engine()
         self.tools = build_tools(cfg.tools, self.runs_dir, documents=self.task.documents() if self.task else None)
         self.reward_fn = make_reward_fn(cfg.reward)
@@ -119,8 +121,25 @@ class Experiment:
                                 reload_url=r.remote_reload_url)
         from infra.engines.hf import HFEngine
 
-        return HFEngine(self.model, self.tokenizer, seed=self.cfg.seed,
-                        autocast_dtype=autocast_dtype(self.cfg.model.compute_dtype))
+        gen_dtype = self.cfg.model.generation_dtype
+        if gen_dtype == "same" or self.cfg.train.backend == "deepspeed":
+            if gen_dtype != "same":
+                log.warning("model.generation_dtype=%s ignored under DeepSpeed (partitioned weights): the engine "
+                            "shares the training model", gen_dtype)
+            return HFEngine(self.model, self.tokenizer, seed=self.cfg.seed,
+                            autocast_dtype=autocast_dtype(self.cfg.model.compute_dtype))
+        self._generation_model = copy.deepcopy(self.model).to(getattr(torch, gen_dtype)).eval()
+        self._generation_model.requires_grad_(False)
+        return HFEngine(self._generation_model, self.tokenizer, seed=self.cfg.seed)
+
+    def weights_changed(self) -> None:
+        """Refresh the engine's own weight copy, if it has one (after SFT, an update or a resume)."""
+        gen = self._generation_model
+        if gen is None:
+            return
+        with torch.no_grad():
+            for dst, src in zip(gen.state_dict().values(), self.model.state_dict().values(), strict=True):
+                dst.copy_(src)
 
     def _build_backend(self) -> Any:
         t = self.cfg.train
@@ -165,6 +184,7 @@ class Experiment:
         trees = [t for t in result.trees if t.question_id not in summary.uninformative_questions]
         metrics = self.updater.update(samples_from_trees(trees))
         self.step += 1
+        self.weights_changed()
         sync = getattr(self.engine, "sync_weights", None)
         if sync is not None:  # a remote engine gets the new weights through its documented hook
             path = self.runs_dir / "weights" / self.run_name / f"step-{self.step:06d}"
@@ -206,6 +226,7 @@ class Experiment:
         self.step = state.step
         self.cursor = state.data_cursor or self.order.start()
         self.run_id = state.run_id
+        self.weights_changed()
         log.info("resumed %s at step %d (data cursor %s)", path, self.step, self.cursor)
         return self.step
 
@@ -283,6 +304,7 @@ class Experiment:
         before = sft_loss(backend, samples, pad, budget)
         history = run_sft(backend, samples, sft_cfg, pad, budget, seed=self.cfg.seed)
         after = sft_loss(backend, samples, pad, budget)
+        self.weights_changed()
         return {"sft/loss_before": before, "sft/loss_after": after, "sft/steps": float(len(history)),
                 "sft/examples": float(len(samples))}
 
