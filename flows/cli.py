@@ -186,14 +186,20 @@ def _fmt(x: Any, digits: int = 3) -> str:
 
 
 def _eval_table(title: str, summaries: dict[str, dict[str, float]], k: int,
-                extra: dict[str, float] | None = None) -> Table:
+                extra: dict[str, float] | None = None, stages: dict[str, dict[str, dict[str, float]]] | None = None,
+                ) -> Table:
+    """One row per dataset (or per stage × dataset when ``stages`` is given: start, sft, …, final)."""
     table = Table(title=title, title_justify="left")
+    if stages is not None:
+        table.add_column("stage")
     for col in ("dataset", "questions", "pass@1 [95% CI]", f"pass@{k}", "F1", "tool calls/q", "answered"):
         table.add_column(col, overflow="fold")
     if extra is not None:
         table.add_column("judge pass@1")
-    for ds, s in summaries.items():
-        row = [ds, _fmt(s.get("questions"), 0),
+    rows = ([(stage, ds, s) for stage, by_ds in stages.items() for ds, s in by_ds.items()] if stages is not None
+            else [(None, ds, s) for ds, s in summaries.items()])
+    for stage, ds, s in rows:
+        row = ([stage] if stage is not None else []) + [ds, _fmt(s.get("questions"), 0),
                f"{_fmt(s['pass@1'])} [{_fmt(s['pass@1_ci_low'])}, {_fmt(s['pass@1_ci_high'])}]",
                _fmt(s.get(f"pass@{k}")), _fmt(s.get("f1")), _fmt(s.get("tool_calls_per_question"), 2),
                _fmt(s.get("answered_rate"), 2)]
@@ -244,8 +250,12 @@ def train(
     except Exception as exc:
         fail(f"training failed: {exc}", code=1)
     out = _out()
-    out.print(_eval_table(f"aepo train: {result['run_name']} — final evaluation after {result['steps']} steps",
-                          result["final_eval"], cfg.eval.pass_k))
+    out.print(_eval_table(f"aepo train: {result['run_name']} — evaluations ({result['steps']} RL steps)",
+                          result["final_eval"], cfg.eval.pass_k, stages=result.get("evals")))
+    for name, by_ds in result.get("comparisons", {}).items():
+        for ds, c in by_ds.items():
+            out.print(f"{name.replace('_', ' ')} on {ds}: pass@1 {c['diff']:+.3f} [{c['ci_low']:+.3f}, "
+                      f"{c['ci_high']:+.3f}] (paired over {c['questions']:.0f} questions)")
     out.print(_where_table([
         ("MLflow run", f"{result['run_id']}  ({result['tracking_uri']})"),
         ("checkpoints", result["checkpoint_dir"]),

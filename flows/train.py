@@ -17,6 +17,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from prefect.context import get_run_context
 
 from aepo_core.config import ExperimentConfig, build_config
+from aepo_core.evaluation import paired_comparison
 from infra.experiment import EvalReport, Experiment
 from infra.plots import curves_figure, rollout_tree_figure
 from infra.tracking import Tracker
@@ -93,13 +94,16 @@ def train(
     progress_id = create_progress_artifact(progress=100.0 * exp.step / total, key=None,
                                            description=f"RL steps of {exp.run_name}")
     evals: dict[str, dict[str, dict[str, float]]] = {}  # label (start, sft, stepN, final) → dataset → summary
+    per_question: dict[str, dict[str, dict[str, float]]] = {}  # label → dataset → question → pass@1
 
     def run_eval(label: str, step: int) -> None:
         for ds in exp.eval_datasets():
             report = evaluate.with_options(timeout_seconds=cfg.train.eval_timeout_s)(exp, ds, label)
             evals.setdefault(label, {})[ds] = _log_eval(tracker, report, step, label, cfg.eval.pass_k)
+            per_question.setdefault(label, {})[ds] = report.per_question_pass1
 
     status = "FAILED"
+    comparisons: dict[str, dict[str, dict[str, float]]] = {}
     try:
         if resumed_at is None:
             if cfg.eval.at_start:
@@ -131,6 +135,10 @@ def train(
                                      description=f"step {step}/{total}: reward "
                                      f"{summary.metrics['rollout/reward_mean']:.3f}")
         run_eval("final", exp.step)
+        comparisons = _paired_vs_earlier(per_question, cfg)
+        for name, by_ds in comparisons.items():
+            tracker.log_metrics({f"eval/{ds.replace(':', '_')}/{name}_{key}": value
+                                 for ds, c in by_ds.items() for key, value in c.items()}, exp.step)
         history = tracker.metric_history([m for m in CURVE_METRICS])
         tracker.log_figure(curves_figure({k: v for k, v in history.items() if v}, title=exp.run_name),
                            "plots/curves.png")
@@ -149,10 +157,24 @@ def train(
         "run_id": exp.run_id, "run_name": exp.run_name, "steps": exp.step, "runs_dir": str(runs),
         "checkpoint_dir": str(exp.checkpoint_dir), "tracking_uri": tracker.tracking_uri,
         "trajectories": str(exp.store.uri), "final_eval": evals.get("final", {}), "evals": evals,
+        "comparisons": comparisons,
     }
     create_markdown_artifact(key=None, markdown=summary_markdown(result_info, cfg),
                              description=f"summary of {exp.run_name}")
     return result_info
+
+
+def _paired_vs_earlier(per_question: dict[str, dict[str, dict[str, float]]],
+                       cfg: ExperimentConfig) -> dict[str, dict[str, dict[str, float]]]:
+    """final − sft and final − start: per-question Pass@1 differences on the same questions, bootstrap CI."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    final = per_question.get("final", {})
+    for earlier in ("sft", "start"):
+        for ds, before in per_question.get(earlier, {}).items():
+            if ds in final:
+                out.setdefault(f"final_minus_{earlier}", {})[ds] = paired_comparison(
+                    final[ds], before, n_resamples=cfg.eval.bootstrap_samples, seed=cfg.seed)
+    return out
 
 
 def summary_markdown(info: dict[str, Any], cfg: ExperimentConfig) -> str:
@@ -166,11 +188,16 @@ def summary_markdown(info: dict[str, Any], cfg: ExperimentConfig) -> str:
         f"- checkpoints: `{info['checkpoint_dir']}`",
         f"- trajectories: `{info['trajectories']}`",
         "",
-        "| dataset | pass@1 | 95% CI | pass@k | tool calls/q | answered |",
-        "|---|---|---|---|---|---|",
+        "| stage | dataset | pass@1 | 95% CI | pass@k | tool calls/q | answered |",
+        "|---|---|---|---|---|---|---|",
     ]
     k = cfg.eval.pass_k
-    for ds, s in info["final_eval"].items():
-        lines.append(f"| {ds} | {s['pass@1']:.3f} | [{s['pass@1_ci_low']:.3f}, {s['pass@1_ci_high']:.3f}] | "
-                     f"{s[f'pass@{k}']:.3f} | {s['tool_calls_per_question']:.2f} | {s['answered_rate']:.2f} |")
+    for stage, by_ds in info["evals"].items():
+        for ds, s in by_ds.items():
+            lines.append(f"| {stage} | {ds} | {s['pass@1']:.3f} | [{s['pass@1_ci_low']:.3f}, {s['pass@1_ci_high']:.3f}]"
+                         f" | {s[f'pass@{k}']:.3f} | {s['tool_calls_per_question']:.2f} | {s['answered_rate']:.2f} |")
+    for name, by_ds in info.get("comparisons", {}).items():
+        for ds, c in by_ds.items():
+            lines.append(f"\n- {name.replace('_', ' ')} on {ds}: pass@1 {c['diff']:+.3f} "
+                         f"[{c['ci_low']:+.3f}, {c['ci_high']:+.3f}] over {c['questions']:.0f} questions (paired)")
     return "\n".join(lines)

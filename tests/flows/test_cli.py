@@ -35,7 +35,7 @@ def trained(prefect_harness: Any, tmp_path_factory: pytest.TempPathFactory) -> t
     import flows.train  # noqa: F401
 
     runs = tmp_path_factory.mktemp("cli-runs")
-    result = invoke("train", "-c", TINY, "--runs-dir", str(runs), *sets("train.steps=1", *FAST))
+    result = invoke("train", "-c", TINY, "--runs-dir", str(runs), *sets("train.steps=1", "eval.at_start=true", *FAST))
     return result, runs
 
 
@@ -60,7 +60,10 @@ def test_train_leaves_mlflow_run_parquet_and_checkpoint(trained: tuple[Any, Path
     assert (runs / "trajectories" / "nodes" / f"run_id={run['run_id']}" / "step=1" / "part-00000.parquet").is_file()
     assert (runs / "checkpoints" / "tiny" / "step-000001" / "manifest.json").is_file()
     out = result.stdout
-    assert "final evaluation after 1 steps" in out and "synthetic:test" in out and "pass@1 [95% CI]" in out
+    assert "evaluations (1 RL steps)" in out and "synthetic:test" in out and "pass@1 [95% CI]" in out
+    stages = [line.split()[1] for line in out.splitlines() if "synthetic:test" in line and line.startswith("│")]
+    assert stages == ["start", "final"], out
+    assert "final minus start on synthetic:test: pass@1" in out and "(paired over 2 questions)" in out
     assert run["run_id"] in out and str(runs / "checkpoints" / "tiny") in out and "aepo ui --runs-dir" in out
 
 
