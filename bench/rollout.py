@@ -26,7 +26,6 @@ import json
 import logging
 import math
 import os
-import platform
 import resource
 import shutil
 import statistics
@@ -36,7 +35,6 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +51,7 @@ from aepo_core.config import (
 from aepo_core.interfaces import GenerationRequest, GenerationResult, SamplingParams, Tool
 from aepo_core.protocol import SYSTEM_PROMPT
 from aepo_core.rollout.scheduler import Question, RolloutScheduler
+from bench.harness import RESULTS_DIR, atomic_write_json, autocast_of, environment, print_table, set_threads
 from infra.data.synthetic import OracleError, SyntheticTask, oracle_transcript
 from infra.engines.hf import HFEngine
 from infra.models import BUILTIN_SMOLLM2, TINY_RANDOM, cache_root, load_policy
@@ -64,7 +63,6 @@ from infra.training.sft import run_sft, sft_sample
 
 log = logging.getLogger("bench.rollout")
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODELS = (TINY_RANDOM, BUILTIN_SMOLLM2)
 TARGET_SCHED_RATIO = 0.7
 TARGET_AEPO_OVERHEAD = 1.15
@@ -75,60 +73,6 @@ TASK_KW: dict[str, Any] = {"n_companies": 40, "families": ("single_hop", "two_ho
 
 
 # ----------------------------------------------------------------------------------------------------- helpers
-def atomic_write_json(path: Path, data: Any) -> None:
-    """Write JSON to a temporary file in the same directory, fsync, then rename over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=1, sort_keys=False, default=_json_default)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are ordinary shared files
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _json_default(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return str(obj)
-
-
-def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    """A rich table when rich is importable, else aligned plain text."""
-    cells = [[_fmt(c) for c in row] for row in rows]
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(columns)]
-        print(f"\n{title}")
-        print("  ".join(str(h).ljust(w) for h, w in zip(columns, widths, strict=True)))
-        for row in cells:
-            print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
-        return
-    table = Table(title=title, title_justify="left")
-    for col in columns:
-        table.add_column(str(col))
-    for row in cells:
-        table.add_row(*row)
-    Console(width=max(160, shutil.get_terminal_size().columns)).print(table)
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, bool):
-        return "yes" if value else "NO"
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            return "-"
-        return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
-    return str(value)
-
-
 def percentile(values: Sequence[float], q: float) -> float:
     """Linear-interpolation percentile (q in [0, 100]); NaN for no values."""
     if not values:
@@ -137,34 +81,6 @@ def percentile(values: Sequence[float], q: float) -> float:
     pos = (len(data) - 1) * q / 100.0
     lo, hi = math.floor(pos), math.ceil(pos)
     return data[lo] + (data[hi] - data[lo]) * (pos - lo)
-
-
-def set_threads(n: int) -> None:
-    """Fix torch's intra-op threads (and inter-op, when still allowed) for the whole run."""
-    torch.set_num_threads(n)
-    try:
-        torch.set_num_interop_threads(n)
-    except RuntimeError:  # already set (parallel work ran): intra-op is what matters here
-        pass
-
-
-def autocast_of(name: str) -> torch.dtype | None:
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name)
-
-
-def environment(threads: int) -> dict[str, Any]:
-    import transformers
-
-    return {
-        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "torch_threads": threads,
-        "cpu_count": os.cpu_count(),
-        "cpu": platform.processor() or platform.machine(),
-        "load_avg_start": list(os.getloadavg()),
-    }
 
 
 def prompt_ids(tokenizer: Any, question: str) -> list[int]:

@@ -19,15 +19,11 @@ Writes ``bench/results/train_step.json`` (``train_step-quick.json`` with ``--qui
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import math
 import multiprocessing
 import os
-import platform
 import random
 import resource
-import shutil
 import statistics
 import sys
 import tempfile
@@ -37,7 +33,6 @@ import warnings
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +40,7 @@ import torch
 
 from aepo_core.config import ExperimentConfig, PythonToolConfig, SearchToolConfig
 from aepo_core.protocol import SYSTEM_PROMPT
+from bench.harness import RESULTS_DIR, atomic_write_json, autocast_of, environment, print_table, set_threads
 from infra.data.synthetic import OracleError, SyntheticTask, oracle_transcript
 from infra.models import BUILTIN_SMOLLM2, TINY_RANDOM, load_policy
 from infra.tools.python_sandbox import PythonSandbox
@@ -57,7 +53,6 @@ from infra.training.update import PolicyUpdater
 
 log = logging.getLogger("bench.train_step")
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODELS = (TINY_RANDOM, BUILTIN_SMOLLM2)
 TARGET_RATIO = 0.8
 DEFAULT_COMPUTE = {TINY_RANDOM: "float32", BUILTIN_SMOLLM2: "bfloat16"}
@@ -71,66 +66,6 @@ SIZES = {
 
 
 # ----------------------------------------------------------------------------------------------------- helpers
-def atomic_write_json(path: Path, data: Any) -> None:
-    """Write JSON to a temporary file in the same directory, fsync, then rename over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=1, default=str)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are ordinary shared files
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    """A rich table when rich is importable, else aligned plain text."""
-    cells = [[_fmt(c) for c in row] for row in rows]
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(columns)]
-        print(f"\n{title}")
-        print("  ".join(str(h).ljust(w) for h, w in zip(columns, widths, strict=True)))
-        for row in cells:
-            print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
-        return
-    table = Table(title=title, title_justify="left")
-    for col in columns:
-        table.add_column(str(col))
-    for row in cells:
-        table.add_row(*row)
-    Console(width=max(160, shutil.get_terminal_size().columns)).print(table)
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, bool):
-        return "yes" if value else "NO"
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            return "-"
-        return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
-    return str(value)
-
-
-def set_threads(n: int) -> None:
-    torch.set_num_threads(n)
-    try:
-        torch.set_num_interop_threads(n)
-    except RuntimeError:
-        pass
-
-
-def autocast_of(name: str) -> torch.dtype | None:
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name)
-
-
 def rss_mb() -> float:
     """Current resident set size (MB), from /proc (Linux) or psutil."""
     try:
@@ -432,18 +367,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local (converted cache); never reach the hub
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
-    import transformers
-
     started = time.perf_counter()
     results: dict[str, Any] = {
         "benchmark": "train_step",
         "args": {k: str(v) for k, v in vars(args).items()},
-        "environment": {
-            "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "torch_threads": args.threads,
-            "cpu_count": os.cpu_count(), "load_avg_start": list(os.getloadavg()),
-        },
+        "environment": environment(args.threads, cpu=False),
         "models": [],
     }
     names = MODELS if args.model == "both" else (args.model,)
