@@ -247,6 +247,10 @@ class EvalConfig(Section):
     temperature: float = Field(0.6, gt=0.0)
     top_p: float = Field(0.95, gt=0.0, le=1.0)
     max_questions: int | None = Field(None, ge=1)
+    batch_size: int | None = Field(
+        None, ge=1, description="Questions per evaluation rollout batch (None: train.batch_size). Larger decode "
+        "batches are faster on CPU and GPU; memory grows with questions × n_samples.",
+    )
     at_start: bool = Field(False, description="Also evaluate before training (and after cold-start SFT).")
     bootstrap_samples: int = Field(1000, ge=10)
     judge_url: str | None = None

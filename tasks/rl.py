@@ -66,8 +66,8 @@ def checkpoint(exp: Experiment) -> str:
 @task(name="sft", cache_policy=NO_CACHE, retries=0)
 def sft(exp: Experiment) -> dict[str, float]:
     metrics = exp.sft()
-    get_run_logger().info("cold-start SFT: loss %.3f → %.3f over %d steps", metrics["sft/loss_before"],
-                          metrics["sft/loss_after"], metrics["sft/steps"])
+    get_run_logger().info("cold-start SFT: batch loss %.3f → %.3f over %d steps", metrics["sft/loss_first_batch"],
+                          metrics["sft/loss_last_batch"], metrics["sft/steps"])
     return metrics
 
 
