@@ -1,0 +1,297 @@
+"""AEPO vs ARPO vs GRPO, and AEPO's ablations, on the synthetic deep-search task (issue 6, item 5).
+
+1. **One shared start.** Cold-start SFT on oracle transcripts is run once for the sweep's base config and the
+   result saved as a plain HF model directory in the model cache (``compare-sft-<hash>``, reused by later runs
+   with the same model / SFT / data / tools / protocol settings). Every arm starts from these weights.
+2. **The sweep** ``configs/sweeps/algorithms.yaml`` (AEPO, ARPO, GRPO + four AEPO ablations, 3 seeds) runs
+   through the real sweep flow (Prefect child flow runs, nested MLflow runs), with the same rollout budget
+   (k, questions per step, steps, token caps) and the same learning rate for every arm; only the keys the sweep
+   file names differ. ``--set`` adds overrides for every arm (e.g. a smaller CPU budget).
+3. **Analysis** from MLflow, per arm: per-question Pass@1 and Pass@k averaged over seeds, with bootstrap 95%
+   CIs over questions; the paired difference to GRPO on the same questions (bootstrap CI); tool calls per
+   question at evaluation; rollout diversity during training (distinct tool-call sequences per question group,
+   mean and largest number of branches on one path); the final training reward.
+
+Run: ``.venv/bin/python -m bench.compare_algorithms [--seeds 0 1 2] [--set train.steps=4 ...] [--quick]``.
+Prints the table and writes ``bench/results/compare_algorithms.json`` (``compare_algorithms-quick.json`` with
+``--quick``). Runs go to ``--runs-dir`` (default ``runs/bench-compare``): ``aepo ui --runs-dir`` browses them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.harness import RESULTS_DIR, atomic_write_json, environment, print_table
+
+log = logging.getLogger("bench.compare_algorithms")
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_SWEEP = REPO / "configs" / "sweeps" / "algorithms.yaml"
+BASELINE = "grpo"
+# What the shared SFT checkpoint depends on (every other key may differ between arms without invalidating it).
+SFT_KEYS = ("model", "data", "tools", "train.sft", "optim.micro_batch_tokens", "seed")
+QUICK_SETS = ["train.steps=1", "train.batch_size=2", "eval.max_questions=4", "eval.n_samples=2",
+              "eval.pass_k=2", "train.sft.max_examples=8", "tracking.log_model=false"]
+
+
+# ------------------------------------------------------------------------------------------------ SFT start
+def _sft_key(cfg: Any) -> str:
+    from aepo_core.protocol import SYSTEM_PROMPT
+
+    data = cfg.model_dump(mode="json")
+    parts = {}
+    for key in SFT_KEYS:
+        node = data
+        for part in key.split("."):
+            node = node[part]
+        parts[key] = node
+    parts["system_prompt"] = SYSTEM_PROMPT
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def shared_sft_checkpoint(base: Any, runs: Path, refresh: bool = False) -> tuple[Path, dict[str, float]]:
+    """The base config's cold-start SFT, run once and cached as an HF model directory (atomic rename)."""
+    from infra.experiment import Experiment
+    from infra.models import cache_root
+
+    cfg = base.model_copy(update={"train": base.train.model_copy(
+        update={"sft": base.train.sft.model_copy(update={"enabled": True})})})
+    root = cache_root(cfg.model)
+    final = root / f"compare-sft-{_sft_key(cfg)}"
+    marker = final / "aepo_sft.json"
+    if marker.is_file() and not refresh:
+        log.info("shared SFT start: %s (cached)", final)
+        return final, json.loads(marker.read_text())
+    t0 = time.perf_counter()
+    exp = Experiment(cfg, runs / "sft-start", run_name="compare-sft")
+    metrics = exp.sft()
+    metrics["sft/wall_s"] = time.perf_counter() - t0
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-compare-sft-", dir=root))
+    try:
+        exp.model.save_pretrained(tmp)
+        exp.tokenizer.save_pretrained(tmp)
+        (tmp / "aepo_sft.json").write_text(json.dumps(metrics, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("shared SFT start: %s (batch loss %.3f → %.3f, %.0f s)", final, metrics["sft/loss_first_batch"],
+             metrics["sft/loss_last_batch"], metrics["sft/wall_s"])
+    return final, metrics
+
+
+# ------------------------------------------------------------------------------------------------ analysis
+def _per_question(tracker: Any, run_id: str, dataset: str, workdir: Path) -> list[dict[str, Any]]:
+    name = dataset.replace(":", "_")
+    path = tracker.download_artifacts(f"runs:/{run_id}/eval/final/{name}.json", workdir / run_id)
+    return list(json.loads(Path(path).read_text())["questions"])
+
+
+def arm_statistics(per_seed: dict[int, list[dict[str, Any]]], k: int, n_resamples: int,
+                   seed: int = 0) -> dict[str, Any]:
+    """Per-question Pass@1 / Pass@k averaged over seeds, with bootstrap CIs over questions."""
+    from aepo_core.metrics import bootstrap_ci, pass_at_k
+
+    questions = sorted(set.intersection(*(set(o["question_id"] for o in rows) for rows in per_seed.values())))
+    p1: dict[str, float] = {}
+    pk: dict[str, float] = {}
+    for q in questions:
+        outs = [next(o for o in rows if o["question_id"] == q) for rows in per_seed.values()]
+        p1[q] = sum(pass_at_k(o["n"], o["correct"], 1) for o in outs) / len(outs)
+        pk[q] = sum(pass_at_k(o["n"], o["correct"], min(k, o["n"])) for o in outs) / len(outs)
+    m1, lo1, hi1 = bootstrap_ci([p1[q] for q in questions], n_resamples=n_resamples, seed=seed)
+    mk, lok, hik = bootstrap_ci([pk[q] for q in questions], n_resamples=n_resamples, seed=seed)
+    by_seed = {s: sum(pass_at_k(o["n"], o["correct"], 1) for o in rows) / len(rows) for s, rows in per_seed.items()}
+    return {"questions": len(questions), "pass@1": m1, "pass@1_ci": [lo1, hi1], "pass@k": mk, "pass@k_ci": [lok, hik],
+            "pass@1_by_seed": by_seed, "per_question_pass@1": p1}
+
+
+def paired_vs(a: dict[str, float], b: dict[str, float], n_resamples: int, seed: int = 0) -> dict[str, float]:
+    from aepo_core.evaluation import paired_comparison
+
+    return paired_comparison(a, b, n_resamples=n_resamples, seed=seed)
+
+
+def _mean(values: Sequence[float]) -> float:
+    vals = [v for v in values if not math.isnan(v)]
+    return sum(vals) / len(vals) if vals else math.nan
+
+
+def analyse(result: dict[str, Any], tracking_uri: str, dataset: str, k: int, n_resamples: int,
+            workdir: Path) -> dict[str, Any]:
+    from infra.tracking import Tracker
+
+    tracker = Tracker(tracking_uri)
+    by_cell: dict[str, dict[str, Any]] = {}
+    for row in result["runs"]:
+        if row["dataset"] != dataset:
+            continue
+        cell = by_cell.setdefault(row["cell"], {"per_seed": {}, "runs": [], "tool_calls": [], "diversity": [],
+                                                "branches_max": [], "branches_mean": [], "reward_last": [],
+                                                "wall_s": []})
+        rid = row["run_id"]
+        cell["per_seed"][int(row["seed"])] = _per_question(tracker, rid, dataset, workdir)
+        cell["runs"].append(row["run_name"])
+        cell["tool_calls"].append(float(row["tool_calls_per_question"]))
+        hist = tracker.metric_history(["rollout/distinct_tool_sequences", "rollout/max_branches_per_path",
+                                       "rollout/branch_samples", "rollout/reward_mean", "step/wall_s"], run_id=rid)
+        cell["diversity"] += [v for _, v in hist["rollout/distinct_tool_sequences"]]
+        cell["branches_max"] += [v for _, v in hist["rollout/max_branches_per_path"]]
+        cell["branches_mean"] += [v for _, v in hist["rollout/branch_samples"]]
+        cell["reward_last"] += [hist["rollout/reward_mean"][-1][1]] if hist["rollout/reward_mean"] else []
+        cell["wall_s"].append(sum(v for _, v in hist["step/wall_s"]))
+    arms: dict[str, Any] = {}
+    for name, cell in by_cell.items():
+        stats = arm_statistics(cell["per_seed"], k, n_resamples)
+        arms[name] = {
+            **stats,
+            "runs": cell["runs"],
+            "tool_calls_per_question": _mean(cell["tool_calls"]),
+            "distinct_tool_sequences_per_group": _mean(cell["diversity"]),
+            "max_branches_on_one_path": max(cell["branches_max"], default=math.nan),
+            "max_branches_per_path_mean": _mean(cell["branches_max"]),
+            "branch_samples_per_step": _mean(cell["branches_mean"]),
+            "train_reward_last_step": _mean(cell["reward_last"]),
+            "rl_wall_s_per_run": _mean(cell["wall_s"]),
+        }
+    if BASELINE in arms:
+        base = arms[BASELINE]["per_question_pass@1"]
+        for name, arm in arms.items():
+            arm[f"vs_{BASELINE}"] = (paired_vs(arm["per_question_pass@1"], base, n_resamples)
+                                     if name != BASELINE else None)
+    return arms
+
+
+# ------------------------------------------------------------------------------------------------ the run
+def sweep_spec(path: Path, sets: Sequence[str], seeds: Sequence[int] | None, cells: Sequence[str] | None,
+               sft_dir: Path | None) -> dict[str, Any]:
+    """The sweep file as a dict, with the shared start and the CLI's overrides applied to every arm."""
+    raw = yaml.safe_load(path.read_text())
+    spec = dict(raw)
+    base = Path(spec["base"])
+    spec["base"] = str(base if base.is_absolute() else (path.parent / base).resolve())
+    overrides = dict(spec.get("overrides") or {})
+    for item in sets:
+        key, _, value = item.partition("=")
+        overrides[key] = yaml.safe_load(value)
+    if sft_dir is not None:
+        overrides.update({"model.name": str(sft_dir), "train.sft.enabled": False, "eval.at_start": False})
+    spec["overrides"] = overrides
+    if seeds is not None:
+        spec["seeds"] = list(seeds)
+    if cells is not None:
+        wanted = set(cells)
+        grid = {axis: {lvl: o for lvl, o in levels.items() if lvl in wanted}
+                for axis, levels in (spec.get("grid") or {}).items()}
+        spec["grid"] = {axis: levels for axis, levels in grid.items() if levels}
+        spec["cells"] = {c: o for c, o in (spec.get("cells") or {}).items() if c in wanted}
+        if not spec["grid"]:
+            spec.pop("grid")
+    spec.pop("runs_dir", None)
+    return spec
+
+
+def report(arms: dict[str, Any], k: int, dataset: str) -> None:
+    rows = []
+    for name, a in arms.items():
+        vs = a.get(f"vs_{BASELINE}")
+        rows.append([
+            name, len(a["runs"]), f"{a['pass@1']:.3f} [{a['pass@1_ci'][0]:.3f}, {a['pass@1_ci'][1]:.3f}]",
+            f"{a['pass@k']:.3f} [{a['pass@k_ci'][0]:.3f}, {a['pass@k_ci'][1]:.3f}]",
+            "–" if vs is None else f"{vs['diff']:+.3f} [{vs['ci_low']:+.3f}, {vs['ci_high']:+.3f}]",
+            a["tool_calls_per_question"], a["distinct_tool_sequences_per_group"], a["max_branches_on_one_path"],
+            a["train_reward_last_step"],
+        ])
+    print_table(f"AEPO vs baselines on {dataset} (Pass@1/Pass@{k}: per-question mean over seeds, 95% bootstrap CI)",
+                ["arm", "runs", "Pass@1 [CI]", f"Pass@{k} [CI]", f"Δ Pass@1 vs {BASELINE} [CI]", "tool calls/q",
+                 "distinct tool seqs/group", "max branches/path", "train reward (last)"], rows)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sweep", type=Path, default=DEFAULT_SWEEP, help="sweep file (default: %(default)s)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="override for every arm (repeatable)")
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (default: the sweep file's)")
+    p.add_argument("--cells", nargs="+", default=None, help="only these arms (default: all)")
+    p.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "bench-compare")
+    p.add_argument("--no-shared-sft", action="store_true", help="every arm runs its own SFT (base config as is)")
+    p.add_argument("--refresh-sft", action="store_true", help="redo the shared SFT even if cached")
+    p.add_argument("--quick", action="store_true", help="smoke run: aepo and grpo, one seed, one tiny step")
+    p.add_argument("--out", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    runs = args.runs_dir.resolve()
+    from flows.cli import prepare_environment
+
+    prepare_environment(runs)  # before Prefect is imported
+    from flows.sweep import load_sweep, sweep
+    from infra.config_files import load_config
+
+    sets = [*(QUICK_SETS if args.quick else []), *args.sets]
+    seeds = [0] if args.quick and args.seeds is None else args.seeds
+    cells = ["aepo", BASELINE] if args.quick and args.cells is None else args.cells
+    raw = sweep_spec(args.sweep, sets, seeds, cells, None)
+    base = load_config(raw["base"], raw["overrides"])
+    env = environment(threads=0)
+    t0 = time.perf_counter()
+    sft_dir, sft_metrics = (None, {}) if args.no_shared_sft else shared_sft_checkpoint(base, runs, args.refresh_sft)
+    t_sft = time.perf_counter() - t0
+    spec = sweep_spec(args.sweep, sets, seeds, cells, sft_dir)
+    spec["name"] = f"{spec['name']}-bench{'-quick' if args.quick else ''}"
+    checked = load_sweep(spec)
+    log.info("sweep %s: %d runs (%s)", checked.name, len(checked.runs), ", ".join(checked.cells))
+    result = sweep(sweep_config=spec, runs_dir=str(runs))
+    t_sweep = time.perf_counter() - t0 - t_sft
+    cfg0 = checked.runs[0].config
+    k = cfg0.eval.pass_k
+    dataset = sorted({r["dataset"] for r in result["runs"]})[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        arms = analyse(result, result["tracking_uri"], dataset, k, cfg0.eval.bootstrap_samples, Path(tmp))
+    report(arms, k, dataset)
+    out = args.out or RESULTS_DIR / f"compare_algorithms{'-quick' if args.quick else ''}.json"
+    env["load_avg_end"] = list(__import__("os").getloadavg())
+    atomic_write_json(out, {
+        "benchmark": "compare_algorithms",
+        "environment": env,
+        "sweep_file": str(args.sweep),
+        "arm_overrides": {c: o for c, o in checked.cells.items()},
+        "common_overrides": spec["overrides"],
+        "seeds": checked.seeds,
+        "budget": {"rl_steps": cfg0.train.steps, "questions_per_step": cfg0.train.batch_size, "k": cfg0.rollout.k,
+                   "max_response_tokens": cfg0.rollout.max_response_tokens, "lr": cfg0.optim.lr,
+                   "eval_dataset": dataset, "eval_questions": cfg0.eval.max_questions,
+                   "eval_samples": cfg0.eval.n_samples, "eval_temperature": cfg0.eval.temperature},
+        "shared_sft": {"dir": str(sft_dir) if sft_dir else None, **sft_metrics},
+        "wall_s": {"sft": t_sft, "sweep": t_sweep},
+        "sweep": {"parent_run_id": result["parent_run_id"], "tracking_uri": result["tracking_uri"],
+                  "out_dir": result["out_dir"]},
+        "arms": {name: {k2: v for k2, v in a.items() if k2 != "per_question_pass@1"} for name, a in arms.items()},
+        "per_question_pass@1": {name: a["per_question_pass@1"] for name, a in arms.items()},
+    })
+    print(f"\nresults: {out}\nMLflow: {result['tracking_uri']} (parent run {result['parent_run_id']}); "
+          f"browse with `aepo ui --runs-dir {runs}`")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
