@@ -188,7 +188,7 @@ class Experiment:
         sync = getattr(self.engine, "sync_weights", None)
         if sync is not None:  # a remote engine gets the new weights through its documented hook
             path = self.runs_dir / "weights" / self.run_name / f"step-{self.step:06d}"
-            self.model.save_pretrained(path)
+            self.model.save_pretrained(path, state_dict=self.full_state_dict())
             self.tokenizer.save_pretrained(path)
             sync(str(path))
         return metrics
@@ -203,13 +203,19 @@ class Experiment:
             return self.backend.training_state, None
         return getattr(self.backend, "optimizer", None), getattr(self.backend, "scheduler", None)
 
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Gathered weights when the live parameters are ZeRO-3 partitions; None when the model holds them."""
+        if getattr(self.backend, "zero_stage", 0) == 3:
+            return self.backend.consolidated_state_dict()
+        return None
+
     def save(self) -> Path:
         optimizer, scheduler = self._optimizer_state()
         return save_checkpoint(
             self.checkpoint_dir, self.step, model=self.model, tokenizer=self.tokenizer, config=self.cfg,
             optimizer=optimizer, scheduler=scheduler,
             data_cursor=self.cursor, run_id=self.run_id, extra={"order": self.order.state_dict()},
-            keep=self.cfg.checkpoint.keep,
+            keep=self.cfg.checkpoint.keep, state_dict=self.full_state_dict(),
         )
 
     def resume(self, force: bool = False) -> int | None:

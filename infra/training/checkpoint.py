@@ -164,13 +164,15 @@ def save_checkpoint(
     run_id: str | None = None,
     extra: Mapping[str, Any] | None = None,
     keep: int | None = None,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write ``root/step-NNNNNN`` atomically (see the module docstring), then keep the last ``keep`` checkpoints
     (default ``config.checkpoint.keep``). Returns the checkpoint directory.
 
-    Call it from one process (rank 0) with a model whose ``state_dict`` holds full tensors (gather ZeRO-3
-    partitions first). Store what defines the data order (``DataOrder.state_dict()``) in ``extra`` so a resume
-    can check it with ``DataOrder.check_resumable``.
+    Call it from one process (rank 0). Under ZeRO-3 the model's own parameters are empty partitions: pass the
+    gathered full weights as ``state_dict`` (``DeepSpeedBackend.consolidated_state_dict()``). Store what
+    defines the data order (``DataOrder.state_dict()``) in ``extra`` so a resume can check it with
+    ``DataOrder.check_resumable``.
 
     Checkpoints with a larger step than ``step`` are deleted (with a warning): they belong to a timeline that
     was abandoned by resuming from an older checkpoint, and leaving them would make the next resume pick them.
@@ -195,7 +197,7 @@ def save_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=root))
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is an ordinary shared directory
-        _save_model(model, tmp)
+        _save_model(model, tmp, state_dict)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         if optimizer is not None:
@@ -236,9 +238,12 @@ def save_checkpoint(
     return final
 
 
-def _save_model(model: Any, out: Path) -> None:
+def _save_model(model: Any, out: Path, state_dict: Mapping[str, torch.Tensor] | None = None) -> None:
     """HF format with safetensors (the default of transformers ≥ 4.35 and the only format of 5.x)."""
-    model.save_pretrained(str(out))
+    if state_dict is not None:
+        model.save_pretrained(str(out), state_dict=dict(state_dict))
+    else:
+        model.save_pretrained(str(out))
     if not any(out.glob("*.safetensors")):
         raise CheckpointError(f"{type(model).__name__}.save_pretrained wrote no .safetensors file in {out}")
 

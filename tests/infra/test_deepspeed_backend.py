@@ -19,6 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from aepo_core.config import ExperimentConfig, TrainConfig, build_config
 from infra.training.backends import TorchBackend
 from infra.training.batching import split_mini_batches
+from infra.training.checkpoint import save_checkpoint
 from infra.training.deepspeed_backend import (
     DeepSpeedBackend,
     init_single_process_distributed,
@@ -107,7 +108,7 @@ def test_zero_stage_matches_torch_backend(cfg, stage):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_tied_embeddings_and_consolidated_state_dict(cfg, stage):
+def test_tied_embeddings_and_consolidated_state_dict(cfg, stage, tmp_path):
     """Under ZeRO-3 the projection is called outside the engine's forward, on a weight shared with the input."""
     ref, _ = torch_reference(cfg, tied_model())
     model = tied_model()
@@ -121,6 +122,10 @@ def test_tied_embeddings_and_consolidated_state_dict(cfg, stage):
     fresh = tied_model(seed=1)
     fresh.load_state_dict(full)
     torch.testing.assert_close(params(fresh), params(ref), rtol=1e-4, atol=2e-5)
+    # The HF export of a checkpoint: full weights even though the live parameters are ZeRO-3 partitions.
+    saved = save_checkpoint(tmp_path, 1, model=model, tokenizer=None, config=cfg, state_dict=full, keep=1)
+    exported = LlamaForCausalLM.from_pretrained(saved).float()
+    torch.testing.assert_close(params(exported), params(ref), rtol=1e-4, atol=2e-5)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
