@@ -24,6 +24,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -149,7 +150,14 @@ class _LogProgress(logging.Handler):
 def flow_progress(label: str, total: int | None,
                   rules: Callable[[Progress, Any], Sequence[tuple[re.Pattern[str], Callable[[re.Match[str]], None]]]]
                   ) -> Iterator[Progress]:
-    """A rich progress bar fed by the Prefect run loggers while a flow runs."""
+    """A rich progress bar fed by the Prefect run loggers while a flow runs.
+
+    SIGTERM (``kill``, a scheduler's stop) unwinds like Ctrl-C while it runs, so the flow and the MLflow run end
+    as failed and Prefect's temporary API server is stopped instead of being left orphaned.
+    """
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=_err(), transient=False)
     task = progress.add_task(label, total=total)
@@ -163,6 +171,12 @@ def flow_progress(label: str, total: int | None,
     finally:
         for lg in loggers:
             lg.removeHandler(handler)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _train_rules(progress: Progress, task: Any) -> list[tuple[re.Pattern[str], Callable[[re.Match[str]], None]]]:

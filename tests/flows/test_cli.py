@@ -169,3 +169,42 @@ def test_prefect_yaml_deployments_load_and_validate(prefect_harness: Any) -> Non
         deployments["train"]["parameters"])
     assert params["config"] == load_config(TINY)  # the deployment's default is the tiny config
     assert deployments["sweep"]["schedules"][0]["cron"]
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_stops_the_run_and_its_temporary_prefect_server(tmp_path: Path, model_cache: Path) -> None:
+    """`kill <pid>` of `aepo train` must not leave Prefect's temporary API server (a child process) behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    runs = tmp_path / "runs"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update({"PYTHONPATH": str(REPO), "AEPO_MODEL_CACHE": str(model_cache), "OMP_NUM_THREADS": "1"})
+    log = open(tmp_path / "train.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", "-c", TINY, "--runs-dir", str(runs),
+                             *sets("train.steps=50", *FAST)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True, cwd=REPO)
+    try:
+        deadline = time.time() + 400
+        server: list[psutil.Process] = []
+        while not server or not (runs / "mlflow.db").exists():  # the flow is running: its API server is up
+            assert proc.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
+            assert time.time() < deadline, (tmp_path / "train.log").read_text()[-3000:]
+            children = psutil.Process(proc.pid).children(recursive=True)
+            server = [c for c in children if "uvicorn" in " ".join(c.cmdline())]
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) != 0
+        _, alive = psutil.wait_procs(server, timeout=60)
+        assert not alive, f"orphaned Prefect server: {[p.cmdline() for p in alive]}"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()

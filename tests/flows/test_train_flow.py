@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -136,7 +137,15 @@ def _run(runs: Path, resume: bool, steps: int, model_cache: Path) -> subprocess.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "AEPO_MODEL_CACHE": str(model_cache), "OMP_NUM_THREADS": "1"}
     env.pop("PREFECT_API_URL", None)
     log = open(runs / ("resume.log" if resume else "run.log"), "w")
-    return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    # Own process group: the SIGKILL takes the flow's temporary Prefect server down with it, like a crash of
+    # the machine would, and nothing outlives the test.
+    return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def _tail(runs: Path, name: str = "run.log") -> str:
@@ -159,20 +168,23 @@ def _questions_by_step(runs: Path) -> dict[int, list[str]]:
 def test_kill_after_checkpoint_and_resume_is_bit_identical(tmp_path, model_cache):
     """6 steps straight vs SIGKILL right after the epoch-boundary checkpoint (step 4 of 4 per epoch) + resume."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    p_straight = _run(straight, False, 6, model_cache)
-    p_killed = _run(killed, False, 6, model_cache)
-    boundary = killed / "checkpoints" / "tiny" / "step-000004"
-    deadline = time.time() + 1500
-    while not (boundary / "manifest.json").exists():
-        assert p_killed.poll() is None, _tail(killed)
-        assert time.time() < deadline
-        time.sleep(0.2)
-    time.sleep(random.Random(0).uniform(0.0, 1.5))  # a random point after the checkpoint
-    p_killed.send_signal(signal.SIGKILL)
-    p_killed.wait()
-    assert p_straight.wait(timeout=1500) == 0, _tail(straight)
-    resumed = _run(killed, True, 6, model_cache)
-    assert resumed.wait(timeout=1500) == 0, _tail(killed, "resume.log")
+    procs = [_run(straight, False, 6, model_cache), _run(killed, False, 6, model_cache)]
+    p_straight, p_killed = procs
+    try:
+        boundary = killed / "checkpoints" / "tiny" / "step-000004"
+        deadline = time.time() + 1500
+        while not (boundary / "manifest.json").exists():
+            assert p_killed.poll() is None, _tail(killed)
+            assert time.time() < deadline
+            time.sleep(0.2)
+        time.sleep(random.Random(0).uniform(0.0, 1.5))  # a random point after the checkpoint
+        _kill_group(p_killed)
+        assert p_straight.wait(timeout=1500) == 0, _tail(straight)
+        procs.append(_run(killed, True, 6, model_cache))
+        assert procs[-1].wait(timeout=1500) == 0, _tail(killed, "resume.log")
+    finally:
+        for proc in procs:  # whatever happened, no flow process or Prefect server outlives the test
+            _kill_group(proc)
 
     a, b = _final_params(straight), _final_params(killed)
     assert a.keys() == b.keys()
