@@ -6,9 +6,9 @@ BIN := $(VENV)/bin
 CONSTRAINTS ?= constraints-cpu.txt
 EXTRAS ?= gpu,distributed,s3,dev
 STAMP := $(VENV)/.installed
-# The SmolLM2 demo (configs/demo.yaml) is still being tuned to fit 20 CPU minutes (issue 6); until then the
-# demo is the tiny config: a real run end to end (rollouts, AEPO update, checkpoints, MLflow, Parquet, eval).
-DEMO_CONFIG ?= configs/tiny.yaml
+# The demo: SmolLM2-135M, evaluation → cold-start SFT → evaluation → AEPO RL → evaluation (~20 min on 2 cores).
+# DEMO_CONFIG=configs/tiny.yaml: the same pipeline on a tiny random model in about a minute.
+DEMO_CONFIG ?= configs/demo.yaml
 
 .PHONY: install demo test lint bench clean
 
