@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -121,12 +122,6 @@ def arm_statistics(per_seed: dict[int, list[dict[str, Any]]], k: int, n_resample
             "pass@1_by_seed": by_seed, "per_question_pass@1": p1}
 
 
-def paired_vs(a: dict[str, float], b: dict[str, float], n_resamples: int, seed: int = 0) -> dict[str, float]:
-    from aepo_core.evaluation import paired_comparison
-
-    return paired_comparison(a, b, n_resamples=n_resamples, seed=seed)
-
-
 def _mean(values: Sequence[float]) -> float:
     vals = [v for v in values if not math.isnan(v)]
     return sum(vals) / len(vals) if vals else math.nan
@@ -134,6 +129,7 @@ def _mean(values: Sequence[float]) -> float:
 
 def analyse(result: dict[str, Any], tracking_uri: str, dataset: str, k: int, n_resamples: int,
             workdir: Path) -> dict[str, Any]:
+    from aepo_core.evaluation import paired_comparison
     from infra.tracking import Tracker
 
     tracker = Tracker(tracking_uri)
@@ -172,7 +168,7 @@ def analyse(result: dict[str, Any], tracking_uri: str, dataset: str, k: int, n_r
     if BASELINE in arms:
         base = arms[BASELINE]["per_question_pass@1"]
         for name, arm in arms.items():
-            arm[f"vs_{BASELINE}"] = (paired_vs(arm["per_question_pass@1"], base, n_resamples)
+            arm[f"vs_{BASELINE}"] = (paired_comparison(arm["per_question_pass@1"], base, n_resamples=n_resamples)
                                      if name != BASELINE else None)
     return arms
 
@@ -269,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         arms = analyse(result, result["tracking_uri"], dataset, k, cfg0.eval.bootstrap_samples, Path(tmp))
     report(arms, k, dataset)
     out = args.out or RESULTS_DIR / f"compare_algorithms{'-quick' if args.quick else ''}.json"
-    env["load_avg_end"] = list(__import__("os").getloadavg())
+    env["load_avg_end"] = list(os.getloadavg())
     atomic_write_json(out, {
         "benchmark": "compare_algorithms",
         "environment": env,

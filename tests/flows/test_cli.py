@@ -174,6 +174,7 @@ def test_prefect_yaml_deployments_load_and_validate(prefect_harness: Any) -> Non
 @pytest.mark.timeout(600)
 def test_sigterm_stops_the_run_and_its_temporary_prefect_server(tmp_path: Path, model_cache: Path) -> None:
     """`kill <pid>` of `aepo train` must not leave Prefect's temporary API server (a child process) behind."""
+    import contextlib
     import os
     import signal
     import subprocess
@@ -203,8 +204,6 @@ def test_sigterm_stops_the_run_and_its_temporary_prefect_server(tmp_path: Path, 
         _, alive = psutil.wait_procs(server, timeout=60)
         assert not alive, f"orphaned Prefect server: {[p.cmdline() for p in alive]}"
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         proc.wait()
