@@ -12,7 +12,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import mlflow
 import pyarrow.dataset as pads
 import pytest
 from safetensors.torch import load_file
@@ -128,11 +130,20 @@ def test_transient_rollout_failure_is_retried(prefect_harness, tmp_path, monkeyp
     assert out["steps"] == 1 and calls["n"] == 2
 
 
+# A random tiny policy never stops or answers: every reward is the same, every advantage 0, and a resume that
+# lost the optimizer state would still look bit-identical. A memorizing cold-start SFT on 8 oracle transcripts
+# makes some responses end early, and DAPO's soft overlong penalty turns their lengths into different rewards:
+# real gradients in the first steps, and AdamW moments that keep moving every weight afterwards.
+LEARNING = ["train.sft.enabled=true", "train.sft.max_examples=8", "train.sft.epochs=30", "train.sft.lr=3e-3",
+            "rollout.max_response_tokens=160", "algorithm.overlong_buffer=120"]
+
+
 def _run(runs: Path, resume: bool, steps: int, model_cache: Path) -> subprocess.Popen:
     runs.mkdir(parents=True, exist_ok=True)
     args = [sys.executable, str(ROOT / "tests/flows/run_train.py"), str(TINY), str(runs),
             "resume" if resume else "fresh", f"train.steps={steps}", "checkpoint.every=1", "checkpoint.keep=3",
-            "data.max_questions=8", "train.batch_size=2", "eval.max_questions=1", "tracking.log_model=false"]
+            "data.max_questions=8", "train.batch_size=2", "eval.max_questions=1", "tracking.log_model=false",
+            *LEARNING]
     # One thread each: the straight and the killed run share the CPU, and oversubscribed torch crawls.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "AEPO_MODEL_CACHE": str(model_cache), "OMP_NUM_THREADS": "1"}
     env.pop("PREFECT_API_URL", None)
@@ -158,10 +169,25 @@ def _final_params(runs: Path) -> dict:
     return load_file(str(ckpt / "model.safetensors"))
 
 
-def _questions_by_step(runs: Path) -> dict[int, list[str]]:
+def _trajectories(runs: Path) -> Any:
     t = pads.dataset(runs / "trajectories" / "trajectories", format="parquet", partitioning="hive").to_table()
-    df = t.to_pandas()
-    return {int(s): sorted(set(g["question_id"])) for s, g in df.groupby("step")}
+    return t.to_pandas()
+
+
+def _questions_by_step(runs: Path) -> dict[int, list[str]]:
+    return {int(s): sorted(set(g["question_id"])) for s, g in _trajectories(runs).groupby("step")}
+
+
+def _responses(runs: Path, step: int) -> list[tuple[str, str, list[int]]]:
+    df = _trajectories(runs)
+    rows = df[df["step"] == step]
+    return sorted((r.question_id, r.leaf_id, list(r.response_tokens)) for r in rows.itertuples())
+
+
+def _grad_norms(runs: Path) -> list[float]:
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{runs / 'mlflow.db'}")
+    run_id = json.loads((runs / "result.json").read_text())["run_id"]
+    return [m.value for m in sorted(client.get_metric_history(run_id, "train/grad_norm"), key=lambda m: m.step)]
 
 
 @pytest.mark.timeout(2400)  # three flow processes (each starts its own Prefect API); ~4 min on an idle 2-core box
@@ -186,12 +212,18 @@ def test_kill_after_checkpoint_and_resume_is_bit_identical(tmp_path, model_cache
         for proc in procs:  # whatever happened, no flow process or Prefect server outlives the test
             _kill_group(proc)
 
+    # The comparison is not vacuous: rewards differed (some gradient), and the weights still moved after the kill.
+    assert any(g > 0 for g in _grad_norms(straight)), _grad_norms(straight)
+    at_kill = load_file(str(straight / "checkpoints" / "tiny" / "step-000004" / "model.safetensors"))
     a, b = _final_params(straight), _final_params(killed)
+    assert any((a[k] != at_kill[k]).any() for k in a), "steps 5-6 did not change the weights"
     assert a.keys() == b.keys()
     assert all((a[k] == b[k]).all() for k in a), "resumed parameters differ from the straight run"
     # Data order: every step saw the same questions, none replayed, none skipped.
     qa, qb = _questions_by_step(straight), _questions_by_step(killed)
     assert qa == qb and sorted(qa) == [1, 2, 3, 4, 5, 6]
+    # The sampler's RNG was restored too: the resumed steps drew the very same responses.
+    assert all(_responses(straight, s) == _responses(killed, s) for s in (5, 6))
     first_epoch = [q for s in (1, 2, 3, 4) for q in qa[s]]
     assert len(first_epoch) == len(set(first_epoch)) == 8
     # Same MLflow run, one part per step.
