@@ -12,7 +12,10 @@
    question at evaluation; rollout diversity during training (distinct tool-call sequences per question group,
    mean and largest number of branches on one path); the final training reward.
 
-Run: ``.venv/bin/python -m bench.compare_algorithms [--seeds 0 1 2] [--set train.steps=4 ...] [--quick]``.
+Run: ``.venv/bin/python -m bench.compare_algorithms [--seeds 0 1 2] [--set train.steps=4 ...] [--quick]
+[--workers 2]``. ``--workers N`` runs the sweep as N shards in parallel processes (``runs-dir/shard-<i>``), each
+with cores/N torch threads: small-model decoding on CPU is bound by per-op overhead, so two one-thread processes
+on two cores do ~1.4× the work of one two-thread process. The analysis merges the shards.
 Prints the table and writes ``bench/results/compare_algorithms.json`` (``compare_algorithms-quick.json`` with
 ``--quick``). Runs go to ``--runs-dir`` (default ``runs/bench-compare``): ``aepo ui --runs-dir`` browses them.
 """
@@ -26,6 +29,9 @@ import logging
 import math
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -129,14 +135,17 @@ def _mean(values: Sequence[float]) -> float:
 
 def analyse(result: dict[str, Any], tracking_uri: str, dataset: str, k: int, n_resamples: int,
             workdir: Path) -> dict[str, Any]:
+    """Per-arm statistics; a run row's own ``tracking_uri`` (a shard's store) wins over ``tracking_uri``."""
     from aepo_core.evaluation import paired_comparison
     from infra.tracking import Tracker
 
-    tracker = Tracker(tracking_uri)
+    trackers: dict[str, Any] = {}
     by_cell: dict[str, dict[str, Any]] = {}
     for row in result["runs"]:
         if row["dataset"] != dataset:
             continue
+        uri = row.get("tracking_uri") or tracking_uri
+        tracker = trackers.get(uri) or trackers.setdefault(uri, Tracker(uri))
         cell = by_cell.setdefault(row["cell"], {"per_seed": {}, "runs": [], "tool_calls": [], "diversity": [],
                                                 "branches_max": [], "branches_mean": [], "reward_last": [],
                                                 "wall_s": []})
@@ -202,6 +211,64 @@ def sweep_spec(path: Path, sets: Sequence[str], seeds: Sequence[int] | None, cel
     return spec
 
 
+# ------------------------------------------------------------------------------------------------ shards
+def run_shards(spec: dict[str, Any], runs: Path, workers: int) -> dict[str, Any]:
+    """The sweep as ``workers`` shards in parallel processes (cores/workers torch threads each); the merged
+    result has every run row tagged with its shard's tracking URI."""
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    runs.mkdir(parents=True, exist_ok=True)
+    spec_path = runs / "sweep-spec.json"
+    atomic_write_json(spec_path, spec)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    procs: list[tuple[subprocess.Popen, Path, Path]] = []
+    try:
+        for i in range(1, workers + 1):
+            shard_dir = runs / f"shard-{i}"
+            shard_dir.mkdir(parents=True, exist_ok=True)
+            out, log_path = shard_dir / "shard-result.json", shard_dir / "worker.log"
+            out.unlink(missing_ok=True)
+            cmd = [sys.executable, "-m", "bench.compare_algorithms", "--worker-spec", str(spec_path),
+                   "--shard", f"{i}/{workers}", "--runs-dir", str(shard_dir), "--out", str(out)]
+            with log_path.open("w") as fh:  # own session: a failed or interrupted parent takes the shard down
+                procs.append((subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                               start_new_session=True), out, log_path))
+            log.info("shard %d/%d: pid %d, %d torch thread(s), log %s", i, workers, procs[-1][0].pid, threads,
+                     log_path)
+        for proc, _, log_path in procs:
+            if proc.wait() != 0:
+                raise RuntimeError(f"sweep shard failed (exit {proc.returncode}); see {log_path}")
+    finally:
+        for proc, _, _ in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    merged: dict[str, Any] = {"runs": [], "shards": []}
+    for _, out, _ in procs:
+        part = json.loads(out.read_text())
+        merged["runs"] += [{**row, "tracking_uri": part["tracking_uri"]} for row in part["runs"]]
+        merged["shards"].append({k: part[k] for k in ("name", "parent_run_id", "tracking_uri", "out_dir")})
+    merged.update(parent_run_id=[s["parent_run_id"] for s in merged["shards"]],
+                  tracking_uri=[s["tracking_uri"] for s in merged["shards"]],
+                  out_dir=[s["out_dir"] for s in merged["shards"]])
+    return merged
+
+
+def shard_worker(args: argparse.Namespace) -> int:
+    """One shard of a ``--workers`` run: the sweep flow on the spec the parent wrote; the result as JSON."""
+    runs = args.runs_dir.resolve()
+    from flows.cli import prepare_environment
+
+    prepare_environment(runs)  # its own Prefect home and temporary server, its own MLflow store
+    from bench.harness import set_threads
+    from flows.sweep import sweep
+
+    set_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    spec = json.loads(args.worker_spec.read_text())
+    result = sweep(sweep_config=spec, runs_dir=str(runs), shard=args.shard)
+    atomic_write_json(args.out, result)
+    return 0
+
+
 def report(arms: dict[str, Any], k: int, dataset: str) -> None:
     rows = []
     for name, a in arms.items():
@@ -230,12 +297,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--refresh-sft", action="store_true", help="redo the shared SFT even if cached")
     p.add_argument("--quick", action="store_true", help="smoke run: aepo and grpo, one seed, one tiny step")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--workers", type=int, default=1,
+                   help="sweep shards run in parallel, each a process with cores/N torch threads (default 1)")
+    p.add_argument("--worker-spec", type=Path, default=None, help=argparse.SUPPRESS)  # internal: one shard
+    p.add_argument("--shard", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.worker_spec is not None:
+        return shard_worker(args)
+    if args.workers < 1:
+        raise SystemExit(f"--workers must be >= 1; got {args.workers}")
     runs = args.runs_dir.resolve()
     from flows.cli import prepare_environment
 
@@ -256,13 +331,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec["name"] = f"{spec['name']}-bench{'-quick' if args.quick else ''}"
     checked = load_sweep(spec)
     log.info("sweep %s: %d runs (%s)", checked.name, len(checked.runs), ", ".join(checked.cells))
-    result = sweep(sweep_config=spec, runs_dir=str(runs))
+    if args.workers > 1:
+        result = run_shards(spec, runs, args.workers)
+    else:
+        result = sweep(sweep_config=spec, runs_dir=str(runs))
     t_sweep = time.perf_counter() - t0 - t_sft
     cfg0 = checked.runs[0].config
     k = cfg0.eval.pass_k
     dataset = sorted({r["dataset"] for r in result["runs"]})[0]
     with tempfile.TemporaryDirectory() as tmp:
-        arms = analyse(result, result["tracking_uri"], dataset, k, cfg0.eval.bootstrap_samples, Path(tmp))
+        arms = analyse(result, result["tracking_uri"] if args.workers == 1 else "", dataset, k,
+                       cfg0.eval.bootstrap_samples, Path(tmp))
     report(arms, k, dataset)
     out = args.out or RESULTS_DIR / f"compare_algorithms{'-quick' if args.quick else ''}.json"
     env["load_avg_end"] = list(os.getloadavg())
@@ -279,13 +358,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "eval_samples": cfg0.eval.n_samples, "eval_temperature": cfg0.eval.temperature},
         "shared_sft": {"dir": str(sft_dir) if sft_dir else None, **sft_metrics},
         "wall_s": {"sft": t_sft, "sweep": t_sweep},
+        "workers": args.workers,
         "sweep": {"parent_run_id": result["parent_run_id"], "tracking_uri": result["tracking_uri"],
                   "out_dir": result["out_dir"]},
         "arms": {name: {k2: v for k2, v in a.items() if k2 != "per_question_pass@1"} for name, a in arms.items()},
         "per_question_pass@1": {name: a["per_question_pass@1"] for name, a in arms.items()},
     })
+    browse = [runs] if args.workers == 1 else [runs / f"shard-{i}" for i in range(1, args.workers + 1)]
     print(f"\nresults: {out}\nMLflow: {result['tracking_uri']} (parent run {result['parent_run_id']}); "
-          f"browse with `aepo ui --runs-dir {runs}`")
+          f"browse with " + " and ".join(f"`aepo ui --runs-dir {b}`" for b in browse))
     return 0
 
 

@@ -360,17 +360,20 @@ def _sweep_runs_dir(option: str | None, path: Path) -> Path:
 def sweep_cmd(
     config: Annotated[Path, typer.Option("--config", "-c", help="Sweep YAML (format: flows/sweep.py).")],
     runs_dir: RunsOpt = None,
+    shard: Annotated[str | None, typer.Option("--shard", help="Run only shard i/N of the (cell, seed) list (every "
+                                              "N-th from the i-th); give each shard its own --runs-dir.")] = None,
 ) -> None:
     """Run a grid of training runs (cells × seeds) nested under one MLflow run, then compare them."""
     if not config.is_file():
         fail(f"sweep file not found: {config}")
     runs = _sweep_runs_dir(runs_dir, config)
     prepare_environment(runs)
-    from flows.sweep import load_sweep, sweep
+    from flows.sweep import load_sweep, shard_runs, sweep
 
     try:
         spec = load_sweep(config)
-        for run in spec.runs:
+        selected = shard_runs(spec.runs, shard)
+        for run in selected:
             check_datasets(run.config)
     except ConfigError as exc:
         fail(str(exc))
@@ -381,9 +384,9 @@ def sweep_cmd(
                                            description=m.group(3)))]
 
     try:
-        with flow_progress(f"sweep {spec.name}", len(spec.runs), rules) as progress:
-            result = sweep(sweep_config=str(config.resolve()), runs_dir=str(runs))
-            progress.update(progress.task_ids[0], completed=len(spec.runs), description=f"sweep {spec.name} done")
+        with flow_progress(f"sweep {spec.name}", len(selected), rules) as progress:
+            result = sweep(sweep_config=str(config.resolve()), runs_dir=str(runs), shard=shard)
+            progress.update(progress.task_ids[0], completed=len(selected), description=f"sweep {result['name']} done")
     except Exception as exc:
         fail(f"sweep failed: {exc}", code=1)
     table = Table(title=f"aepo sweep: {result['name']} (parent MLflow run {result['parent_run_id']})",

@@ -3,7 +3,10 @@
 Each (cell, seed) is a child ``train`` flow run and a nested MLflow run under one parent run named after the
 sweep; the sweep ends with a comparison table built from ``mlflow.search_runs`` over the children (a markdown
 Prefect artifact, CSVs and a PNG, logged to the parent run and written to ``<runs_dir>/sweeps/<name>/``).
-Cells run one after another (CPU); on a work pool, run several sweeps or shard the grid across deployments.
+Cells run one after another in one process. To use more machines, or the cores of one machine with one torch
+thread per process (CPU decoding of a small model scales poorly past a thread or two), run the sweep as shards:
+``shard="i/N"`` (CLI ``--shard i/N``) runs every N-th (cell, seed) from the i-th, in its own runs directory, with
+its own parent run ``<name>-shard<i>of<N>``; ``bench/compare_algorithms.py --workers N`` does this and merges.
 
 Sweep file (YAML; relative paths are relative to the sweep file)::
 
@@ -31,8 +34,8 @@ import itertools
 import logging
 import math
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +189,25 @@ def load_sweep(source: str | Path | Mapping[str, Any]) -> SweepSpec:
     return SweepSpec(name, base, base_source, common, list(seeds), cells, runs_dir, runs)
 
 
+_SHARD_RE = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
+
+
+def parse_shard(shard: str) -> tuple[int, int]:
+    """``"i/N"`` → (i, N), 1 ≤ i ≤ N."""
+    m = _SHARD_RE.match(shard)
+    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+        raise ConfigError(f"shard must be 'i/N' with 1 <= i <= N (e.g. '1/2'); got {shard!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def shard_runs(runs: Sequence[SweepRun], shard: str | None) -> list[SweepRun]:
+    """The runs of shard ``"i/N"``: every N-th run from the i-th, so that cells and seeds spread evenly."""
+    if shard is None:
+        return list(runs)
+    i, n = parse_shard(shard)
+    return list(runs)[i - 1::n]
+
+
 # ---------------------------------------------------------------------------------------------- comparison
 
 
@@ -301,10 +323,16 @@ def _flow_run_id() -> str | None:
 
 
 @flow(name="aepo-sweep", log_prints=True)
-def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None) -> dict[str, Any]:
-    """Run every (cell, seed) of the sweep as a nested training run, then compare them; returns the tables' paths."""
+def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None,
+          shard: str | None = None) -> dict[str, Any]:
+    """Run every (cell, seed) of the sweep — or of one shard ``"i/N"`` — as a nested training run, then compare
+    them; returns the tables' paths."""
     logger = get_run_logger()
     spec = load_sweep(sweep_config)
+    selected = shard_runs(spec.runs, shard)
+    if shard is not None:
+        i, n = parse_shard(shard)
+        spec = replace(spec, name=f"{spec.name}-shard{i}of{n}", runs=selected)
     runs = Path(runs_dir or spec.runs_dir or spec.base.storage.runs_dir)
     runs.mkdir(parents=True, exist_ok=True)
     tracker = Tracker.from_config(spec.base, runs, system_metrics=False)

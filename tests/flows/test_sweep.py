@@ -102,3 +102,33 @@ def test_bad_sweep_fails_naming_the_problem(tmp_path: Path, body: str, needle: s
 
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         load_sweep(_write(tmp_path, f"name: s\nbase: BASE\n{body}\n"))
+
+
+def test_shards_partition_the_runs_evenly(tmp_path: Path) -> None:
+    from flows.sweep import load_sweep, shard_runs
+
+    spec = load_sweep(REPO / "configs" / "sweeps" / "algorithms.yaml")
+    shards = [shard_runs(spec.runs, f"{i}/3") for i in (1, 2, 3)]
+    names = [r.run_name for shard in shards for r in shard]
+    assert sorted(names) == sorted(r.run_name for r in spec.runs) and len(set(names)) == len(names)
+    assert [len(s) for s in shards] == [7, 7, 7]
+    halves = [shard_runs(spec.runs, f"{i}/2") for i in (1, 2)]
+    assert [len(h) for h in halves] == [11, 10]
+    assert all({r.cell for r in h} == set(spec.cells) for h in halves)  # round-robin: every arm in each half
+    assert shard_runs(spec.runs, None) == spec.runs
+    for bad in ("0/2", "3/2", "1", "a/b", "1/0"):
+        with pytest.raises(ConfigError, match="shard"):
+            shard_runs(spec.runs, bad)
+
+
+def test_a_shard_runs_its_share_under_its_own_parent(prefect_harness: Any, tmp_path: Path) -> None:
+    from flows.sweep import sweep
+    from infra.tracking import Tracker
+
+    result = sweep(sweep_config=str(TINY_SWEEP), runs_dir=str(tmp_path), shard="2/2")
+    assert result["name"] == "tiny-sweep-shard2of2"
+    children = Tracker(result["tracking_uri"]).search_runs(
+        filter_string=f"tags.mlflow.parentRunId = '{result['parent_run_id']}'")
+    assert list(children["run_name"]) == ["tiny-sweep-grpo-s0"]
+    assert [r["cell"] for r in result["runs"]] == ["grpo"]
+    assert (tmp_path / "sweeps" / "tiny-sweep-shard2of2" / "comparison.csv").is_file()
