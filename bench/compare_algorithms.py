@@ -253,12 +253,38 @@ def run_shards(spec: dict[str, Any], runs: Path, workers: int) -> dict[str, Any]
     return merged
 
 
+def stored_runs(runs: Path, checked: Any) -> dict[str, Any]:
+    """The finished runs of the sweep ``checked`` already in ``runs`` and its ``shard-<i>`` stores, shaped like a
+    sweep result (newest run of each name): re-analysis without re-running, or of a sweep stopped early."""
+    from flows.sweep import comparison_frame
+    from infra.tracking import Tracker, tracking_uri_for
+
+    rows: list[dict[str, Any]] = []
+    uris: list[str] = []
+    seen: set[tuple[str, str]] = set()
+    for store in [runs, *sorted(runs.glob("shard-*"))]:
+        if not (store / "mlflow.db").is_file():
+            continue
+        uri = tracking_uri_for(store)
+        children = Tracker(uri).search_runs(filter_string="attributes.status = 'FINISHED'")
+        if children.empty:
+            continue
+        uris.append(uri)
+        for row in comparison_frame(children, checked).to_dict(orient="records"):
+            if (row["run_name"], row["dataset"]) not in seen:  # newest first: a re-run wins over an older one
+                seen.add((row["run_name"], row["dataset"]))
+                rows.append({**row, "tracking_uri": uri})
+    if not rows:
+        raise SystemExit(f"no finished run of sweep {checked.name} under {runs}")
+    return {"runs": rows, "tracking_uri": uris, "parent_run_id": None, "out_dir": None}
+
+
 def shard_worker(args: argparse.Namespace) -> int:
     """One shard of a ``--workers`` run: the sweep flow on the spec the parent wrote; the result as JSON."""
     runs = args.runs_dir.resolve()
     from flows.cli import prepare_environment
 
-    prepare_environment(runs)  # its own Prefect home and temporary server, its own MLflow store
+    prepare_environment(runs)  # its own Prefect home and temporary server, its own MLflow store (pre-Prefect)
     from bench.harness import set_threads
     from flows.sweep import sweep
 
@@ -297,6 +323,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--refresh-sft", action="store_true", help="redo the shared SFT even if cached")
     p.add_argument("--quick", action="store_true", help="smoke run: aepo and grpo, one seed, one tiny step")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--analyse-only", action="store_true",
+                   help="analyse the finished runs already in --runs-dir (and its shard stores); run nothing")
     p.add_argument("--workers", type=int, default=1,
                    help="sweep shards run in parallel, each a process with cores/N torch threads (default 1)")
     p.add_argument("--worker-spec", type=Path, default=None, help=argparse.SUPPRESS)  # internal: one shard
@@ -307,13 +335,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if args.worker_spec is not None:
-        return shard_worker(args)
+    from flows.cli import sigterm_unwinds
+
+    with sigterm_unwinds():  # `kill` stops shards and Prefect's temporary server too
+        if args.worker_spec is not None:
+            return shard_worker(args)
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Shared SFT, the sweep (in-process or as ``--workers`` shards), the analysis, the JSON."""
+    from flows.cli import prepare_environment
+
     if args.workers < 1:
         raise SystemExit(f"--workers must be >= 1; got {args.workers}")
     runs = args.runs_dir.resolve()
-    from flows.cli import prepare_environment
-
     prepare_environment(runs)  # before Prefect is imported
     from flows.sweep import load_sweep, sweep
     from infra.config_files import load_config
@@ -325,13 +361,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = load_config(raw["base"], raw["overrides"])
     env = environment(threads=0)
     t0 = time.perf_counter()
-    sft_dir, sft_metrics = (None, {}) if args.no_shared_sft else shared_sft_checkpoint(base, runs, args.refresh_sft)
+    skip_sft = args.no_shared_sft or args.analyse_only
+    sft_dir, sft_metrics = (None, {}) if skip_sft else shared_sft_checkpoint(base, runs, args.refresh_sft)
     t_sft = time.perf_counter() - t0
     spec = sweep_spec(args.sweep, sets, seeds, cells, sft_dir)
     spec["name"] = f"{spec['name']}-bench{'-quick' if args.quick else ''}"
     checked = load_sweep(spec)
     log.info("sweep %s: %d runs (%s)", checked.name, len(checked.runs), ", ".join(checked.cells))
-    if args.workers > 1:
+    if args.analyse_only:
+        result = stored_runs(runs, checked)
+        log.info("analysing %d stored runs of %d", len({r["run_name"] for r in result["runs"]}), len(checked.runs))
+    elif args.workers > 1:
         result = run_shards(spec, runs, args.workers)
     else:
         result = sweep(sweep_config=spec, runs_dir=str(runs))
@@ -340,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     k = cfg0.eval.pass_k
     dataset = sorted({r["dataset"] for r in result["runs"]})[0]
     with tempfile.TemporaryDirectory() as tmp:
-        arms = analyse(result, result["tracking_uri"] if args.workers == 1 else "", dataset, k,
+        arms = analyse(result, result["tracking_uri"] if isinstance(result["tracking_uri"], str) else "", dataset, k,
                        cfg0.eval.bootstrap_samples, Path(tmp))
     report(arms, k, dataset)
     out = args.out or RESULTS_DIR / f"compare_algorithms{'-quick' if args.quick else ''}.json"
@@ -357,14 +397,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "eval_dataset": dataset, "eval_questions": cfg0.eval.max_questions,
                    "eval_samples": cfg0.eval.n_samples, "eval_temperature": cfg0.eval.temperature},
         "shared_sft": {"dir": str(sft_dir) if sft_dir else None, **sft_metrics},
-        "wall_s": {"sft": t_sft, "sweep": t_sweep},
+        "wall_s": {"sft": t_sft, "sweep": None if args.analyse_only else t_sweep},
         "workers": args.workers,
+        "analyse_only": args.analyse_only,
+        "runs_analysed": len({r["run_name"] for r in result["runs"]}),
+        "runs_planned": len(checked.runs),
         "sweep": {"parent_run_id": result["parent_run_id"], "tracking_uri": result["tracking_uri"],
                   "out_dir": result["out_dir"]},
         "arms": {name: {k2: v for k2, v in a.items() if k2 != "per_question_pass@1"} for name, a in arms.items()},
         "per_question_pass@1": {name: a["per_question_pass@1"] for name, a in arms.items()},
     })
-    browse = [runs] if args.workers == 1 else [runs / f"shard-{i}" for i in range(1, args.workers + 1)]
+    browse = [Path(u.removeprefix("sqlite:///")).parent for u in result["tracking_uri"]] if isinstance(
+        result["tracking_uri"], list) else [runs]
     print(f"\nresults: {out}\nMLflow: {result['tracking_uri']} (parent run {result['parent_run_id']}); "
           f"browse with " + " and ".join(f"`aepo ui --runs-dir {b}`" for b in browse))
     return 0

@@ -147,17 +147,27 @@ class _LogProgress(logging.Handler):
 
 
 @contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """While inside (main thread only), SIGTERM raises SystemExit: ``finally`` blocks run, a flow and its MLflow
+    run end as failed, and Prefect's temporary API server is stopped instead of being left orphaned."""
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
 def flow_progress(label: str, total: int | None,
                   rules: Callable[[Progress, Any], Sequence[tuple[re.Pattern[str], Callable[[re.Match[str]], None]]]]
                   ) -> Iterator[Progress]:
     """A rich progress bar fed by the Prefect run loggers while a flow runs.
 
-    SIGTERM (``kill``, a scheduler's stop) unwinds like Ctrl-C while it runs, so the flow and the MLflow run end
-    as failed and Prefect's temporary API server is stopped instead of being left orphaned.
+    SIGTERM (``kill``, a scheduler's stop) unwinds like Ctrl-C while it runs (:func:`sigterm_unwinds`).
     """
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=_err(), transient=False)
     task = progress.add_task(label, total=total)
@@ -166,13 +176,11 @@ def flow_progress(label: str, total: int | None,
     for lg in loggers:
         lg.addHandler(handler)
     try:
-        with progress:
+        with sigterm_unwinds(), progress:
             yield progress
     finally:
         for lg in loggers:
             lg.removeHandler(handler)
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
