@@ -15,7 +15,7 @@
 Run: ``.venv/bin/python -m bench.compare_algorithms [--seeds 0 1 2] [--set train.steps=4 ...] [--quick]
 [--workers 2]``. ``--workers N`` runs the sweep as N shards in parallel processes (``runs-dir/shard-<i>``), each
 with cores/N torch threads: small-model decoding on CPU is bound by per-op overhead, so two one-thread processes
-on two cores do ~1.4× the work of one two-thread process. The analysis merges the shards.
+on two cores get more done than one two-thread process (~1.1–1.3× measured). The analysis merges the shards.
 Prints the table and writes ``bench/results/compare_algorithms.json`` (``compare_algorithms-quick.json`` with
 ``--quick``). Runs go to ``--runs-dir`` (default ``runs/bench-compare``): ``aepo ui --runs-dir`` browses them.
 """
@@ -133,9 +133,8 @@ def _mean(values: Sequence[float]) -> float:
     return sum(vals) / len(vals) if vals else math.nan
 
 
-def analyse(result: dict[str, Any], tracking_uri: str, dataset: str, k: int, n_resamples: int,
-            workdir: Path) -> dict[str, Any]:
-    """Per-arm statistics; a run row's own ``tracking_uri`` (a shard's store) wins over ``tracking_uri``."""
+def analyse(result: dict[str, Any], dataset: str, k: int, n_resamples: int, workdir: Path) -> dict[str, Any]:
+    """Per-arm statistics from the MLflow store each run row names (``tracking_uri``: one per shard)."""
     from aepo_core.evaluation import paired_comparison
     from infra.tracking import Tracker
 
@@ -144,7 +143,7 @@ def analyse(result: dict[str, Any], tracking_uri: str, dataset: str, k: int, n_r
     for row in result["runs"]:
         if row["dataset"] != dataset:
             continue
-        uri = row.get("tracking_uri") or tracking_uri
+        uri = row["tracking_uri"]
         tracker = trackers.get(uri) or trackers.setdefault(uri, Tracker(uri))
         cell = by_cell.setdefault(row["cell"], {"per_seed": {}, "runs": [], "tool_calls": [], "diversity": [],
                                                 "branches_max": [], "branches_mean": [], "reward_last": [],
@@ -375,13 +374,13 @@ def run(args: argparse.Namespace) -> int:
         result = run_shards(spec, runs, args.workers)
     else:
         result = sweep(sweep_config=spec, runs_dir=str(runs))
+        result["runs"] = [{**row, "tracking_uri": result["tracking_uri"]} for row in result["runs"]]
     t_sweep = time.perf_counter() - t0 - t_sft
     cfg0 = checked.runs[0].config
     k = cfg0.eval.pass_k
     dataset = sorted({r["dataset"] for r in result["runs"]})[0]
     with tempfile.TemporaryDirectory() as tmp:
-        arms = analyse(result, result["tracking_uri"] if isinstance(result["tracking_uri"], str) else "", dataset, k,
-                       cfg0.eval.bootstrap_samples, Path(tmp))
+        arms = analyse(result, dataset, k, cfg0.eval.bootstrap_samples, Path(tmp))
     report(arms, k, dataset)
     out = args.out or RESULTS_DIR / f"compare_algorithms{'-quick' if args.quick else ''}.json"
     env["load_avg_end"] = list(os.getloadavg())
@@ -407,8 +406,8 @@ def run(args: argparse.Namespace) -> int:
         "arms": {name: {k2: v for k2, v in a.items() if k2 != "per_question_pass@1"} for name, a in arms.items()},
         "per_question_pass@1": {name: a["per_question_pass@1"] for name, a in arms.items()},
     })
-    browse = [Path(u.removeprefix("sqlite:///")).parent for u in result["tracking_uri"]] if isinstance(
-        result["tracking_uri"], list) else [runs]
+    stores = dict.fromkeys(row["tracking_uri"] for row in result["runs"])
+    browse = [Path(u.removeprefix("sqlite:///")).parent if u.startswith("sqlite:///") else runs for u in stores]
     print(f"\nresults: {out}\nMLflow: {result['tracking_uri']} (parent run {result['parent_run_id']}); "
           f"browse with " + " and ".join(f"`aepo ui --runs-dir {b}`" for b in browse))
     return 0

@@ -329,10 +329,9 @@ def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None,
     them; returns the tables' paths."""
     logger = get_run_logger()
     spec = load_sweep(sweep_config)
-    selected = shard_runs(spec.runs, shard)
     if shard is not None:
         i, n = parse_shard(shard)
-        spec = replace(spec, name=f"{spec.name}-shard{i}of{n}", runs=selected)
+        spec = replace(spec, name=f"{spec.name}-shard{i}of{n}", runs=shard_runs(spec.runs, shard))
     runs = Path(runs_dir or spec.runs_dir or spec.base.storage.runs_dir)
     runs.mkdir(parents=True, exist_ok=True)
     tracker = Tracker.from_config(spec.base, runs, system_metrics=False)

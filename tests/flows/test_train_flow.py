@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from infra.config_files import load_config
 from infra.store import NODE_SCHEMA, TRAJECTORY_SCHEMA
+from infra.tracking import tracking_uri_for
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -174,18 +175,17 @@ def _trajectories(runs: Path) -> Any:
     return t.to_pandas()
 
 
-def _questions_by_step(runs: Path) -> dict[int, list[str]]:
-    return {int(s): sorted(set(g["question_id"])) for s, g in _trajectories(runs).groupby("step")}
+def _questions_by_step(df: Any) -> dict[int, list[str]]:
+    return {int(s): sorted(set(g["question_id"])) for s, g in df.groupby("step")}
 
 
-def _responses(runs: Path, step: int) -> list[tuple[str, str, list[int]]]:
-    df = _trajectories(runs)
+def _responses(df: Any, step: int) -> list[tuple[str, str, list[int]]]:
     rows = df[df["step"] == step]
     return sorted((r.question_id, r.leaf_id, list(r.response_tokens)) for r in rows.itertuples())
 
 
 def _grad_norms(runs: Path) -> list[float]:
-    client = mlflow.tracking.MlflowClient(f"sqlite:///{runs / 'mlflow.db'}")
+    client = mlflow.tracking.MlflowClient(tracking_uri_for(runs))
     run_id = json.loads((runs / "result.json").read_text())["run_id"]
     return [m.value for m in sorted(client.get_metric_history(run_id, "train/grad_norm"), key=lambda m: m.step)]
 
@@ -220,10 +220,11 @@ def test_kill_after_checkpoint_and_resume_is_bit_identical(tmp_path, model_cache
     assert a.keys() == b.keys()
     assert all((a[k] == b[k]).all() for k in a), "resumed parameters differ from the straight run"
     # Data order: every step saw the same questions, none replayed, none skipped.
-    qa, qb = _questions_by_step(straight), _questions_by_step(killed)
+    ta, tb = _trajectories(straight), _trajectories(killed)
+    qa, qb = _questions_by_step(ta), _questions_by_step(tb)
     assert qa == qb and sorted(qa) == [1, 2, 3, 4, 5, 6]
     # The sampler's RNG was restored too: the resumed steps drew the very same responses.
-    assert all(_responses(straight, s) == _responses(killed, s) for s in (5, 6))
+    assert all(_responses(ta, s) == _responses(tb, s) for s in (5, 6))
     first_epoch = [q for s in (1, 2, 3, 4) for q in qa[s]]
     assert len(first_epoch) == len(set(first_epoch)) == 8
     # Same MLflow run, one part per step.
