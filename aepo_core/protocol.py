@@ -289,6 +289,18 @@ SYSTEM_PROMPT = (
 )
 
 
+def chat_messages(question: str, system_prompt: str | None = SYSTEM_PROMPT) -> list[dict[str, str]]:
+    """The chat of one rollout prompt: the tag-protocol system prompt (None: none) and the question as the user turn.
+
+    Training, SFT transcripts, evaluation and the benchmarks all start from these messages, so the model sees one
+    prompt everywhere; ``infra.models.chat_prompt_ids`` turns them into token ids through the chat template.
+    """
+    messages = [{"role": "user", "content": question}]
+    if system_prompt is not None:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
 def format_transcript(segments: list[tuple[str, str]] | tuple[tuple[str, str], ...]) -> str:
     """The full response text of ``(role, text)`` segments (model text and tool result blocks), in order.
 

@@ -23,6 +23,7 @@ Prints the table and writes ``bench/results/compare_algorithms.json`` (``compare
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import logging
@@ -41,6 +42,7 @@ from typing import Any
 import yaml
 
 from bench.harness import RESULTS_DIR, atomic_write_json, environment, print_table
+from infra.data.loaders import dataset_key
 
 log = logging.getLogger("bench.compare_algorithms")
 
@@ -70,8 +72,9 @@ def _sft_key(cfg: Any) -> str:
 
 def shared_sft_checkpoint(base: Any, runs: Path, refresh: bool = False) -> tuple[Path, dict[str, float]]:
     """The base config's cold-start SFT, run once and cached as an HF model directory (atomic rename)."""
-    from infra.experiment import Experiment
     from infra.models import cache_root
+    from infra.runtime import build_runtime
+    from infra.training.sft import run_sft
 
     cfg = base.model_copy(update={"train": base.train.model_copy(
         update={"sft": base.train.sft.model_copy(update={"enabled": True})})})
@@ -82,14 +85,15 @@ def shared_sft_checkpoint(base: Any, runs: Path, refresh: bool = False) -> tuple
         log.info("shared SFT start: %s (cached)", final)
         return final, json.loads(marker.read_text())
     t0 = time.perf_counter()
-    exp = Experiment(cfg, runs / "sft-start", run_name="compare-sft")
-    metrics = exp.sft()
+    runtime = build_runtime(cfg, runs / "sft-start", run_name="compare-sft")
+    rows = runtime.load_rows(cfg.data.train)
+    metrics = run_sft(runtime, rows[: cfg.data.max_questions] if cfg.data.max_questions else rows).metrics()
     metrics["sft/wall_s"] = time.perf_counter() - t0
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-compare-sft-", dir=root))
     try:
-        exp.model.save_pretrained(tmp)
-        exp.tokenizer.save_pretrained(tmp)
+        runtime.model.save_pretrained(tmp)
+        runtime.tokenizer.save_pretrained(tmp)
         (tmp / "aepo_sft.json").write_text(json.dumps(metrics, indent=1))
         if final.exists():
             shutil.rmtree(final)
@@ -104,7 +108,7 @@ def shared_sft_checkpoint(base: Any, runs: Path, refresh: bool = False) -> tuple
 
 # ------------------------------------------------------------------------------------------------ analysis
 def _per_question(tracker: Any, run_id: str, dataset: str, workdir: Path) -> list[dict[str, Any]]:
-    name = dataset.replace(":", "_")
+    name = dataset_key(dataset)
     path = tracker.download_artifacts(f"runs:/{run_id}/eval/final/{name}.json", workdir / run_id)
     return list(json.loads(Path(path).read_text())["questions"])
 
@@ -290,7 +294,7 @@ def shard_worker(args: argparse.Namespace) -> int:
     set_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     spec = json.loads(args.worker_spec.read_text())
     result = sweep(sweep_config=spec, runs_dir=str(runs), shard=args.shard)
-    atomic_write_json(args.out, result)
+    atomic_write_json(args.out, dataclasses.asdict(result))
     return 0
 
 
@@ -373,7 +377,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.workers > 1:
         result = run_shards(spec, runs, args.workers)
     else:
-        result = sweep(sweep_config=spec, runs_dir=str(runs))
+        result = dataclasses.asdict(sweep(sweep_config=spec, runs_dir=str(runs)))
         result["runs"] = [{**row, "tracking_uri": result["tracking_uri"]} for row in result["runs"]]
     t_sweep = time.perf_counter() - t0 - t_sft
     cfg0 = checked.runs[0].config

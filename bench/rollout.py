@@ -54,12 +54,12 @@ from aepo_core.rollout.scheduler import Question, RolloutScheduler
 from bench.harness import RESULTS_DIR, atomic_write_json, autocast_of, environment, print_table, set_threads
 from infra.data.synthetic import OracleError, SyntheticTask, oracle_transcript
 from infra.engines.hf import HFEngine
-from infra.models import BUILTIN_SMOLLM2, TINY_RANDOM, cache_root, load_policy
+from infra.models import BUILTIN_SMOLLM2, TINY_RANDOM, cache_root, chat_prompt_ids, load_policy
 from infra.tools.cache import CachedTool, ToolResultCache
 from infra.tools.python_sandbox import PythonSandbox
 from infra.tools.search import Bm25Backend, build_search_tool
 from infra.training.backends import TorchBackend
-from infra.training.sft import run_sft, sft_sample
+from infra.training.sft import sft_sample, train_sft
 
 log = logging.getLogger("bench.rollout")
 
@@ -81,13 +81,6 @@ def percentile(values: Sequence[float], q: float) -> float:
     pos = (len(data) - 1) * q / 100.0
     lo, hi = math.floor(pos), math.ceil(pos)
     return data[lo] + (data[hi] - data[lo]) * (pos - lo)
-
-
-def prompt_ids(tokenizer: Any, question: str) -> list[int]:
-    """The rollout's prompt: system prompt + question through the chat template (as Experiment.prompt_ids)."""
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def model_config(name: str, cache: str | None) -> ModelConfig:
@@ -239,7 +232,7 @@ def build_bench_tools(docs: Sequence[dict[str, str]], workdir: Path, cache_path:
 
 def sft_for_tools(model: Any, tokenizer: Any, compute: str, task: SyntheticTask, tools: dict[str, Tool],
                   steps: int, batch: int, lr: float, seed: int) -> dict[str, Any]:
-    """A few cold-start SFT steps on oracle transcripts (as Experiment.sft): enough for SmolLM2 to call tools."""
+    """A few cold-start SFT steps on oracle transcripts (as `run_sft`): enough for SmolLM2 to call tools."""
     def encode(text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -252,10 +245,10 @@ def sft_for_tools(model: Any, tokenizer: Any, compute: str, task: SyntheticTask,
                                          max_result_chars=600)
         except OracleError:
             continue
-        samples.append(sft_sample(prompt_ids(tokenizer, row.question), segments, encode))
+        samples.append(sft_sample(chat_prompt_ids(tokenizer, row.question), segments, encode))
     backend = TorchBackend(model, OptimConfig(lr=lr), steps, lr=lr, compute_dtype=autocast_of(compute))
     t0 = time.perf_counter()
-    history = run_sft(backend, samples, SFTConfig(epochs=1, lr=lr, batch_size=batch), int(tokenizer.pad_token_id),
+    history = train_sft(backend, samples, SFTConfig(epochs=1, lr=lr, batch_size=batch), int(tokenizer.pad_token_id),
                       4096, seed=seed)
     model.eval()
     return {"sft_steps": len(history), "sft_examples": len(samples), "sft_s": time.perf_counter() - t0,
@@ -400,7 +393,7 @@ def run_aepo_vs_arpo(name: str, model: Any, tokenizer: Any, compute: str, sizes:
         model, tokenizer, sft = load_or_sft(name, args.model_cache, compute, task, tools, args.sft_steps,
                                             args.sft_batch, args.sft_lr, args.seed, reuse=not args.no_sft_cache)
         policy = f"{name} + {sft['sft_steps']} SFT steps"
-    questions = [Question(r.id, prompt_ids(tokenizer, r.question)) for r in valid]
+    questions = [Question(r.id, chat_prompt_ids(tokenizer, r.question)) for r in valid]
     log.info("[%s] (b) aepo vs arpo on %d questions", name, len(questions))
     res = bench_aepo_vs_arpo(model, tokenizer, compute, docs, questions, sizes, args.seed, workdir)
     return {"policy": policy, "sft": sft, **res}
@@ -415,7 +408,7 @@ def run_model(name: str, args: argparse.Namespace, task: SyntheticTask, workdir:
     if args.reps:
         sizes_a = Sizes(sizes_a.questions, sizes_a.k, sizes_a.new_tokens, args.reps)
     rows = task.questions("train")[: sizes_a.questions]
-    prompts = [prompt_ids(tokenizer, r.question) for r in rows]
+    prompts = [chat_prompt_ids(tokenizer, r.question) for r in rows]
     out: dict[str, Any] = {"model": name, "weights_dtype": "float32", "compute_dtype": compute, "load_s": load_s}
     log.info("[%s] (a) scheduler vs model.generate", name)
     out["scheduler_vs_generate"] = bench_scheduler_vs_generate(model, tokenizer, compute, prompts, sizes_a,

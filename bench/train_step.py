@@ -42,10 +42,9 @@ from typing import Any
 import torch
 
 from aepo_core.config import ExperimentConfig, PythonToolConfig, SearchToolConfig
-from aepo_core.protocol import SYSTEM_PROMPT
 from bench.harness import RESULTS_DIR, atomic_write_json, autocast_of, environment, print_table, set_threads
 from infra.data.synthetic import OracleError, SyntheticTask, oracle_transcript
-from infra.models import BUILTIN_SMOLLM2, TINY_RANDOM, load_policy
+from infra.models import BUILTIN_SMOLLM2, TINY_RANDOM, chat_prompt_ids, load_policy
 from infra.tools.python_sandbox import PythonSandbox
 from infra.tools.search import Bm25Backend, build_search_tool
 from infra.training.backends import TorchBackend
@@ -164,8 +163,7 @@ def build_samples(tokenizer: Any, questions: int, k: int, seed: int, workdir: Pa
                                          max_result_chars=400)
         except OracleError:
             continue
-        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": row.question}]
-        prompt = encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        prompt = chat_prompt_ids(tokenizer, row.question)
         s = sft_sample(prompt, segments, encode)
         logprobs = [-rng.uniform(0.0, 3.0) if m else 0.0 for m in s.loss_mask]
         # The in-process engine's exact entropies come with every sample (what lets on-policy updates skip the

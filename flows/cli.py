@@ -40,6 +40,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 from aepo_core.config import ConfigError, ExperimentConfig, build_config
+from tasks.progress import Progress as ProgressEvent
+from tasks.progress import progress_of
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +100,7 @@ def prepare_environment(runs: Path) -> None:
 
 def check_datasets(cfg: ExperimentConfig) -> None:
     """Every dataset the config names must exist (synthetic ones always do): fail before any run is created."""
-    from infra.data.loaders import resolve_spec
-    from infra.experiment import is_synthetic
+    from infra.data.loaders import is_synthetic, resolve_spec
 
     specs = [("data.train", cfg.data.train), ("data.validation", cfg.data.validation)]
     specs += [(f"eval.datasets[{i}]", d) for i, d in enumerate(cfg.eval.datasets)]
@@ -128,22 +129,18 @@ def _with_runs_dir(cfg: ExperimentConfig, runs: Path) -> ExperimentConfig:
     return build_config(cfg.to_dict(), {"storage.runs_dir": str(runs)})
 
 
-class _LogProgress(logging.Handler):
-    """Turns the flows' log lines into progress updates (the flows stay unaware of the CLI)."""
+class _ProgressHandler(logging.Handler):
+    """Feeds the structured progress events on the flows' log records (:mod:`tasks.progress`) to a callback; the
+    message text is never read, so the flows stay unaware of the CLI and a reworded log line breaks nothing."""
 
-    def __init__(self, rules: Sequence[tuple[re.Pattern[str], Callable[[re.Match[str]], None]]]) -> None:
+    def __init__(self, on_event: Callable[[ProgressEvent], None]) -> None:
         super().__init__(logging.INFO)
-        self.rules = rules
+        self.on_event = on_event
 
     def emit(self, record: logging.LogRecord) -> None:
-        try:
-            msg = record.getMessage()
-        except Exception:
-            return
-        for pattern, action in self.rules:
-            m = pattern.match(msg)
-            if m:
-                action(m)
+        event = progress_of(record)
+        if event is not None:
+            self.on_event(event)
 
 
 @contextmanager
@@ -162,16 +159,16 @@ def sigterm_unwinds() -> Iterator[None]:
 
 @contextmanager
 def flow_progress(label: str, total: int | None,
-                  rules: Callable[[Progress, Any], Sequence[tuple[re.Pattern[str], Callable[[re.Match[str]], None]]]]
-                  ) -> Iterator[Progress]:
-    """A rich progress bar fed by the Prefect run loggers while a flow runs.
+                  on_event: Callable[[Progress, Any, ProgressEvent], None]) -> Iterator[Progress]:
+    """A rich progress bar fed by the progress events of the Prefect run loggers while a flow runs
+    (``on_event(bar, task, event)``).
 
     SIGTERM (``kill``, a scheduler's stop) unwinds like Ctrl-C while it runs (:func:`sigterm_unwinds`).
     """
     progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=_err(), transient=False)
     task = progress.add_task(label, total=total)
-    handler = _LogProgress(rules(progress, task))
+    handler = _ProgressHandler(lambda event: on_event(progress, task, event))
     loggers = [logging.getLogger("prefect.task_runs"), logging.getLogger("prefect.flow_runs")]
     for lg in loggers:
         lg.addHandler(handler)
@@ -187,16 +184,15 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def _train_rules(progress: Progress, task: Any) -> list[tuple[re.Pattern[str], Callable[[re.Match[str]], None]]]:
-    return [
-        (re.compile(r"^run (\S+) \(MLflow (\w+)\): (\d+) RL steps"),
-         lambda m: progress.update(task, total=int(m.group(3)), description=f"{m.group(1)}: training")),
-        (re.compile(r"^step (\d+) rollout"), lambda m: progress.update(task, description=f"step {m.group(1)}: update")),
-        (re.compile(r"^step (\d+) update"),
-         lambda m: progress.update(task, completed=int(m.group(1)), description=f"step {m.group(1)} done")),
-        (re.compile(r"^eval (\S+) \[(\S+)\]"),
-         lambda m: progress.update(task, description=f"evaluated {m.group(1)} ({m.group(2)})")),
-    ]
+def _train_progress(bar: Progress, task: Any, event: ProgressEvent) -> None:
+    if event.stage == "start":
+        bar.update(task, total=event.total, completed=event.done, description=f"{event.name}: training")
+    elif event.stage == "rollout":
+        bar.update(task, description=f"step {event.done}: update")
+    elif event.stage == "update":
+        bar.update(task, completed=event.done, description=f"step {event.done} done")
+    elif event.stage == "evaluate":
+        bar.update(task, description=f"evaluated {event.name} ({event.label})")
 
 
 def _fmt(x: Any, digits: int = 3) -> str:
@@ -266,25 +262,25 @@ def train(
 
     try:
         with flow_progress(f"{run_name or cfg.tracking.run_name or cfg.name}: starting", cfg.train.steps,
-                           _train_rules):
+                           _train_progress):
             result = train_flow(config=cfg, resume=resume, runs_dir=str(runs), run_name=run_name,
                                 force_resume=force_resume)
     except Exception as exc:
         fail(f"training failed: {exc}", code=1)
     out = _out()
-    out.print(_eval_table(f"aepo train: {result['run_name']} — evaluations ({result['steps']} RL steps)",
-                          result["final_eval"], cfg.eval.pass_k, stages=result.get("evals")))
-    for name, by_ds in result.get("comparisons", {}).items():
+    out.print(_eval_table(f"aepo train: {result.run_name} — evaluations ({result.steps} RL steps)",
+                          result.final_eval, cfg.eval.pass_k, stages=result.evals))
+    for name, by_ds in result.comparisons.items():
         for ds, c in by_ds.items():
             out.print(f"{name.replace('_', ' ')} on {ds}: pass@1 {c['diff']:+.3f} [{c['ci_low']:+.3f}, "
                       f"{c['ci_high']:+.3f}] (paired over {c['questions']:.0f} questions)")
     out.print(_where_table([
-        ("MLflow run", f"{result['run_id']}  ({result['tracking_uri']})"),
-        ("checkpoints", result["checkpoint_dir"]),
-        ("trajectories", result["trajectories"]),
-        ("runs dir", result["runs_dir"]),
+        ("MLflow run", f"{result.run_id}  ({result.tracking_uri})"),
+        ("checkpoints", result.checkpoint_dir),
+        ("trajectories", result.trajectories),
+        ("runs dir", result.runs_dir),
     ]))
-    out.print(escape(_ui_hint(result["tracking_uri"], runs)))
+    out.print(escape(_ui_hint(result.tracking_uri, runs)))
 
 
 # ---------------------------------------------------------------------------------------------- eval
@@ -321,29 +317,29 @@ def eval_(
         fail(str(exc))
     cfg = _with_runs_dir(cfg, runs)
     try:
-        with flow_progress("evaluating", len(cfg.eval.datasets) or None, _eval_rules):
+        with flow_progress("evaluating", len(cfg.eval.datasets) or None, _eval_progress):
             result = evaluate(config=cfg, checkpoint=str(ckpt) if ckpt else None, runs_dir=str(runs),
                               compare_to=compare_to, run_name=run_name)
     except Exception as exc:
         fail(f"evaluation failed: {exc}", code=1)
     out = _out()
-    out.print(_eval_table(f"aepo eval: {result['run_name']} (step {result['checkpoint_step']})", result["summary"],
-                          result["pass_k"], result["judge"] if result["judge"] else None))
-    if result["compare"]:
+    out.print(_eval_table(f"aepo eval: {result.run_name} (step {result.checkpoint_step})", result.summary,
+                          result.pass_k, result.judge if result.judge else None))
+    if result.compare:
         cmp = Table(title=f"paired Pass@1 difference vs {compare_to}", title_justify="left")
         for col in ("dataset", "questions", "diff", "95% CI"):
             cmp.add_column(col)
-        for ds, c in result["compare"].items():
+        for ds, c in result.compare.items():
             cmp.add_row(ds, _fmt(c["questions"], 0), f"{c['diff']:+.4f}", f"[{c['ci_low']:.4f}, {c['ci_high']:.4f}]")
         out.print(cmp)
-    out.print(_where_table([("MLflow run", f"{result['run_id']}  ({result['tracking_uri']})"),
-                            ("per-question results", result["results_dir"])]))
-    out.print(escape(_ui_hint(result["tracking_uri"], runs)))
+    out.print(_where_table([("MLflow run", f"{result.run_id}  ({result.tracking_uri})"),
+                            ("per-question results", result.results_dir)]))
+    out.print(escape(_ui_hint(result.tracking_uri, runs)))
 
 
-def _eval_rules(progress: Progress, task: Any) -> list[tuple[re.Pattern[str], Callable[[re.Match[str]], None]]]:
-    return [(re.compile(r"^eval (\S+) \[(\S+)\]"),
-             lambda m: progress.update(task, advance=1, description=f"evaluated {m.group(1)}"))]
+def _eval_progress(bar: Progress, task: Any, event: ProgressEvent) -> None:
+    if event.stage == "evaluate":
+        bar.update(task, advance=1, description=f"evaluated {event.name}")
 
 
 # ---------------------------------------------------------------------------------------------- sweep
@@ -386,29 +382,28 @@ def sweep_cmd(
     except ConfigError as exc:
         fail(str(exc))
 
-    def rules(progress: Progress, task: Any) -> list[tuple[re.Pattern[str], Callable[[re.Match[str]], None]]]:
-        return [(re.compile(r"^sweep cell (\d+)/(\d+): (\S+)"),
-                 lambda m: progress.update(task, completed=int(m.group(1)) - 1, total=int(m.group(2)),
-                                           description=m.group(3)))]
+    def on_event(bar: Progress, task: Any, event: ProgressEvent) -> None:
+        if event.stage == "cell":
+            bar.update(task, completed=event.done, total=event.total, description=event.name)
 
     try:
-        with flow_progress(f"sweep {spec.name}", len(selected), rules) as progress:
+        with flow_progress(f"sweep {spec.name}", len(selected), on_event) as progress:
             result = sweep(sweep_config=str(config.resolve()), runs_dir=str(runs), shard=shard)
-            progress.update(progress.task_ids[0], completed=len(selected), description=f"sweep {result['name']} done")
+            progress.update(progress.task_ids[0], completed=len(selected), description=f"sweep {result.name} done")
     except Exception as exc:
         fail(f"sweep failed: {exc}", code=1)
-    table = Table(title=f"aepo sweep: {result['name']} (parent MLflow run {result['parent_run_id']})",
+    table = Table(title=f"aepo sweep: {result.name} (parent MLflow run {result.parent_run_id})",
                   title_justify="left")
     for col in ("cell", "seed", "status", "dataset", "pass@1", "95% CI", "pass@k", "tool calls/q", "reward"):
         table.add_column(col, overflow="fold")
-    for r in result["runs"]:
+    for r in result.runs:
         table.add_row(r["cell"], str(r["seed"]), r["status"], r["dataset"], _fmt(r["pass@1"]),
                       f"[{_fmt(r['pass@1_ci_low'])}, {_fmt(r['pass@1_ci_high'])}]", _fmt(r["pass@k"]),
                       _fmt(r["tool_calls_per_question"], 2), _fmt(r["reward_mean"]))
     out = _out()
     out.print(table)
-    out.print(_where_table([(k, v) for k, v in result["files"].items()]))
-    out.print(escape(_ui_hint(result["tracking_uri"], runs)))
+    out.print(_where_table([(k, v) for k, v in result.files.items()]))
+    out.print(escape(_ui_hint(result.tracking_uri, runs)))
 
 
 # ---------------------------------------------------------------------------------------------- serve

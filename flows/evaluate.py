@@ -8,8 +8,8 @@ is compared with a previous evaluation on the same questions (mean difference wi
 Outputs:
 
 - an MLflow run of its own (tag ``kind=eval``, the checkpoint and its training run in tags), with the metrics
-  ``eval/<dataset>/…`` at the checkpoint's step, the per-question files and a JSON summary as artifacts;
-- per-question results as Parquet, ``<runs_dir>/eval/<run name>/<dataset>.parquet`` (written atomically), with
+  ``eval/<dataset key>/…`` at the checkpoint's step, the per-question files and a JSON summary as artifacts;
+- per-question results as Parquet, ``<runs_dir>/eval/<run name>/<dataset key>.parquet`` (written atomically), with
   the columns of :data:`QUESTION_SCHEMA`; a later evaluation's ``compare_to`` points at this file or directory;
 - a Prefect table artifact with one row per dataset and per (dataset, family).
 """
@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import tempfile
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,19 +30,18 @@ import pyarrow.parquet as pq
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
-from prefect.context import get_run_context
 
 from aepo_core.config import ExperimentConfig, build_config
 from aepo_core.evaluation import paired_comparison
 from aepo_core.metrics import pass_at_k
+from flows.common import flow_run_id
 from infra.config_files import load_config
 from infra.data.rows import QuestionRow
-from infra.experiment import EvalReport, Experiment
+from infra.evaluation import EvalReport
 from infra.judge import LLMJudge
+from infra.runtime import build_runtime, checkpoint_config, find_checkpoint
 from infra.tracking import Tracker
-from infra.training.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_checkpoint_state
 from tasks.rl import evaluate as evaluate_task
-from tasks.rl import report_metrics
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +86,6 @@ QUESTION_SCHEMA = pa.schema(
   ``error`` and the judge's reply), ``judge_correct`` (count) and ``judge_pass_at_1``: null without a judge.
 """
 
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
-
-
-def dataset_file_name(dataset: str) -> str:
-    """A dataset spec as a file stem: ``synthetic:test`` → ``synthetic_test``."""
-    return _UNSAFE.sub("_", dataset).strip("._") or "dataset"
-
-
 # ---------------------------------------------------------------------------------------------- parameters
 
 
@@ -110,7 +101,7 @@ def resolve_eval_config(config: ExperimentConfig | dict[str, Any] | str | None, 
     elif config is not None:
         tree = dict(config)
     elif checkpoint is not None:
-        tree = read_checkpoint_state(checkpoint).config or {}
+        tree = checkpoint_config(checkpoint)
     else:
         tree = {}
     cfg = build_config(tree, list(overrides or []), source="evaluate parameters")
@@ -121,17 +112,7 @@ def resolve_eval_config(config: ExperimentConfig | dict[str, Any] | str | None, 
 
 def resolve_checkpoint(path: str | os.PathLike[str] | None) -> Path | None:
     """A checkpoint directory (``step-NNNNNN``) or a run's checkpoint root (its newest complete checkpoint)."""
-    if path is None:
-        return None
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise CheckpointError(f"checkpoint {p} does not exist")
-    if (p / "manifest.json").is_file():
-        return p
-    latest = latest_checkpoint(p)
-    if latest is None:
-        raise CheckpointError(f"{p} is neither a checkpoint nor a directory holding complete checkpoints")
-    return latest
+    return find_checkpoint(path) if path is not None else None
 
 
 def read_question_results(path: str | os.PathLike[str]) -> dict[str, dict[str, float]]:
@@ -188,8 +169,7 @@ def write_results(rows: list[dict[str, Any]], path: str) -> str:
 
 
 def _question_rows(report: EvalReport, rows_by_id: dict[str, QuestionRow], k: int,
-                   answers: dict[str, list[str | None]], verdicts: dict[str, list[dict[str, Any]]] | None,
-                   base: dict[str, Any]) -> list[dict[str, Any]]:
+                   verdicts: dict[str, list[dict[str, Any]]] | None, base: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for o in report.outcomes:
         row = rows_by_id[o.question_id]
@@ -200,7 +180,7 @@ def _question_rows(report: EvalReport, rows_by_id: dict[str, QuestionRow], k: in
                     "pass_at_1": pass_at_k(o.n, o.correct, 1), "pass_at_k": pass_at_k(o.n, o.correct, min(k, o.n)),
                     "em": o.em_mean, "f1": o.f1_mean, "tool_calls_mean": o.tool_calls_mean,
                     "tool_error_rate": o.tool_error_rate, "answered_rate": o.answered_rate,
-                    "answers": answers.get(o.question_id),
+                    "answers": report.answers.get(o.question_id),
                     "judge_verdicts": [x["verdict"] for x in v] if v is not None else None,
                     "judge_raw": [x["raw"] for x in v] if v is not None else None,
                     "judge_correct": judged, "judge_pass_at_1": judged / o.n if v is not None else None})
@@ -209,7 +189,7 @@ def _question_rows(report: EvalReport, rows_by_id: dict[str, QuestionRow], k: in
 
 def _table_rows(report: EvalReport, k: int, judge_acc: float | None) -> list[dict[str, Any]]:
     def row(family: str, s: dict[str, float]) -> dict[str, Any]:
-        return {"dataset": report.dataset, "family": family, "questions": int(s["questions"]),
+        return {"dataset": report.key, "family": family, "questions": int(s["questions"]),
                 "pass@1": round(s["pass@1"], 4),
                 "pass@1 95% CI": f"[{s['pass@1_ci_low']:.3f}, {s['pass@1_ci_high']:.3f}]",
                 f"pass@{k}": round(s[f"pass@{k}"], 4), "em": round(s["em"], 4), "f1": round(s["f1"], 4),
@@ -219,12 +199,27 @@ def _table_rows(report: EvalReport, k: int, judge_acc: float | None) -> list[dic
     return [row("all", report.summary)] + [row(fam or "-", s) for fam, s in report.by_family.items()]
 
 
-def _flow_run_id() -> str | None:
-    fr = getattr(get_run_context(), "flow_run", None)
-    return str(fr.id) if fr is not None else None
-
-
 # ---------------------------------------------------------------------------------------------- the flow
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """What an evaluation produced and where it went; per-dataset fields are keyed by the dataset key
+    (:func:`~infra.data.loaders.dataset_key`: ``synthetic_test``)."""
+
+    run_id: str
+    run_name: str
+    checkpoint: str | None
+    checkpoint_step: int
+    runs_dir: str
+    results_dir: str
+    tracking_uri: str
+    pass_k: int
+    files: dict[str, str] = field(default_factory=dict)
+    summary: dict[str, dict[str, float]] = field(default_factory=dict)
+    by_family: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    judge: dict[str, float] = field(default_factory=dict)
+    compare: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @flow(name="aepo-evaluate", log_prints=True)
@@ -236,7 +231,7 @@ def evaluate(
     datasets: list[str] | None = None,
     compare_to: str | None = None,
     run_name: str | None = None,
-) -> dict[str, Any]:
+) -> EvalResult:
     """Evaluate a checkpoint (None: the configured model) on every dataset; returns summaries and file paths."""
     logger = get_run_logger()
     ckpt = resolve_checkpoint(checkpoint)
@@ -245,11 +240,11 @@ def evaluate(
     runs = Path(runs_dir or cfg.storage.runs_dir)
     runs.mkdir(parents=True, exist_ok=True)
 
-    exp = Experiment(cfg, runs, run_name=run_name)
-    state = load_checkpoint(ckpt, model=exp.model, restore_rng=False) if ckpt is not None else None
+    runtime = build_runtime(cfg, runs, run_name)
+    state = runtime.load_checkpoint_weights(ckpt) if ckpt is not None else None
     step = state.step if state is not None else 0
     name = run_name or f"{cfg.name}-eval-step{step}-{uuid.uuid4().hex[:6]}"
-    eval_sets = exp.eval_datasets()
+    eval_sets = runtime.eval_datasets()
     if not eval_sets:
         raise ValueError("nothing to evaluate: set eval.datasets (or data.validation)")
     if previous is not None and not set(previous) & set(eval_sets):
@@ -258,56 +253,57 @@ def evaluate(
     tracker = Tracker.from_config(cfg, runs, system_metrics=False)
     tags = {"kind": "eval", "checkpoint": str(ckpt) if ckpt else "", "checkpoint_step": step,
             "source_run_id": (state.run_id if state else None) or "", "compare_to": compare_to or ""}
-    run_id = tracker.start(cfg, run_name=name, tags=tags, flow_run_id=_flow_run_id())
+    run_id = tracker.start(cfg, run_name=name, tags=tags, flow_run_id=flow_run_id())
     out_dir = runs / "eval" / name
     logger.info("evaluating %s (step %d) on %s → MLflow run %s, results in %s", ckpt or cfg.model.name, step,
                 ", ".join(eval_sets), run_id, out_dir)
-    k = cfg.eval.pass_k
-    summaries: dict[str, dict[str, float]] = {}
-    by_family: dict[str, dict[str, dict[str, float]]] = {}
-    files: dict[str, str] = {}
-    judged: dict[str, float] = {}
-    compared: dict[str, dict[str, float]] = {}
+    result = EvalResult(run_id, name, str(ckpt) if ckpt else None, step, str(runs), str(out_dir),
+                        tracker.tracking_uri, cfg.eval.pass_k)
     table: list[dict[str, Any]] = []
-    status = "FAILED"
-    try:
+    with tracker:
         for ds in eval_sets:
-            report = evaluate_task.with_options(timeout_seconds=cfg.train.eval_timeout_s)(exp, ds, "eval")
-            rows_by_id = {r.id: r for r in exp.load_rows(ds)}
-            answers = report.answers
-            metrics = report_metrics(report, k)
+            report = evaluate_task.with_options(timeout_seconds=cfg.train.eval_timeout_s)(runtime, ds, "eval")
+            metrics = report.metrics()
+            rows_by_id = {r.id: r for r in runtime.load_rows(ds)}
             verdicts = None
             if cfg.eval.judge_url:
-                items = [(rows_by_id[q].question, list(rows_by_id[q].golds), a) for q in answers for a in answers[q]]
-                flat = judge_answers(cfg.eval.judge_url, cfg.eval.judge_model, ds, items)
-                verdicts, pos = {}, 0
-                for q, samples in answers.items():
-                    verdicts[q] = flat[pos: pos + len(samples)]
-                    pos += len(samples)
-                judged[ds] = sum(sum(v["correct"] for v in vs) / len(vs) for vs in verdicts.values()) / len(verdicts)
-                metrics[f"eval/{ds.replace(':', '_')}/judge_pass@1"] = judged[ds]
-            base = {"eval_run_id": run_id, "eval_run_name": name, "checkpoint": str(ckpt) if ckpt else None,
+                verdicts = _judge(cfg.eval.judge_url, cfg.eval.judge_model, report, rows_by_id)
+                result.judge[report.key] = _judge_pass1(verdicts)
+                metrics[f"eval/{report.key}/judge_pass@1"] = result.judge[report.key]
+            base = {"eval_run_id": run_id, "eval_run_name": name, "checkpoint": result.checkpoint,
                     "checkpoint_step": step}
-            rows = _question_rows(report, rows_by_id, k, answers, verdicts, base)
-            files[ds] = write_results(rows, str(out_dir / f"{dataset_file_name(ds)}.parquet"))
+            rows = _question_rows(report, rows_by_id, cfg.eval.pass_k, verdicts, base)
+            result.files[report.key] = write_results(rows, str(out_dir / f"{report.key}.parquet"))
             if previous is not None and ds in previous:
                 cmp = paired_comparison(report.per_question_pass1, previous[ds],
                                         n_resamples=cfg.eval.bootstrap_samples, seed=cfg.seed)
-                compared[ds] = cmp
-                metrics.update({f"compare/{ds.replace(':', '_')}/pass@1_{key}": v for key, v in cmp.items()})
+                result.compare[report.key] = cmp
+                metrics.update({f"compare/{report.key}/pass@1_{key}": v for key, v in cmp.items()})
                 logger.info("paired Pass@1 vs %s on %s: %+.4f [%.4f, %.4f] over %d questions", compare_to, ds,
                             cmp["diff"], cmp["ci_low"], cmp["ci_high"], int(cmp["questions"]))
             tracker.log_metrics(metrics, step)
-            summaries[ds], by_family[ds] = report.summary, report.by_family
-            table.extend(_table_rows(report, k, judged.get(ds)))
+            result.summary[report.key], result.by_family[report.key] = report.summary, report.by_family
+            table.extend(_table_rows(report, cfg.eval.pass_k, result.judge.get(report.key)))
         tracker.log_artifact(out_dir, "eval")
-        tracker.log_dict({"summary": summaries, "by_family": by_family, "judge_pass@1": judged,
-                          "compare": compared, "compare_to": compare_to}, "eval/summary.json")
-        status = "FINISHED"
-    finally:
-        tracker.finish(status)
+        tracker.log_dict({"summary": result.summary, "by_family": result.by_family, "judge_pass@1": result.judge,
+                          "compare": result.compare, "compare_to": compare_to}, "eval/summary.json")
     create_table_artifact(table=table, key=None, description=f"evaluation {name} of {ckpt or cfg.model.name}")
-    return {"run_id": run_id, "run_name": name, "checkpoint": str(ckpt) if ckpt else None, "checkpoint_step": step,
-            "runs_dir": str(runs), "results_dir": str(out_dir), "files": files, "summary": summaries,
-            "by_family": by_family, "judge": judged, "compare": compared, "tracking_uri": tracker.tracking_uri,
-            "pass_k": k}
+    return result
+
+
+def _judge(url: str, model: str | None, report: EvalReport, rows_by_id: dict[str, QuestionRow]
+           ) -> dict[str, list[dict[str, Any]]]:
+    """Every sample's final answer through the LLM judge: per question, one verdict dict per sample."""
+    answers = report.answers
+    items = [(rows_by_id[q].question, list(rows_by_id[q].golds), a) for q in answers for a in answers[q]]
+    flat = judge_answers(url, model, report.key, items)
+    verdicts, pos = {}, 0
+    for q, samples in answers.items():
+        verdicts[q] = flat[pos: pos + len(samples)]
+        pos += len(samples)
+    return verdicts
+
+
+def _judge_pass1(verdicts: dict[str, list[dict[str, Any]]]) -> float:
+    """Mean over questions of the share of samples the judge called correct."""
+    return sum(sum(v["correct"] for v in vs) / len(vs) for vs in verdicts.values()) / len(verdicts)

@@ -44,13 +44,14 @@ import yaml
 from matplotlib.figure import Figure
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from prefect.context import get_run_context
 
 from aepo_core.config import ConfigError, ExperimentConfig, build_config, parse_override
+from flows.common import flow_run_id
 from flows.train import train
 from infra.config_files import load_config
 from infra.plots import save_png
 from infra.tracking import Tracker
+from tasks.progress import Progress, report
 
 log = logging.getLogger(__name__)
 
@@ -314,17 +315,27 @@ def _slug(name: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-") or "sweep"
 
 
-def _flow_run_id() -> str | None:
-    fr = getattr(get_run_context(), "flow_run", None)
-    return str(fr.id) if fr is not None else None
-
-
 # ---------------------------------------------------------------------------------------------- the flow
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    """A finished sweep: its parent MLflow run, the comparison files, and the tables as records."""
+
+    name: str
+    parent_run_id: str
+    runs_dir: str
+    out_dir: str
+    tracking_uri: str
+    markdown_artifact_id: str
+    files: dict[str, str]
+    runs: list[dict[str, Any]]
+    summary: list[dict[str, Any]]
 
 
 @flow(name="aepo-sweep", log_prints=True)
 def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None,
-          shard: str | None = None) -> dict[str, Any]:
+          shard: str | None = None) -> SweepResult:
     """Run every (cell, seed) of the sweep — or of one shard ``"i/N"`` — as a nested training run, then compare
     them; returns the tables' paths."""
     logger = get_run_logger()
@@ -335,51 +346,62 @@ def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None,
     runs = Path(runs_dir or spec.runs_dir or spec.base.storage.runs_dir)
     runs.mkdir(parents=True, exist_ok=True)
     tracker = Tracker.from_config(spec.base, runs, system_metrics=False)
-    parent = tracker.start(spec.base, run_name=spec.name, flow_run_id=_flow_run_id(),
+    parent = tracker.start(spec.base, run_name=spec.name, flow_run_id=flow_run_id(),
                            tags={"kind": "sweep", TAG_SWEEP: spec.name, "sweep_cells": len(spec.cells),
                                  "sweep_seeds": ",".join(map(str, spec.seeds))})
-    tracker.log_dict(spec.as_dict(), "sweep.json")
     out_dir = runs / "sweeps" / spec.name
-    failed: list[str] = []
-    status = "FAILED"
-    try:
-        for i, run in enumerate(spec.runs, 1):
-            logger.info("sweep cell %d/%d: %s (%s)", i, len(spec.runs), run.run_name,
-                        ", ".join(f"{k}={v}" for k, v in run.overrides.items()))
-            state = train(config=run.config, runs_dir=str(runs), run_name=run.run_name, parent_run_id=parent,
-                          return_state=True)
-            if not state.is_completed():
-                failed.append(run.run_name)
-                logger.error("sweep run %s ended %s: %s", run.run_name, state.type.value, state.message)
-        children = tracker.search_runs(filter_string=f"tags.mlflow.parentRunId = '{parent}'")
-        for _, child in children.iterrows():
-            cell = next((r.cell for r in spec.runs if r.run_name == child["run_name"]), None)
-            if cell is not None:
-                tracker.client.set_tag(child["run_id"], TAG_CELL, cell)
-                tracker.client.set_tag(child["run_id"], TAG_SWEEP, spec.name)
-        per_run = comparison_frame(children, spec)
-        summary = summary_frame(per_run)
-        markdown = comparison_markdown(spec, parent, tracker.tracking_uri, per_run, summary)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        files = {"runs_csv": out_dir / "comparison.csv", "summary_csv": out_dir / "summary.csv",
-                 "markdown": out_dir / "comparison.md", "plot": out_dir / "comparison.png"}
-        per_run.to_csv(files["runs_csv"], index=False)
-        summary.to_csv(files["summary_csv"], index=False)
-        files["markdown"].write_text(markdown + "\n", encoding="utf-8")
-        save_png(comparison_figure(per_run, spec.name), files["plot"])
-        for path in files.values():
-            tracker.log_artifact(path, "comparison")
-        tracker.log_metrics({f"sweep/{row['cell']}/{row['dataset']}/pass@1_mean": row["pass@1_mean"]
-                             for _, row in summary.iterrows()}, 0)
-        status = "FINISHED" if not failed else "FAILED"
-    finally:
-        tracker.finish(status)
-    artifact_id = create_markdown_artifact(markdown=markdown, key=f"sweep-{_slug(spec.name)}",
-                                           description=f"comparison of sweep {spec.name}")
-    if failed:
-        raise RuntimeError(f"sweep {spec.name}: {len(failed)} of {len(spec.runs)} runs failed: {', '.join(failed)} "
-                           f"(comparison written to {out_dir})")
-    return {"name": spec.name, "parent_run_id": parent, "runs_dir": str(runs), "out_dir": str(out_dir),
-            "files": {k: str(v) for k, v in files.items()}, "markdown_artifact_id": str(artifact_id),
-            "runs": per_run.to_dict(orient="records"), "summary": summary.to_dict(orient="records"),
-            "tracking_uri": tracker.tracking_uri}
+    with tracker:
+        tracker.log_dict(spec.as_dict(), "sweep.json")
+        failed = _run_children(spec, runs, parent, logger)
+        per_run, summary, markdown, files = _compare(spec, tracker, parent, out_dir)
+        artifact_id = create_markdown_artifact(markdown=markdown, key=f"sweep-{_slug(spec.name)}",
+                                               description=f"comparison of sweep {spec.name}")
+        if failed:  # the parent run ends FAILED; the comparison of the runs that finished is written
+            raise RuntimeError(f"sweep {spec.name}: {len(failed)} of {len(spec.runs)} runs failed: "
+                               f"{', '.join(failed)} (comparison written to {out_dir})")
+    return SweepResult(spec.name, parent, str(runs), str(out_dir), tracker.tracking_uri, str(artifact_id),
+                       {k: str(v) for k, v in files.items()}, per_run.to_dict(orient="records"),
+                       summary.to_dict(orient="records"))
+
+
+def _run_children(spec: SweepSpec, runs: Path, parent: str, logger: Any) -> list[str]:
+    """Every (cell, seed) as a child ``train`` flow run nested under ``parent``; returns the failed run names."""
+    failed = []
+    for i, run in enumerate(spec.runs):
+        report(logger, Progress("cell", done=i, total=len(spec.runs), name=run.run_name),
+               "sweep cell %d/%d: %s (%s)", i + 1, len(spec.runs), run.run_name,
+               ", ".join(f"{k}={v}" for k, v in run.overrides.items()))
+        state = train(config=run.config, runs_dir=str(runs), run_name=run.run_name, parent_run_id=parent,
+                      return_state=True)
+        if not state.is_completed():
+            failed.append(run.run_name)
+            logger.error("sweep run %s ended %s: %s", run.run_name, state.type.value, state.message)
+    return failed
+
+
+def _compare(spec: SweepSpec, tracker: Tracker, parent: str, out_dir: Path
+             ) -> tuple[pd.DataFrame, pd.DataFrame, str, dict[str, Path]]:
+    """Tag the children with their cell, build the per-run and per-cell tables from MLflow, write them (CSV,
+    markdown, PNG) to ``out_dir`` and log them to the parent run."""
+    children = tracker.search_runs(filter_string=f"tags.mlflow.parentRunId = '{parent}'")
+    cells = {r.run_name: r.cell for r in spec.runs}
+    for _, child in children.iterrows():
+        cell = cells.get(child["run_name"])
+        if cell is not None:
+            tracker.client.set_tag(child["run_id"], TAG_CELL, cell)
+            tracker.client.set_tag(child["run_id"], TAG_SWEEP, spec.name)
+    per_run = comparison_frame(children, spec)
+    summary = summary_frame(per_run)
+    markdown = comparison_markdown(spec, parent, tracker.tracking_uri, per_run, summary)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {"runs_csv": out_dir / "comparison.csv", "summary_csv": out_dir / "summary.csv",
+             "markdown": out_dir / "comparison.md", "plot": out_dir / "comparison.png"}
+    per_run.to_csv(files["runs_csv"], index=False)
+    summary.to_csv(files["summary_csv"], index=False)
+    files["markdown"].write_text(markdown + "\n", encoding="utf-8")
+    save_png(comparison_figure(per_run, spec.name), files["plot"])
+    for path in files.values():
+        tracker.log_artifact(path, "comparison")
+    tracker.log_metrics({f"sweep/{row['cell']}/{row['dataset']}/pass@1_mean": row["pass@1_mean"]
+                         for _, row in summary.iterrows()}, 0)
+    return per_run, summary, markdown, files

@@ -9,58 +9,75 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
-from prefect.context import get_run_context
 
-from aepo_core.config import ExperimentConfig, build_config
+from aepo_core.config import ExperimentConfig
 from aepo_core.evaluation import paired_comparison
-from infra.experiment import EvalReport, Experiment
+from flows.common import flow_run_id, resolve_config
+from infra.evaluation import EvalReport
 from infra.plots import curves_figure, rollout_tree_figure
+from infra.runtime import PolicyRuntime, build_runtime
+from infra.store import TrajectoryStore
 from infra.tracking import Tracker
+from infra.trainer import Trainer, find_resume_point
 from tasks.data import prepare_data, rows_from_dicts, source_fingerprint
-from tasks.rl import checkpoint, evaluate, report_metrics, rollout, score, sft, store, update
+from tasks.progress import Progress, report
+from tasks.rl import checkpoint, evaluate, rollout, score, sft, store, update
 
 log = logging.getLogger(__name__)
 
 CURVE_METRICS = ("rollout/reward_mean", "rollout/accuracy", "train/entropy_mean", "rollout/delta_h_mean",
                  "rollout/branch_samples", "rollout/max_branches_per_path", "train/loss", "train/clip_frac_high")
 
-
-def resolve_config(config: ExperimentConfig | dict[str, Any] | None, overrides: list[str] | None) -> ExperimentConfig:
-    """The flow's pydantic parameter plus dotted overrides (the same path as the CLI's --set)."""
-    tree = config.to_dict() if isinstance(config, ExperimentConfig) else dict(config or {})
-    return build_config(tree, overrides or [], source="flow parameters")
+Summaries = dict[str, dict[str, dict[str, float]]]
+"""stage (start, sft, stepN, final) or comparison name → dataset key → summary."""
 
 
-def _flow_run_id() -> str | None:
-    ctx = get_run_context()
-    fr = getattr(ctx, "flow_run", None)
-    return str(fr.id) if fr is not None else None
+@dataclass(frozen=True)
+class TrainResult:
+    """What a training run produced and where it went."""
+
+    run_id: str
+    run_name: str
+    steps: int
+    runs_dir: str
+    checkpoint_dir: str
+    tracking_uri: str
+    trajectories: str
+    evals: Summaries = field(default_factory=dict)
+    comparisons: Summaries = field(default_factory=dict)
+
+    @property
+    def final_eval(self) -> dict[str, dict[str, float]]:
+        return self.evals.get("final", {})
 
 
-def _log_eval(tracker: Tracker, report: EvalReport, step: int, label: str, k: int) -> dict[str, float]:
-    """Log one evaluation (metrics at ``step``, the full report as JSON); returns its summary."""
-    tracker.log_metrics(report_metrics(report, k), step)
-    tracker.log_dict({"summary": report.summary, "by_family": report.by_family,
-                      "questions": [o.as_dict() for o in report.outcomes]},
-                     f"eval/{label}/{report.dataset.replace(':', '_')}.json")
-    return report.summary
+def _log_eval(tracker: Tracker, report_: EvalReport, step: int, label: str) -> None:
+    """Log one evaluation: metrics at ``step``, the full report as JSON."""
+    tracker.log_metrics(report_.metrics(), step)
+    tracker.log_dict({"summary": report_.summary, "by_family": report_.by_family,
+                      "questions": [o.as_dict() for o in report_.outcomes]}, f"eval/{label}/{report_.key}.json")
 
 
-def rollout_metrics(stats: dict[str, float]) -> dict[str, float]:
-    names = {"leaves": "leaves", "global_samples": "global_samples", "branch_samples": "branch_samples",
-             "fill_samples": "fill_samples", "max_branches_per_path": "max_branches_per_path",
-             "branches_per_question": "branches_per_question", "tool_calls_mean": "tool_calls_mean",
-             "tool_error_rate": "tool_error_rate", "tool_cache_hit_rate": "tool_cache_hit_rate",
-             "h_root_mean": "h_root_mean", "h_tool_mean": "h_tool_mean", "delta_h_mean": "delta_h_mean",
-             "distinct_tool_sequences": "distinct_tool_sequences", "tokens_generated": "tokens_generated",
-             "wall_s": "wall_s", "generate_s": "generate_s", "tools_s": "tools_s",
-             "global_budget_mean": "global_budget_mean", "response_tokens_mean": "response_tokens_mean"}
-    return {f"rollout/{v}": stats[k] for k, v in names.items() if k in stats}
+class _Evaluations:
+    """The run's evaluations by stage: summaries for the result, per-question Pass@1 for paired comparisons."""
+
+    def __init__(self, runtime: PolicyRuntime, tracker: Tracker, timeout_s: float | None) -> None:
+        self.runtime, self.tracker, self.timeout_s = runtime, tracker, timeout_s
+        self.summaries: Summaries = {}
+        self.per_question: Summaries = {}
+
+    def run(self, label: str, step: int) -> None:
+        for ds in self.runtime.eval_datasets():
+            result = evaluate.with_options(timeout_seconds=self.timeout_s)(self.runtime, ds, label)
+            _log_eval(self.tracker, result, step, label)
+            self.summaries.setdefault(label, {})[result.key] = result.summary
+            self.per_question.setdefault(label, {})[result.key] = result.per_question_pass1
 
 
 @flow(name="aepo-train", log_prints=True)
@@ -72,96 +89,90 @@ def train(
     run_name: str | None = None,
     parent_run_id: str | None = None,
     force_resume: bool = False,
-) -> dict[str, Any]:
-    """Train a policy with the configured algorithm; returns the final metrics and where everything went."""
+) -> TrainResult:
+    """Train a policy with the configured algorithm; returns the evaluations and where everything went."""
     logger = get_run_logger()
     cfg = resolve_config(config, overrides)
     runs = Path(runs_dir or cfg.storage.runs_dir)
     runs.mkdir(parents=True, exist_ok=True)
-    flow_run_id = _flow_run_id()
-
-    rows = prepare_data(cfg.data.train, cfg.data.model_dump(mode="json"),
-                        source_fingerprint(cfg.data.train, cfg.data.data_root))
-    exp = Experiment(cfg, runs, run_name=run_name, train_rows=rows_from_dicts(rows))
-    resumed_at = exp.resume(force=force_resume) if resume else None
+    name = run_name or cfg.tracking.run_name or cfg.name
+    checkpoint_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else runs / "checkpoints" / name
+    rows = rows_from_dicts(prepare_data(cfg.data.train, cfg.data.model_dump(mode="json"),
+                                        source_fingerprint(cfg.data.train, cfg.data.data_root)))
+    point = find_resume_point(checkpoint_dir, cfg, force=force_resume) if resume else None
+    runtime = build_runtime(cfg, runs, name)
+    trajectories = (TrajectoryStore.from_config(cfg.storage) if cfg.storage.trajectories_uri
+                    else TrajectoryStore(runs / "trajectories"))
     tracker = Tracker.from_config(cfg, runs)
-    exp.run_id = tracker.start(cfg, run_name=exp.run_name, resume_run_id=exp.run_id, parent_run_id=parent_run_id,
-                               flow_run_id=flow_run_id, tags={"runs_dir": str(runs)})
-    tracker.log_config(cfg)
-    total = exp.total_steps
-    logger.info("run %s (MLflow %s): %d RL steps%s", exp.run_name, exp.run_id, total,
-                f", resumed at step {resumed_at}" if resumed_at is not None else "")
-    progress_id = create_progress_artifact(progress=100.0 * exp.step / total, key=None,
-                                           description=f"RL steps of {exp.run_name}")
-    evals: dict[str, dict[str, dict[str, float]]] = {}  # label (start, sft, stepN, final) → dataset → summary
-    per_question: dict[str, dict[str, dict[str, float]]] = {}  # label → dataset → question → pass@1
-
-    def run_eval(label: str, step: int) -> None:
-        for ds in exp.eval_datasets():
-            report = evaluate.with_options(timeout_seconds=cfg.train.eval_timeout_s)(exp, ds, label)
-            evals.setdefault(label, {})[ds] = _log_eval(tracker, report, step, label, cfg.eval.pass_k)
-            per_question.setdefault(label, {})[ds] = report.per_question_pass1
-
-    status = "FAILED"
-    comparisons: dict[str, dict[str, dict[str, float]]] = {}
-    try:
-        if resumed_at is None:
-            if cfg.eval.at_start:
-                run_eval("start", 0)
-            if cfg.train.sft.enabled:
-                tracker.log_metrics(sft(exp), 0)
-                if cfg.eval.at_start:
-                    run_eval("sft", 0)
-        last_trees = None
-        while exp.step < total:
-            step = exp.step + 1
-            t0 = time.perf_counter()
-            batch = exp.next_batch()
-            result = rollout.with_options(timeout_seconds=cfg.train.rollout_timeout_s,
-                                          retries=cfg.train.task_retries)(exp, batch, step)
-            summary = score(exp, result, batch, step)
-            train_metrics = update.with_options(timeout_seconds=cfg.train.update_timeout_s)(exp, result, summary,
-                                                                                             step)
-            store(exp, result, step)
-            metrics = {**rollout_metrics(result.stats), **summary.metrics, **train_metrics,
-                       "step/wall_s": time.perf_counter() - t0}
-            tracker.log_metrics(metrics, step)
-            last_trees = result.trees
-            if step % cfg.checkpoint.every == 0 or step == total:
-                checkpoint(exp)
-            if cfg.eval.every and step % cfg.eval.every == 0 and step < total:
-                run_eval(f"step{step}", step)
-            update_progress_artifact(progress_id, progress=100.0 * step / total,
-                                     description=f"step {step}/{total}: reward "
-                                     f"{summary.metrics['rollout/reward_mean']:.3f}")
-        run_eval("final", exp.step)
-        comparisons = _paired_vs_earlier(per_question, cfg)
-        for name, by_ds in comparisons.items():
-            tracker.log_metrics({f"eval/{ds.replace(':', '_')}/{name}_{key}": value
-                                 for ds, c in by_ds.items() for key, value in c.items()}, exp.step)
-        history = tracker.metric_history([m for m in CURVE_METRICS])
-        tracker.log_figure(curves_figure({k: v for k, v in history.items() if v}, title=exp.run_name),
-                           "plots/curves.png")
-        if last_trees:
-            tree = max(last_trees, key=lambda t: sum(n.branched for n in t.nodes))
-            tracker.log_figure(rollout_tree_figure(tree, title=f"{tree.question_id} (step {exp.step})"),
-                               "plots/rollout_tree.png")
-            tracker.log_trajectory_sample(last_trees, max_rows=16, step=exp.step,
-                                          questions={r.id: r.question for r in exp.train_rows})
+    run_id = tracker.start(cfg, run_name=name, resume_run_id=point.run_id if point else None,
+                           parent_run_id=parent_run_id, flow_run_id=flow_run_id(), tags={"runs_dir": str(runs)})
+    with tracker:
+        tracker.log_config(cfg)
+        trainer = Trainer(runtime, rows, checkpoint_dir=checkpoint_dir, run_id=run_id)
+        if point is not None:
+            trainer.resume(point, force=force_resume)
+        evals = _Evaluations(runtime, tracker, cfg.train.eval_timeout_s)
+        _train_loop(trainer, name, tracker, trajectories, evals, resumed=point is not None, logger=logger)
+        comparisons = _paired_vs_earlier(evals.per_question, cfg)
+        for cmp_name, by_ds in comparisons.items():
+            tracker.log_metrics({f"eval/{ds}/{cmp_name}_{key}": value
+                                 for ds, c in by_ds.items() for key, value in c.items()}, trainer.step)
+        history = tracker.metric_history(list(CURVE_METRICS))
+        tracker.log_figure(curves_figure({k: v for k, v in history.items() if v}, title=name), "plots/curves.png")
         if cfg.tracking.log_model:
-            tracker.log_model(exp.model, exp.tokenizer, name="policy")
-        status = "FINISHED"
-    finally:
-        tracker.finish(status)
-    result_info = {
-        "run_id": exp.run_id, "run_name": exp.run_name, "steps": exp.step, "runs_dir": str(runs),
-        "checkpoint_dir": str(exp.checkpoint_dir), "tracking_uri": tracker.tracking_uri,
-        "trajectories": str(exp.store.uri), "final_eval": evals.get("final", {}), "evals": evals,
-        "comparisons": comparisons,
-    }
-    create_markdown_artifact(key=None, markdown=summary_markdown(result_info, cfg),
-                             description=f"summary of {exp.run_name}")
-    return result_info
+            tracker.log_model(runtime.model, runtime.tokenizer, name="policy")
+    result = TrainResult(run_id, name, trainer.step, str(runs), str(checkpoint_dir), tracker.tracking_uri,
+                         str(trajectories.uri), evals.summaries, comparisons)
+    create_markdown_artifact(key=None, markdown=summary_markdown(result, cfg), description=f"summary of {name}")
+    return result
+
+
+def _train_loop(trainer: Trainer, name: str, tracker: Tracker, trajectories: TrajectoryStore, evals: _Evaluations,
+                resumed: bool, logger: Any) -> None:
+    """Optional start evaluation and cold-start SFT, the RL steps (checkpoints, periodic evaluations), the final
+    evaluation, and the plots of the last step's rollouts."""
+    runtime, cfg = trainer.runtime, trainer.runtime.cfg
+    total = trainer.total_steps
+    report(logger, Progress("start", done=trainer.step, total=total, name=name),
+           "run %s (MLflow %s): %d RL steps%s", name, trainer.run_id, total,
+           f", resumed at step {trainer.step}" if resumed else "")
+    progress_id = create_progress_artifact(progress=100.0 * trainer.step / total, key=None,
+                                           description=f"RL steps of {name}")
+    if not resumed:
+        if cfg.eval.at_start:
+            evals.run("start", 0)
+        if cfg.train.sft.enabled:
+            tracker.log_metrics(sft(runtime, trainer.rows).metrics(), 0)
+            if cfg.eval.at_start:
+                evals.run("sft", 0)
+    last = None
+    while trainer.step < total:
+        step = trainer.step + 1
+        t0 = time.perf_counter()
+        batch = trainer.next_batch()
+        result = rollout.with_options(timeout_seconds=cfg.train.rollout_timeout_s,
+                                      retries=cfg.train.task_retries)(runtime, batch, step)
+        scores = score(runtime, result, batch, step)
+        train_metrics = update.with_options(timeout_seconds=cfg.train.update_timeout_s)(trainer, result, scores, step)
+        store(trajectories, trainer.run_id, step, result, scores)
+        tracker.log_metrics({**result.metrics(), **scores.metrics, **train_metrics,
+                             "step/wall_s": time.perf_counter() - t0}, step)
+        last = (result, scores, batch)
+        if step % cfg.checkpoint.every == 0 or step == total:
+            checkpoint(trainer)
+        if cfg.eval.every and step % cfg.eval.every == 0 and step < total:
+            evals.run(f"step{step}", step)
+        update_progress_artifact(progress_id, progress=100.0 * step / total,
+                                 description=f"step {step}/{total}: reward {scores.metrics['rollout/reward_mean']:.3f}")
+    evals.run("final", trainer.step)
+    if last is not None:
+        result, scores, _ = last
+        i = max(range(len(result.trees)), key=lambda j: sum(n.branched for n in result.trees[j].nodes))
+        tree = result.trees[i]
+        tracker.log_figure(rollout_tree_figure(tree, title=f"{tree.question_id} (step {trainer.step})",
+                                               scores=scores.leaves[i]), "plots/rollout_tree.png")
+        tracker.log_trajectory_sample(result.trees, scores.leaves, max_rows=16, step=trainer.step,
+                                      questions={r.id: r.question for r in trainer.rows})
 
 
 def _paired_vs_earlier(per_question: dict[str, dict[str, dict[str, float]]],
@@ -177,26 +188,26 @@ def _paired_vs_earlier(per_question: dict[str, dict[str, dict[str, float]]],
     return out
 
 
-def summary_markdown(info: dict[str, Any], cfg: ExperimentConfig) -> str:
+def summary_markdown(info: TrainResult, cfg: ExperimentConfig) -> str:
     lines = [
-        f"# {info['run_name']}",
+        f"# {info.run_name}",
         "",
         f"- algorithm: `{cfg.algorithm.loss}`, rollout mode `{cfg.rollout.mode}`, seed {cfg.seed}",
-        f"- RL steps: {info['steps']}",
-        f"- MLflow run: `{info['run_id']}` at `{info['tracking_uri']}` "
-        f"(`mlflow ui --backend-store-uri {info['tracking_uri']}`)",
-        f"- checkpoints: `{info['checkpoint_dir']}`",
-        f"- trajectories: `{info['trajectories']}`",
+        f"- RL steps: {info.steps}",
+        f"- MLflow run: `{info.run_id}` at `{info.tracking_uri}` "
+        f"(`mlflow ui --backend-store-uri {info.tracking_uri}`)",
+        f"- checkpoints: `{info.checkpoint_dir}`",
+        f"- trajectories: `{info.trajectories}`",
         "",
         "| stage | dataset | pass@1 | 95% CI | pass@k | tool calls/q | answered |",
         "|---|---|---|---|---|---|---|",
     ]
     k = cfg.eval.pass_k
-    for stage, by_ds in info["evals"].items():
+    for stage, by_ds in info.evals.items():
         for ds, s in by_ds.items():
             lines.append(f"| {stage} | {ds} | {s['pass@1']:.3f} | [{s['pass@1_ci_low']:.3f}, {s['pass@1_ci_high']:.3f}]"
                          f" | {s[f'pass@{k}']:.3f} | {s['tool_calls_per_question']:.2f} | {s['answered_rate']:.2f} |")
-    for name, by_ds in info.get("comparisons", {}).items():
+    for name, by_ds in info.comparisons.items():
         for ds, c in by_ds.items():
             lines.append(f"\n- {name.replace('_', ' ')} on {ds}: pass@1 {c['diff']:+.3f} "
                          f"[{c['ci_low']:+.3f}, {c['ci_high']:+.3f}] over {c['questions']:.0f} questions (paired)")

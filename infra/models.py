@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from aepo_core.config import ModelConfig
+from aepo_core.protocol import SYSTEM_PROMPT, chat_messages
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,14 @@ def load_policy(cfg: ModelConfig) -> tuple[Any, Any]:
     log.info("loaded policy %s (%s, %s, %.1fM params) in %.2f s", name, model.dtype, model.device,
              sum(p.numel() for p in model.parameters()) / 1e6, time.perf_counter() - t0)
     return model, tokenizer
+
+
+def chat_prompt_ids(tokenizer: Any, question: str, system_prompt: str | None = SYSTEM_PROMPT) -> list[int]:
+    """Token ids of one rollout prompt: :func:`aepo_core.protocol.chat_messages` through the chat template, ending
+    with the assistant header.  The transcript then grows only by token ids (no re-templating mid-rollout)."""
+    text = tokenizer.apply_chat_template(chat_messages(question, system_prompt), tokenize=False,
+                                         add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def load_tokenizer(cfg: ModelConfig) -> Any:

@@ -10,10 +10,9 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
-from infra.data.loaders import default_data_root, load_dataset_rows, resolve_spec
+from infra.data.loaders import default_data_root, is_synthetic, load_dataset_rows, resolve_spec
 from infra.data.rows import QuestionRow
 from infra.data.synthetic import SyntheticTask
-from infra.experiment import is_synthetic
 
 
 def source_fingerprint(spec: str, data_root: str | None) -> str:

@@ -1,87 +1,91 @@
 """The verbs of one RL step: rollout, score, update, store; plus SFT, checkpoint and evaluate.
 
-Heavy objects live in the :class:`~infra.experiment.Experiment`; these tasks never cache (their inputs are
-live objects) and return metrics dicts or paths.  rollout/score/evaluate retry on transient errors; update
-never retries blindly — a failed update fails the flow, and a re-run with ``resume`` continues from the last
-checkpoint.
+Heavy objects live in the :class:`~infra.runtime.PolicyRuntime` (policy, engine, tools, reward) and the
+:class:`~infra.trainer.Trainer` (backend, optimizer, data order, step); these tasks never cache (their inputs are
+live objects) and return typed values.  rollout/score/evaluate retry on transient errors; update never retries
+blindly — a failed update fails the flow, and a re-run with ``resume`` continues from the last checkpoint.
+Each task logs one line for people and attaches a :class:`~tasks.progress.Progress` event for machines.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from aepo_core.rollout.scheduler import RolloutResult
-from aepo_core.scoring import ScoreSummary
+from aepo_core.rollout.scheduler import RolloutResult, derive_seed
+from aepo_core.scoring import StepScores
 from infra.data.rows import QuestionRow
-from infra.experiment import EvalReport, Experiment
+from infra.evaluation import EvalReport, evaluate_dataset
+from infra.runtime import PolicyRuntime
+from infra.store import TrajectoryStore
+from infra.trainer import Trainer
+from infra.training.sft import SFTReport, run_sft
+from tasks.progress import Progress, report
 
 
 @task(name="rollout", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
-def rollout(exp: Experiment, rows: Sequence[QuestionRow], step: int) -> RolloutResult:
-    result = exp.rollout(rows, step)
+def rollout(runtime: PolicyRuntime, rows: Sequence[QuestionRow], step: int) -> RolloutResult:
+    """Rollout trees of the step's questions; the seed derives from (config seed, step)."""
+    result = runtime.sample(rows, runtime.cfg.rollout, derive_seed(runtime.cfg.seed, "rollout", step))
     s = result.stats
-    get_run_logger().info(
-        "step %d rollout: %d questions, %d leaves (%d global, %d branch), %.0f tokens in %.1f s",
-        step, s["questions"], s["leaves"], s["global_samples"], s["branch_samples"], s["tokens_generated"],
-        s["wall_s"],
-    )
+    report(get_run_logger(), Progress("rollout", done=step),
+           "step %d rollout: %d questions, %d leaves (%d global, %d branch), %.0f tokens in %.1f s",
+           step, s["questions"], s["leaves"], s["global_samples"], s["branch_samples"], s["tokens_generated"],
+           s["wall_s"])
     return result
 
 
 @task(name="score", cache_policy=NO_CACHE, retries=1)
-def score(exp: Experiment, result: RolloutResult, rows: Sequence[QuestionRow], step: int) -> ScoreSummary:
-    summary = exp.score(result, rows)
-    get_run_logger().info("step %d score: reward %.3f, accuracy %.3f", step,
-                          summary.metrics["rollout/reward_mean"], summary.metrics["rollout/accuracy"])
-    return summary
+def score(runtime: PolicyRuntime, result: RolloutResult, rows: Sequence[QuestionRow], step: int) -> StepScores:
+    scores = runtime.score(result, rows)
+    get_run_logger().info("step %d score: reward %.3f, accuracy %.3f", step, scores.metrics["rollout/reward_mean"],
+                          scores.metrics["rollout/accuracy"])
+    return scores
 
 
 @task(name="update", cache_policy=NO_CACHE, retries=0)
-def update(exp: Experiment, result: RolloutResult, summary: ScoreSummary, step: int) -> dict[str, float]:
-    metrics = exp.update(result, summary)
-    get_run_logger().info("step %d update: loss %.4f, grad norm %.3f, %.0f tok/s", step,
-                          metrics.get("train/loss", float("nan")), metrics.get("train/grad_norm", float("nan")),
-                          metrics.get("train/tokens_per_s", 0.0))
+def update(trainer: Trainer, result: RolloutResult, scores: StepScores, step: int) -> dict[str, float]:
+    metrics = trainer.update(result, scores)
+    report(get_run_logger(), Progress("update", done=step, total=trainer.total_steps),
+           "step %d update: loss %.4f, grad norm %.3f, %.0f tok/s", step, metrics.get("train/loss", float("nan")),
+           metrics.get("train/grad_norm", float("nan")), metrics.get("train/tokens_per_s", 0.0))
     return metrics
 
 
 @task(name="store", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
-def store(exp: Experiment, result: RolloutResult, step: int) -> list[str]:
-    paths = exp.store_step(step, result)
+def store(trajectories: TrajectoryStore, run_id: str, step: int, result: RolloutResult, scores: StepScores
+          ) -> list[str]:
+    paths = trajectories.write_step(run_id, step, result.trees, scores.leaves)
     get_run_logger().info("step %d stored %d trajectory parts", step, len(paths))
     return paths
 
 
 @task(name="checkpoint", cache_policy=NO_CACHE, retries=1)
-def checkpoint(exp: Experiment) -> str:
-    path = exp.save()
+def checkpoint(trainer: Trainer) -> str:
+    path = trainer.save()
     get_run_logger().info("checkpoint %s", path)
     return str(path)
 
 
 @task(name="sft", cache_policy=NO_CACHE, retries=0)
-def sft(exp: Experiment) -> dict[str, float]:
-    metrics = exp.sft()
-    get_run_logger().info("cold-start SFT: batch loss %.3f → %.3f over %d steps", metrics["sft/loss_first_batch"],
-                          metrics["sft/loss_last_batch"], metrics["sft/steps"])
-    return metrics
+def sft(runtime: PolicyRuntime, rows: Sequence[QuestionRow]) -> SFTReport:
+    result = run_sft(runtime, rows)
+    get_run_logger().info("cold-start SFT: batch loss %.3f → %.3f over %d steps", result.loss_first_batch,
+                          result.loss_last_batch, result.steps)
+    return result
 
 
 @task(name="evaluate", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
-def evaluate(exp: Experiment, dataset: str, label: str) -> EvalReport:
-    report = exp.evaluate(dataset)
-    k = exp.cfg.eval.pass_k
-    s = report.summary
-    get_run_logger().info("eval %s [%s]: pass@1 %.3f [%.3f, %.3f], pass@%d %.3f, %d questions", dataset, label,
-                          s["pass@1"], s["pass@1_ci_low"], s["pass@1_ci_high"], k, s[f"pass@{k}"], s["questions"])
-    return report
-
-
-def report_metrics(report: EvalReport, k: int) -> dict[str, Any]:
-    """eval/<dataset>/… metric names of one report."""
-    name = report.dataset.replace(":", "_")
-    return {f"eval/{name}/{key}": value for key, value in report.summary.items()}
+def evaluate(runtime: PolicyRuntime, dataset: str, label: str) -> EvalReport:
+    """Evaluate the runtime's current policy on ``dataset`` (``label``: start, sft, stepN, final, eval)."""
+    cfg = runtime.cfg
+    result = evaluate_dataset(runtime, dataset, runtime.load_rows(dataset), cfg.eval, cfg.seed,
+                              cfg.eval.batch_size or cfg.train.batch_size)
+    k = cfg.eval.pass_k
+    s = result.summary
+    report(get_run_logger(), Progress("evaluate", name=result.key, label=label),
+           "eval %s [%s]: pass@1 %.3f [%.3f, %.3f], pass@%d %.3f, %d questions", result.key, label, s["pass@1"],
+           s["pass@1_ci_low"], s["pass@1_ci_high"], k, s[f"pass@{k}"], s["questions"])
+    return result

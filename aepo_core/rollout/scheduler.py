@@ -101,6 +101,11 @@ class RolloutResult:
     stats: dict[str, float]
     branch_rate_by_consecutive: dict[int, float]
 
+    def metrics(self) -> dict[str, float]:
+        """``rollout/<stat>``: the names under which the batch statistics (:func:`rollout_stats`, plus wall, generate
+        and tool seconds and generated tokens) are tracked."""
+        return {f"rollout/{name}": value for name, value in self.stats.items()}
+
 
 def derive_seed(*parts: object) -> int:
     """A stable 63-bit seed from any parts (Python's hash() is salted per process)."""

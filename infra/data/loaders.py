@@ -407,6 +407,20 @@ def resolve_spec(spec: str, data_root: str | os.PathLike[str] | None = None) -> 
     )
 
 
+def is_synthetic(spec: str) -> bool:
+    """True for ``synthetic`` and ``synthetic:<split>``: the offline generated task, not a file."""
+    return spec == SYNTHETIC_PREFIX or spec.startswith(SYNTHETIC_PREFIX + ":")
+
+
+_UNSAFE_KEY = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def dataset_key(spec: str) -> str:
+    """The one name of a dataset wherever results name it: metric keys (``eval/<key>/pass_at_1``), result files
+    (``<key>.parquet``) and tables.  ``synthetic:test`` → ``synthetic_test``; a path keeps its safe characters."""
+    return _UNSAFE_KEY.sub("_", spec).strip("._") or "dataset"
+
+
 def read_dataset(
     spec: str,
     *,
@@ -414,7 +428,7 @@ def read_dataset(
     synthetic: SyntheticTask | None = None,
 ) -> LoadedDataset:
     """Rows and bad rows of ``spec`` (see :func:`load_dataset_rows`), before the bad-row policy."""
-    if spec == SYNTHETIC_PREFIX or spec.startswith(SYNTHETIC_PREFIX + ":"):
+    if is_synthetic(spec):
         split = spec.partition(":")[2] or "train"
         task = synthetic if synthetic is not None else SyntheticTask()
         return LoadedDataset(f"{SYNTHETIC_SOURCE}:{split}", task.questions(split))

@@ -33,8 +33,9 @@ Semantics (documented choices):
   running; a failure of a batched forward pass re-runs that batch's rows one by one (same seeds, so the
   healthy rows produce what they would have) and only the failing rows get ``'error'``; a row whose
   distribution becomes non-finite is ended with ``'error'`` while the others go on.
-- **Live weights.** The engine holds a reference to the model, not a copy: after an optimizer step the next
-  ``generate`` uses the new weights.
+- **Live weights.** The engine holds a reference to the model it was given. When that is the training model, an
+  optimizer step is seen by the next ``generate`` without a copy; when it is a separate low-precision copy
+  (``model.generation_dtype``), :meth:`HFEngine.load_weights` refreshes it in place.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ import torch
 
 from aepo_core.config import ModelConfig
 from aepo_core.interfaces import FinishReason, GenerationRequest, GenerationResult, SamplingParams
+from infra.engines.weights import PolicyWeights, WeightSource
+from infra.models import chat_prompt_ids, load_policy
 
 log = logging.getLogger(__name__)
 
@@ -189,8 +192,6 @@ class HFEngine:
     @classmethod
     def from_config(cls, cfg: ModelConfig, **kwargs: Any) -> HFEngine:
         """Load the policy of ``cfg`` (infra.models.load_policy) and wrap it."""
-        from infra.models import load_policy
-
         model, tokenizer = load_policy(cfg)
         return cls(model, tokenizer, **kwargs)
 
@@ -222,11 +223,23 @@ class HFEngine:
 
     def apply_chat_template(self, question: str, system_prompt: str | None = None) -> list[int]:
         """Prompt ids for one user turn, ending with the assistant header (generation prompt)."""
-        messages = [{"role": "user", "content": question}]
-        if system_prompt is not None:
-            messages.insert(0, {"role": "system", "content": system_prompt})
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.encode(text)
+        return chat_prompt_ids(self.tokenizer, question, system_prompt)
+
+    # ---------------------------------------------------------------- weights
+
+    @torch.no_grad()
+    def load_weights(self, source: WeightSource) -> None:
+        """Sample from ``source`` next: the live training weights (copied into this engine's own model unless it
+        is the training model itself) or an HF checkpoint directory (loaded in place)."""
+        if not isinstance(source, PolicyWeights):
+            from infra.training.checkpoint import load_model_weights
+
+            load_model_weights(self.model, source)
+            return
+        if source.model is self.model:
+            return
+        for dst, src in zip(self.model.state_dict().values(), source.model.state_dict().values(), strict=True):
+            dst.copy_(src)
 
     # ---------------------------------------------------------------- generation
 

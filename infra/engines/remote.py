@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from aepo_core.entropy import topk_entropy_estimate
 from aepo_core.interfaces import GenerationRequest, GenerationResult, SamplingParams
+from infra.engines.weights import PolicyWeights, WeightSource
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +56,10 @@ class RemoteEngine:
         workers: int = 64,
         api_key: str | None = None,
         reload_url: str | None = None,
+        weights_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.reload_url = reload_url
+        self.weights_dir = Path(weights_dir) if weights_dir is not None else None
         self.url = base_url.rstrip("/") + "/v1/completions"
         self.model = model
         self.tokenizer = tokenizer
@@ -83,15 +88,26 @@ class RemoteEngine:
         with ThreadPoolExecutor(max_workers=min(self.workers, len(requests))) as pool:
             return list(pool.map(lambda r: self._one(r, sampling), requests))
 
-    def sync_weights(self, path: str) -> None:
-        """The weight-update hook: ask the server to load the HF checkpoint at ``path`` (a shared filesystem)."""
+    def load_weights(self, source: WeightSource) -> None:
+        """The weight-update hook: live weights are saved as an HF checkpoint under ``weights_dir/step-NNNNNN``
+        (a filesystem the server shares), then the server is asked to load it (POST ``{"path": …}`` to
+        ``reload_url``); a checkpoint directory is sent as it is."""
         if not self.reload_url:
             log.warning("rollout.remote_reload_url is not set: the server keeps sampling from its old weights")
             return
-        request = urllib.request.Request(self.reload_url, data=json.dumps({"path": path}).encode(),
+        path = Path(source) if not isinstance(source, PolicyWeights) else self._save(source)
+        request = urllib.request.Request(self.reload_url, data=json.dumps({"path": str(path)}).encode(),
                                          headers={"Content-Type": "application/json"}, method="POST")
         with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
             resp.read()
+
+    def _save(self, weights: PolicyWeights) -> Path:
+        if self.weights_dir is None:
+            raise RemoteEngineError("a remote engine that follows training weights needs a weights_dir to save them")
+        path = self.weights_dir / f"step-{weights.version:06d}"
+        weights.model.save_pretrained(path, state_dict=weights.full_state_dict())
+        self.tokenizer.save_pretrained(path)
+        return path
 
     # ------------------------------------------------------------------ internals
     def _payload(self, req: GenerationRequest, sampling: SamplingParams) -> dict[str, Any]:

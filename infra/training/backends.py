@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 import torch
 
 from aepo_core.config import OptimConfig
 from infra.training.optim import build_optimizer, build_scheduler
+from infra.training.update import Stateful
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +48,21 @@ class TorchBackend:
     def module(self) -> torch.nn.Module:
         return self.model
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
     def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return decoder_hidden(self.model, input_ids, attention_mask, self.compute_dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
+
+    def checkpoint_state(self) -> tuple[Stateful | None, Stateful | None]:
+        return self.optimizer, self.scheduler
+
+    def full_state_dict(self) -> Mapping[str, torch.Tensor] | None:
+        return None  # the model holds its full weights
 
     def step(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -77,11 +89,21 @@ class FrozenBackend:
     def module(self) -> torch.nn.Module:
         return self.model
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
     def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return decoder_hidden(self.model, input_ids, attention_mask, self.compute_dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
         raise RuntimeError("the reference policy is frozen")
+
+    def checkpoint_state(self) -> tuple[Stateful | None, Stateful | None]:
+        return None, None  # nothing to resume: never stepped
+
+    def full_state_dict(self) -> Mapping[str, torch.Tensor] | None:
+        return None
 
     def step(self) -> float:
         raise RuntimeError("the reference policy is frozen")

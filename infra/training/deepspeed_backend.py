@@ -221,6 +221,11 @@ class DeepSpeedBackend:
         """Where inputs go (under ZeRO-3 parameter offload the parameters themselves report the CPU)."""
         return torch.device(self.engine.device)
 
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """None: DeepSpeed's own bf16 mode decides the precision of the forward, not autocast."""
+        return None
+
     def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Decoder hidden states through the engine (gathers ZeRO-3 partitions, arms the backward hooks)."""
         return self.engine(input_ids, attention_mask)
@@ -261,10 +266,14 @@ class DeepSpeedBackend:
             out[name] = copies[same]
         return out
 
-    @property
-    def training_state(self) -> _TrainingState:
+    def checkpoint_state(self) -> tuple[_TrainingState, None]:
         """Optimizer and scheduler state as one object with ``state_dict()`` / ``load_state_dict()``."""
-        return _TrainingState(self)
+        return _TrainingState(self), None
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Gathered weights under ZeRO-3 (a collective: every rank calls it); None at stages 0–2, whose model
+        holds its full weights."""
+        return self.consolidated_state_dict() if self.zero_stage == 3 else None
 
     def state_dict_for_checkpoint(self) -> dict[str, Any]:
         """Optimizer (this rank's ZeRO partition, fp32 master weights included) and LR-scheduler state.

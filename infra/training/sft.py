@@ -11,10 +11,16 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from aepo_core.config import SFTConfig
+from infra.data.rows import QuestionRow
+from infra.data.synthetic import oracle_transcript
+from infra.engines.weights import PolicyWeights
+from infra.runtime import PolicyRuntime
+from infra.training.backends import TorchBackend, autocast_dtype
 from infra.training.batching import TrainSample, collate, plan_micro_batches
 from infra.training.update import TrainBackend, response_logprobs_and_entropy
 
@@ -51,19 +57,19 @@ def _nll_sum(backend: TrainBackend, samples: Sequence[TrainSample], pad_id: int,
 
 def sft_loss(backend: TrainBackend, samples: Sequence[TrainSample], pad_id: int, token_budget: int) -> float:
     """Token-mean NLL over model tokens (no gradient)."""
-    device = next(backend.module.parameters()).device
+    device = backend.device
     norm = float(sum(sum(s.loss_mask) for s in samples)) or 1.0
     backend.module.eval()
     with torch.no_grad():
         return _nll_sum(backend, samples, pad_id, token_budget, device, norm, with_grad=False)
 
 
-def run_sft(backend: TrainBackend, samples: Sequence[TrainSample], cfg: SFTConfig, pad_id: int, token_budget: int,
+def train_sft(backend: TrainBackend, samples: Sequence[TrainSample], cfg: SFTConfig, pad_id: int, token_budget: int,
             seed: int, on_step: Callable[[int, dict[str, float]], None] | None = None) -> list[dict[str, float]]:
     """``cfg.epochs`` passes over the samples in seeded shuffled batches; one optimizer step per batch."""
     if cfg.max_examples is not None:
         samples = list(samples)[: cfg.max_examples]
-    device = next(backend.module.parameters()).device
+    device = backend.device
     rng = random.Random(seed)
     history = []
     step = 0
@@ -88,3 +94,48 @@ def run_sft(backend: TrainBackend, samples: Sequence[TrainSample], cfg: SFTConfi
     log.info("SFT: %d steps over %d examples, last loss %.4f", step, len(samples),
              history[-1]["sft/loss"] if history else float("nan"))
     return history
+
+
+@dataclass(frozen=True)
+class SFTReport:
+    """What cold-start SFT did: the loss of its first and last batch as they were trained on, optimizer steps,
+    transcripts, and mean training throughput (tokens/s)."""
+
+    loss_first_batch: float
+    loss_last_batch: float
+    steps: int
+    examples: int
+    tokens_per_s: float
+
+    def metrics(self) -> dict[str, float]:
+        """``sft/…``: the names under which MLflow records this report."""
+        return {"sft/loss_first_batch": self.loss_first_batch, "sft/loss_last_batch": self.loss_last_batch,
+                "sft/steps": float(self.steps), "sft/examples": float(self.examples),
+                "sft/tokens_per_s": self.tokens_per_s}
+
+
+def run_sft(runtime: PolicyRuntime, rows: Sequence[QuestionRow]) -> SFTReport:
+    """Cold-start SFT of the runtime's policy on oracle transcripts of synthetic ``rows`` (the real tools produce
+    the results), with its own optimizer (``train.sft``); the engine then samples from the new weights."""
+    if runtime.task is None:
+        raise ValueError("cold-start SFT needs oracle transcripts: use data.train=synthetic")
+    cfg = runtime.cfg
+    sft_cfg = cfg.train.sft
+    search, python = runtime.tools.get("search"), runtime.tools.get("python")
+    if search is None or python is None:
+        raise ValueError("cold-start SFT transcripts need both the search and the python tool")
+    rows = list(rows)[: sft_cfg.max_examples] if sft_cfg.max_examples else list(rows)
+    samples = []
+    for row in rows:
+        segments = oracle_transcript(row, lambda q: search(q).text, lambda c: python(c).text,
+                                     max_result_chars=cfg.rollout.max_result_chars)
+        samples.append(sft_sample(runtime.prompt_ids(row.question), segments, runtime.encode))
+    steps = sft_cfg.epochs * -(-len(samples) // sft_cfg.batch_size)
+    backend = TorchBackend(runtime.model, cfg.optim, steps, lr=sft_cfg.lr,
+                           compute_dtype=autocast_dtype(cfg.model.compute_dtype))
+    # Loss of the first and the last batch as they were trained on (a separate before/after pass over all
+    # transcripts would cost two more forward passes: a third of the SFT time on CPU).
+    history = train_sft(backend, samples, sft_cfg, runtime.pad_id, cfg.optim.micro_batch_tokens, seed=cfg.seed)
+    runtime.weights_changed(PolicyWeights(runtime.model, 0))
+    return SFTReport(history[0]["sft/loss"], history[-1]["sft/loss"], len(history), len(samples),
+                     sum(h["sft/tokens_per_s"] for h in history) / len(history))

@@ -20,9 +20,9 @@ import logging
 import resource
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -34,11 +34,29 @@ from infra.training.batching import PaddedBatch, TrainSample, collate, plan_micr
 log = logging.getLogger(__name__)
 
 
+class Stateful(Protocol):
+    """What a checkpoint saves and restores: ``state_dict()`` / ``load_state_dict(state)``."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 class TrainBackend(Protocol):
-    """What the update needs from a training engine (plain torch, or DeepSpeed)."""
+    """What the update and the checkpoints need from a training engine (plain torch, or DeepSpeed)."""
 
     @property
     def module(self) -> torch.nn.Module: ...
+
+    @property
+    def device(self) -> torch.device:
+        """Where inputs go (under ZeRO-3 parameter offload the parameters themselves report the CPU)."""
+        ...
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The autocast dtype of forward passes (None: plain float32)."""
+        ...
 
     def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor: ...
 
@@ -47,6 +65,15 @@ class TrainBackend(Protocol):
     def step(self) -> float: ...
 
     def current_lr(self) -> float: ...
+
+    def checkpoint_state(self) -> tuple[Stateful | None, Stateful | None]:
+        """(optimizer-like, LR scheduler) as a checkpoint saves them; DeepSpeed keeps both in the first."""
+        ...
+
+    def full_state_dict(self) -> Mapping[str, torch.Tensor] | None:
+        """The gathered full weights when the live parameters are partitions (ZeRO-3); None when the model
+        holds them (then ``module.state_dict()`` is the full state)."""
+        ...
 
 
 def response_logprobs_and_entropy(
@@ -66,8 +93,8 @@ def response_logprobs_and_entropy(
             0, hidden.shape[1] - 1
         )
         h = hidden.gather(1, pos[..., None].expand(b, r, hidden.shape[-1]))
-        with torch.autocast(h.device.type, dtype=getattr(backend, "compute_dtype", None) or torch.float32,
-                            enabled=getattr(backend, "compute_dtype", None) is not None):
+        with torch.autocast(h.device.type, dtype=backend.compute_dtype or torch.float32,
+                            enabled=backend.compute_dtype is not None):
             logits = module.get_output_embeddings()(h)
         logits = logits.float()
         if temperature != 1.0:
@@ -98,8 +125,7 @@ class PolicyUpdater:
         self.ref_backend = ref_backend
         self.cfg = cfg
         self.pad_id = pad_id
-        # Under ZeRO-3 parameter offload the parameters report the CPU; the backend knows the compute device.
-        self.device = getattr(backend, "device", None) or next(backend.module.parameters()).device
+        self.device = backend.device
 
     # ------------------------------------------------------------------
     def _micro_batches(self, samples: Sequence[TrainSample], indices: Sequence[int]) -> list[list[int]]:

@@ -113,8 +113,9 @@ def test_prefect_api_shows_the_completed_runs(tiny_run):
 
 
 def test_transient_rollout_failure_is_retried(prefect_harness, tmp_path, monkeypatch):
-    from flows.train import train
     from infra.experiment import Experiment
+
+    from flows.train import train
 
     original = Experiment.rollout
     calls = {"n": 0}

@@ -159,14 +159,14 @@ def test_resume_from_saved_state_is_exact(cfg, stage, bf16):
     updater.update(make_samples(seed=0))
     lr_after_first = backend.current_lr()
     weights = {k: v.clone() for k, v in backend.consolidated_state_dict().items()}
-    state = _roundtrip(backend.training_state.state_dict())
+    state = _roundtrip(backend.checkpoint_state()[0].state_dict())
     updater.update(make_samples(seed=1))
     straight = backend.consolidated_state_dict()
 
     model = tiny_model(seed=1)
     model.load_state_dict(weights)  # bf16 values into the fp32 model: DeepSpeed casts back to the same bf16
     resumed_backend = DeepSpeedBackend(model, cfg.optim, TOTAL_STEPS, zero_stage=stage, bf16=bf16)
-    resumed_backend.training_state.load_state_dict(state)
+    resumed_backend.checkpoint_state()[0].load_state_dict(state)
     assert resumed_backend.current_lr() == lr_after_first
     resumed = PolicyUpdater(resumed_backend, cfg, pad_id=0)
     resumed.update(make_samples(seed=1))

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from infra.experiment import Experiment
 
 from infra.config_files import load_config
-from infra.experiment import Experiment
 
 REPO = Path(__file__).resolve().parents[2]
 

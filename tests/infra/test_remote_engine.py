@@ -85,7 +85,7 @@ def test_weight_sync_hook_posts_the_checkpoint_path(tiny_policy):
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{httpd.server_address[1]}/reload"
-        RemoteEngine("http://127.0.0.1:9", "tiny", tiny_policy[1], reload_url=url).sync_weights("/shared/ckpt")
+        RemoteEngine("http://127.0.0.1:9", "tiny", tiny_policy[1], reload_url=url).load_weights("/shared/ckpt")
     finally:
         httpd.shutdown()
         httpd.server_close()

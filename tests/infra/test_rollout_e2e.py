@@ -14,7 +14,7 @@ from infra.engines.hf import HFEngine
 from infra.models import load_policy
 from infra.tools.registry import build_tools
 from infra.training.backends import TorchBackend
-from infra.training.sft import run_sft, sft_loss, sft_sample
+from infra.training.sft import sft_loss, sft_sample, train_sft
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def taught(tiny_cfg, tmp_path_factory):
     prompt = engine.apply_chat_template(row.question, SYSTEM_PROMPT)
     sample = sft_sample(prompt, segments, engine.encode)
     backend = TorchBackend(model, OptimConfig(), total_steps=300, lr=3e-3)
-    run_sft(backend, [sample], SFTConfig(epochs=150, batch_size=1, lr=3e-3), 0, 8192, seed=0)
+    train_sft(backend, [sample], SFTConfig(epochs=150, batch_size=1, lr=3e-3), 0, 8192, seed=0)
     assert sft_loss(backend, [sample], 0, 8192) < 0.05
     return engine, tools, row, prompt, segments
 

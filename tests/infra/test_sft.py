@@ -7,7 +7,7 @@ from test_update import VOCAB, tiny_model
 
 from aepo_core.config import OptimConfig, SFTConfig
 from infra.training.backends import TorchBackend
-from infra.training.sft import run_sft, sft_loss, sft_sample
+from infra.training.sft import sft_loss, sft_sample, train_sft
 
 
 def encode(text: str) -> list[int]:
@@ -40,7 +40,7 @@ def test_sft_lowers_the_loss():
     cfg = SFTConfig(enabled=True, epochs=15, lr=3e-3, batch_size=2)
     backend = TorchBackend(model, OptimConfig(), total_steps=100, lr=cfg.lr)
     before = sft_loss(backend, samples(), 0, 4096)
-    history = run_sft(backend, samples(), cfg, 0, 4096, seed=0)
+    history = train_sft(backend, samples(), cfg, 0, 4096, seed=0)
     after = sft_loss(backend, samples(), 0, 4096)
     assert len(history) == 15
     assert after < 0.5 * before
@@ -62,6 +62,6 @@ def test_result_tokens_get_no_gradient():
     for s in (a, b):
         model = tiny_model()
         backend = TorchBackend(model, OptimConfig(), total_steps=1)
-        run_sft(backend, [s], SFTConfig(epochs=1, batch_size=1, lr=1e-3), 0, 4096, seed=0)
+        train_sft(backend, [s], SFTConfig(epochs=1, batch_size=1, lr=1e-3), 0, 4096, seed=0)
         grads.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     torch.testing.assert_close(grads[0], grads[1])

@@ -1,0 +1,184 @@
+"""The policy runtime: what every job that runs the policy needs, and nothing a training run adds.
+
+One :class:`PolicyRuntime` per flow run holds the model, its tokenizer, the engine that samples from it, the
+tools, the reward function and the synthetic task when a dataset names it.  Evaluation, cold-start SFT and the
+rollouts of training all run on it; only the train flow adds a :class:`~infra.trainer.Trainer` on top (backend,
+optimizer, data order, checkpoints).  So ``aepo eval`` neither reads the training data nor starts a training
+backend: under ``train.backend: deepspeed`` it never imports DeepSpeed.
+
+The rollout prompt (:meth:`PolicyRuntime.prompt_ids`) is part of the algorithm: it is built here, once, from
+:func:`aepo_core.protocol.chat_messages`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from aepo_core.config import ExperimentConfig, RolloutConfig
+from aepo_core.interfaces import RewardFn, SamplingParams, Tool
+from aepo_core.rewards import make_reward_fn
+from aepo_core.rollout.scheduler import Question, RolloutResult, RolloutScheduler
+from aepo_core.scoring import StepScores, score_trees
+from infra.data.loaders import is_synthetic, load_dataset_rows
+from infra.data.rows import QuestionRow
+from infra.data.synthetic import SyntheticTask
+from infra.engines.weights import PolicyEngine, PolicyWeights, WeightSource
+from infra.models import chat_prompt_ids, load_policy
+from infra.tools.registry import build_tools
+from infra.training.backends import autocast_dtype
+from infra.training.checkpoint import (
+    CheckpointError,
+    CheckpointState,
+    latest_checkpoint,
+    load_checkpoint,
+    read_checkpoint_state,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CheckpointError", "PolicyRuntime", "build_runtime", "checkpoint_config", "find_checkpoint",
+           "seed_everything"]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def uses_synthetic(cfg: ExperimentConfig) -> bool:
+    """Whether any dataset the config names (training or evaluation) is the synthetic task."""
+    return is_synthetic(cfg.data.train) or any(is_synthetic(d) for d in cfg.eval.datasets)
+
+
+@dataclass
+class PolicyRuntime:
+    """The policy and everything that samples, calls tools and scores around it (see the module docstring)."""
+
+    cfg: ExperimentConfig
+    model: torch.nn.Module
+    tokenizer: object
+    engine: PolicyEngine
+    tools: dict[str, Tool]
+    reward_fn: RewardFn
+    task: SyntheticTask | None
+    _prompts: dict[str, list[int]] = field(default_factory=dict, repr=False)
+
+    def prompt_ids(self, question: str) -> list[int]:
+        """The rollout prompt of ``question``: the chat template is applied once per question; the transcript then
+        only grows by token ids."""
+        if question not in self._prompts:
+            self._prompts[question] = chat_prompt_ids(self.tokenizer, question)
+        return self._prompts[question]
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a piece of transcript text (no special tokens added)."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id  # type: ignore[attr-defined]
+        return int(pad) if pad is not None else 0
+
+    def sample(self, rows: Sequence[QuestionRow], rollout: RolloutConfig, seed: int,
+               sampling: SamplingParams | None = None) -> RolloutResult:
+        """Rollout trees of ``rows`` under ``rollout`` (training: the configured AEPO/ARPO/independent sampling;
+        evaluation: n independent samples), with the configured tools."""
+        scheduler = RolloutScheduler(self.engine, self.tools, rollout, tool_timeout_s=self.cfg.tools.timeout_s,
+                                     tool_workers=self.cfg.tools.workers)
+        return scheduler.run([Question(row.id, self.prompt_ids(row.question)) for row in rows], seed=seed,
+                             sampling=sampling)
+
+    def score(self, result: RolloutResult, rows: Sequence[QuestionRow]) -> StepScores:
+        """Rewards and group advantages of a training rollout (the trees are not modified)."""
+        golds = {row.id: list(row.golds) for row in rows}
+        return score_trees(result.trees, golds, self.reward_fn, self.cfg.algorithm,
+                           self.cfg.rollout.max_response_tokens)
+
+    def load_rows(self, spec: str) -> list[QuestionRow]:
+        """The validated rows of a dataset spec (bad rows fail or are skipped, as ``data.on_bad_row`` says)."""
+        d = self.cfg.data
+        return load_dataset_rows(spec, d.on_bad_row, data_root=d.data_root, synthetic=self.task)
+
+    def eval_datasets(self) -> list[str]:
+        """``eval.datasets``, else ``data.validation``, else the synthetic test split when the task is synthetic."""
+        if self.cfg.eval.datasets:
+            return list(self.cfg.eval.datasets)
+        if self.cfg.data.validation:
+            return [self.cfg.data.validation]
+        return ["synthetic:test"] if self.task is not None else []
+
+    def weights_changed(self, source: WeightSource) -> None:
+        """Hand new weights to the engine (after SFT, an update, a resume or a loaded checkpoint)."""
+        self.engine.load_weights(source)
+
+    def load_checkpoint_weights(self, path: Path) -> CheckpointState:
+        """The policy weights of a checkpoint (no optimizer, no RNG state), also into the engine."""
+        state = load_checkpoint(path, model=self.model, restore_rng=False)
+        self.weights_changed(PolicyWeights(self.model, state.step))
+        return state
+
+
+def find_checkpoint(path: str | os.PathLike[str]) -> Path:
+    """A checkpoint directory (``step-NNNNNN``) or a run's checkpoint root (its newest complete checkpoint)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise CheckpointError(f"checkpoint {p} does not exist")
+    if (p / "manifest.json").is_file():
+        return p
+    latest = latest_checkpoint(p)
+    if latest is None:
+        raise CheckpointError(f"{p} is neither a checkpoint nor a directory holding complete checkpoints")
+    return latest
+
+
+def build_runtime(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], run_name: str | None = None
+                  ) -> PolicyRuntime:
+    """Seed, load the policy, build its engine, tools and reward function.
+
+    ``runs_dir`` holds the tools' caches and (remote engines) the weight exports ``weights/<run name>/``.
+    """
+    runs = Path(runs_dir)
+    seed_everything(cfg.seed)
+    task = SyntheticTask.from_config(cfg.data) if uses_synthetic(cfg) else None
+    model, tokenizer = load_policy(cfg.model)
+    engine = _build_engine(cfg, model, tokenizer, runs / "weights" / (run_name or cfg.name))
+    tools = build_tools(cfg.tools, runs, documents=task.documents() if task else None)
+    return PolicyRuntime(cfg, model, tokenizer, engine, tools, make_reward_fn(cfg.reward), task)
+
+
+def _build_engine(cfg: ExperimentConfig, model: torch.nn.Module, tokenizer: object, weights_dir: Path
+                  ) -> PolicyEngine:
+    r = cfg.rollout
+    if r.engine == "remote":
+        from infra.engines.remote import RemoteEngine
+
+        if not r.remote_url:
+            raise ValueError("rollout.engine=remote needs rollout.remote_url")
+        return RemoteEngine(r.remote_url, r.remote_model or cfg.model.name, tokenizer,
+                            reload_url=r.remote_reload_url, weights_dir=weights_dir)
+    from infra.engines.hf import HFEngine
+
+    gen_dtype = cfg.model.generation_dtype
+    if gen_dtype == "same" or cfg.train.backend == "deepspeed":
+        if gen_dtype != "same":
+            log.warning("model.generation_dtype=%s ignored under DeepSpeed (partitioned weights): the engine shares "
+                        "the training model", gen_dtype)
+        return HFEngine(model, tokenizer, seed=cfg.seed, autocast_dtype=autocast_dtype(cfg.model.compute_dtype))
+    generation_model = copy.deepcopy(model).to(getattr(torch, gen_dtype)).eval()
+    generation_model.requires_grad_(False)
+    return HFEngine(generation_model, tokenizer, seed=cfg.seed)
+
+
+def checkpoint_config(path: str | os.PathLike[str]) -> dict[str, object]:
+    """The resolved config a checkpoint was written with, as a plain tree (empty when it has none)."""
+    return read_checkpoint_state(path).config or {}

@@ -1,0 +1,133 @@
+"""The trainer of one RL run: backend, policy updater, data order and cursor, step counter, checkpoints.
+
+Built only by the train flow, on top of a :class:`~infra.runtime.PolicyRuntime` (which samples and scores).
+The trainer is the only owner of the step counter: it advances after each update and is restored by
+:meth:`Trainer.resume`.  Every verb is deterministic given the config seed and the step, so a resumed run repeats
+nothing and skips nothing: rollout seeds derive from (seed, step), the data order from (seed, epoch), and the
+checkpoint holds the weights, optimizer, schedule, RNG states and data cursor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from aepo_core.config import ExperimentConfig
+from aepo_core.rollout.scheduler import RolloutResult
+from aepo_core.scoring import StepScores
+from infra.data.rows import QuestionRow
+from infra.engines.weights import PolicyWeights
+from infra.models import load_policy
+from infra.runtime import PolicyRuntime
+from infra.training.backends import FrozenBackend, TorchBackend, autocast_dtype
+from infra.training.batching import samples_from_trees
+from infra.training.checkpoint import check_compatible, latest_checkpoint, load_checkpoint, read_checkpoint_state
+from infra.training.checkpoint import save_checkpoint as write_checkpoint
+from infra.training.data_order import DataCursor, DataOrder
+from infra.training.update import PolicyUpdater, TrainBackend
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The newest complete checkpoint of a run, checked against the config before anything is touched."""
+
+    path: Path
+    step: int
+    run_id: str | None
+
+
+def find_resume_point(checkpoint_dir: str | os.PathLike[str], cfg: ExperimentConfig, force: bool = False
+                      ) -> ResumePoint | None:
+    """The checkpoint a resume continues from (None: nothing saved yet); falls back past corrupt checkpoints and
+    refuses one whose model or algorithm differs from ``cfg`` (unless ``force``)."""
+    path = latest_checkpoint(checkpoint_dir)
+    if path is None:
+        return None
+    state = read_checkpoint_state(path)
+    check_compatible(state, cfg, force=force)
+    return ResumePoint(path, state.step, state.run_id)
+
+
+def build_backend(runtime: PolicyRuntime, total_steps: int) -> TrainBackend:
+    cfg = runtime.cfg
+    if cfg.train.backend == "deepspeed":
+        from infra.training.deepspeed_backend import DeepSpeedBackend
+
+        return DeepSpeedBackend.from_config(runtime.model, cfg.optim, cfg.train, total_steps)
+    return TorchBackend(runtime.model, cfg.optim, total_steps, compute_dtype=autocast_dtype(cfg.model.compute_dtype))
+
+
+class Trainer:
+    """See the module docstring.  ``run_id`` names the run in the trajectory store and the checkpoints."""
+
+    def __init__(self, runtime: PolicyRuntime, rows: Sequence[QuestionRow], *, checkpoint_dir: str | os.PathLike[str],
+                 run_id: str) -> None:
+        cfg = runtime.cfg
+        self.rows = list(rows)[: cfg.data.max_questions] if cfg.data.max_questions is not None else list(rows)
+        if not self.rows:
+            raise ValueError(f"data.train={cfg.data.train!r} has no usable rows")
+        self.runtime = runtime
+        self.run_id = run_id
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.order = DataOrder(len(self.rows), cfg.train.batch_size, cfg.seed, shuffle=cfg.data.shuffle)
+        self.total_steps = cfg.train.steps or cfg.train.epochs * self.order.batches_per_epoch
+        self.backend = build_backend(runtime, self.total_steps)
+        ref = None
+        if cfg.algorithm.kl_coef > 0:
+            ref_model, _ = load_policy(cfg.model)
+            ref = FrozenBackend(ref_model, autocast_dtype(cfg.model.compute_dtype))
+        self.updater = PolicyUpdater(self.backend, cfg, pad_id=runtime.pad_id, ref_backend=ref)
+        self.cursor: DataCursor = self.order.start()
+        self._step = 0
+
+    @property
+    def step(self) -> int:
+        """Optimizer updates done so far (RL steps; 0 before the first)."""
+        return self._step
+
+    def next_batch(self) -> list[QuestionRow]:
+        """The rows of the next step; advances the data cursor."""
+        indices, self.cursor = self.order.next_batch(self.cursor)
+        return [self.rows[i] for i in indices]
+
+    def update(self, result: RolloutResult, scores: StepScores) -> dict[str, float]:
+        """One policy update on the step's scored trees (uninformative groups left out); the engine then samples
+        from the new weights."""
+        trees, leaf_scores = scores.kept(result.trees)
+        metrics = self.updater.update(samples_from_trees(trees, leaf_scores))
+        self._step += 1
+        self.runtime.weights_changed(self.weights())
+        return metrics
+
+    def weights(self) -> PolicyWeights:
+        return PolicyWeights(self.runtime.model, self._step, self.backend.full_state_dict)
+
+    def save(self) -> Path:
+        """An atomic checkpoint of everything a bit-identical resume needs."""
+        optimizer, scheduler = self.backend.checkpoint_state()
+        rt = self.runtime
+        return write_checkpoint(
+            self.checkpoint_dir, self._step, model=rt.model, tokenizer=rt.tokenizer, config=rt.cfg,
+            optimizer=optimizer, scheduler=scheduler, data_cursor=self.cursor, run_id=self.run_id,
+            extra={"order": self.order.state_dict()}, keep=rt.cfg.checkpoint.keep,
+            state_dict=self.backend.full_state_dict(),
+        )
+
+    def resume(self, point: ResumePoint, force: bool = False) -> int:
+        """Restore ``point`` (weights, optimizer, schedule, RNG streams, data cursor); returns its step."""
+        optimizer, scheduler = self.backend.checkpoint_state()
+        state = load_checkpoint(point.path, model=self.runtime.model, optimizer=optimizer, scheduler=scheduler,
+                                config=self.runtime.cfg, force=force)
+        saved_order = state.extra.get("order")
+        if saved_order is not None:
+            self.order.check_resumable(saved_order)
+        self._step = state.step
+        self.cursor = state.data_cursor or self.order.start()
+        self.runtime.weights_changed(self.weights())
+        log.info("resumed %s at step %d (data cursor %s)", point.path, self._step, self.cursor)
+        return self._step
