@@ -98,11 +98,15 @@ def prepare_environment(runs: Path) -> None:
         os.environ.setdefault(key, value)
 
 
-def check_datasets(cfg: ExperimentConfig) -> None:
-    """Every dataset the config names must exist (synthetic ones always do): fail before any run is created."""
+def check_datasets(cfg: ExperimentConfig, training: bool = True) -> None:
+    """Every dataset the job reads must exist (synthetic ones always do): fail before any run is created.
+
+    ``training=False`` (evaluation): only the evaluation datasets; the training data need not exist there.
+    """
     from infra.data.loaders import is_synthetic, resolve_spec
 
-    specs = [("data.train", cfg.data.train), ("data.validation", cfg.data.validation)]
+    specs = [("data.train", cfg.data.train)] if training else []
+    specs += [("data.validation", cfg.data.validation)]
     specs += [(f"eval.datasets[{i}]", d) for i, d in enumerate(cfg.eval.datasets)]
     for key, spec in specs:
         if spec and not is_synthetic(spec):
@@ -112,13 +116,13 @@ def check_datasets(cfg: ExperimentConfig) -> None:
                 raise ConfigError(f"{key}: {exc}") from None
 
 
-def load_checked_config(path: Path | None, sets: Sequence[str] | None) -> ExperimentConfig:
+def load_checked_config(path: Path | None, sets: Sequence[str] | None, training: bool = True) -> ExperimentConfig:
     """The config with overrides, its datasets checked; exits 2 with the problem named."""
     from infra.config_files import load_config
 
     try:
         cfg = load_config(path, list(sets or []))
-        check_datasets(cfg)
+        check_datasets(cfg, training)
     except ConfigError as exc:
         fail(str(exc))
     return cfg
@@ -301,7 +305,7 @@ def eval_(
                                                    "Parquet (or its directory): paired Pass@1 difference.")] = None,
 ) -> None:
     """Evaluate a checkpoint: Pass@1/Pass@k with CIs, per-question Parquet, optional judge and paired comparison."""
-    base = load_checked_config(config, []) if config is not None else None
+    base = load_checked_config(config, [], training=False) if config is not None else None
     runs = resolve_runs_dir(runs_dir, base)
     if compare_to is not None and not Path(compare_to).exists():
         fail(f"--compare-to {compare_to}: no such file or directory")
@@ -312,7 +316,7 @@ def eval_(
     try:
         ckpt = resolve_checkpoint(checkpoint)
         cfg = resolve_eval_config(base, ckpt, set_, dataset)
-        check_datasets(cfg)
+        check_datasets(cfg, training=False)
     except (ConfigError, CheckpointError) as exc:
         fail(str(exc))
     cfg = _with_runs_dir(cfg, runs)

@@ -25,7 +25,7 @@ from infra.runtime import PolicyRuntime, build_runtime
 from infra.store import TrajectoryStore
 from infra.tracking import Tracker
 from infra.trainer import Trainer, find_resume_point
-from tasks.data import prepare_data, rows_from_dicts, source_fingerprint
+from tasks.data import prepare_data, source_fingerprint
 from tasks.progress import Progress, report
 from tasks.rl import checkpoint, evaluate, rollout, score, sft, store, update
 
@@ -97,8 +97,7 @@ def train(
     runs.mkdir(parents=True, exist_ok=True)
     name = run_name or cfg.tracking.run_name or cfg.name
     checkpoint_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else runs / "checkpoints" / name
-    rows = rows_from_dicts(prepare_data(cfg.data.train, cfg.data.model_dump(mode="json"),
-                                        source_fingerprint(cfg.data.train, cfg.data.data_root)))
+    rows = prepare_data(cfg.data.train, cfg.data, source_fingerprint(cfg.data.train, cfg.data.data_root))
     point = find_resume_point(checkpoint_dir, cfg, force=force_resume) if resume else None
     runtime = build_runtime(cfg, runs, name)
     trajectories = (TrajectoryStore.from_config(cfg.storage) if cfg.storage.trajectories_uri

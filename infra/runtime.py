@@ -49,6 +49,10 @@ __all__ = ["CheckpointError", "PolicyRuntime", "build_runtime", "checkpoint_conf
            "seed_everything"]
 
 
+GENERATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""``model.generation_dtype`` → the dtype of the engine's own weight copy."""
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -174,7 +178,7 @@ def _build_engine(cfg: ExperimentConfig, model: torch.nn.Module, tokenizer: obje
             log.warning("model.generation_dtype=%s ignored under DeepSpeed (partitioned weights): the engine shares "
                         "the training model", gen_dtype)
         return HFEngine(model, tokenizer, seed=cfg.seed, autocast_dtype=autocast_dtype(cfg.model.compute_dtype))
-    generation_model = copy.deepcopy(model).to(getattr(torch, gen_dtype)).eval()
+    generation_model = copy.deepcopy(model).to(GENERATION_DTYPES[gen_dtype]).eval()
     generation_model.requires_grad_(False)
     return HFEngine(generation_model, tokenizer, seed=cfg.seed)
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import asdict
-from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
+from aepo_core.config import DataConfig
 from infra.data.loaders import default_data_root, is_synthetic, load_dataset_rows, resolve_spec
 from infra.data.rows import QuestionRow
 from infra.data.synthetic import SyntheticTask
@@ -25,16 +24,10 @@ def source_fingerprint(spec: str, data_root: str | None) -> str:
 
 
 @task(name="prepare_data", cache_policy=INPUTS + TASK_SOURCE, persist_result=True, retries=1)
-def prepare_data(spec: str, data_config: dict[str, Any], fingerprint: str) -> list[dict[str, Any]]:
-    """Validated rows as plain dicts (bad rows fail or are skipped with a count, as configured)."""
-    from aepo_core.config import DataConfig
-
-    cfg = DataConfig.model_validate(data_config)
-    synthetic = SyntheticTask.from_config(cfg) if is_synthetic(spec) else None
-    rows = load_dataset_rows(spec, cfg.on_bad_row, data_root=cfg.data_root, synthetic=synthetic)
+def prepare_data(spec: str, data: DataConfig, fingerprint: str) -> list[QuestionRow]:
+    """Validated rows (bad rows fail or are skipped with a count, as ``data.on_bad_row`` says); the result is
+    cached on the inputs, so a re-run (or a resume) reads a large training file once."""
+    synthetic = SyntheticTask.from_config(data) if is_synthetic(spec) else None
+    rows = load_dataset_rows(spec, data.on_bad_row, data_root=data.data_root, synthetic=synthetic)
     get_run_logger().info("prepared %d rows from %s (fingerprint %s)", len(rows), spec, fingerprint)
-    return [asdict(r) for r in rows]
-
-
-def rows_from_dicts(rows: list[dict[str, Any]]) -> list[QuestionRow]:
-    return [QuestionRow(**{**r, "golds": tuple(r["golds"])}) for r in rows]
+    return rows

@@ -40,5 +40,5 @@ def report(logger: logging.Logger | logging.LoggerAdapter[Any], event: Progress,
 
 def progress_of(record: logging.LogRecord) -> Progress | None:
     """The event a log record carries, if any."""
-    event = getattr(record, FIELD, None)
+    event = record.__dict__.get(FIELD)  # logging puts `extra` into the record's attributes
     return event if isinstance(event, Progress) else None

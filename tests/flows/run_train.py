@@ -19,7 +19,7 @@ def main() -> None:
     from infra.config_files import load_config
 
     out = train(config=load_config(config, overrides), runs_dir=runs_dir, resume=resume)
-    Path(runs_dir, "result.json").write_text(json.dumps({k: out[k] for k in ("run_id", "steps")}))
+    Path(runs_dir, "result.json").write_text(json.dumps({"run_id": out.run_id, "steps": out.steps}))
 
 
 if __name__ == "__main__":

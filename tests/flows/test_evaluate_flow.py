@@ -19,6 +19,7 @@ TINY = REPO / "configs" / "tiny.yaml"
 FAST = ["eval.max_questions=2", "eval.n_samples=2", "eval.pass_k=2", "eval.top_p=1.0",
         "rollout.max_response_tokens=48", "rollout.max_segment_tokens=16", "tracking.system_metrics=false"]
 DS = "synthetic:test"
+KEY = "synthetic_test"  # the dataset's name in results, metrics, files and tables
 
 
 class JsonServer:
@@ -106,9 +107,9 @@ def test_eval_writes_per_question_parquet_mlflow_run_and_table(first_eval: tuple
     from infra.tracking import Tracker
 
     result, runs = first_eval
-    assert result["checkpoint"] == str(checkpoint) and result["checkpoint_step"] == 3
-    path = Path(result["files"][DS])
-    assert path == runs / "eval" / result["run_name"] / "synthetic_test.parquet"
+    assert result.checkpoint == str(checkpoint) and result.checkpoint_step == 3
+    path = Path(result.files[KEY])
+    assert path == runs / "eval" / result.run_name / "synthetic_test.parquet"
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no temporary leftovers
     table = pq.read_table(path)
     assert table.schema.equals(QUESTION_SCHEMA, check_metadata=False)
@@ -118,15 +119,15 @@ def test_eval_writes_per_question_parquet_mlflow_run_and_table(first_eval: tuple
         assert r["n"] == 2 and len(r["answers"]) == 2 and r["golds"] and r["question"]
         assert r["pass_at_1"] == r["correct"] / r["n"]
         assert r["judge_verdicts"] is None  # no judge configured
-    summary = result["summary"][DS]
+    summary = result.summary[KEY]
     assert summary["questions"] == 2 and 0.0 <= summary["pass@1_ci_low"] <= summary["pass@1"]
 
-    tracker = Tracker(result["tracking_uri"])
-    run = tracker.client.get_run(result["run_id"])
+    tracker = Tracker(result.tracking_uri)
+    run = tracker.client.get_run(result.run_id)
     assert run.info.status == "FINISHED" and run.data.tags["kind"] == "eval"
     assert run.data.tags["checkpoint_step"] == "3"
     assert "eval/synthetic_test/pass_at_1" in run.data.metrics
-    artifacts = {f.path for f in tracker.client.list_artifacts(result["run_id"], "eval")}
+    artifacts = {f.path for f in tracker.client.list_artifacts(result.run_id, "eval")}
     assert "eval/summary.json" in artifacts
 
 
@@ -146,7 +147,7 @@ def test_eval_table_artifact(checkpoint: Path, tmp_path: Path) -> None:
     tables = [a for a in arts if a.type == "table"]
     assert len(tables) == 1
     data = json.loads(tables[0].data) if isinstance(tables[0].data, str) else tables[0].data
-    assert {r["family"] for r in data} >= {"all"} and all(r["dataset"] == DS for r in data)
+    assert {r["family"] for r in data} >= {"all"} and all(r["dataset"] == KEY for r in data)
 
 
 def test_paired_comparison_with_itself_is_zero(first_eval: tuple[dict[str, Any], Path], checkpoint: Path) -> None:
@@ -155,10 +156,10 @@ def test_paired_comparison_with_itself_is_zero(first_eval: tuple[dict[str, Any],
 
     first, runs = first_eval
     again = evaluate(config=str(TINY), checkpoint=str(checkpoint), overrides=FAST, runs_dir=str(runs),
-                     compare_to=first["results_dir"])
-    cmp = again["compare"][DS]
+                     compare_to=first.results_dir)
+    cmp = again.compare[KEY]
     assert cmp["diff"] == 0.0 and cmp["ci_low"] <= 0.0 <= cmp["ci_high"] and cmp["questions"] == 2
-    metrics = Tracker(again["tracking_uri"]).client.get_run(again["run_id"]).data.metrics
+    metrics = Tracker(again.tracking_uri).client.get_run(again.run_id).data.metrics
     assert metrics["compare/synthetic_test/pass_at_1_diff"] == 0.0
 
 
@@ -210,12 +211,12 @@ def test_judge_verdicts_are_recorded(scripted_policy_server: tuple[JsonServer, d
     assert len(policy.requests) == 4  # 2 questions × 2 samples
     assert len(judge.requests) == 1 + 4  # one 503, retried
     assert {r["model"] for r in judge.requests} == {"fake-judge"}
-    rows = {r["question"]: r for r in pq.read_table(result["files"][DS]).to_pylist()}
+    rows = {r["question"]: r for r in pq.read_table(result.files[KEY]).to_pylist()}
     good, bad = list(answers)
     assert rows[good]["answers"] == [answers[good]] * 2 and rows[good]["judge_verdicts"] == ["correct"] * 2
     assert rows[good]["judge_raw"] == ["CORRECT"] * 2 and rows[good]["judge_pass_at_1"] == 1.0
     assert rows[bad]["judge_verdicts"] == ["incorrect"] * 2 and rows[bad]["judge_correct"] == 0
-    assert result["judge"][DS] == 0.5
+    assert result.judge[KEY] == 0.5
 
 
 def test_judge_client_verdicts_over_http() -> None:
@@ -233,3 +234,40 @@ def test_judge_client_verdicts_over_http() -> None:
         url = server.url
     down = LLMJudge(url, retries=0, timeout_s=2).judge("Q?", ["a"], "a")  # server closed
     assert down.verdict == "error" and not down.correct
+
+
+# `aepo eval` builds the policy runtime only: no training data read, no trainer, no training backend. Run in a
+# fresh process so that `sys.modules` shows what the command really imported.
+EVAL_ONLY = """
+import sys
+from flows.cli import app
+try:
+    app(sys.argv[1:], standalone_mode=False)
+finally:
+    print("DEEPSPEED_IMPORTED=" + str(any(m.split(".")[0] == "deepspeed" for m in sys.modules)))
+"""
+
+
+def test_aepo_eval_needs_no_training_data_and_never_imports_deepspeed(checkpoint: Path, tmp_path: Path,
+                                                                      model_cache: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from infra.config_files import load_config
+
+    cfg = load_config(TINY, [*FAST, "eval.max_questions=1", f"model.cache_dir={model_cache}",
+                             f"data.train={tmp_path / 'missing.parquet'}", "train.backend=deepspeed",
+                             f"eval.datasets=[{DS}]"])
+    config = tmp_path / "eval.yaml"
+    config.write_text(cfg.to_yaml())
+    runs = tmp_path / "runs"
+    env = {**os.environ, "AEPO_MODEL_CACHE": str(model_cache), "PYTHONPATH": str(REPO)}
+    env.pop("PREFECT_API_URL", None)
+    env.pop("PREFECT_HOME", None)  # the CLI sets its own under the runs dir
+    proc = subprocess.run([sys.executable, "-c", EVAL_ONLY, "eval", "--checkpoint", str(checkpoint), "-c", str(config),
+                           "--runs-dir", str(runs), "--run-name", "eval-only"], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "DEEPSPEED_IMPORTED=False" in proc.stdout, proc.stdout[-3000:]
+    assert (runs / "eval" / "eval-only" / f"{KEY}.parquet").is_file()

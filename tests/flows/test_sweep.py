@@ -23,11 +23,11 @@ def test_sweep_of_two_cells_nests_runs_and_compares(prefect_harness: Any, tmp_pa
 
     result = sweep(sweep_config=str(TINY_SWEEP), runs_dir=str(tmp_path))
 
-    tracker = Tracker(result["tracking_uri"])
-    parent = tracker.client.get_run(result["parent_run_id"])
+    tracker = Tracker(result.tracking_uri)
+    parent = tracker.client.get_run(result.parent_run_id)
     assert parent.info.run_name == "tiny-sweep" and parent.info.status == "FINISHED"
     assert parent.data.tags["kind"] == "sweep"
-    children = tracker.search_runs(filter_string=f"tags.mlflow.parentRunId = '{result['parent_run_id']}'")
+    children = tracker.search_runs(filter_string=f"tags.mlflow.parentRunId = '{result.parent_run_id}'")
     assert sorted(children["run_name"]) == ["tiny-sweep-aepo-s0", "tiny-sweep-grpo-s0"]
     assert set(children["status"]) == {"FINISHED"}
     assert sorted(children["tags.sweep_cell"]) == ["aepo", "grpo"]
@@ -39,13 +39,13 @@ def test_sweep_of_two_cells_nests_runs_and_compares(prefect_harness: Any, tmp_pa
     assert table["pass@1"].between(0, 1).all() and table["run_id"].isin(children["run_id"]).all()
     assert len(pd.read_csv(out / "summary.csv")) == 2
     assert (out / "comparison.png").stat().st_size > 1000
-    logged = {f.path for f in tracker.client.list_artifacts(result["parent_run_id"], "comparison")}
+    logged = {f.path for f in tracker.client.list_artifacts(result.parent_run_id, "comparison")}
     assert {"comparison/comparison.csv", "comparison/comparison.png", "comparison/comparison.md"} <= logged
 
     artifact = Artifact.get("sweep-tiny-sweep")
     assert artifact is not None and artifact.type == "markdown"
     assert "## Per run" in artifact.data
-    assert "| aepo |" in artifact.data and result["parent_run_id"] in artifact.data
+    assert "| aepo |" in artifact.data and result.parent_run_id in artifact.data
 
 
 def _write(tmp_path: Path, text: str) -> Path:
@@ -126,9 +126,9 @@ def test_a_shard_runs_its_share_under_its_own_parent(prefect_harness: Any, tmp_p
     from infra.tracking import Tracker
 
     result = sweep(sweep_config=str(TINY_SWEEP), runs_dir=str(tmp_path), shard="2/2")
-    assert result["name"] == "tiny-sweep-shard2of2"
-    children = Tracker(result["tracking_uri"]).search_runs(
-        filter_string=f"tags.mlflow.parentRunId = '{result['parent_run_id']}'")
+    assert result.name == "tiny-sweep-shard2of2"
+    children = Tracker(result.tracking_uri).search_runs(
+        filter_string=f"tags.mlflow.parentRunId = '{result.parent_run_id}'")
     assert list(children["run_name"]) == ["tiny-sweep-grpo-s0"]
-    assert [r["cell"] for r in result["runs"]] == ["grpo"]
+    assert [r["cell"] for r in result.runs] == ["grpo"]
     assert (tmp_path / "sweeps" / "tiny-sweep-shard2of2" / "comparison.csv").is_file()

@@ -44,30 +44,30 @@ def test_mlflow_run_has_params_metrics_and_artifacts(tiny_run):
     from mlflow.tracking import MlflowClient
 
     out, runs = tiny_run
-    assert out["tracking_uri"] == f"sqlite:///{runs}/mlflow.db"
-    client = MlflowClient(out["tracking_uri"])
-    run = client.get_run(out["run_id"])
+    assert out.tracking_uri == f"sqlite:///{runs}/mlflow.db"
+    client = MlflowClient(out.tracking_uri)
+    run = client.get_run(out.run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["rollout.k"] == "4" and run.data.params["algorithm.loss"] == "aepo"
     assert run.data.tags["algorithm"] == "aepo" and run.data.tags["mode"] == "aepo"
     for name in REQUIRED:
-        steps = [m.step for m in client.get_metric_history(out["run_id"], name)]
+        steps = [m.step for m in client.get_metric_history(out.run_id, name)]
         assert steps == [1, 2], name
-    tool_calls = [m.value for m in client.get_metric_history(out["run_id"], "rollout/tool_calls_mean")]
-    delta = client.get_metric_history(out["run_id"], "rollout/delta_h_mean")
+    tool_calls = [m.value for m in client.get_metric_history(out.run_id, "rollout/tool_calls_mean")]
+    delta = client.get_metric_history(out.run_id, "rollout/delta_h_mean")
     # ΔH only exists at tool steps: logged whenever a step had any (the tiny random model rarely calls tools).
     assert len(delta) == sum(1 for v in tool_calls if v > 0)
-    assert client.get_metric_history(out["run_id"], "eval/synthetic_test/pass_at_1")
-    artifacts = {a.path for a in client.list_artifacts(out["run_id"])}
+    assert client.get_metric_history(out.run_id, "eval/synthetic_test/pass_at_1")
+    artifacts = {a.path for a in client.list_artifacts(out.run_id)}
     assert "config.yaml" in artifacts
-    plots = {a.path for a in client.list_artifacts(out["run_id"], "plots")}
+    plots = {a.path for a in client.list_artifacts(out.run_id, "plots")}
     assert {"plots/curves.png", "plots/rollout_tree.png"} <= plots
     assert Path(runs, "mlartifacts").is_dir() and not Path("mlruns").exists()
 
 
 def test_parquet_store_has_both_tables_per_step(tiny_run):
     out, _runs = tiny_run
-    root = Path(out["trajectories"])
+    root = Path(out.trajectories)
     for table, schema in (("trajectories", TRAJECTORY_SCHEMA), ("nodes", NODE_SCHEMA)):
         ds = pads.dataset(root / table, format="parquet", partitioning="hive")
         t = ds.to_table()
@@ -75,7 +75,7 @@ def test_parquet_store_has_both_tables_per_step(tiny_run):
         for field in schema:
             assert field.name in t.schema.names, (table, field.name)
         for step in (1, 2):
-            parts = list((root / table / f"run_id={out['run_id']}" / f"step={step}").glob("*.parquet"))
+            parts = list((root / table / f"run_id={out.run_id}" / f"step={step}").glob("*.parquet"))
             assert len(parts) == 1
     traj = pads.dataset(root / "trajectories", format="parquet", partitioning="hive").to_table().to_pandas()
     assert len(traj) == 2 * 2 * 4  # steps × questions × k
@@ -84,9 +84,9 @@ def test_parquet_store_has_both_tables_per_step(tiny_run):
 
 def test_checkpoints_exist(tiny_run):
     out, _ = tiny_run
-    ckpts = sorted(p.name for p in Path(out["checkpoint_dir"]).iterdir() if p.name.startswith("step-"))
+    ckpts = sorted(p.name for p in Path(out.checkpoint_dir).iterdir() if p.name.startswith("step-"))
     assert ckpts == ["step-000001", "step-000002"]
-    assert (Path(out["checkpoint_dir"]) / "step-000002" / "model.safetensors").exists()
+    assert (Path(out.checkpoint_dir) / "step-000002" / "model.safetensors").exists()
 
 
 def test_prefect_api_shows_the_completed_runs(tiny_run):
@@ -100,7 +100,7 @@ def test_prefect_api_shows_the_completed_runs(tiny_run):
             flows = await client.read_flow_runs()
             done = [f for f in flows if f.state and f.state.is_completed()]
             # The train flow run of the fixture: the completed run whose parameters name its runs dir.
-            mine = [f for f in done if f.parameters.get("runs_dir") == out["runs_dir"]]
+            mine = [f for f in done if f.parameters.get("runs_dir") == out.runs_dir]
             tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [mine[0].id]}))
             return mine, tasks
 
@@ -113,23 +113,23 @@ def test_prefect_api_shows_the_completed_runs(tiny_run):
 
 
 def test_transient_rollout_failure_is_retried(prefect_harness, tmp_path, monkeypatch):
-    from infra.experiment import Experiment
-
     from flows.train import train
+    from infra.runtime import PolicyRuntime
 
-    original = Experiment.rollout
+    original = PolicyRuntime.sample
     calls = {"n": 0}
 
-    def flaky(self, rows, step):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise ConnectionError("injected transient failure")
-        return original(self, rows, step)
+    def flaky(self, rows, rollout, seed, sampling=None):
+        if rollout is self.cfg.rollout:  # the training rollout, not an evaluation's
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise ConnectionError("injected transient failure")
+        return original(self, rows, rollout, seed, sampling)
 
-    monkeypatch.setattr(Experiment, "rollout", flaky)
+    monkeypatch.setattr(PolicyRuntime, "sample", flaky)
     out = train(config=load_config(TINY, ["train.steps=1", "eval.every=0", "eval.max_questions=1",
                                           "tracking.log_model=false"]), runs_dir=str(tmp_path))
-    assert out["steps"] == 1 and calls["n"] == 2
+    assert out.steps == 1 and calls["n"] == 2
 
 
 # A random tiny policy never stops or answers: every reward is the same, every advantage 0, and a resume that

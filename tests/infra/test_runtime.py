@@ -1,0 +1,63 @@
+"""The policy runtime and the trainer: the engine's own low-precision weight copy follows every weight change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from infra.config_files import load_config
+from infra.runtime import PolicyRuntime, build_runtime
+from infra.trainer import Trainer, find_resume_point
+from infra.training.sft import run_sft
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _copy_matches(runtime: PolicyRuntime) -> bool:
+    gen = runtime.engine.model  # type: ignore[attr-defined]
+    return all(torch.equal(g, p.to(g.dtype)) for g, p in zip(gen.state_dict().values(),
+                                                              runtime.model.state_dict().values(), strict=True))
+
+
+def test_bf16_generation_copy_is_refreshed_after_sft_update_and_resume(model_cache: Path, tmp_path: Path) -> None:
+    cfg = load_config(REPO / "configs" / "tiny.yaml", [
+        f"model.cache_dir={model_cache}", "model.generation_dtype=bfloat16", "train.sft.enabled=true",
+        "train.sft.max_examples=4", "train.sft.lr=1e-2", "optim.lr=1e-2"])
+    runtime = build_runtime(cfg, tmp_path)
+    gen = runtime.engine.model  # type: ignore[attr-defined]
+    assert gen is not runtime.model and gen.dtype == torch.bfloat16 and runtime.model.dtype == torch.float32
+    assert _copy_matches(runtime)
+    before = {k: v.clone() for k, v in gen.state_dict().items()}
+    rows = runtime.load_rows(cfg.data.train)
+
+    run_sft(runtime, rows)
+    assert _copy_matches(runtime) and any(not torch.equal(before[k], v) for k, v in gen.state_dict().items())
+
+    trainer = Trainer(runtime, rows, checkpoint_dir=tmp_path / "ckpt", run_id="run-1")
+    batch = trainer.next_batch()
+    result = runtime.sample(batch, cfg.rollout, seed=0)
+    assert all(n.token_ids for t in result.trees for n in t.nodes)
+    trainer.update(result, runtime.score(result, batch))
+    assert trainer.step == 1 and _copy_matches(runtime)
+    saved = trainer.save()
+    assert saved.is_dir()
+
+    for p in runtime.model.parameters():  # scribble over the live weights; resume must bring both back
+        torch.nn.init.normal_(p.data)
+    point = find_resume_point(tmp_path / "ckpt", cfg)
+    assert point is not None and point.run_id == "run-1" and point.step == 1
+    assert trainer.resume(point) == 1
+    assert _copy_matches(runtime)
+
+
+def test_prompt_is_built_once_per_question(model_cache: Path, tmp_path: Path) -> None:
+    """The one rollout prompt: system prompt + question through the chat template, cached per question."""
+    from aepo_core.protocol import SYSTEM_PROMPT
+
+    runtime = build_runtime(load_config(REPO / "configs" / "tiny.yaml", [f"model.cache_dir={model_cache}"]),
+                            tmp_path)
+    ids = runtime.prompt_ids("What is 2+2?")
+    assert runtime.prompt_ids("What is 2+2?") is ids
+    text = runtime.tokenizer.decode(ids)  # type: ignore[attr-defined]
+    assert SYSTEM_PROMPT in text and text.index(SYSTEM_PROMPT) < text.index("What is 2+2?")
