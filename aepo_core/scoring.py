@@ -1,9 +1,9 @@
 """Scoring a step's rollout trees: rewards per leaf, then group advantages (AEPO.md §5, §7).
 
-Fills ``Leaf.reward``, ``reward_reason`` and ``advantage`` in place and returns the step's rollout metrics.
-A group is all leaves of one question.  With DAPO dynamic sampling, groups whose rewards are all equal carry
-no learning signal; their questions are returned so the update can leave them out (no refill here: the
-rollout budget of the step is fixed).
+:func:`score_trees` leaves the trees as they are and returns a :class:`StepScores`: one :class:`LeafScore` per
+leaf, aligned with the trees, and the step's rollout metrics.  A group is all leaves of one question.  With DAPO
+dynamic sampling, groups whose rewards are all equal carry no learning signal; their questions are returned so
+the update can leave them out (:meth:`StepScores.kept`; no refill here: the rollout budget of the step is fixed).
 """
 
 from __future__ import annotations
@@ -24,9 +24,45 @@ NOTICE_EVENTS = frozenset({"limit", "invalid"})
 
 
 @dataclass(frozen=True)
-class ScoreSummary:
+class LeafScore:
+    """The score of one leaf (trajectory) of a rollout tree."""
+
+    reward: float  # shaped reward: the reward function's score plus the soft overlong penalty (if enabled)
+    reason: str  # the reward function's reason (``correct``, ``wrong``, …)
+    advantage: float  # trajectory-level advantage of the leaf within its group (its question's leaves)
+
+
+@dataclass(frozen=True)
+class StepScores:
+    """What scoring one step's trees yields; the trees themselves are not changed."""
+
+    # [tree index][leaf index]: the score of each leaf, aligned with the trees scored (and their leaves' order).
+    leaves: tuple[tuple[LeafScore, ...], ...]
+    # The step's ``rollout/...`` metrics (reward mean/std, accuracy, format errors, advantages, groups).
     metrics: dict[str, float]
+    # DAPO dynamic sampling: questions whose groups carry no learning signal, to leave out of the update
+    # (always empty when dynamic sampling is off).
     uninformative_questions: frozenset[str]
+
+    def kept(self, trees: Sequence[RolloutTree]) -> tuple[list[RolloutTree], list[tuple[LeafScore, ...]]]:
+        """The trees (and their scores) that go into the update: uninformative groups dropped.
+
+        ``trees`` are the trees these scores were computed from, in the same order.
+        """
+        check_aligned(trees, self.leaves)
+        pairs = [(t, s) for t, s in zip(trees, self.leaves, strict=True)
+                 if t.question_id not in self.uninformative_questions]
+        return [t for t, _ in pairs], [s for _, s in pairs]
+
+
+def check_aligned(trees: Sequence[RolloutTree], scores: Sequence[Sequence[LeafScore]]) -> None:
+    """Raise ``ValueError`` unless ``scores`` holds one sequence per tree and one score per leaf of that tree."""
+    if len(scores) != len(trees):
+        raise ValueError(f"scores for {len(scores)} trees, but {len(trees)} trees given")
+    for ti, (tree, tree_scores) in enumerate(zip(trees, scores, strict=True)):
+        if len(tree_scores) != len(tree.leaves):
+            raise ValueError(f"trees[{ti}] (question {tree.question_id}) has {len(tree.leaves)} leaves but "
+                             f"{len(tree_scores)} scores")
 
 
 def score_trees(
@@ -35,8 +71,10 @@ def score_trees(
     reward_fn: RewardFn,
     alg: AlgorithmConfig,
     max_response_tokens: int,
-) -> ScoreSummary:
+) -> StepScores:
+    """Reward every leaf, then compute group advantages and the step's metrics (the trees are not modified)."""
     rewards: list[float] = []
+    reasons: list[str] = []
     groups: list[int] = []
     correct: list[float] = []
     format_errors: list[float] = []
@@ -51,8 +89,8 @@ def score_trees(
                 length = torch.tensor([len(tree.response_ids(leaf))])
                 score += float(soft_overlong_penalty(length, max_response_tokens, alg.overlong_buffer,
                                                      alg.overlong_penalty)[0])
-            leaf.reward, leaf.reward_reason = score, res.reason
             rewards.append(score)
+            reasons.append(res.reason)
             groups.append(gi)
             format_errors.append(1.0 - float(res.details.get("format_ok", 1.0)))
             correct.append(float(res.details.get("em", 1.0 if res.reason in ("correct", "equivalent") else 0.0)))
@@ -61,13 +99,16 @@ def score_trees(
     adv = compute_advantages(alg.advantage, r, g, alg.adv_eps) if rewards else r
     keep = informative_groups(r, g) if rewards else torch.zeros(0, dtype=torch.bool)
     uninformative: set[str] = set()
+    leaves: list[tuple[LeafScore, ...]] = []
     i = 0
     for tree in trees:
-        for leaf in tree.leaves:
-            leaf.advantage = float(adv[i])
+        tree_scores = []
+        for _ in tree.leaves:
+            tree_scores.append(LeafScore(rewards[i], reasons[i], float(adv[i])))
             if alg.dynamic_sampling and not bool(keep[i]):
                 uninformative.add(tree.question_id)
             i += 1
+        leaves.append(tuple(tree_scores))
     n = max(1, len(rewards))
     metrics = {
         "rollout/reward_mean": sum(rewards) / n,
@@ -78,7 +119,7 @@ def score_trees(
         "rollout/informative_groups": float(sum(1 for t in trees if t.question_id not in uninformative))
         if alg.dynamic_sampling else float(len(trees)),
         "rollout/questions_all_correct": float(
-            sum(1 for t in trees if all(not math.isnan(lf.reward) and lf.reward >= 1.0 for lf in t.leaves))
+            sum(1 for ts in leaves if all(not math.isnan(s.reward) and s.reward >= 1.0 for s in ts))
         ),
     }
-    return ScoreSummary(metrics, frozenset(uninformative))
+    return StepScores(tuple(leaves), metrics, frozenset(uninformative))

@@ -21,6 +21,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from aepo_core.rollout.tree import Node, RolloutTree
+from aepo_core.scoring import LeafScore, check_aligned
 
 log = logging.getLogger(__name__)
 
@@ -150,10 +151,16 @@ def _node_label(n: Node) -> str:
     return "\n".join(lines)
 
 
-def rollout_tree_figure(tree: RolloutTree, title: str | None = None) -> Figure:
-    """One question's tree: boxes coloured by kind, branched steps outlined red, forks dashed, leaves labelled."""
+def rollout_tree_figure(tree: RolloutTree, title: str | None = None,
+                        scores: Sequence[LeafScore] | None = None) -> Figure:
+    """One question's tree: boxes coloured by kind, branched steps outlined red, forks dashed, leaves labelled.
+
+    ``scores`` (one per leaf, in leaf order) add each leaf's reward to its label; without them it shows ``r=–``.
+    """
     if not tree.nodes:
         raise ValueError(f"question {tree.question_id}: the tree has no nodes")
+    if scores is not None:
+        check_aligned([tree], [scores])
     pos = _layout(tree)
     max_depth = max(x for x, _ in pos.values())
     rows = max(y for _, y in pos.values()) + 1
@@ -177,11 +184,11 @@ def rollout_tree_figure(tree: RolloutTree, title: str | None = None) -> Figure:
             edge, lw, ls = BRANCH_EDGE, 1.4, "dashed"
         ax.text(x, y, _node_label(n), ha="center", va="center", fontsize=6.5, zorder=3,
                 bbox={"boxstyle": "round,pad=0.35", "fc": colour, "ec": edge, "lw": lw, "ls": ls})
-    for leaf in tree.leaves:
+    for j, leaf in enumerate(tree.leaves):
         if not leaf.node_ids or leaf.node_ids[-1] not in pos:
             continue
         x, y = pos[leaf.node_ids[-1]]
-        reward = f"r={leaf.reward:.2f}" if math.isfinite(leaf.reward) else "r=–"
+        reward = f"r={scores[j].reward:.2f}" if scores is not None and math.isfinite(scores[j].reward) else "r=–"
         ax.text(x + 0.45, y, f"leaf {leaf.leaf_id} ({leaf.sample_kind}) · {leaf.status} · {reward}", ha="left",
                 va="center", fontsize=7, color="#1a7f37" if leaf.status == "answered" else BRANCH_EDGE, zorder=3)
     ax.set_xlim(-0.7, max_depth + 2.6)
@@ -199,8 +206,10 @@ def rollout_tree_figure(tree: RolloutTree, title: str | None = None) -> Figure:
     return fig
 
 
-def plot_rollout_tree(tree: RolloutTree, path: str | os.PathLike[str], title: str | None = None) -> Path:
-    """Draw one question's rollout tree as a PNG at ``path``; returns the path."""
-    out = save_png(rollout_tree_figure(tree, title), path)
+def plot_rollout_tree(tree: RolloutTree, path: str | os.PathLike[str], title: str | None = None,
+                      scores: Sequence[LeafScore] | None = None) -> Path:
+    """Draw one question's rollout tree (with its leaves' ``scores``, if given) as a PNG at ``path``; returns
+    the path."""
+    out = save_png(rollout_tree_figure(tree, title, scores), path)
     log.debug("wrote rollout tree of %s (%d nodes) to %s", tree.question_id, len(tree.nodes), out)
     return out

@@ -19,8 +19,8 @@ Why these choices:
   shows a partial part.
 - ``nodes`` is written before ``trajectories``: a step is complete when its trajectories part exists, which is
   what :meth:`TrajectoryStore.steps` lists.
-- Scalar floats that are NaN in the trees (not yet scored, not measured) are stored as nulls, so SQL
-  aggregates skip them; token-level arrays are stored as they are.
+- Scalar floats that are NaN (not measured) or absent (a step written without its scores) are stored as
+  nulls, so SQL aggregates skip them; token-level arrays are stored as they are.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from aepo_core.config import StorageConfig
 from aepo_core.rollout.tree import RolloutTree
+from aepo_core.scoring import LeafScore, check_aligned
 
 log = logging.getLogger(__name__)
 
@@ -195,8 +196,13 @@ def check_step(step: object) -> int:
     return step
 
 
-def trees_to_tables(run_id: str, step: int, trees: Sequence[RolloutTree]) -> dict[TableName, pa.Table]:
-    """Flatten rollout trees into the two tables (pure: no I/O), validating the trees on the way."""
+def trees_to_tables(run_id: str, step: int, trees: Sequence[RolloutTree],
+                    scores: Sequence[Sequence[LeafScore]] | None = None) -> dict[TableName, pa.Table]:
+    """Flatten rollout trees into the two tables (pure: no I/O), validating the trees on the way.
+
+    ``scores[i][j]`` is the score of leaf ``j`` of ``trees[i]`` (``StepScores.leaves``); without scores the
+    ``reward`` and ``advantage`` columns are null and ``reward_reason`` is empty.
+    """
     check_run_id(run_id)
     check_step(step)
     if isinstance(trees, RolloutTree) or not isinstance(trees, Sequence):
@@ -208,8 +214,14 @@ def trees_to_tables(run_id: str, step: int, trees: Sequence[RolloutTree]) -> dic
             raise StoreError(f"trees[{ti}] is a {type(tree).__name__}, not a RolloutTree")
         if not isinstance(tree.question_id, str):
             raise StoreError(f"trees[{ti}].question_id must be a string; got {tree.question_id!r}")
+    if scores is not None:
+        try:
+            check_aligned(trees, scores)
+        except ValueError as exc:
+            raise StoreError(f"run {run_id} step {step}: {exc}") from exc
+    for ti, tree in enumerate(trees):
         _add_nodes(nodes, run_id, step, tree)
-        _add_leaves(traj, run_id, step, tree)
+        _add_leaves(traj, run_id, step, tree, None if scores is None else scores[ti])
     try:
         return {
             "trajectories": pa.Table.from_pydict(traj, schema=TRAJECTORY_SCHEMA),
@@ -241,9 +253,10 @@ def _add_nodes(cols: dict[str, list[Any]], run_id: str, step: int, tree: Rollout
             cols[k].append(v)
 
 
-def _add_leaves(cols: dict[str, list[Any]], run_id: str, step: int, tree: RolloutTree) -> None:
+def _add_leaves(cols: dict[str, list[Any]], run_id: str, step: int, tree: RolloutTree,
+                scores: Sequence[LeafScore] | None) -> None:
     n_nodes = len(tree.nodes)
-    for leaf in tree.leaves:
+    for j, leaf in enumerate(tree.leaves):
         where = f"question {tree.question_id} leaf {leaf.leaf_id}"
         bad = [i for i in leaf.node_ids if not isinstance(i, int) or not 0 <= i < n_nodes]
         if bad:
@@ -256,12 +269,14 @@ def _add_leaves(cols: dict[str, list[Any]], run_id: str, step: int, tree: Rollou
                 f"logprobs {len(lps)}, entropies {len(ents)}): a model node's logprobs/entropies are incomplete"
             )
         events = tree.tool_events(leaf)
+        score = None if scores is None else scores[j]
+        reward, reason, advantage = (score.reward, score.reason, score.advantage) if score else (None, "", None)
         row = {
             "run_id": run_id, "step": step, "question_id": tree.question_id, "leaf_id": leaf.leaf_id,
             "sample_kind": leaf.sample_kind, "path": list(leaf.node_ids), "prompt_tokens": list(tree.prompt_ids),
             "response_tokens": ids, "loss_mask": mask, "logprobs": lps, "entropies": ents,
-            "reward": _null_nan(leaf.reward), "reward_reason": leaf.reward_reason,
-            "advantage": _null_nan(leaf.advantage), "status": leaf.status, "num_tool_calls": len(events),
+            "reward": _null_nan(reward), "reward_reason": reason,
+            "advantage": _null_nan(advantage), "status": leaf.status, "num_tool_calls": len(events),
             "tool_names": [e.name for e in events], "tool_errors": sum(not e.ok for e in events),
             "branch_steps": leaf.branch_steps, "wall_ms": leaf.wall_s * 1000.0, "response_text": tree.text(leaf),
             "global_budget": tree.global_budget, "h_root": _null_nan(tree.h_root), "h_tool": _null_nan(tree.h_tool),
@@ -322,9 +337,11 @@ class TrajectoryStore:
 
     # ---- writing -----------------------------------------------------------------------------------------
 
-    def write_step(self, run_id: str, step: int, trees: Sequence[RolloutTree]) -> list[str]:
-        """Write (or replace) one step's trees; returns the written part paths (nodes, then trajectories)."""
-        tables = trees_to_tables(run_id, step, trees)
+    def write_step(self, run_id: str, step: int, trees: Sequence[RolloutTree],
+                   scores: Sequence[Sequence[LeafScore]] | None = None) -> list[str]:
+        """Write (or replace) one step's trees and, when given, their leaves' scores (aligned with ``trees``);
+        returns the written part paths (nodes, then trajectories)."""
+        tables = trees_to_tables(run_id, step, trees, scores)
         written = []
         for name in ("nodes", "trajectories"):  # trajectories last: its part marks the step complete
             path = self.part_path(name, run_id, step)

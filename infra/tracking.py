@@ -36,6 +36,7 @@ from mlflow.tracking import MlflowClient
 
 from aepo_core.config import ExperimentConfig
 from aepo_core.rollout.tree import RolloutTree
+from aepo_core.scoring import LeafScore, check_aligned
 
 log = logging.getLogger(__name__)
 
@@ -404,21 +405,25 @@ class Tracker:
     def list_artifacts(self, path: str | None = None) -> list[str]:
         return [f.path for f in self.client.list_artifacts(self.run_id, path)]
 
-    def log_trajectory_sample(self, trees: Sequence[RolloutTree], max_rows: int = 16, step: int | None = None,
-                              questions: Mapping[str, str] | None = None,
+    def log_trajectory_sample(self, trees: Sequence[RolloutTree], scores: Sequence[Sequence[LeafScore]] | None, *,
+                              max_rows: int = 16, step: int | None = None, questions: Mapping[str, str] | None = None,
                               artifact_file: str | None = None) -> pd.DataFrame:
         """A sample of trajectories as an MLflow table (one per question first, then round-robin).
 
-        ``questions`` maps question ids to their text (trees hold token ids only). Returns the logged frame.
+        ``scores[i][j]`` is the score of leaf ``j`` of ``trees[i]`` (``StepScores.leaves``; None: reward and
+        advantage left empty). ``questions`` maps question ids to their text (trees hold token ids only).
+        Returns the logged frame.
         """
         if max_rows < 1:
             raise ValueError(f"max_rows must be ≥ 1; got {max_rows}")
+        if scores is not None:
+            check_aligned(trees, scores)
         rows: list[dict[str, Any]] = []
         depth = max((len(t.leaves) for t in trees), default=0)
         for j in range(depth):
-            for t in trees:
+            for ti, t in enumerate(trees):
                 if j < len(t.leaves) and len(rows) < max_rows:
-                    rows.append(_sample_row(t, j, step, questions))
+                    rows.append(_sample_row(t, j, None if scores is None else scores[ti][j], step, questions))
         df = pd.DataFrame(rows, columns=list(_SAMPLE_COLUMNS))
         name = artifact_file or (f"trajectories/step_{step:06d}.json" if step is not None
                                  else "trajectories/sample.json")
@@ -509,16 +514,18 @@ _SAMPLE_COLUMNS = ("step", "question_id", "question", "leaf_id", "sample_kind", 
                    "num_tool_calls", "tools", "response")
 
 
-def _finite_or_none(x: float) -> float | None:
-    return x if math.isfinite(x) else None
+def _finite_or_none(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
 
 
-def _sample_row(tree: RolloutTree, j: int, step: int | None, questions: Mapping[str, str] | None) -> dict[str, Any]:
+def _sample_row(tree: RolloutTree, j: int, score: LeafScore | None, step: int | None,
+                questions: Mapping[str, str] | None) -> dict[str, Any]:
     leaf = tree.leaves[j]
     events = tree.tool_events(leaf)
     return {"step": step, "question_id": tree.question_id, "question": (questions or {}).get(tree.question_id, ""),
             "leaf_id": leaf.leaf_id, "sample_kind": leaf.sample_kind, "status": leaf.status,
-            "reward": _finite_or_none(leaf.reward), "advantage": _finite_or_none(leaf.advantage),
+            "reward": _finite_or_none(score.reward if score else None),
+            "advantage": _finite_or_none(score.advantage if score else None),
             "num_tool_calls": len(events), "tools": ",".join(e.name for e in events), "response": tree.text(leaf)}
 
 

@@ -61,16 +61,17 @@ class Node:
 
 @dataclass
 class Leaf:
+    """A finished trajectory: the path of node ids from the prompt to its last segment.
+
+    Its reward and advantage are not stored here: scoring returns them (:class:`aepo_core.scoring.LeafScore`).
+    """
+
     leaf_id: int
     node_ids: list[int]
     sample_kind: SampleKind
     status: LeafStatus
     branch_steps: int  # tool steps on this path (ancestors included) at which a branch was created
     wall_s: float = 0.0
-    # Filled in by scoring (after the rollout): reward, its reason, and the trajectory-level advantage.
-    reward: float = math.nan
-    reward_reason: str = ""
-    advantage: float = math.nan
 
 
 @dataclass

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from aepo_core.rollout.tree import RolloutTree
+from aepo_core.scoring import LeafScore, check_aligned
 
 
 @dataclass(frozen=True)
@@ -33,13 +34,17 @@ class TrainSample:
         return len(self.input_ids) - self.prompt_len
 
 
-def samples_from_trees(trees: Sequence[RolloutTree]) -> list[TrainSample]:
-    """One sample per leaf with a finite advantage and at least one model token."""
+def samples_from_trees(trees: Sequence[RolloutTree], scores: Sequence[Sequence[LeafScore]]) -> list[TrainSample]:
+    """One sample per leaf with a finite advantage and at least one model token.
+
+    ``scores[i][j]`` is the score of leaf ``j`` of ``trees[i]`` (see :meth:`aepo_core.scoring.StepScores.kept`).
+    """
+    check_aligned(trees, scores)
     out = []
-    for gi, tree in enumerate(trees):
-        for leaf in tree.leaves:
-            if math.isnan(leaf.advantage):
-                raise ValueError(f"question {tree.question_id} leaf {leaf.leaf_id} has no advantage (score first)")
+    for gi, (tree, tree_scores) in enumerate(zip(trees, scores, strict=True)):
+        for leaf, score in zip(tree.leaves, tree_scores, strict=True):
+            if math.isnan(score.advantage):
+                raise ValueError(f"question {tree.question_id} leaf {leaf.leaf_id} has a NaN advantage")
             mask = tree.loss_mask(leaf)
             if not any(mask):
                 continue
@@ -49,7 +54,7 @@ def samples_from_trees(trees: Sequence[RolloutTree]) -> list[TrainSample]:
                     prompt_len=len(tree.prompt_ids),
                     loss_mask=mask,
                     rollout_logprobs=tree.logprobs(leaf),
-                    advantage=float(leaf.advantage),
+                    advantage=float(score.advantage),
                     group=gi,
                     rollout_entropies=None
                     if any(n.entropy_is_estimate for n in tree.path(leaf) if n.kind == "model")

@@ -17,6 +17,7 @@ import infra.plots as plots
 from aepo_core.config import RolloutConfig
 from aepo_core.rollout.scheduler import Question, RolloutScheduler
 from aepo_core.rollout.tree import RolloutTree
+from aepo_core.scoring import LeafScore
 from infra.plots import metric_group, plot_curves, plot_rollout_tree
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -29,10 +30,12 @@ def make_tree() -> RolloutTree:
     engine = ScriptedEngine(tool_then_answer(calls=2, h_first=1.0, h_after_tool=4.0))
     res = RolloutScheduler(engine, {"search": EchoSearch(fail={"q1"})}, cfg).run(
         [Question("q0", [ord(c) for c in "Q: what is x?\n"])], seed=0)
-    tree = res.trees[0]
-    for j, leaf in enumerate(tree.leaves[:-1]):
-        leaf.reward = 0.5 * j
-    return tree
+    return res.trees[0]
+
+
+def make_scores(tree: RolloutTree) -> list[LeafScore]:
+    """Rewards 0, 0.5, … per leaf; the last leaf's is NaN (drawn as ``r=–``)."""
+    return [LeafScore(0.5 * j, "f1", 0.0) for j in range(len(tree.leaves) - 1)] + [LeafScore(math.nan, "", 0.0)]
 
 
 def assert_png(path: Path, min_size: tuple[int, int] = (200, 100)) -> None:
@@ -72,12 +75,16 @@ def test_curves_png_groups_metrics(tmp_path: Path) -> None:
 def test_rollout_tree_png(tmp_path: Path) -> None:
     tree = make_tree()
     assert any(n.branched for n in tree.nodes) and any(n.tool and not n.tool.ok for n in tree.nodes)
-    out = plot_rollout_tree(tree, tmp_path / "tree.png")
+    out = plot_rollout_tree(tree, tmp_path / "tree.png", scores=make_scores(tree))
     assert_png(out, (600, 200))
-    fig = plots.rollout_tree_figure(tree)
+    fig = plots.rollout_tree_figure(tree, scores=make_scores(tree))
     texts = [t.get_text() for t in fig.axes[0].texts]
     assert sum(t.startswith("leaf ") for t in texts) == len(tree.leaves)
     assert any("answered · r=0.50" in t for t in texts) and any(t.endswith("r=–") for t in texts)
+    unscored = [t.get_text() for t in plots.rollout_tree_figure(tree).axes[0].texts if t.get_text().startswith("leaf")]
+    assert len(unscored) == len(tree.leaves) and all(t.endswith("r=–") for t in unscored)
+    with pytest.raises(ValueError, match="has 4 leaves but 3 scores"):
+        plots.rollout_tree_figure(tree, scores=make_scores(tree)[:3])
     assert any("branch" in t for t in texts) and any("search FAIL" in t for t in texts)
     branched_boxes = [t for t in fig.axes[0].texts if t.get_bbox_patch() is not None
                       and t.get_bbox_patch().get_linewidth() > 2]

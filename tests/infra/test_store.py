@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,22 +20,24 @@ import infra.store as store_mod
 from aepo_core.config import RolloutConfig, StorageConfig
 from aepo_core.rollout.scheduler import Question, RolloutScheduler
 from aepo_core.rollout.tree import RolloutTree
+from aepo_core.scoring import LeafScore
 from infra.store import NODE_SCHEMA, TRAJECTORY_SCHEMA, StoreError, TrajectoryStore
 
 
-def make_trees(n_questions: int = 3, seed: int = 0, scored: bool = True) -> list[RolloutTree]:
+def make_trees(n_questions: int = 3, seed: int = 0) -> list[RolloutTree]:
     """Real trees from the scheduler: a probe that branches, penalized steps, fills, a failing tool."""
     cfg = RolloutConfig(mode="aepo", premonitor=True, beta=0.5, k=4, initial_rollouts=2, beam_size=2, gamma=0.2,
                         tau=0.5, branch_penalty=0.7, entropy_window=20, max_tool_calls=6, max_response_tokens=2000)
     engine = ScriptedEngine(tool_then_answer(calls=2, h_first=1.0, h_after_tool=4.0))
     sched = RolloutScheduler(engine, {"search": EchoSearch(fail={"q1"})}, cfg)
     qs = [Question(f"q{i}", [ord(c) for c in f"Q{i}: what is x?\n"]) for i in range(n_questions)]
-    trees = sched.run(qs, seed=seed).trees
-    if scored:
-        for t in trees:
-            for j, leaf in enumerate(t.leaves[:-1]):  # the last leaf stays unscored (NaN → null)
-                leaf.reward, leaf.reward_reason, leaf.advantage = 0.25 * j, f"f1={0.25 * j}", 0.5 - 0.25 * j
-    return trees
+    return sched.run(qs, seed=seed).trees
+
+
+def make_scores(trees: list[RolloutTree]) -> list[list[LeafScore]]:
+    """Scores aligned with the trees; each tree's last leaf has NaN reward and advantage (stored as null)."""
+    return [[LeafScore(0.25 * j, f"f1={0.25 * j}", 0.5 - 0.25 * j) for j in range(len(t.leaves) - 1)]
+            + [LeafScore(math.nan, "", math.nan)] for t in trees]
 
 
 @pytest.fixture(scope="module")
@@ -42,24 +45,31 @@ def trees() -> list[RolloutTree]:
     return make_trees()
 
 
-def check_round_trip(store: TrajectoryStore, run_id: str, step: int, trees: list[RolloutTree]) -> None:
-    """Every stored value equals the trees' own arrays and fields."""
+@pytest.fixture(scope="module")
+def scores(trees: list[RolloutTree]) -> list[list[LeafScore]]:
+    return make_scores(trees)
+
+
+def check_round_trip(store: TrajectoryStore, run_id: str, step: int, trees: list[RolloutTree],
+                     scores: list[list[LeafScore]] | None) -> None:
+    """Every stored value equals the trees' own arrays and fields, and the scores (null / "" without them)."""
     df = store.read_trajectories(run_id=run_id, step=step)
     assert len(df) == sum(len(t.leaves) for t in trees)
     rows = {(r.question_id, r.leaf_id): r for r in df.itertuples()}
-    for t in trees:
-        for leaf in t.leaves:
+    for ti, t in enumerate(trees):
+        for j, leaf in enumerate(t.leaves):
+            score = scores[ti][j] if scores is not None else LeafScore(math.nan, "", math.nan)
             r = rows[(t.question_id, leaf.leaf_id)]
             assert r.run_id == run_id and r.step == step and r.sample_kind == leaf.sample_kind
             assert list(r.path) == leaf.node_ids and list(r.prompt_tokens) == t.prompt_ids
             assert list(r.response_tokens) == t.response_ids(leaf) and list(r.loss_mask) == t.loss_mask(leaf)
             np.testing.assert_allclose(r.logprobs, t.logprobs(leaf), rtol=1e-6)
             np.testing.assert_allclose(r.entropies, t.entropies(leaf), rtol=1e-6)
-            if math.isnan(leaf.reward):
+            if math.isnan(score.reward):
                 assert pd_isnull(r.reward) and pd_isnull(r.advantage)
             else:
-                assert r.reward == leaf.reward and r.advantage == leaf.advantage
-            assert r.reward_reason == leaf.reward_reason and r.status == leaf.status
+                assert r.reward == score.reward and r.advantage == score.advantage
+            assert r.reward_reason == score.reason and r.status == leaf.status
             events = t.tool_events(leaf)
             assert r.num_tool_calls == len(events) and list(r.tool_names) == [e.name for e in events]
             assert r.tool_errors == sum(not e.ok for e in events) and r.tool_errors > 0
@@ -95,9 +105,10 @@ def pd_isnull(x: object) -> bool:
     return x is None or (isinstance(x, float) and math.isnan(x))
 
 
-def test_local_round_trip_schemas_filters_and_plain_readers(tmp_path: Path, trees: list[RolloutTree]) -> None:
+def test_local_round_trip_schemas_filters_and_plain_readers(tmp_path: Path, trees: list[RolloutTree],
+                                                            scores: list[list[LeafScore]]) -> None:
     store = TrajectoryStore(tmp_path / "traj")
-    paths = store.write_step("run-a", 0, trees)
+    paths = store.write_step("run-a", 0, trees, scores)
     assert [Path(p).relative_to(tmp_path / "traj").as_posix() for p in paths] == [
         "nodes/run_id=run-a/step=0/part-00000.parquet", "trajectories/run_id=run-a/step=0/part-00000.parquet"]
     store.write_step("run-a", 1, trees[:2])
@@ -108,7 +119,8 @@ def test_local_round_trip_schemas_filters_and_plain_readers(tmp_path: Path, tree
     assert pq.ParquetFile(paths[1]).metadata.row_group(0).column(0).compression == "ZSTD"
     assert store.dataset("trajectories").schema == TRAJECTORY_SCHEMA
 
-    check_round_trip(store, "run-a", 0, trees)
+    check_round_trip(store, "run-a", 0, trees, scores)
+    check_round_trip(store, "run-b", 0, trees[:1], None)  # written without scores
     assert store.steps("run-a") == [0, 1] and store.steps("run-b") == [0] and store.steps("nope") == []
     assert store.run_ids() == ["run-a", "run-b"]
     assert len(store.read_trajectories()) == 4 * (3 + 2 + 1)
@@ -131,14 +143,12 @@ def test_local_round_trip_schemas_filters_and_plain_readers(tmp_path: Path, tree
     assert set(single["run_id"]) == {"run-a"} and set(single["step"]) == {0}
 
 
-def test_rewriting_a_step_replaces_it(tmp_path: Path) -> None:
-    trees = make_trees()  # mutated below: not the shared fixture
+def test_rewriting_a_step_replaces_it(tmp_path: Path, trees: list[RolloutTree],
+                                      scores: list[list[LeafScore]]) -> None:
     store = TrajectoryStore(str(tmp_path))
-    store.write_step("r1", 3, trees)
-    for t in trees:  # the resumed run re-scores the same step
-        for leaf in t.leaves:
-            leaf.reward = 1.0
-    store.write_step("r1", 3, trees[:2])
+    store.write_step("r1", 3, trees, scores)
+    rescored = [[replace(s, reward=1.0) for s in ts] for ts in scores[:2]]  # the resumed run re-scores the step
+    store.write_step("r1", 3, trees[:2], rescored)
     df = store.read_trajectories(run_id="r1", step=3)
     assert len(df) == 8 and (df["reward"] == 1.0).all()
     assert len(store.read_nodes(run_id="r1")) == sum(len(t.nodes) for t in trees[:2])
@@ -195,7 +205,11 @@ def test_bad_inputs_give_clear_errors(tmp_path: Path, trees: list[RolloutTree]) 
         store.write_step("r", 0, trees[0])
     with pytest.raises(StoreError, match=r"trees\[1\] is a dict"):
         store.write_step("r", 0, [trees[0], {}])
-    broken = make_trees(n_questions=1, scored=False)[0]
+    with pytest.raises(StoreError, match="scores for 2 trees, but 3 trees given"):
+        store.write_step("r", 0, trees, make_scores(trees)[:2])
+    with pytest.raises(StoreError, match=r"trees\[1\] \(question q1\) has 4 leaves but 3 scores"):
+        store.write_step("r", 0, trees, [ts[:3] if ti == 1 else ts for ti, ts in enumerate(make_scores(trees))])
+    broken = make_trees(n_questions=1)[0]
     broken.nodes[1].logprobs = broken.nodes[1].logprobs[:-1]
     with pytest.raises(StoreError, match="question q0 leaf 0: token arrays disagree"):
         store.write_step("r", 0, [broken])
@@ -224,19 +238,19 @@ def moto_s3(monkeypatch: pytest.MonkeyPatch):
     server.stop()
 
 
-def test_s3_round_trip_through_moto(moto_s3: str, trees: list[RolloutTree]) -> None:
+def test_s3_round_trip_through_moto(moto_s3: str, trees: list[RolloutTree], scores: list[list[LeafScore]]) -> None:
     import s3fs
 
     opts = {"client_kwargs": {"endpoint_url": moto_s3}, "skip_instance_cache": True}
     fs = s3fs.S3FileSystem(**opts)
     fs.mkdir("aepo-traj")
     store = TrajectoryStore("s3://aepo-traj/exp1", storage_options=opts)
-    paths = store.write_step("run-s3", 0, trees)
+    paths = store.write_step("run-s3", 0, trees, scores)
     store.write_step("run-s3", 1, trees[:1])
     store.write_step("run-s3", 1, trees[:2])  # replaced, not duplicated
     assert paths[1] == "s3://aepo-traj/exp1/trajectories/run_id=run-s3/step=0/part-00000.parquet"
     assert store.steps("run-s3") == [0, 1]
-    check_round_trip(store, "run-s3", 0, trees)
+    check_round_trip(store, "run-s3", 0, trees, scores)
     assert len(store.read_trajectories(run_id="run-s3", step=1)) == 8
     assert sorted(fs.ls("aepo-traj/exp1/nodes/run_id=run-s3/step=1")) == [
         "aepo-traj/exp1/nodes/run_id=run-s3/step=1/part-00000.parquet"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from scripted_engine import EchoSearch, ScriptedEngine, tool_then_answer
 from aepo_core.config import ExperimentConfig, RolloutConfig, build_config, config_from_yaml
 from aepo_core.rollout.scheduler import Question, RolloutScheduler
 from aepo_core.rollout.tree import RolloutTree
+from aepo_core.scoring import LeafScore
 from infra.plots import curves_figure
 from infra.tracking import (
     MAX_PARAM_VALUE,
@@ -34,11 +36,7 @@ def make_trees(n_questions: int = 3) -> list[RolloutTree]:
                         tau=0.5, branch_penalty=0.7, entropy_window=20, max_tool_calls=6, max_response_tokens=2000)
     engine = ScriptedEngine(tool_then_answer(calls=2, h_first=1.0, h_after_tool=4.0))
     qs = [Question(f"q{i}", [ord(c) for c in f"Q{i}?\n"]) for i in range(n_questions)]
-    trees = RolloutScheduler(engine, {"search": EchoSearch()}, cfg).run(qs, seed=0).trees
-    for t in trees:
-        for j, leaf in enumerate(t.leaves):
-            leaf.reward = 0.25 * j
-    return trees
+    return RolloutScheduler(engine, {"search": EchoSearch()}, cfg).run(qs, seed=0).trees
 
 
 def make_cfg(runs_dir: Path, **overrides: object) -> ExperimentConfig:
@@ -111,8 +109,15 @@ def test_run_params_tags_metrics_and_artifacts(runs_dir: Path, tmp_path: Path,
     tracker.log_artifact(local, "extra")
     with pytest.raises(TrackingError, match="no such file"):
         tracker.log_artifact(tmp_path / "missing.txt")
-    sample = tracker.log_trajectory_sample(make_trees(), max_rows=5, step=1, questions={"q0": "What is x?"})
+    trees = make_trees()
+    scores = [[LeafScore(0.25 * j, "f1", math.nan if j == 1 else 1.0 - j) for j in range(len(t.leaves))]
+              for t in trees]
+    sample = tracker.log_trajectory_sample(trees, scores, max_rows=5, step=1, questions={"q0": "What is x?"})
     assert list(sample["question_id"]) == ["q0", "q1", "q2", "q0", "q1"]  # one per question first
+    assert list(sample["reward"]) == [0.0, 0.0, 0.0, 0.25, 0.25]  # each leaf's own score
+    assert list(sample["advantage"][:3]) == [1.0] * 3 and sample["advantage"][3:].isna().all()  # NaN: empty
+    with pytest.raises(ValueError, match="scores for 2 trees, but 3 trees given"):
+        tracker.log_trajectory_sample(trees, scores[:2], step=1)
     tracker.finish()
     tracker.finish()  # idempotent
 

@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from aepo_core.config import build_config
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
+from scripted_engine import EchoSearch, ScriptedEngine, tool_then_answer
+
+from aepo_core.config import RolloutConfig, build_config
+from aepo_core.rollout.scheduler import Question, RolloutScheduler
+from aepo_core.rollout.tree import Leaf
+from aepo_core.scoring import LeafScore, StepScores
 from infra.training.backends import FrozenBackend, TorchBackend
-from infra.training.batching import TrainSample, plan_micro_batches, split_mini_batches
+from infra.training.batching import TrainSample, plan_micro_batches, samples_from_trees, split_mini_batches
 from infra.training.update import PolicyUpdater
 
 VOCAB = 97
@@ -52,6 +61,31 @@ def run_update(overrides, samples=None, seed=0, ref=False):
 
 def params(model):
     return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_samples_from_trees_take_advantages_from_the_scores():
+    cfg = RolloutConfig(mode="independent", k=3, initial_rollouts=1, max_response_tokens=500)
+    trees = RolloutScheduler(ScriptedEngine(tool_then_answer(calls=1, h_first=1.0, h_after_tool=2.0)),
+                             {"search": EchoSearch()}, cfg).run(
+        [Question(f"q{i}", [ord(c) for c in f"Q{i}?"]) for i in range(3)], seed=0).trees
+    trees[1].leaves.append(Leaf(3, [0], "global", "engine_error", 0))  # no model token: no sample
+    scores = [tuple(LeafScore(1.0, "correct", 0.5 * ti - 0.25 * j) for j in range(len(t.leaves)))
+              for ti, t in enumerate(trees)]
+    samples = samples_from_trees(trees, scores)
+    assert len(samples) == 9
+    expected = [(ti, scores[ti][j].advantage, t.prompt_ids + t.response_ids(leaf), t.loss_mask(leaf))
+                for ti, t in enumerate(trees) for j, leaf in enumerate(t.leaves[:3])]
+    assert [(s.group, s.advantage, s.input_ids, s.loss_mask) for s in samples] == expected
+    # The update's trees: uninformative groups dropped, groups renumbered within the kept trees.
+    kept = StepScores(tuple(scores), {}, frozenset({"q0"})).kept(trees)
+    assert [(s.group, s.advantage) for s in samples_from_trees(*kept)] == [(s.group - 1, s.advantage)
+                                                                          for s in samples[3:]]
+    nan_scores = [list(ts) for ts in scores]
+    nan_scores[2][1] = LeafScore(0.0, "wrong", math.nan)
+    with pytest.raises(ValueError, match="question q2 leaf 1 has a NaN advantage"):
+        samples_from_trees(trees, nan_scores)
+    with pytest.raises(ValueError, match=r"trees\[1\] \(question q1\) has 4 leaves but 3 scores"):
+        samples_from_trees(trees, [scores[0], scores[1][:3], scores[2]])
 
 
 def test_plan_micro_batches_respects_budget_and_covers_all():
