@@ -311,7 +311,7 @@ def eval_(
         fail(f"--compare-to {compare_to}: no such file or directory")
     prepare_environment(runs)
     from flows.evaluate import evaluate, resolve_checkpoint, resolve_eval_config
-    from infra.training.checkpoint import CheckpointError
+    from infra.runtime import CheckpointError
 
     try:
         ckpt = resolve_checkpoint(checkpoint)

@@ -153,7 +153,6 @@ class RolloutScheduler:
                     self._start_globals(st)
             self._run_rounds(states, sampling)
         trees = [self._finish(st) for st in states]
-        trees = [self._finish(st) for st in states]
         total = time.perf_counter() - start
         stats, by_l = rollout_stats(trees, self._decisions)
         stats.update(
