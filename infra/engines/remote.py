@@ -86,7 +86,7 @@ class RemoteEngine:
     def sync_weights(self, path: str) -> None:
         """The weight-update hook: ask the server to load the HF checkpoint at ``path`` (a shared filesystem)."""
         if not self.reload_url:
-            log.warning("rollout.remote_reload_url is not set: the server keeps sampling from its old weights")
+            log.warning("rollout.remote.reload_url is not set: the server keeps sampling from its old weights")
             return
         request = urllib.request.Request(self.reload_url, data=json.dumps({"path": path}).encode(),
                                          headers={"Content-Type": "application/json"}, method="POST")
