@@ -6,11 +6,14 @@ overridden with dotted ``key=value`` strings (CLI ``--set`` and Prefect paramete
 Unknown keys and wrong types fail with a :class:`ConfigError` that names the dotted key.
 
 Renamed keys keep working for one release: :data:`RENAMED_KEYS` maps each old dotted key to its new one, and
-:func:`build_config` translates them (in the tree and in overrides) with a :class:`ConfigKeyDeprecationWarning`.
+:func:`migrate_renamed_keys` moves them in the raw tree, with a :class:`ConfigKeyDeprecationWarning` each, before
+validation (:func:`build_config` does it before applying overrides, whose keys are translated too, so that an
+override wins in either spelling; :class:`ExperimentConfig` does it for trees validated directly).
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import warnings
@@ -507,6 +510,13 @@ class ExperimentConfig(Section):
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward function (AEPO.md §7).")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
     storage: StorageConfig = Field(default_factory=StorageConfig, description="Where outputs are stored.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        """A tree validated directly (a flow's typed parameter, a saved config) is translated like build_config's
+        (which already did it, before its overrides, and leaves nothing to do here)."""
+        return migrate_renamed_keys(copy.deepcopy(data)) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _consistent(self) -> ExperimentConfig:

@@ -162,6 +162,10 @@ def test_renamed_keys_still_work_with_a_warning():
     assert len(messages) == 4
     assert cfg == build_config({"data": {"synthetic": {"entities": 40, "families": ["compute"]}},
                                 "rollout": {"remote": {"url": "http://a", "reload_url": "http://a/reload"}}})
+    old_tree = {"data": {"synthetic_seed": 3}}
+    with pytest.warns(ConfigKeyDeprecationWarning, match=r"use data\.synthetic\.seed"):  # e.g. a flow parameter
+        assert ExperimentConfig.model_validate(old_tree).data.synthetic.seed == 3
+    assert old_tree == {"data": {"synthetic_seed": 3}}  # the caller's tree is left alone
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the new keys warn about nothing
         load_config(CONFIGS / "demo.yaml", ["data.synthetic.seed=3"])
