@@ -4,12 +4,19 @@ Every constant of the algorithm is a named field here, with the paper's default 
 search).  Small configs in ``configs/`` override what they need.  The tree is loaded from YAML and then
 overridden with dotted ``key=value`` strings (CLI ``--set`` and Prefect parameters use the same path).
 Unknown keys and wrong types fail with a :class:`ConfigError` that names the dotted key.
+
+Renamed keys keep working for one release: :data:`RENAMED_KEYS` maps each old dotted key to its new one, and
+:func:`migrate_renamed_keys` moves them in the raw tree, with a :class:`ConfigKeyDeprecationWarning` each, before
+validation (:func:`build_config` does it before applying overrides, whose keys are translated too, so that an
+override wins in either spelling; :class:`ExperimentConfig` does it for trees validated directly).
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
@@ -21,6 +28,35 @@ class ConfigError(ValueError):
     """A config problem, with the dotted key (or file) it is about in the message."""
 
 
+class ConfigKeyDeprecationWarning(DeprecationWarning):
+    """A config uses a renamed key; the message names its replacement."""
+
+
+# Shown (once per key) even outside __main__: whoever wrote the YAML file is the one who must act.
+warnings.filterwarnings("default", category=ConfigKeyDeprecationWarning)
+
+# Old dotted key → new dotted key. Translated with a warning by build_config; to be removed one release later.
+RENAMED_KEYS: dict[str, str] = {
+    "rollout.remote_url": "rollout.remote.url",
+    "rollout.remote_model": "rollout.remote.model",
+    "rollout.remote_reload_url": "rollout.remote.reload_url",
+    "data.synthetic_seed": "data.synthetic.seed",
+    "data.synthetic_entities": "data.synthetic.entities",
+    "data.synthetic_cities": "data.synthetic.cities",
+    "data.synthetic_countries": "data.synthetic.countries",
+    "data.synthetic_families": "data.synthetic.families",
+    "data.synthetic_relations": "data.synthetic.relations",
+    "data.synthetic_questions_per_company": "data.synthetic.questions_per_company",
+    "data.synthetic_validation_fraction": "data.synthetic.validation_fraction",
+    "data.synthetic_test_fraction": "data.synthetic.test_fraction",
+    "data.synthetic_templates_per_fact": "data.synthetic.templates_per_fact",
+    "data.synthetic_mentions_per_fact": "data.synthetic.mentions_per_fact",
+    "data.synthetic_facts_per_document": "data.synthetic.facts_per_document",
+    "data.synthetic_near_name_distractors": "data.synthetic.near_name_distractors",
+    "data.synthetic_comparison_distractors": "data.synthetic.comparison_distractors",
+}
+
+
 class Section(BaseModel):
     """Base of every section: unknown keys are errors, assignments are validated."""
 
@@ -28,6 +64,8 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
+    """The policy: which causal LM, its dtypes and its device."""
+
     name: str = Field(
         "smollm2-135m-instruct",
         description="HF id or local path of any causal LM, or a built-in: smollm2-135m-instruct, tiny-random.",
@@ -49,27 +87,53 @@ class ModelConfig(Section):
     )
     device: str = Field("cpu", description="torch device for the policy (cpu, cuda, cuda:0).")
     cache_dir: str | None = Field(None, description="Where converted built-in models are cached.")
-    trust_remote_code: bool = False
+    trust_remote_code: bool = Field(
+        False, description="Let transformers run the model repository's own Python code (trusted repos only)."
+    )
     init_seed: int = Field(0, description="Seed of tiny-random's weights: the same seed gives identical weights.")
     attn_implementation: str | None = Field(
         None, description="transformers attention backend (sdpa, eager, flash_attention_2); None: its default."
     )
 
 
-class RolloutConfig(Section):
-    """Dynamic entropy-balanced rollout (AEPO.md §1–4)."""
+class RemoteEngineConfig(Section):
+    """The OpenAI-compatible completions server that samples rollouts when ``rollout.engine`` is remote."""
 
-    mode: Literal["aepo", "arpo", "independent"] = "aepo"
-    engine: Literal["hf", "remote"] = "hf"
-    remote_url: str | None = Field(None, description="Base URL of an OpenAI-compatible completions server.")
-    remote_model: str | None = None
-    remote_reload_url: str | None = Field(
+    url: str | None = Field(
+        None, description="Base URL of an OpenAI-compatible completions server (required by rollout.engine=remote)."
+    )
+    model: str | None = Field(None, description="Model name sent with each completion request; None: model.name.")
+    reload_url: str | None = Field(
         None, description="After each update the weights are saved (HF format) and their path POSTed here as "
         '{"path": …} so the server reloads them; None: the server keeps its weights (evaluation-only use).',
     )
-    k: int = Field(12, ge=1, description="Rollouts (leaves) per question: the group size.")
-    initial_rollouts: int = Field(
-        6, ge=1, description="Global samples per question when pre-monitoring is off (arpo mode, or aepo without it)."
+
+
+def default_initial_rollouts(k: int) -> int:
+    """Fixed global samples per question for group size ``k``: half of it, at least 1 (the paper: 6 of k = 12)."""
+    return max(1, k // 2)
+
+
+class RolloutConfig(Section):
+    """Dynamic entropy-balanced rollout (AEPO.md §1–4)."""
+
+    mode: Literal["aepo", "arpo", "independent"] = Field(
+        "aepo",
+        description="aepo: entropy pre-monitoring + branch penalty; arpo: fixed m = initial_rollouts global samples "
+        "and λ = 0; independent: k samples per question, no branching (GRPO-style).",
+    )
+    engine: Literal["hf", "remote"] = Field(
+        "hf", description="hf: in-process transformers generation; remote: the server of rollout.remote."
+    )
+    remote: RemoteEngineConfig = Field(
+        default_factory=RemoteEngineConfig, description="The completions server used when engine is remote."
+    )
+    k: int = Field(12, ge=1, description="Rollouts (leaves) per question: the group size (paper 12).")
+    initial_rollouts: int | None = Field(
+        None,
+        ge=1,
+        description="m when it is fixed: global samples (full trajectories from the prompt) per question when "
+        "pre-monitoring is off (arpo mode, or aepo without it), 1..k; None: k // 2, at least 1 (paper: 6 of 12).",
     )
     premonitor: bool = Field(True, description="Entropy pre-monitoring decides the global/branch split.")
     beta: float = Field(0.5, description="β of m = clamp(round(k·σ(β(H_root − H̄_tool))), 1, k).")
@@ -80,25 +144,45 @@ class RolloutConfig(Section):
         0.05, ge=0.0, description="λ of the consecutive-branch penalty max(0, 1 − λ·l); 0 gives ARPO's rule."
     )
     beam_size: int = Field(2, ge=2, description="A branch forks beam_size − 1 new trajectories.")
-    temperature: float = Field(1.0, gt=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 disables top-k filtering.")
-    max_tool_calls: int = Field(6, ge=0)
-    max_response_tokens: int = Field(6192, ge=1, description="Counts tool-result tokens too.")
+    temperature: float = Field(
+        1.0, gt=0.0, description="Rollout sampling temperature (paper 1.0); entropies are of the tempered softmax."
+    )
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus-sampling mass of rollouts, in (0, 1]; 1: off.")
+    top_k: int = Field(0, ge=0, description="Rollout top-k filtering; 0 disables it.")
+    max_tool_calls: int = Field(
+        6, ge=0, description="Tool calls per trajectory (paper 6); the call past it gets a 'limit reached' result."
+    )
+    max_response_tokens: int = Field(
+        6192, ge=1, description="Token budget of one trajectory after the prompt, tool-result tokens included."
+    )
     max_result_chars: int = Field(4000, ge=1, description="Tool result text is cut to this many characters.")
     max_segment_tokens: int | None = Field(
         None, ge=1, description="Cap on one generated segment (None: remaining budget)."
     )
 
+    @model_validator(mode="after")
+    def _resolve_initial_rollouts(self) -> RolloutConfig:
+        """``initial_rollouts`` None → its default for ``k`` (an explicit value is checked against ``k`` by
+        :class:`ExperimentConfig`; a bare section clamps it, see ``fixed_budget``)."""
+        if self.initial_rollouts is None:
+            object.__setattr__(self, "initial_rollouts", default_initial_rollouts(self.k))  # no re-validation
+        return self
+
 
 class SearchToolConfig(Section):
-    enabled: bool = True
-    backend: Literal["bm25", "replay", "http"] = "bm25"
+    """The agent's search tool."""
+
+    enabled: bool = Field(True, description="Offer the search tool to the agent.")
+    backend: Literal["bm25", "replay", "http"] = Field(
+        "bm25",
+        description="bm25: a local BM25 index over corpus; replay: recorded results (ARPO's search_cache.json) "
+        "in corpus; http: a Serper-like JSON web-search API at http_url.",
+    )
     corpus: str | None = Field(None, description="Documents for bm25 (JSONL/Parquet path) or a replay cache JSON.")
     index_dir: str | None = Field(None, description="Where the BM25 index is cached (default: under the runs dir).")
-    top_k: int = Field(3, ge=1)
-    snippet_chars: int = Field(400, ge=1)
-    http_url: str | None = None
+    top_k: int = Field(3, ge=1, description="Results returned by one search call.")
+    snippet_chars: int = Field(400, ge=1, description="Each result's snippet is cut to this many characters.")
+    http_url: str | None = Field(None, description="Endpoint of the http backend (required by backend http).")
     http_api_key_env: str = Field("AEPO_SEARCH_API_KEY", description="Environment variable holding the API key.")
     http_request_timeout_s: float = Field(
         10.0, gt=0.0, description="Socket timeout of one HTTP search request (the tool's wall timeout still applies)."
@@ -109,12 +193,16 @@ class SearchToolConfig(Section):
 
 
 class PythonToolConfig(Section):
-    enabled: bool = True
-    cpu_seconds: int = Field(10, ge=1)
-    memory_mb: int = Field(1024, ge=16)
-    file_size_mb: int = Field(16, ge=1)
-    max_processes: int = Field(64, ge=1)
-    max_output_chars: int = Field(4000, ge=1)
+    """The agent's Python sandbox (a subprocess under resource limits)."""
+
+    enabled: bool = Field(True, description="Offer the Python tool to the agent.")
+    cpu_seconds: int = Field(10, ge=1, description="CPU-time limit of one call (RLIMIT_CPU), in seconds.")
+    memory_mb: int = Field(1024, ge=16, description="Address-space limit of one call (RLIMIT_AS), in MiB.")
+    file_size_mb: int = Field(16, ge=1, description="Largest file one call may write (RLIMIT_FSIZE), in MiB.")
+    max_processes: int = Field(64, ge=1, description="Process limit of one call (RLIMIT_NPROC).")
+    max_output_chars: int = Field(
+        4000, ge=1, description="stdout and stderr of one call, together, are cut to this many characters."
+    )
     isolate_network: bool = Field(True, description="Run under `unshare -n` when the OS allows it.")
     interpreter: str | None = Field(None, description="Python executable for model code (default: the running one).")
     workdir_root: str | None = Field(
@@ -123,12 +211,14 @@ class PythonToolConfig(Section):
 
 
 class ToolsConfig(Section):
-    search: SearchToolConfig = Field(default_factory=SearchToolConfig)
-    python: PythonToolConfig = Field(default_factory=PythonToolConfig)
+    """The agent's tools and how their calls run."""
+
+    search: SearchToolConfig = Field(default_factory=SearchToolConfig, description="The search tool.")
+    python: PythonToolConfig = Field(default_factory=PythonToolConfig, description="The Python sandbox tool.")
     timeout_s: float = Field(30.0, gt=0.0, description="Wall timeout of one tool call.")
     max_retries: int = Field(2, ge=0, description="Retries for transient tool errors only.")
     workers: int = Field(8, ge=1, description="Thread pool size for parallel tool calls.")
-    cache: bool = True
+    cache: bool = Field(True, description="Cache tool results in SQLite (Python results only with cache_python).")
     cache_path: str | None = Field(None, description="SQLite tool-result cache (default: under the runs dir).")
     cache_python: bool = Field(
         False, description="Also cache Python results; off because model code may be non-deterministic (time, random)."
@@ -143,8 +233,16 @@ LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"
 class AlgorithmConfig(Section):
     """Entropy-balanced policy optimization and its baselines (AEPO.md §5–6)."""
 
-    loss: LossName = "aepo"
-    advantage: AdvantageName = "grpo"
+    loss: LossName = Field(
+        "aepo",
+        description="Policy loss (AEPO.md §6): aepo (entropy clipping-balanced), ppo_clip (PPO/GRPO), dapo, gppo, "
+        "ce_gppo, cispo, gspo.",
+    )
+    advantage: AdvantageName = Field(
+        "grpo",
+        description="Group advantage (AEPO.md §5): grpo (mean and std), dr_grpo (no std), rloo (leave-one-out "
+        "mean), reinforce_pp_baseline (group mean, then batch whitening).",
+    )
     adv_eps: float = Field(1e-6, gt=0.0, description="Added to the group std in GRPO normalization.")
     entropy_advantage: bool = Field(True, description="Scale Â by max(0, 1 + α·z(H_t)) per token.")
     entropy_advantage_alpha: float = Field(0.2, ge=0.0, description="α of the entropy-aware advantage.")
@@ -164,26 +262,38 @@ class AlgorithmConfig(Section):
     gppo_beta_low: float = Field(1.0, ge=0.0, description="CE-GPPO β₁ (low side weight).")
     gppo_beta_high: float = Field(1.0, ge=0.0, description="CE-GPPO β₂ (high side weight).")
     kl_coef: float = Field(0.0, ge=0.0, description="0: no reference model is loaded.")
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="Estimator of the KL to the reference policy (used only when kl_coef > 0)."
+    )
     kl_clamp: float = Field(10.0, gt=0.0, description="Log-ratio clamp inside the k3 estimator (numerical safety).")
-    loss_agg: LossAgg = "token-mean"
+    loss_agg: LossAgg = Field(
+        "token-mean",
+        description="Per-token losses → scalar: token-mean (over the mini-batch's tokens), seq-mean-token-mean "
+        "(every sequence weighs the same), seq-mean-token-sum-norm (token sum / loss_norm_len, Dr.GRPO).",
+    )
     loss_norm_len: int | None = Field(
         None, ge=1, description="Constant of seq-mean-token-sum-norm (default: rollout.max_response_tokens)."
     )
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal.")
     overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty buffer (0: off).")
-    overlong_penalty: float = Field(1.0, ge=0.0)
+    overlong_penalty: float = Field(
+        1.0, ge=0.0, description="DAPO: reward subtracted at max length, linear over the last overlong_buffer tokens."
+    )
 
 
 class OptimConfig(Section):
-    lr: float = Field(1e-6, gt=0.0)
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    weight_decay: float = Field(0.01, ge=0.0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0.0)
-    grad_clip: float = Field(1.0, gt=0.0)
-    ppo_epochs: int = Field(1, ge=1)
+    """AdamW and the PPO update regime of RL."""
+
+    lr: float = Field(1e-6, gt=0.0, description="AdamW learning rate of RL updates (paper 1e-6).")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="LR after warm-up: constant, or decayed to 0 over the run linearly or by cosine."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear LR warm-up (0: none).")
+    weight_decay: float = Field(0.01, ge=0.0, description="AdamW decoupled weight decay (paper 0.01).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (β₁, β₂).")
+    eps: float = Field(1e-8, gt=0.0, description="AdamW ε (added to the second-moment root).")
+    grad_clip: float = Field(1.0, gt=0.0, description="Max L2 norm of the whole gradient per optimizer step.")
+    ppo_epochs: int = Field(1, ge=1, description="Passes of PPO updates over each rollout batch (paper 1).")
     mini_batch_size: int = Field(8, ge=1, description="Questions per PPO mini-batch.")
     micro_batch_tokens: int = Field(8192, ge=1, description="Token budget of one forward/backward micro-batch.")
     old_logprobs: Literal["trainer", "rollout"] = Field(
@@ -200,25 +310,33 @@ class OptimConfig(Section):
 
 
 class SFTConfig(Section):
-    enabled: bool = False
-    epochs: int = Field(1, ge=1)
-    lr: float = Field(1e-5, gt=0.0)
-    batch_size: int = Field(8, ge=1)
-    max_examples: int | None = Field(None, ge=1)
+    """Cold-start SFT on oracle transcripts of the synthetic task, before RL."""
+
+    enabled: bool = Field(False, description="Run cold-start SFT first (needs data.train=synthetic and both tools).")
+    epochs: int = Field(1, ge=1, description="Passes over the SFT transcripts.")
+    lr: float = Field(1e-5, gt=0.0, description="AdamW learning rate of SFT.")
+    batch_size: int = Field(8, ge=1, description="Transcripts per SFT optimizer step.")
+    max_examples: int | None = Field(
+        None, ge=1, description="Transcripts of the first N training questions only; None: every question."
+    )
 
 
 class TrainConfig(Section):
+    """The RL run: its length, batch, training backend and Prefect timeouts."""
+
     steps: int | None = Field(None, ge=1, description="RL steps to run (None: epochs × batches per epoch).")
-    epochs: int = Field(5, ge=1)
-    batch_size: int = Field(64, ge=1, description="Questions per RL step.")
-    backend: Literal["torch", "deepspeed"] = "torch"
+    epochs: int = Field(5, ge=1, description="Passes over the training questions when steps is None (paper 5).")
+    batch_size: int = Field(64, ge=1, description="Questions per RL step (paper 64).")
+    backend: Literal["torch", "deepspeed"] = Field(
+        "torch", description="torch: plain PyTorch in one process; deepspeed: DeepSpeed ZeRO (zero_stage)."
+    )
     zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage (backend deepspeed only).")
     offload_optimizer: bool = Field(
         False, description="DeepSpeed ZeRO 1–3: optimizer state and step on CPU (DeepSpeed's CPU Adam; its first "
         "use compiles an op, minutes on a small CPU)."
     )
     offload_params: bool = Field(False, description="DeepSpeed ZeRO-3: parameters live on CPU between uses.")
-    sft: SFTConfig = Field(default_factory=SFTConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="Cold-start SFT before RL.")
     rollout_timeout_s: float = Field(3600.0, gt=0.0, description="Prefect timeout of one rollout task.")
     update_timeout_s: float = Field(3600.0, gt=0.0, description="Prefect timeout of one update task.")
     eval_timeout_s: float = Field(7200.0, gt=0.0, description="Prefect timeout of one evaluation task.")
@@ -234,27 +352,37 @@ class TrainConfig(Section):
 
 
 class CheckpointConfig(Section):
+    """Checkpoints of the RL run (HF weights plus optimizer, RNG and data cursor)."""
+
     every: int = Field(10, ge=1, description="Save a checkpoint every N RL steps (and at the end).")
-    keep: int = Field(3, ge=1)
+    keep: int = Field(3, ge=1, description="Newest checkpoints kept; older ones are deleted.")
     dir: str | None = Field(None, description="Default: <runs_dir>/checkpoints/<run name>.")
 
 
 class EvalConfig(Section):
+    """Evaluation: n samples per question, unbiased Pass@1 / Pass@k with bootstrap confidence intervals."""
+
     every: int = Field(10, ge=0, description="Evaluate every M RL steps (0: only at the end).")
-    datasets: list[str] = Field(default_factory=list)
-    n_samples: int = Field(5, ge=1)
-    pass_k: int = Field(5, ge=1)
-    temperature: float = Field(0.6, gt=0.0)
-    top_p: float = Field(0.95, gt=0.0, le=1.0)
-    max_questions: int | None = Field(None, ge=1)
+    datasets: list[str] = Field(
+        default_factory=list,
+        description="Dataset specs to evaluate (names, paths, synthetic:test); empty: data.validation, else "
+        "synthetic:test when the synthetic task is in use.",
+    )
+    n_samples: int = Field(5, ge=1, description="Independent samples per question (paper 5).")
+    pass_k: int = Field(5, ge=1, description="k of Pass@k, at most n_samples (paper 5).")
+    temperature: float = Field(0.6, gt=0.0, description="Sampling temperature of evaluation (paper 0.6).")
+    top_p: float = Field(0.95, gt=0.0, le=1.0, description="Nucleus-sampling mass of evaluation (paper 0.95).")
+    max_questions: int | None = Field(None, ge=1, description="First N questions of each dataset only; None: all.")
     batch_size: int | None = Field(
         None, ge=1, description="Questions per evaluation rollout batch (None: train.batch_size). Larger decode "
         "batches are faster on CPU and GPU; memory grows with questions × n_samples.",
     )
     at_start: bool = Field(False, description="Also evaluate before training (and after cold-start SFT).")
-    bootstrap_samples: int = Field(1000, ge=10)
-    judge_url: str | None = None
-    judge_model: str | None = None
+    bootstrap_samples: int = Field(1000, ge=10, description="Bootstrap resamples behind the confidence intervals.")
+    judge_url: str | None = Field(
+        None, description="OpenAI-compatible endpoint of an LLM judge that also grades the answers; None: no judge."
+    )
+    judge_model: str | None = Field(None, description="Model name sent to the judge; None: 'judge'.")
 
     @model_validator(mode="after")
     def _k_within_n(self) -> EvalConfig:
@@ -263,97 +391,137 @@ class EvalConfig(Section):
         return self
 
 
+SyntheticFamily = Literal["single_hop", "two_hop", "compute"]
+
+
+class SyntheticDataConfig(Section):
+    """The generated offline deep-search task (``infra/data/synthetic.py``), used by the ``synthetic`` specs."""
+
+    seed: int = Field(0, description="Seed of the generated world: the same seed and fields give the same task.")
+    entities: int = Field(60, ge=4, description="Number of companies, each with its own founder.")
+    cities: int = Field(12, ge=1, description="Number of cities (shared by companies).")
+    countries: int = Field(4, ge=1, description="Number of countries.")
+    families: list[SyntheticFamily] = Field(
+        default_factory=lambda: ["single_hop", "two_hop", "compute"],
+        min_length=1,
+        description="Question families: one lookup, a chained lookup, lookups plus Python arithmetic.",
+    )
+    relations: list[str] | None = Field(
+        None, description="Relations to ask (e.g. founded_year, founder_birth_year); None: all in families."
+    )
+    questions_per_company: int | None = Field(
+        None, ge=1, description="A seeded sample of this many relations per company; None: all."
+    )
+    validation_fraction: float = Field(0.2, ge=0.0, lt=1.0, description="Share of companies in validation.")
+    test_fraction: float = Field(0.2, ge=0.0, lt=1.0, description="Share of companies in test (held out).")
+    templates_per_fact: int = Field(
+        3, ge=1, le=3, description="Difficulty: phrasings in use per fact kind (1 = one fixed wording)."
+    )
+    mentions_per_fact: int = Field(1, ge=1, le=3, description="Passages stating each fact (each in its own phrasing).")
+    facts_per_document: int = Field(
+        1, ge=1, description="Fact sentences per passage (1 spreads each entity over several passages)."
+    )
+    near_name_distractors: int = Field(
+        1, ge=0, le=9, description="Difficulty: namesake passages per company and per founder."
+    )
+    comparison_distractors: int = Field(
+        1, ge=0, description="Difficulty: passages per company that name it next to a rival's fact."
+    )
+
+
 class DataConfig(Section):
+    """Training and validation data."""
+
     train: str = Field("synthetic", description="'synthetic', or a verl/ARPO Parquet, JSONL or HF datasets path.")
-    validation: str | None = None
-    on_bad_row: Literal["fail", "skip"] = "fail"
-    max_questions: int | None = Field(None, ge=1)
-    shuffle: bool = True
-    synthetic_seed: int = 0
-    synthetic_entities: int = Field(60, ge=4)
+    validation: str | None = Field(
+        None, description="Dataset evaluated when eval.datasets is empty; None: synthetic:test if synthetic is used."
+    )
+    on_bad_row: Literal["fail", "skip"] = Field(
+        "fail", description="A malformed dataset row fails the load, or is skipped and counted."
+    )
+    max_questions: int | None = Field(None, ge=1, description="Train on the first N questions only; None: all.")
+    shuffle: bool = Field(True, description="Shuffle the training questions every epoch (seeded by seed).")
     data_root: str | None = Field(
         None,
         description="Where shorthand dataset names (gaia, math500, hard_search_1k…) are found; default: env "
         "AEPO_DATA_ROOT, else the repo's ../shared/data/arpo.",
     )
-    synthetic_cities: int = Field(12, ge=1, description="Synthetic task: number of cities (shared by companies).")
-    synthetic_countries: int = Field(4, ge=1, description="Synthetic task: number of countries.")
-    synthetic_families: list[Literal["single_hop", "two_hop", "compute"]] = Field(
-        default_factory=lambda: ["single_hop", "two_hop", "compute"],
-        min_length=1,
-        description="Synthetic question families: one lookup, a chained lookup, lookups plus Python arithmetic.",
-    )
-    synthetic_relations: list[str] | None = Field(
-        None, description="Synthetic relations to ask (e.g. founded_year, founder_birth_year); None: all in families."
-    )
-    synthetic_questions_per_company: int | None = Field(
-        None, ge=1, description="Synthetic: a seeded sample of this many relations per company; None: all."
-    )
-    synthetic_validation_fraction: float = Field(0.2, ge=0.0, lt=1.0, description="Share of companies in validation.")
-    synthetic_test_fraction: float = Field(0.2, ge=0.0, lt=1.0, description="Share of companies in test (held out).")
-    synthetic_templates_per_fact: int = Field(
-        3, ge=1, le=3, description="Synthetic difficulty: phrasings in use per fact kind (1 = one fixed wording)."
-    )
-    synthetic_mentions_per_fact: int = Field(
-        1, ge=1, le=3, description="Synthetic: passages stating each fact (each in its own phrasing)."
-    )
-    synthetic_facts_per_document: int = Field(
-        1, ge=1, description="Synthetic: fact sentences per passage (1 spreads each entity over several passages)."
-    )
-    synthetic_near_name_distractors: int = Field(
-        1, ge=0, le=9, description="Synthetic difficulty: namesake passages per company and per founder."
-    )
-    synthetic_comparison_distractors: int = Field(
-        1, ge=0, description="Synthetic difficulty: passages per company that name it next to a rival's fact."
+    synthetic: SyntheticDataConfig = Field(
+        default_factory=SyntheticDataConfig, description="The generated synthetic task's world and questions."
     )
 
 
 class RewardConfig(Section):
     """Deep-search reward (AEPO.md §7): format check, token F1, tool-use bonus."""
 
-    kind: Literal["deepsearch", "f1", "em", "math"] = "deepsearch"
+    kind: Literal["deepsearch", "f1", "em", "math"] = Field(
+        "deepsearch",
+        description="deepsearch: format check + token F1 + tool bonus (paper); f1: token F1; em: exact match; "
+        "math: symbolic equivalence (math-verify).",
+    )
     format_penalty: float = Field(-1.0, description="Reward when the format check fails.")
     tool_bonus: float = Field(0.1, description="Added when F1 > 0 and every required tool was used.")
-    required_tools: list[str] = Field(default_factory=lambda: ["search", "python"])
+    required_tools: list[str] = Field(
+        default_factory=lambda: ["search", "python"], description="Tools that must all have been used for the bonus."
+    )
 
 
 class TrackingConfig(Section):
+    """MLflow tracking."""
+
     tracking_uri: str | None = Field(None, description="Default: sqlite:///<runs_dir>/mlflow.db.")
     artifact_location: str | None = Field(None, description="Default: <runs_dir>/mlartifacts.")
-    experiment: str = "aepo"
-    run_name: str | None = None
-    system_metrics: bool = True
-    log_model: bool = True
+    experiment: str = Field("aepo", description="MLflow experiment name.")
+    run_name: str | None = Field(None, description="MLflow run name (and checkpoint folder); None: name.")
+    system_metrics: bool = Field(True, description="Also log CPU, memory and GPU use (MLflow's system metrics).")
+    log_model: bool = Field(True, description="Log the final policy as an MLflow transformers model.")
 
 
 class StorageConfig(Section):
-    runs_dir: str = "runs"
+    """Where run outputs go."""
+
+    runs_dir: str = Field(
+        "runs", description="Root of run outputs: tracking db, checkpoints, trajectories, caches, evaluations."
+    )
     trajectories_uri: str | None = Field(None, description="Default: <runs_dir>/trajectories; s3://bucket/prefix ok.")
-    s3_endpoint_url: str | None = None
+    s3_endpoint_url: str | None = Field(
+        None, description="S3-compatible endpoint (MinIO…) for s3:// trajectory URIs; None: AWS's default."
+    )
 
 
 class ExperimentConfig(Section):
     """The whole experiment."""
 
-    name: str = "aepo"
-    seed: int = 42
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    tools: ToolsConfig = Field(default_factory=ToolsConfig)
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
-    optim: OptimConfig = Field(default_factory=OptimConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    reward: RewardConfig = Field(default_factory=RewardConfig)
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
-    storage: StorageConfig = Field(default_factory=StorageConfig)
+    name: str = Field("aepo", description="Experiment name: the default run name (tracking.run_name).")
+    seed: int = Field(
+        42, description="Seed of the run: Python/numpy/torch RNGs, data order, rollout and evaluation sampling, CIs."
+    )
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout generation (AEPO.md §1–4).")
+    tools: ToolsConfig = Field(default_factory=ToolsConfig, description="The agent's tools.")
+    algorithm: AlgorithmConfig = Field(
+        default_factory=AlgorithmConfig, description="Advantages and policy loss (AEPO.md §5–6)."
+    )
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and PPO update regime.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="The RL run.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Training and validation data.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward function (AEPO.md §7).")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
+    storage: StorageConfig = Field(default_factory=StorageConfig, description="Where outputs are stored.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        """A tree validated directly (a flow's typed parameter, a saved config) is translated like build_config's
+        (which already did it, before its overrides, and leaves nothing to do here)."""
+        return migrate_renamed_keys(copy.deepcopy(data)) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _consistent(self) -> ExperimentConfig:
         r = self.rollout
-        if r.initial_rollouts > r.k:
+        if r.initial_rollouts is not None and r.initial_rollouts > r.k:
             raise ValueError(f"rollout.initial_rollouts ({r.initial_rollouts}) must not exceed rollout.k ({r.k})")
         return self
 
@@ -399,38 +567,89 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key, value
 
 
-def apply_overrides(tree: dict[str, Any], overrides: Mapping[str, Any] | Iterable[str]) -> dict[str, Any]:
-    """Set dotted keys in a nested dict; unknown keys are caught later by validation, naming the key."""
+def current_key(key: str, source: str = "") -> str:
+    """``key`` itself, or, for a renamed key, its new name (with a :class:`ConfigKeyDeprecationWarning`)."""
+    new = RENAMED_KEYS.get(key)
+    if new is None:
+        return key
+    where = f" ({source})" if source else ""
+    warnings.warn(f"{key} is deprecated: use {new}{where}", ConfigKeyDeprecationWarning, stacklevel=4)
+    return new
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    """``tree[a][b] = value`` for ``key`` "a.b", creating missing sections; a non-section on the way is an error."""
+    node = tree
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(f"{key}: {'.'.join(parts[: i + 1])} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _pop_dotted(tree: dict[str, Any], key: str) -> tuple[bool, Any]:
+    """Remove ``key`` ("a.b") from the nested tree: (True, its value), or (False, None) when it is not there."""
+    *sections, leaf = key.split(".")
+    node: Any = tree
+    for part in sections:
+        node = node.get(part)
+        if not isinstance(node, dict):
+            return False, None
+    return (True, node.pop(leaf)) if leaf in node else (False, None)
+
+
+def migrate_renamed_keys(tree: dict[str, Any], source: str = "") -> dict[str, Any]:
+    """Move every renamed key of a nested tree (a YAML file, a checkpoint's saved config) to its new place, in
+    place. Setting a key under both its old and its new name is an error: which one was meant is unknowable."""
+    for old in RENAMED_KEYS:
+        found, value = _pop_dotted(tree, old)
+        if not found:
+            continue
+        new = current_key(old, source)
+        if _pop_dotted(tree, new)[0]:
+            raise ConfigError(f"{old} and {new} are both set{f' in {source}' if source else ''}: keep only {new}")
+        _set_dotted(tree, new, value)
+    return tree
+
+
+def apply_overrides(tree: dict[str, Any], overrides: Mapping[str, Any] | Iterable[str],
+                    source: str = "") -> dict[str, Any]:
+    """Set dotted keys in a nested dict, in order (renamed keys under their new name); unknown keys are caught
+    later by validation, naming the key."""
     pairs = overrides.items() if isinstance(overrides, Mapping) else (parse_override(o) for o in overrides)
     for key, value in pairs:
-        node = tree
-        parts = key.split(".")
-        for i, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            elif not isinstance(child, dict):
-                raise ConfigError(f"override {key}: {'.'.join(parts[: i + 1])} is not a section")
-            node = child
-        node[parts[-1]] = value
+        try:
+            _set_dotted(tree, current_key(key, source), value)
+        except ConfigError as exc:
+            raise ConfigError(f"override {exc}") from None
     return tree
 
 
 def _format_validation_error(exc: ValidationError, source: str) -> str:
     lines = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+        loc = ".".join(str(p) for p in err["loc"])
         if err["type"] == "extra_forbidden":
             lines.append(f"unknown key '{loc}'")
+        elif err["type"] == "value_error":  # a cross-field check: its message names the keys, the input is noise
+            message = str(err["ctx"]["error"]) if "ctx" in err else err["msg"]
+            lines.append(f"'{loc}': {message}" if loc else message)
         else:
-            lines.append(f"'{loc}': {err['msg']} (got {err.get('input')!r})")
+            lines.append(f"'{loc or '<root>'}': {err['msg']} (got {err.get('input')!r})")
     return f"invalid config{source}: " + "; ".join(lines)
 
 
 def build_config(tree: Mapping[str, Any] | None = None, overrides: Mapping[str, Any] | Iterable[str] = (),
                  source: str = "") -> ExperimentConfig:
+    """Validate ``tree`` with the dotted ``overrides`` applied on top. Renamed keys (:data:`RENAMED_KEYS`), in
+    either, are translated first, with a :class:`ConfigKeyDeprecationWarning` each."""
     data = json.loads(json.dumps(dict(tree or {})))  # deep copy of plain data
-    apply_overrides(data, overrides)
+    migrate_renamed_keys(data, source)
+    apply_overrides(data, overrides, source)
     try:
         return ExperimentConfig.model_validate(data)
     except ValidationError as exc:

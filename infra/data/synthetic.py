@@ -394,22 +394,23 @@ class SyntheticTask:
 
     @classmethod
     def from_config(cls, cfg: DataConfig) -> SyntheticTask:
-        """The task a :class:`DataConfig` describes (``synthetic_entities`` is the number of companies)."""
+        """The task a :class:`DataConfig` describes (``data.synthetic.entities`` is the number of companies)."""
+        syn = cfg.synthetic
         return cls(
-            seed=cfg.synthetic_seed,
-            n_companies=cfg.synthetic_entities,
-            n_cities=cfg.synthetic_cities,
-            n_countries=cfg.synthetic_countries,
-            families=tuple(cfg.synthetic_families),
-            relations=tuple(cfg.synthetic_relations) if cfg.synthetic_relations is not None else None,
-            questions_per_company=cfg.synthetic_questions_per_company,
-            validation_fraction=cfg.synthetic_validation_fraction,
-            test_fraction=cfg.synthetic_test_fraction,
-            templates_per_fact=cfg.synthetic_templates_per_fact,
-            mentions_per_fact=cfg.synthetic_mentions_per_fact,
-            facts_per_document=cfg.synthetic_facts_per_document,
-            near_name_distractors=cfg.synthetic_near_name_distractors,
-            comparison_distractors=cfg.synthetic_comparison_distractors,
+            seed=syn.seed,
+            n_companies=syn.entities,
+            n_cities=syn.cities,
+            n_countries=syn.countries,
+            families=tuple(syn.families),
+            relations=tuple(syn.relations) if syn.relations is not None else None,
+            questions_per_company=syn.questions_per_company,
+            validation_fraction=syn.validation_fraction,
+            test_fraction=syn.test_fraction,
+            templates_per_fact=syn.templates_per_fact,
+            mentions_per_fact=syn.mentions_per_fact,
+            facts_per_document=syn.facts_per_document,
+            near_name_distractors=syn.near_name_distractors,
+            comparison_distractors=syn.comparison_distractors,
         )
 
     @property

@@ -93,7 +93,7 @@ class RemoteEngine:
         (a filesystem the server shares), then the server is asked to load it (POST ``{"path": …}`` to
         ``reload_url``); a checkpoint directory is sent as it is."""
         if not self.reload_url:
-            log.warning("rollout.remote_reload_url is not set: the server keeps sampling from its old weights")
+            log.warning("rollout.remote.reload_url is not set: the server keeps sampling from its old weights")
             return
         path = Path(source) if not isinstance(source, PolicyWeights) else self._save(source)
         request = urllib.request.Request(self.reload_url, data=json.dumps({"path": str(path)}).encode(),

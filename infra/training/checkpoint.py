@@ -49,7 +49,7 @@ import numpy as np
 import torch
 import yaml
 
-from aepo_core.config import AlgorithmConfig, ExperimentConfig, flatten
+from aepo_core.config import AlgorithmConfig, ConfigError, ExperimentConfig, build_config, flatten, migrate_renamed_keys
 from infra.training.data_order import DataCursor
 
 log = logging.getLogger(__name__)
@@ -379,9 +379,7 @@ def read_checkpoint_state(path: str | os.PathLike[str]) -> CheckpointState:
         raw = json.loads((path / TRAINER_STATE).read_text())
     except (OSError, ValueError) as exc:
         raise CorruptCheckpointError(f"{path}: cannot read {TRAINER_STATE}: {exc}") from None
-    config = None
-    if (path / CONFIG_FILE).is_file():
-        config = yaml.safe_load((path / CONFIG_FILE).read_text())
+    config = _read_saved_config(path)
     try:
         cursor = raw.get("data_cursor")
         return CheckpointState(
@@ -398,6 +396,19 @@ def read_checkpoint_state(path: str | os.PathLike[str]) -> CheckpointState:
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CorruptCheckpointError(f"{path}: bad {TRAINER_STATE}: {exc!r}") from None
+
+
+def _read_saved_config(path: Path) -> dict[str, Any] | None:
+    """The checkpoint's ``config.yaml`` as a tree, renamed keys moved to today's names (a checkpoint saved before
+    a rename resolves like a new one); None when the file is absent or not a mapping."""
+    file = path / CONFIG_FILE
+    if not file.is_file():
+        return None
+    try:
+        tree = yaml.safe_load(file.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise CorruptCheckpointError(f"{path}: cannot read {CONFIG_FILE}: {exc}") from None
+    return migrate_renamed_keys(tree, source=str(file)) if isinstance(tree, dict) else None
 
 
 def load_checkpoint(
@@ -518,9 +529,10 @@ def check_compatible(state_or_path: CheckpointState | str | os.PathLike[str], co
             shown_new = "<absent>" if new is missing else repr(new)
             diffs.append(f"algorithm.{key}: checkpoint {shown_old} vs config {shown_new}")
     if not diffs:
-        if state.config_hash and state.config_hash != config.config_hash():
+        saved_hash = _saved_config_hash(state)
+        if saved_hash and saved_hash != config.config_hash():
             log.info("resuming %s with a config that differs outside model/algorithm (hash %s → %s)",
-                     state.path, state.config_hash, config.config_hash())
+                     state.path, saved_hash, config.config_hash())
         return diffs
     fields = [d.split(":", 1)[0] for d in diffs]
     message = f"checkpoint {state.path} is incompatible with the config: " + "; ".join(diffs)
@@ -528,6 +540,18 @@ def check_compatible(state_or_path: CheckpointState | str | os.PathLike[str], co
         raise IncompatibleCheckpointError(message + " (pass force to resume anyway)", fields)
     log.warning("%s; resuming anyway (forced)", message)
     return diffs
+
+
+def _saved_config_hash(state: CheckpointState) -> str:
+    """The hash of the checkpoint's config as today's code resolves it (renamed keys under their new names, fields
+    added since at their defaults), so that an unchanged experiment compares equal; the recorded hash when the
+    saved config is absent or no longer valid."""
+    if state.config is None:
+        return state.config_hash
+    try:
+        return build_config(state.config, source=str(state.path / CONFIG_FILE)).config_hash()
+    except ConfigError:
+        return state.config_hash
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -597,3 +621,4 @@ def _transformers_version() -> str | None:
     except ImportError:  # pragma: no cover - transformers is a dependency
         return None
     return str(transformers.__version__)
+

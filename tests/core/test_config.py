@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from typing import get_args
 
 import pytest
+from pydantic import BaseModel
 
-from aepo_core.config import ConfigError, ExperimentConfig, build_config, config_from_yaml, parse_override
+from aepo_core.advantages import ADVANTAGE_ESTIMATORS
+from aepo_core.config import (
+    RENAMED_KEYS,
+    AdvantageName,
+    ConfigError,
+    ConfigKeyDeprecationWarning,
+    ExperimentConfig,
+    LossName,
+    build_config,
+    config_from_yaml,
+    parse_override,
+)
+from aepo_core.losses import POLICY_LOSSES
 from infra.config_files import load_config, save_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -97,3 +113,68 @@ def test_paper_config_matches_the_spec():
 def test_flat_params():
     flat = ExperimentConfig().flat()
     assert flat["rollout.k"] == 12 and flat["algorithm.loss"] == "aepo"
+
+
+def fields_of(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, object]]:
+    """(dotted key, FieldInfo) of every field of ``model``, nested sections included."""
+    for name, info in model.model_fields.items():
+        yield prefix + name, info
+        for section in (info.annotation, *get_args(info.annotation)):  # a section, or one inside Optional/list
+            if isinstance(section, type) and issubclass(section, BaseModel):
+                yield from fields_of(section, f"{prefix}{name}.")
+
+
+def test_every_field_is_described():
+    keys = dict(fields_of(ExperimentConfig))
+    assert "data.synthetic.entities" in keys and "rollout.remote.url" in keys and "tools.search.top_k" in keys
+    undescribed = [key for key, info in keys.items() if not (info.description or "").strip()]
+    assert undescribed == [], f"config fields without a description: {', '.join(undescribed)}"
+
+
+def test_literal_names_match_the_registries():
+    assert sorted(get_args(LossName)) == sorted(POLICY_LOSSES)
+    assert sorted(get_args(AdvantageName)) == sorted(ADVANTAGE_ESTIMATORS)
+
+
+def test_initial_rollouts_default_follows_k():
+    assert build_config({}, ["rollout.k=4"]).rollout.initial_rollouts == 2
+    assert build_config({}, ["rollout.k=1"]).rollout.initial_rollouts == 1
+    assert build_config({}, ["rollout.k=5"]).rollout.initial_rollouts == 2
+    assert build_config({}).rollout.initial_rollouts == 6  # the paper's 6 of k = 12
+    assert build_config({}, ["rollout.k=4", "rollout.initial_rollouts=4"]).rollout.initial_rollouts == 4
+    with pytest.raises(ConfigError, match=r"rollout\.initial_rollouts \(5\) must not exceed rollout\.k \(4\)$"):
+        build_config({}, ["rollout.k=4", "rollout.initial_rollouts=5"])
+
+
+def test_renamed_keys_table_points_from_gone_keys_to_existing_ones():
+    keys = dict(fields_of(ExperimentConfig))
+    assert RENAMED_KEYS and all(new in keys and old not in keys for old, new in RENAMED_KEYS.items())
+    assert len(set(RENAMED_KEYS.values())) == len(RENAMED_KEYS)
+
+
+def test_renamed_keys_still_work_with_a_warning():
+    yaml_text = "data:\n  synthetic_entities: 40\n  synthetic_families: [compute]\nrollout:\n  remote_url: http://a\n"
+    with pytest.warns(ConfigKeyDeprecationWarning) as caught:
+        cfg = config_from_yaml(yaml_text, ["rollout.remote_reload_url=http://a/reload"], source="old.yaml")
+    messages = sorted(str(w.message) for w in caught)
+    assert "data.synthetic_entities is deprecated: use data.synthetic.entities (old.yaml)" in messages
+    assert "rollout.remote_reload_url is deprecated: use rollout.remote.reload_url (old.yaml)" in messages
+    assert len(messages) == 4
+    assert cfg == build_config({"data": {"synthetic": {"entities": 40, "families": ["compute"]}},
+                                "rollout": {"remote": {"url": "http://a", "reload_url": "http://a/reload"}}})
+    old_tree = {"data": {"synthetic_seed": 3}}
+    with pytest.warns(ConfigKeyDeprecationWarning, match=r"use data\.synthetic\.seed"):  # e.g. a flow parameter
+        assert ExperimentConfig.model_validate(old_tree).data.synthetic.seed == 3
+    assert old_tree == {"data": {"synthetic_seed": 3}}  # the caller's tree is left alone
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new keys warn about nothing
+        load_config(CONFIGS / "demo.yaml", ["data.synthetic.seed=3"])
+
+
+def test_renamed_keys_overrides_win_in_either_spelling():
+    with pytest.warns(ConfigKeyDeprecationWarning):
+        assert build_config({"data": {"synthetic_seed": 1}}, ["data.synthetic.seed=2"]).data.synthetic.seed == 2
+        assert build_config({"data": {"synthetic": {"seed": 1}}}, ["data.synthetic_seed=2"]).data.synthetic.seed == 2
+        assert build_config({}, ["data.synthetic_seed=2", "data.synthetic.seed=3"]).data.synthetic.seed == 3
+        with pytest.raises(ConfigError, match=r"data\.synthetic_seed and data\.synthetic\.seed are both set"):
+            build_config({"data": {"synthetic_seed": 1, "synthetic": {"seed": 2}}})

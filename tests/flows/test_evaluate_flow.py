@@ -206,7 +206,7 @@ def test_judge_verdicts_are_recorded(scripted_policy_server: tuple[JsonServer, d
     policy, answers = scripted_policy_server
     with JsonServer(fake_judge(fail_first=1)) as judge:
         result = evaluate(config=str(TINY), runs_dir=str(tmp_path),
-                          overrides=[*FAST, "rollout.engine=remote", f"rollout.remote_url={policy.url}",
+                          overrides=[*FAST, "rollout.engine=remote", f"rollout.remote.url={policy.url}",
                                      f"eval.judge_url={judge.url}/v1", "eval.judge_model=fake-judge"])
     assert len(policy.requests) == 4  # 2 questions × 2 samples
     assert len(judge.requests) == 1 + 4  # one 503, retried

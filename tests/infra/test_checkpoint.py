@@ -3,6 +3,7 @@ corruption fallback, crash safety (exception and SIGKILL mid-save) and the compa
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -18,8 +19,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import yaml
 
-from aepo_core.config import ExperimentConfig, build_config
+from aepo_core.config import ConfigKeyDeprecationWarning, ExperimentConfig, build_config
 from infra.training.checkpoint import (
     CheckpointError,
     IncompatibleCheckpointError,
@@ -388,3 +390,26 @@ def test_incompatible_config_is_refused_unless_forced(tmp_path: Path, tokenizer:
     with caplog.at_level(logging.WARNING, logger="infra.training.checkpoint"):
         state = load_checkpoint(path, model=model, config=other, force=True)
     assert state.step == 1 and "forced" in caplog.text and same_params(model, make_model(0))
+
+
+def test_checkpoint_saved_before_a_key_rename_reads_under_the_new_names(tmp_path: Path, tokenizer: Any,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    cfg = make_config(**{"data.synthetic.entities": 40, "rollout.remote.url": "http://127.0.0.1:8000"})
+    path = save(tmp_path, 1, make_model(0), tokenizer, config=cfg)
+    old = cfg.to_dict()  # what the code before the rename saved: the same config under the flat keys
+    old["data"].update({f"synthetic_{k}": v for k, v in old["data"].pop("synthetic").items()})
+    old["rollout"].update({f"remote_{k}": v for k, v in old["rollout"].pop("remote").items()})
+    (path / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    trainer_state = json.loads((path / "trainer_state.json").read_text())
+    blob = json.dumps(old, sort_keys=True, separators=(",", ":")).encode()
+    trainer_state["config_hash"] = hashlib.sha256(blob).hexdigest()[:16]  # as config_hash() computed it then
+    (path / "trainer_state.json").write_text(json.dumps(trainer_state))
+    with pytest.warns(ConfigKeyDeprecationWarning) as caught:
+        assert read_checkpoint_state(path).config == cfg.to_dict()
+    assert any(str(w.message).startswith("data.synthetic_entities is deprecated: use data.synthetic.entities (")
+               for w in caught)
+    with pytest.warns(ConfigKeyDeprecationWarning), caplog.at_level(logging.INFO, logger="infra.training.checkpoint"):
+        assert check_compatible(path, cfg) == []
+        assert "differs outside" not in caplog.text  # the same experiment under new names
+        assert check_compatible(path, make_config(**{"data.synthetic.entities": 41})) == []
+        assert "differs outside" in caplog.text

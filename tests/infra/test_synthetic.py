@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from aepo_core.config import DataConfig, RewardConfig
+from aepo_core.config import DataConfig, RewardConfig, SyntheticDataConfig
 from aepo_core.protocol import (
     STOP_STRINGS,
     SYSTEM_PROMPT,
@@ -126,8 +126,8 @@ def test_invented_names_are_unique_and_distractors_present(small_task: Synthetic
 
 def test_knobs_and_config() -> None:
     assert SyntheticTask.from_config(DataConfig()) == SyntheticTask()  # the config's defaults are the task's
-    cfg = DataConfig(synthetic_seed=5, synthetic_entities=20, synthetic_families=["compute"],
-                     synthetic_questions_per_company=1, synthetic_near_name_distractors=2)
+    cfg = DataConfig(synthetic=SyntheticDataConfig(seed=5, entities=20, families=["compute"], questions_per_company=1,
+                                                   near_name_distractors=2))
     task = SyntheticTask.from_config(cfg)
     rows = task.questions("train")
     assert len(rows) == len(task.companies("train")) and {r.family for r in rows} == {"compute"}
