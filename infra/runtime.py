@@ -166,10 +166,10 @@ def _build_engine(cfg: ExperimentConfig, model: torch.nn.Module, tokenizer: obje
     if r.engine == "remote":
         from infra.engines.remote import RemoteEngine
 
-        if not r.remote_url:
-            raise ValueError("rollout.engine=remote needs rollout.remote_url")
-        return RemoteEngine(r.remote_url, r.remote_model or cfg.model.name, tokenizer,
-                            reload_url=r.remote_reload_url, weights_dir=weights_dir)
+        if not r.remote.url:
+            raise ValueError("rollout.engine=remote needs rollout.remote.url")
+        return RemoteEngine(r.remote.url, r.remote.model or cfg.model.name, tokenizer,
+                            reload_url=r.remote.reload_url, weights_dir=weights_dir)
     from infra.engines.hf import HFEngine
 
     gen_dtype = cfg.model.generation_dtype
