@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import infra.training.update as update_mod
 from aepo_core.config import build_config
 from infra.training.backends import FrozenBackend, TorchBackend
 from infra.training.batching import TrainSample, plan_micro_batches, split_mini_batches
-import infra.training.update as update_mod
 from infra.training.update import PolicyUpdater
 
 VOCAB = 97
@@ -216,7 +216,7 @@ def test_update_combines_micro_batch_diagnostics_exactly(monkeypatch: pytest.Mon
 
     def recording(*args, **kwargs):
         loss, diag = real(*args, **kwargs)
-        parts.append(dict(diag))
+        parts.append({name: d.value for name, d in diag.items()})
         return loss, diag
 
     monkeypatch.setattr(update_mod, "compute_policy_loss", recording)
