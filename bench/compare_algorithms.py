@@ -28,7 +28,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from typing import Any
 import yaml
 
 from bench.harness import RESULTS_DIR, atomic_write_json, environment, print_table
+from infra.atomic import atomic_dir
 
 log = logging.getLogger("bench.compare_algorithms")
 
@@ -85,18 +85,10 @@ def shared_sft_checkpoint(base: Any, runs: Path, refresh: bool = False) -> tuple
     exp = Experiment(cfg, runs / "sft-start", run_name="compare-sft")
     metrics = exp.sft()
     metrics["sft/wall_s"] = time.perf_counter() - t0
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-compare-sft-", dir=root))
-    try:
+    with atomic_dir(final, replace=True) as tmp:
         exp.model.save_pretrained(tmp)
         exp.tokenizer.save_pretrained(tmp)
         (tmp / "aepo_sft.json").write_text(json.dumps(metrics, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("shared SFT start: %s (batch loss %.3f → %.3f, %.0f s)", final, metrics["sft/loss_first_batch"],
              metrics["sft/loss_last_batch"], metrics["sft/wall_s"])
     return final, metrics
