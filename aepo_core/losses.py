@@ -2,7 +2,8 @@
 
 Each registered loss maps per-token log-probs, advantages and a mask to a per-token loss (what is minimized)
 plus which tokens were clipped on each side.  :func:`compute_policy_loss` adds the optional KL term,
-aggregates, and returns the scalar with a dict of diagnostics.
+aggregates, and returns the scalar with its diagnostics: each a :class:`Diagnostic` that declares how it
+combines over micro-batches (:func:`combine_diagnostics`), so a new diagnostic cannot be silently averaged.
 
 Conventions: r = exp(logπ_θ − logπ_old) per token; Â already includes the entropy-aware scaling when that is
 on; tool-result and padding tokens have mask 0 and get exactly zero gradient.  For micro-batching, pass a
@@ -12,8 +13,9 @@ mini-batch loss, whatever the split.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
@@ -243,7 +245,7 @@ def compute_policy_loss(
     cfg: AlgorithmConfig,
     norm: LossNormalizer | None = None,
     norm_len: int | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, Diagnostic]]:
     """The configured loss, aggregated, with the KL term when ``kl_coef`` > 0, and its diagnostics."""
     try:
         loss_fn = POLICY_LOSSES[cfg.loss]
@@ -274,9 +276,94 @@ def compute_policy_loss(
     return loss, _diagnostics(inp, out, mask, high_entropy, kl, cfg)
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+Reduce = Literal["sum", "max", "min", "mean"]
+
+
+@dataclass(frozen=True)
+class Diagnostic:
+    """One micro-batch's value of a diagnostic and how it combines with the other micro-batches' values.
+
+    ``reduce``: ``sum`` (counts), ``max`` / ``min`` (extremes) or ``mean``: a weighted mean whose ``weight`` is the
+    number of tokens the value is a mean over (model tokens, or another count such as high-entropy tokens).
+    """
+
+    value: float
+    reduce: Reduce
+    weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.reduce not in get_args(Reduce):
+            raise ValueError(f"unknown diagnostic reduction {self.reduce!r}; known: {get_args(Reduce)}")
+
+
+@dataclass(frozen=True)
+class Combined:
+    """A diagnostic folded over some micro-batches: the running total and, for a mean, the running weight."""
+
+    reduce: Reduce
+    total: float
+    weight: float = 0.0
+
+
+DiagnosticFold = Callable[[Combined | None, Diagnostic], Combined]
+
+
+def _fold_sum(acc: Combined | None, d: Diagnostic) -> Combined:
+    """Σ_micro value."""
+    return Combined("sum", (acc.total if acc is not None else 0.0) + d.value)
+
+
+def _fold_max(acc: Combined | None, d: Diagnostic) -> Combined:
+    """max_micro value."""
+    return Combined("max", max(acc.total if acc is not None else d.value, d.value))
+
+
+def _fold_min(acc: Combined | None, d: Diagnostic) -> Combined:
+    """min_micro value."""
+    return Combined("min", min(acc.total if acc is not None else d.value, d.value))
+
+
+def _fold_mean(acc: Combined | None, d: Diagnostic) -> Combined:
+    """Σ_micro value·weight, and Σ_micro weight to divide by at the end (:func:`combined_value`)."""
+    total, weight = (acc.total, acc.weight) if acc is not None else (0.0, 0.0)
+    return Combined("mean", total + d.value * d.weight, weight + d.weight)
+
+
+DIAGNOSTIC_FOLDS: dict[Reduce, DiagnosticFold] = {"sum": _fold_sum, "max": _fold_max, "min": _fold_min,
+                                                  "mean": _fold_mean}
+
+
+def combined_value(acc: Combined) -> float:
+    """The folded total; for a mean Σ value·weight / Σ weight, 0 when no micro-batch had any weight."""
+    if acc.reduce != "mean":
+        return acc.total
+    return acc.total / acc.weight if acc.weight else 0.0
+
+
+def combine_diagnostics(parts: Iterable[Mapping[str, Diagnostic]]) -> dict[str, float]:
+    """Each diagnostic folded over the micro-batches in order, by the reduction it declares, in first-seen order.
+
+    A diagnostic that declares different reductions in different micro-batches is an error.
+    """
+    acc: dict[str, Combined] = {}
+    for part in parts:
+        for name, d in part.items():
+            prev = acc.get(name)
+            if prev is not None and prev.reduce != d.reduce:
+                raise ValueError(f"diagnostic {name!r} declared both {prev.reduce!r} and {d.reduce!r}")
+            acc[name] = DIAGNOSTIC_FOLDS[d.reduce](prev, d)
+    return {name: combined_value(a) for name, a in acc.items()}
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> Diagnostic:
+    """Mean of ``x`` over ``mask`` (0 when empty), weighted by the number of masked tokens when combined."""
     n = int(mask.sum())
-    return float(x.float()[mask].sum() / n) if n else 0.0
+    return Diagnostic(float(x.float()[mask].sum() / n) if n else 0.0, "mean", float(mask.sum()))
+
+
+def _count(mask: torch.Tensor) -> Diagnostic:
+    """The number of tokens in ``mask``, summed when combined."""
+    return Diagnostic(float(mask.sum()), "sum")
 
 
 @torch.no_grad()
@@ -287,21 +374,23 @@ def _diagnostics(
     high_entropy: torch.Tensor,
     kl: torch.Tensor | None,
     cfg: AlgorithmConfig,
-) -> dict[str, float]:
+) -> dict[str, Diagnostic]:
     clipped = out.clipped_high | out.clipped_low
     log_r = (inp.logprobs.detach() - inp.old_logprobs.detach()).float()
-    ratio = out.ratio.float()[mask]
+    ratio = out.ratio.float()[mask]  # its statistics are 1 when there are no model tokens
+    some = ratio.numel() > 0
+    num_tokens = _count(mask)
     diag = {
         "clip_frac": _masked_mean(clipped, mask),
         "clip_frac_high": _masked_mean(out.clipped_high, mask),
         "clip_frac_low": _masked_mean(out.clipped_low, mask),
-        "clip_frac_high_entropy": _masked_mean(clipped, high_entropy),
+        "clip_frac_high_entropy": _masked_mean(clipped, high_entropy),  # weighted by the high-entropy count
         "approx_kl": _masked_mean(torch.exp(-log_r) + log_r - 1, mask),  # k3 of π_θ vs π_old
-        "ratio_mean": float(ratio.mean()) if ratio.numel() else 1.0,
-        "ratio_max": float(ratio.max()) if ratio.numel() else 1.0,
-        "ratio_min": float(ratio.min()) if ratio.numel() else 1.0,
-        "num_tokens": float(mask.sum()),
-        "num_high_entropy_tokens": float(high_entropy.sum()),
+        "ratio_mean": Diagnostic(float(ratio.mean()) if some else 1.0, "mean", num_tokens.value),
+        "ratio_max": Diagnostic(float(ratio.max()) if some else 1.0, "max"),
+        "ratio_min": Diagnostic(float(ratio.min()) if some else 1.0, "min"),
+        "num_tokens": num_tokens,
+        "num_high_entropy_tokens": _count(high_entropy),
     }
     if inp.entropy is not None:
         diag["entropy_mean"] = _masked_mean(inp.entropy, mask)

@@ -29,7 +29,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -42,6 +41,7 @@ from typing import Any
 import yaml
 
 from bench.harness import RESULTS_DIR, atomic_write_json, environment, print_table
+from infra.atomic import atomic_dir
 from infra.data.loaders import dataset_key
 
 log = logging.getLogger("bench.compare_algorithms")
@@ -89,18 +89,10 @@ def shared_sft_checkpoint(base: Any, runs: Path, refresh: bool = False) -> tuple
     rows = runtime.load_rows(cfg.data.train)
     metrics = run_sft(runtime, rows[: cfg.data.max_questions] if cfg.data.max_questions else rows).metrics()
     metrics["sft/wall_s"] = time.perf_counter() - t0
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-compare-sft-", dir=root))
-    try:
+    with atomic_dir(final, replace=True) as tmp:
         runtime.model.save_pretrained(tmp)
         runtime.tokenizer.save_pretrained(tmp)
         (tmp / "aepo_sft.json").write_text(json.dumps(metrics, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("shared SFT start: %s (batch loss %.3f → %.3f, %.0f s)", final, metrics["sft/loss_first_batch"],
              metrics["sft/loss_last_batch"], metrics["sft/wall_s"])
     return final, metrics

@@ -7,7 +7,6 @@ import math
 import os
 import platform
 import shutil
-import tempfile
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -15,24 +14,16 @@ from typing import Any
 
 import torch
 
+from infra.atomic import atomic_file
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def atomic_write_json(path: Path, data: Any) -> None:
-    """Write JSON to a temporary file in the same directory, fsync, then rename over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=1, sort_keys=False, default=_json_default)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are ordinary shared files
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write JSON to ``path`` atomically (:func:`infra.atomic.atomic_file`: complete or not at all, mode 0644)."""
+    with atomic_file(path, "w") as fh:
+        json.dump(data, fh, indent=1, sort_keys=False, default=_json_default)
+        fh.write("\n")
 
 
 def _json_default(obj: Any) -> Any:

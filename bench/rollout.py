@@ -27,7 +27,6 @@ import logging
 import math
 import os
 import resource
-import shutil
 import statistics
 import sys
 import tempfile
@@ -52,6 +51,7 @@ from aepo_core.interfaces import GenerationRequest, GenerationResult, SamplingPa
 from aepo_core.protocol import SYSTEM_PROMPT
 from aepo_core.rollout.scheduler import Question, RolloutScheduler
 from bench.harness import RESULTS_DIR, atomic_write_json, autocast_of, environment, print_table, set_threads
+from infra.atomic import atomic_dir
 from infra.data.synthetic import OracleError, SyntheticTask, oracle_transcript
 from infra.engines.hf import HFEngine
 from infra.models import BUILTIN_SMOLLM2, TINY_RANDOM, cache_root, chat_prompt_ids, load_policy
@@ -269,16 +269,9 @@ def load_or_sft(name: str, cache: str | None, compute: str, task: SyntheticTask,
         info = json.loads((final / "info.json").read_text())
         return model, tokenizer, {**info, "sft_s": 0.0, "from_cache": str(final)}
     info = sft_for_tools(model, tokenizer, compute, task, tools, steps, batch, lr, seed)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
-    try:
+    with atomic_dir(final, replace=True) as tmp:
         model.save_pretrained(str(tmp))
         (tmp / "info.json").write_text(json.dumps(info))
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary shared directory
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return model, tokenizer, {**info, "from_cache": None}
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -148,19 +147,12 @@ def judge_answers(url: str, model: str | None, dataset: str,
 @task(name="write_results", cache_policy=NO_CACHE, retries=1)
 def write_results(rows: list[dict[str, Any]], path: str) -> str:
     """The per-question Parquet, atomically (temporary name in the same directory, fsync, rename)."""
+    from infra.atomic import atomic_file
+
     table = pa.Table.from_pylist(rows, schema=QUESTION_SCHEMA)
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            pq.write_table(table, fh, compression="zstd")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(out) as fh:
+        pq.write_table(table, fh, compression="zstd")
     get_run_logger().info("wrote %d question rows to %s", table.num_rows, out)
     return str(out)
 

@@ -28,8 +28,6 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +36,7 @@ import torch
 
 from aepo_core.config import ModelConfig
 from aepo_core.protocol import SYSTEM_PROMPT, chat_messages
+from infra.atomic import atomic_dir
 
 log = logging.getLogger(__name__)
 
@@ -196,27 +195,15 @@ def ensure_gguf_converted(gguf: Path, root: Path, label: str, tokenizer_only: bo
     final = root / (_cache_name(gguf, label) + ("-tokenizer" if tokenizer_only else ""))
     if final.is_dir():
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
     t0 = time.perf_counter()
-    try:
+    with atomic_dir(final) as tmp:  # a concurrent converter that finishes first wins; its cache is used
         log.info("converting %s → %s%s (one time)", gguf, final, " [tokenizer only]" if tokenizer_only else "")
         tokenizer_cache = root / (_cache_name(gguf, label) + "-tokenizer")
         _convert_gguf(gguf, tmp, tokenizer_only=tokenizer_only,
                       tokenizer_from=tokenizer_cache if tokenizer_cache.is_dir() else None)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private (0700); the cache is an ordinary shared directory
         marker = {"source": str(gguf), "size": gguf.stat().st_size, "tokenizer_only": tokenizer_only,
                   "seconds": round(time.perf_counter() - t0, 2)}
         (tmp / _MARKER).write_text(json.dumps(marker, indent=1))
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not final.is_dir():  # not a lost race with another converter: a real error
-                raise
-            log.info("another process converted %s first; using its cache", final.name)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     log.info("converted %s in %.1f s", final.name, time.perf_counter() - t0)
     return final
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from matplotlib.ticker import MaxNLocator
 
 from aepo_core.rollout.tree import Node, RolloutTree
 from aepo_core.scoring import LeafScore, check_aligned
+from infra.atomic import atomic_file
 
 log = logging.getLogger(__name__)
 
@@ -54,17 +54,11 @@ def metric_group(name: str) -> str:
 
 
 def save_png(fig: Figure, path: str | os.PathLike[str], dpi: int = 100) -> Path:
-    """Write ``fig`` as a PNG atomically (temp name in the same directory, then rename)."""
+    """Write ``fig`` as a PNG atomically (:func:`infra.atomic.atomic_file`)."""
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        FigureCanvasAgg(fig)
-        fig.savefig(tmp, format="png", dpi=dpi, bbox_inches="tight")
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    FigureCanvasAgg(fig)
+    with atomic_file(out) as fh:
+        fig.savefig(fh, format="png", dpi=dpi, bbox_inches="tight")
     return out
 
 

@@ -14,9 +14,9 @@ Why these choices:
 
 - Deterministic part names: re-writing a step (a resumed run repeating a step) replaces it, never duplicates.
 - Atomic parts: locally the file is written under a hidden temporary name in the same directory, fsynced and
-  renamed over the final name; on S3 the part is serialized in memory and sent as one PUT (an object is either
-  fully visible or absent).  Readers ignore names starting with ``.`` or ``_``, so a crash mid-write never
-  shows a partial part.
+  renamed over the final name (:mod:`infra.atomic`); on S3 the part is serialized in memory and sent as one PUT
+  (an object is either fully visible or absent).  Readers ignore names starting with ``.`` or ``_``, so a crash
+  mid-write never shows a partial part.
 - ``nodes`` is written before ``trajectories``: a step is complete when its trajectories part exists, which is
   what :meth:`TrajectoryStore.steps` lists.
 - Scalar floats that are NaN (not measured) or absent (a step written without its scores) are stored as
@@ -30,7 +30,6 @@ import logging
 import math
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -45,6 +44,7 @@ from fsspec.implementations.local import LocalFileSystem
 from aepo_core.config import StorageConfig
 from aepo_core.rollout.tree import RolloutTree
 from aepo_core.scoring import LeafScore, check_aligned
+from infra.atomic import atomic_file, leftover_temps
 
 log = logging.getLogger(__name__)
 
@@ -365,30 +365,10 @@ class TrajectoryStore:
 
     @staticmethod
     def _write_local(table: pa.Table, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in path.parent.glob(f".{PART_NAME}.*.tmp"):  # leftovers of a killed writer
+        for stale in leftover_temps(path):  # of a killed writer (one writer per step)
             stale.unlink(missing_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{PART_NAME}.", suffix=".tmp", dir=path.parent)
-        tmp = Path(tmp_name)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                _serialize(table, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        try:  # make the rename itself durable
-            dir_fd = os.open(path.parent, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.fsync(dir_fd)
-        except OSError:
-            pass
-        finally:
-            os.close(dir_fd)
+        with atomic_file(path) as fh:
+            _serialize(table, fh)
 
     # ---- reading -----------------------------------------------------------------------------------------
 

@@ -20,9 +20,7 @@ import logging
 import os
 import random
 import re
-import shutil
 import socket
-import tempfile
 import threading
 import time
 import unicodedata
@@ -38,6 +36,7 @@ from bm25s.stopwords import STOPWORDS_EN
 
 from aepo_core.config import SearchToolConfig
 from aepo_core.interfaces import ToolResult
+from infra.atomic import atomic_dir
 
 logger = logging.getLogger(__name__)
 
@@ -230,18 +229,14 @@ class Bm25Index:
         retriever.index([tokenize(f"{d['title']} {d['text']}") for d in self.docs], show_progress=False)
         logger.info("built BM25 index over %d docs in %.2fs", len(self.docs), time.perf_counter() - started)
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix=f".{self.path.name}-", dir=self.path.parent))
-            try:
-                retriever.save(str(staging), show_progress=False)
-                (staging / "format.json").write_text(
-                    json.dumps({"format": INDEX_FORMAT_VERSION, "docs": len(self.docs)}), encoding="utf-8"
-                )
-                os.rename(staging, self.path)
-            except OSError as exc:  # another process won the rename, or the disk refused: keep ours in memory
+            try:  # another process that stores its index first wins (and ours stays in memory)
+                with atomic_dir(self.path) as staging:
+                    retriever.save(str(staging), show_progress=False)
+                    (staging / "format.json").write_text(
+                        json.dumps({"format": INDEX_FORMAT_VERSION, "docs": len(self.docs)}), encoding="utf-8"
+                    )
+            except OSError as exc:  # the disk refused: keep ours in memory
                 logger.info("BM25 index not stored at %s: %s", self.path, exc)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
         return retriever
 
     def search(self, query: str, top_k: int) -> list[SearchHit]:

@@ -19,16 +19,22 @@ from __future__ import annotations
 import logging
 import resource
 import time
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-from aepo_core.advantages import entropy_aware_advantage, entropy_stats
+from aepo_core.advantages import EntropyStats, entropy_aware_advantage, entropy_stats
 from aepo_core.config import ExperimentConfig
-from aepo_core.losses import LossInputs, compute_policy_loss, loss_normalizer
+from aepo_core.losses import (
+    Diagnostic,
+    LossInputs,
+    LossNormalizer,
+    combine_diagnostics,
+    compute_policy_loss,
+    loss_normalizer,
+)
 from infra.training.batching import PaddedBatch, TrainSample, collate, plan_micro_batches, split_mini_batches
 
 log = logging.getLogger(__name__)
@@ -177,7 +183,6 @@ class PolicyUpdater:
     # ------------------------------------------------------------------
     def update(self, samples: Sequence[TrainSample]) -> dict[str, float]:
         """One RL step's update over ``samples``; returns the step's training metrics."""
-        cfg, alg = self.cfg, self.cfg.algorithm
         if not samples:
             return {"train/skipped": 1.0}
         t0 = time.perf_counter()
@@ -185,98 +190,124 @@ class PolicyUpdater:
         scored = self.score(samples, policy=scoring) if scoring or self.ref_backend is not None else None
         t_score = time.perf_counter() - t0
         if scoring and scored is not None:
-            entropies = scored.entropy
-        else:  # on-policy: the sampler's exact entropies of the same distribution
-            entropies = [torch.tensor(s.rollout_entropies, dtype=torch.float32) for s in samples]
-        ref_logprobs = scored.ref_logprobs if scored is not None else None
-        gap_sum, gap_n = 0.0, 0
-        if scoring and scored is not None:
-            for i, s in enumerate(samples):
-                m = torch.tensor(s.loss_mask, dtype=torch.bool)
-                gap_sum += float((scored.logprobs[i][m] - torch.tensor(s.rollout_logprobs)[m]).abs().sum())
-                gap_n += int(m.sum())
-
-        sums: dict[str, float] = defaultdict(float)
-        weights: dict[str, float] = defaultdict(float)
-        grad_norms, losses = [], []
-        real_tokens = padded_tokens = 0
+            entropies, tally = scored.entropy, _Tally(*_scored_logprob_gap(samples, scored.logprobs))
+        else:  # on-policy: the sampler's exact entropies of the same distribution; the gap is taken per micro-batch
+            entropies, tally = [torch.tensor(s.rollout_entropies, dtype=torch.float32) for s in samples], _Tally()
+        step = _Step(samples, entropies, scored, scoring)
         self.backend.module.train()
-        for _epoch in range(cfg.optim.ppo_epochs):
-            for mini in split_mini_batches(samples, cfg.optim.mini_batch_size):
-                mini_mask = self._stack([torch.tensor(samples[i].loss_mask, dtype=torch.float32) for i in mini],
-                                        max(samples[i].response_len for i in mini))
-                mini_ent = self._stack([entropies[i] for i in mini], mini_mask.shape[1])
-                stats = entropy_stats(mini_ent, mini_mask)
-                norm = loss_normalizer(mini_mask, mini_ent, alg)
-                mini_loss = 0.0
-                for mb in self._micro_batches(samples, mini):
-                    batch = collate([samples[i] for i in mb], self.pad_id, self.device)
-                    real_tokens += batch.real_tokens
-                    padded_tokens += batch.padded_tokens
-                    width = batch.targets.shape[1]
-                    ent = self._stack([entropies[i] for i in mb], width)
-                    ref = self._stack([ref_logprobs[i] for i in mb], width) if ref_logprobs else None
-                    adv = batch.advantages
-                    if alg.entropy_advantage:
-                        adv = entropy_aware_advantage(adv, ent, batch.loss_mask, alg.entropy_advantage_alpha, stats,
-                                                      alg.entropy_eps)
-                    logprobs, _ = response_logprobs_and_entropy(self.backend, batch, cfg.rollout.temperature, True,
-                                                                with_entropy=False)
-                    if cfg.optim.old_logprobs == "rollout":
-                        old = batch.rollout_logprobs
-                    elif scoring and scored is not None:
-                        old = self._stack([scored.logprobs[i] for i in mb], width)
-                    else:  # on-policy without a scoring pass: π_old is this very forward, detached (ratio ≡ 1)
-                        old = logprobs.detach()
-                    if not scoring:
-                        gap_sum += float(((logprobs.detach() - batch.rollout_logprobs).abs() * batch.loss_mask).sum())
-                        gap_n += int(batch.loss_mask.sum())
-                    loss, diag = compute_policy_loss(
-                        LossInputs(logprobs, old, adv, batch.loss_mask, ent, ref), alg, norm,
-                        norm_len=cfg.rollout.max_response_tokens,
-                    )
-                    self.backend.backward(loss)
-                    mini_loss += float(loss.detach())
-                    tokens = diag.get("num_tokens", 0.0)
-                    for key, value in diag.items():
-                        if key.startswith("num_"):
-                            sums[key] += value
-                        elif key == "clip_frac_high_entropy":
-                            sums[key] += value * diag["num_high_entropy_tokens"]
-                            weights[key] += diag["num_high_entropy_tokens"]
-                        elif key == "ratio_max":
-                            sums[key] = max(sums.get(key, value), value)
-                        elif key == "ratio_min":
-                            sums[key] = min(sums.get(key, value), value)
-                        else:
-                            sums[key] += value * tokens
-                            weights[key] += tokens
-                grad_norms.append(self.backend.step())
-                losses.append(mini_loss)
+        for _epoch in range(self.cfg.optim.ppo_epochs):
+            for mini in split_mini_batches(samples, self.cfg.optim.mini_batch_size):
+                self._mini_batch(step, mini, tally)
         self.backend.module.eval()
-        wall = time.perf_counter() - t0
+        return self._metrics(step, tally, wall=time.perf_counter() - t0, t_score=t_score)
+
+    def _mini_batch(self, step: _Step, mini: list[int], tally: _Tally) -> None:
+        """One optimizer step: the mini-batch's entropy statistics and normalizers, then its micro-batches."""
+        samples, alg = step.samples, self.cfg.algorithm
+        mini_mask = self._stack([torch.tensor(samples[i].loss_mask, dtype=torch.float32) for i in mini],
+                                max(samples[i].response_len for i in mini))
+        mini_ent = self._stack([step.entropies[i] for i in mini], mini_mask.shape[1])
+        stats = entropy_stats(mini_ent, mini_mask)
+        norm = loss_normalizer(mini_mask, mini_ent, alg)
+        mini_loss = 0.0
+        for mb in self._micro_batches(samples, mini):
+            mini_loss += self._micro_batch(step, mb, stats, norm, tally)
+        tally.grad_norms.append(self.backend.step())
+        tally.losses.append(mini_loss)
+
+    def _micro_batch(self, step: _Step, mb: list[int], stats: EntropyStats, norm: LossNormalizer,
+                     tally: _Tally) -> float:
+        """Forward, loss and backward of one micro-batch (gradients accumulate); returns its loss."""
+        cfg, alg = self.cfg, self.cfg.algorithm
+        batch = collate([step.samples[i] for i in mb], self.pad_id, self.device)
+        tally.real_tokens += batch.real_tokens
+        tally.padded_tokens += batch.padded_tokens
+        width = batch.targets.shape[1]
+        ent = self._stack([step.entropies[i] for i in mb], width)
+        ref_logprobs = step.scored.ref_logprobs if step.scored is not None else None
+        ref = self._stack([ref_logprobs[i] for i in mb], width) if ref_logprobs else None
+        adv = batch.advantages
+        if alg.entropy_advantage:
+            adv = entropy_aware_advantage(adv, ent, batch.loss_mask, alg.entropy_advantage_alpha, stats,
+                                          alg.entropy_eps)
+        logprobs, _ = response_logprobs_and_entropy(self.backend, batch, cfg.rollout.temperature, True,
+                                                    with_entropy=False)
+        old = self._old_logprobs(step, mb, batch, logprobs)
+        if not step.scoring:
+            tally.gap_sum += float(((logprobs.detach() - batch.rollout_logprobs).abs() * batch.loss_mask).sum())
+            tally.gap_n += int(batch.loss_mask.sum())
+        loss, diag = compute_policy_loss(
+            LossInputs(logprobs, old, adv, batch.loss_mask, ent, ref), alg, norm,
+            norm_len=cfg.rollout.max_response_tokens,
+        )
+        self.backend.backward(loss)
+        tally.diagnostics.append(diag)
+        return float(loss.detach())
+
+    def _old_logprobs(self, step: _Step, mb: list[int], batch: PaddedBatch, logprobs: torch.Tensor) -> torch.Tensor:
+        """π_old of the ratio: the rollout's, the scoring pass's, or (on-policy, no scoring pass) this very forward,
+        detached (ratio ≡ 1)."""
+        if self.cfg.optim.old_logprobs == "rollout":
+            return batch.rollout_logprobs
+        if step.scoring and step.scored is not None:
+            return self._stack([step.scored.logprobs[i] for i in mb], batch.targets.shape[1])
+        return logprobs.detach()
+
+    def _metrics(self, step: _Step, tally: _Tally, wall: float, t_score: float) -> dict[str, float]:
+        """The step's training metrics; the loss diagnostics combined as each declares (``train/<name>``)."""
+        samples = step.samples
         metrics = {
-            "train/loss": sum(losses) / len(losses),
-            "train/grad_norm": sum(grad_norms) / len(grad_norms),
-            "train/grad_norm_max": max(grad_norms),
+            "train/loss": sum(tally.losses) / len(tally.losses),
+            "train/grad_norm": sum(tally.grad_norms) / len(tally.grad_norms),
+            "train/grad_norm_max": max(tally.grad_norms),
             "train/lr": self.backend.current_lr(),
-            "train/optimizer_steps": float(len(grad_norms)),
+            "train/optimizer_steps": float(len(tally.grad_norms)),
             "train/entropy_mean": float(torch.cat([e[torch.tensor(s.loss_mask, dtype=torch.bool)]
-                                                   for e, s in zip(entropies, samples, strict=True)]).mean()),
-            "train/rollout_trainer_logprob_gap": gap_sum / max(1, gap_n),
-            "train/tokens_per_s": real_tokens / max(wall, 1e-9),
-            "train/padding_waste": 1.0 - real_tokens / max(1, padded_tokens),
+                                                   for e, s in zip(step.entropies, samples, strict=True)]).mean()),
+            "train/rollout_trainer_logprob_gap": tally.gap_sum / max(1, tally.gap_n),
+            "train/tokens_per_s": tally.real_tokens / max(wall, 1e-9),
+            "train/padding_waste": 1.0 - tally.real_tokens / max(1, tally.padded_tokens),
             "train/scoring_pass_s": t_score,
-            "train/scoring_pass": float(scoring),
+            "train/scoring_pass": float(step.scoring),
             "train/update_s": wall,
             "train/samples": float(len(samples)),
             "train/peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
         }
         if torch.cuda.is_available():
             metrics["train/peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated() / 2**20
-        for key, value in sums.items():
-            if key.startswith("num_") or key in ("ratio_max", "ratio_min"):
-                metrics[f"train/{key}"] = value
-            else:
-                metrics[f"train/{key}"] = value / weights[key] if weights[key] else 0.0
+        metrics.update({f"train/{name}": value for name, value in combine_diagnostics(tally.diagnostics).items()})
         return metrics
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What every micro-batch of one update reads: the samples, their token entropies (the scoring pass's, or the
+    sampler's when it was skipped), the scoring/reference pass, and whether the policy was scored."""
+
+    samples: Sequence[TrainSample]
+    entropies: list[torch.Tensor]
+    scored: _Scored | None
+    scoring: bool
+
+
+@dataclass
+class _Tally:
+    """What an update accumulates for its metrics, in the order its micro-batches run."""
+
+    gap_sum: float = 0.0  # Σ |trainer − rollout log-prob| over model tokens
+    gap_n: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    grad_norms: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # per mini-batch
+    diagnostics: list[dict[str, Diagnostic]] = field(default_factory=list)  # per micro-batch
+
+
+def _scored_logprob_gap(samples: Sequence[TrainSample], logprobs: Sequence[torch.Tensor]) -> tuple[float, int]:
+    """Σ over model tokens of |scoring-pass − rollout log-prob|, and the number of those tokens."""
+    gap_sum, gap_n = 0.0, 0
+    for i, s in enumerate(samples):
+        m = torch.tensor(s.loss_mask, dtype=torch.bool)
+        gap_sum += float((logprobs[i][m] - torch.tensor(s.rollout_logprobs)[m]).abs().sum())
+        gap_n += int(m.sum())
+    return gap_sum, gap_n

@@ -10,8 +10,10 @@ import torch
 from aepo_core.config import AlgorithmConfig
 from aepo_core.losses import (
     POLICY_LOSSES,
+    Diagnostic,
     LossInputs,
     aggregate,
+    combine_diagnostics,
     compute_policy_loss,
     kl_penalty,
     loss_normalizer,
@@ -61,9 +63,9 @@ def test_ppo_clip_value_and_gradient():
     loss, g, diag = loss_and_grad(make_inputs(LOG_R, [A]), loss="ppo_clip")
     assert loss == pytest.approx(value, abs=1e-12)
     torch.testing.assert_close(g[0], torch.tensor(grad, dtype=torch.float64))
-    assert diag["clip_frac_high"] == pytest.approx(0.25)
-    assert diag["clip_frac_low"] == pytest.approx(0.25)
-    assert diag["clip_frac"] == pytest.approx(0.5)
+    assert diag["clip_frac_high"].value == pytest.approx(0.25)
+    assert diag["clip_frac_low"].value == pytest.approx(0.25)
+    assert diag["clip_frac"].value == pytest.approx(0.5)
 
 
 def test_aepo_forward_equals_ppo_and_keeps_clipped_positive_gradient():
@@ -101,8 +103,8 @@ def test_aepo_high_entropy_gate():
     assert float(g_gate[0, 1]) == 0.0
     _, g_all, _ = loss_and_grad(make_inputs(log_r, adv, entropy=ent), loss="aepo", clip_gate="all")
     assert float(g_all[0, 1]) == pytest.approx(-(1 + EPS_H) / 5)
-    assert diag["clip_frac_high_entropy"] == pytest.approx(1.0)
-    assert diag["num_high_entropy_tokens"] == 1.0
+    assert diag["clip_frac_high_entropy"].value == pytest.approx(1.0)
+    assert diag["num_high_entropy_tokens"].value == 1.0
 
 
 def test_high_entropy_gate_requires_entropy():
@@ -170,7 +172,7 @@ def test_gspo_one_ratio_per_sequence():
     # ∂L/∂logπ_t = −s·Â/(T·n_seq) on every token of a sequence: one ratio, shared.
     torch.testing.assert_close(inp.logprobs.grad[0], torch.full((3,), -s0 / 3 / 2, dtype=torch.float64))
     torch.testing.assert_close(inp.logprobs.grad[1], torch.tensor([1 / 2 / 2, 1 / 2 / 2, 0.0], dtype=torch.float64))
-    assert diag["ratio_max"] == pytest.approx(s0) and diag["ratio_min"] == pytest.approx(s1)
+    assert diag["ratio_max"].value == pytest.approx(s0) and diag["ratio_min"].value == pytest.approx(s1)
 
 
 def test_gspo_clips_the_sequence_ratio():
@@ -178,7 +180,7 @@ def test_gspo_clips_the_sequence_ratio():
     inp = make_inputs(log_r, [[1.0, 1.0]])
     _, g, diag = loss_and_grad(inp, loss="gspo")
     assert torch.all(g == 0)
-    assert diag["clip_frac_high"] == 1.0
+    assert diag["clip_frac_high"].value == 1.0
 
 
 @pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
@@ -188,7 +190,7 @@ def test_masked_tool_tokens_get_zero_gradient(name):
     mask = [[1, 0, 1, 0]]
     _, g, diag = loss_and_grad(make_inputs(log_r, adv, mask=mask, entropy=[[1.0, 2.0, 3.0, 4.0]]), loss=name)
     assert g[0, 1] == 0.0 and g[0, 3] == 0.0
-    assert diag["num_tokens"] == 2.0
+    assert diag["num_tokens"].value == 2.0
 
 
 def test_dual_clip_caps_negative_advantage_loss():
@@ -257,18 +259,18 @@ def test_kl_estimators_and_coefficient():
     loss, g, diag = loss_and_grad(inp, loss="ppo_clip", kl_coef=0.5, kl_estimator="k1")
     assert loss == pytest.approx(0.5 * float(d.mean()))
     torch.testing.assert_close(g, torch.full((1, 2), 0.25, dtype=torch.float64))
-    assert diag["kl_ref"] == pytest.approx(float(d.mean()))
+    assert diag["kl_ref"].value == pytest.approx(float(d.mean()))
     with pytest.raises(ValueError, match="ref_logprobs"):
         loss_and_grad(make_inputs([[0.0]], [[1.0]]), kl_coef=0.1)
 
 
 def test_diagnostics_ratio_stats_and_approx_kl():
     _, _, diag = loss_and_grad(make_inputs(LOG_R, [A]), loss="ppo_clip")
-    assert diag["ratio_max"] == pytest.approx(1.5)
-    assert diag["ratio_min"] == pytest.approx(0.5)
-    assert diag["ratio_mean"] == pytest.approx(sum(R) / 4)
+    assert diag["ratio_max"].value == pytest.approx(1.5)
+    assert diag["ratio_min"].value == pytest.approx(0.5)
+    assert diag["ratio_mean"].value == pytest.approx(sum(R) / 4)
     expected_kl = sum(1 / r + math.log(r) - 1 for r in R) / 4
-    assert diag["approx_kl"] == pytest.approx(expected_kl)
+    assert diag["approx_kl"].value == pytest.approx(expected_kl)
 
 
 def test_unknown_loss_name_is_a_clear_error():
@@ -276,3 +278,39 @@ def test_unknown_loss_name_is_a_clear_error():
     object.__setattr__(cfg, "loss", "nope")
     with pytest.raises(ValueError, match="unknown policy loss 'nope'"):
         compute_policy_loss(make_inputs(LOG_R, [A]), cfg)
+
+
+def test_every_diagnostic_declares_how_it_combines():
+    inp = make_inputs(LOG_R, [A], entropy=[[0.1, 2.0, 0.3, 4.0]], ref=[[-1.0, -1.2, -2.0, -1.4]])
+    _, _, diag = loss_and_grad(inp, loss="ppo_clip", kl_coef=0.1)
+    assert {name: (d.reduce, d.weight) for name, d in diag.items()} == {
+        **{name: ("mean", 4.0) for name in ("clip_frac", "clip_frac_high", "clip_frac_low", "approx_kl",
+                                           "ratio_mean", "entropy_mean", "kl_ref")},
+        "clip_frac_high_entropy": ("mean", diag["num_high_entropy_tokens"].value),
+        "ratio_max": ("max", 0.0),
+        "ratio_min": ("min", 0.0),
+        "num_tokens": ("sum", 0.0),
+        "num_high_entropy_tokens": ("sum", 0.0),
+    }
+
+
+def test_combine_diagnostics_folds_each_by_its_declared_reduction():
+    parts = [
+        {"n": Diagnostic(3.0, "sum"), "hi": Diagnostic(1.5, "max"), "lo": Diagnostic(0.5, "min"),
+         "frac": Diagnostic(0.5, "mean", 2.0), "rare": Diagnostic(0.0, "mean", 0.0)},
+        {"n": Diagnostic(4.0, "sum"), "hi": Diagnostic(2.5, "max"), "lo": Diagnostic(0.7, "min"),
+         "frac": Diagnostic(0.25, "mean", 6.0), "rare": Diagnostic(1.0, "mean", 1.0), "late": Diagnostic(2.0, "sum")},
+    ]
+    combined = combine_diagnostics(parts)
+    assert combined == {"n": 7.0, "hi": 2.5, "lo": 0.5, "frac": (0.5 * 2 + 0.25 * 6) / 8, "rare": 1.0, "late": 2.0}
+    assert list(combined) == ["n", "hi", "lo", "frac", "rare", "late"]  # first-seen order
+
+
+def test_combine_diagnostics_edge_cases():
+    assert combine_diagnostics([]) == {}
+    assert combine_diagnostics([{"m": Diagnostic(0.7, "mean", 0.0)}]) == {"m": 0.0}  # no weight anywhere: 0
+    assert combine_diagnostics([{"x": Diagnostic(-2.0, "max")}]) == {"x": -2.0}  # not max(0, …)
+    with pytest.raises(ValueError, match="unknown diagnostic reduction"):
+        Diagnostic(1.0, "avg")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="declared both"):
+        combine_diagnostics([{"x": Diagnostic(1.0, "sum")}, {"x": Diagnostic(1.0, "mean", 1.0)}])

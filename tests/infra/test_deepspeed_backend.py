@@ -95,8 +95,9 @@ def test_zero_stage_matches_torch_backend(cfg, stage):
     backend = DeepSpeedBackend(tiny_model(), cfg.optim, TOTAL_STEPS, zero_stage=stage)
     updater = PolicyUpdater(backend, cfg, pad_id=0)
     metrics = [updater.update(make_samples(seed=s)) for s in range(2)]
-    # ZeRO-3 gathers and reduces partitions in other orders: a few ulps of fp32 noise, amplified by Adam.
-    tol = {"rtol": 1e-4, "atol": 2e-5} if stage == 3 else {"rtol": 1e-5, "atol": 1e-6}
+    # ZeRO 1–3 reduce flattened gradient partitions in other orders: a few ulps of fp32 noise, amplified by Adam
+    # (deepspeed 0.19.8, ZeRO-1/2: 1 of 24,800 weights off by 1.35e-6 after 4 steps; stage 0 is exact to 1e-6).
+    tol = {"rtol": 1e-4, "atol": 2e-5} if stage > 0 else {"rtol": 1e-5, "atol": 1e-6}
     torch.testing.assert_close(ds_params(backend, ref), params(ref), **tol)
     assert not torch.allclose(params(ref), params(tiny_model()))  # it did move
     for got, want in zip(metrics, ref_metrics):

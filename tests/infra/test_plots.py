@@ -97,7 +97,7 @@ def test_failed_render_leaves_no_file(tmp_path: Path, monkeypatch: pytest.Monkey
     before = (tmp_path / "tree.png").read_bytes()
 
     def boom(self: Figure, *args: object, **kwargs: object) -> None:
-        Path(args[0]).write_bytes(b"\x89PNG half")
+        args[0].write(b"\x89PNG half")  # the open temporary file save_png renders into
         raise RuntimeError("disk full")
 
     monkeypatch.setattr(Figure, "savefig", boom)

@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
 from scripted_engine import EchoSearch, ScriptedEngine, tool_then_answer
 
+import infra.training.update as update_mod
 from aepo_core.config import RolloutConfig, build_config
 from aepo_core.rollout.scheduler import Question, RolloutScheduler
 from aepo_core.rollout.tree import Leaf
@@ -206,3 +207,59 @@ def test_scoring_pass_runs_whenever_it_can_change_the_update(overrides, estimate
         samples = [dataclasses.replace(s, rollout_entropies=None) for s in samples]
     _, met = run_update(["optim.mini_batch_size=8", *overrides], samples)
     assert met["train/scoring_pass"] == 1.0
+
+
+# Two PPO epochs over two mini-batches ({0, 1} and {2}), each split into several micro-batches by a small budget.
+SPLIT = ["optim.ppo_epochs=2", "optim.micro_batch_tokens=20", "optim.lr=1e-3"]
+
+
+def test_combined_diagnostics_are_pinned():
+    """The update's loss diagnostics on a fixed example (values from before diagnostics declared their reduction)."""
+    _, met = run_update(SPLIT)
+    pinned = {
+        "clip_frac": 57 / 136, "clip_frac_high": 24 / 136, "clip_frac_low": 33 / 136, "clip_frac_high_entropy": 0.4,
+        "approx_kl": 0.2360767496001619, "ratio_mean": 1.1249514088472898, "ratio_max": 17.262943267822266,
+        "ratio_min": 0.07128968834877014, "num_tokens": 136.0, "num_high_entropy_tokens": 30.0,
+        "entropy_mean": 3.2801619662958035,
+    }
+    assert {k: met[f"train/{k}"] for k in pinned} == pytest.approx(pinned, rel=1e-4)
+
+
+def _combine_by_name(parts: list[dict[str, float]]) -> dict[str, float]:
+    """How update() combined micro-batch diagnostics before they declared it, written out as a reference: counts
+    summed, ratio extremes kept, clip_frac_high_entropy weighted by the high-entropy count, the rest by tokens."""
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for diag in parts:
+        for key, value in diag.items():
+            if key.startswith("num_"):
+                sums[key] = sums.get(key, 0.0) + value
+            elif key in ("ratio_max", "ratio_min"):
+                sums[key] = (max if key == "ratio_max" else min)(sums.get(key, value), value)
+            else:
+                weight = diag["num_high_entropy_tokens" if key == "clip_frac_high_entropy" else "num_tokens"]
+                sums[key] = sums.get(key, 0.0) + value * weight
+                weights[key] = weights.get(key, 0.0) + weight
+    return {k: (v / weights[k] if weights[k] else 0.0) if k in weights else v for k, v in sums.items()}
+
+
+def test_update_combines_micro_batch_diagnostics_exactly(monkeypatch: pytest.MonkeyPatch):
+    """Bit for bit the reference combination of what each micro-batch's loss reported, in the same order."""
+    parts: list[dict[str, float]] = []
+    real = update_mod.compute_policy_loss
+
+    def recording(*args, **kwargs):
+        loss, diag = real(*args, **kwargs)
+        parts.append({name: d.value for name, d in diag.items()})
+        return loss, diag
+
+    monkeypatch.setattr(update_mod, "compute_policy_loss", recording)
+    _, met = run_update([*SPLIT, "algorithm.kl_coef=0.1"], ref=True)
+    assert len(parts) > 4  # several micro-batches in each of the 2 × 2 mini-batches
+    expected = {f"train/{k}": v for k, v in _combine_by_name(parts).items()}
+    assert "train/kl_ref" in expected and "train/entropy_mean" in expected
+    assert {k: met[k] for k in expected} == expected
+    # Same names in the order they first appeared; train/entropy_mean keeps its earlier place among the step's
+    # own metrics, whose value the loss's token-weighted entropy mean overwrites.
+    order = [k for k in expected if k != "train/entropy_mean"]
+    assert [k for k in met if k in order] == order
