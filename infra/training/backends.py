@@ -33,16 +33,12 @@ def decoder_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
         return model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
 
-class TorchBackend:
-    """Single-process training: AdamW, LR schedule, global-norm clipping."""
+class _InProcessModel:
+    """A whole model in this process: forward passes under optional autocast; its parameters are its full weights."""
 
-    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, total_steps: int, lr: float | None = None,
-                 compute_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, compute_dtype: torch.dtype | None) -> None:
         self.model = model
         self.compute_dtype = compute_dtype
-        self.grad_clip = cfg.grad_clip
-        self.optimizer = build_optimizer(model, cfg, lr)
-        self.scheduler = build_scheduler(self.optimizer, cfg, total_steps)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -55,14 +51,25 @@ class TorchBackend:
     def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return decoder_hidden(self.model, input_ids, attention_mask, self.compute_dtype)
 
+    def full_state_dict(self) -> Mapping[str, torch.Tensor] | None:
+        return None  # the model holds its full weights
+
+
+class TorchBackend(_InProcessModel):
+    """Single-process training: AdamW, LR schedule, global-norm clipping."""
+
+    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, total_steps: int, lr: float | None = None,
+                 compute_dtype: torch.dtype | None = None) -> None:
+        super().__init__(model, compute_dtype)
+        self.grad_clip = cfg.grad_clip
+        self.optimizer = build_optimizer(model, cfg, lr)
+        self.scheduler = build_scheduler(self.optimizer, cfg, total_steps)
+
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
     def checkpoint_state(self) -> tuple[Stateful | None, Stateful | None]:
         return self.optimizer, self.scheduler
-
-    def full_state_dict(self) -> Mapping[str, torch.Tensor] | None:
-        return None  # the model holds its full weights
 
     def step(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -76,34 +83,19 @@ class TorchBackend:
         return float(self.scheduler.get_last_lr()[0])
 
 
-class FrozenBackend:
+class FrozenBackend(_InProcessModel):
     """A reference policy: forward only, never stepped."""
 
     def __init__(self, model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> None:
-        self.model = model.eval()
-        self.compute_dtype = compute_dtype
+        super().__init__(model.eval(), compute_dtype)
         for p in self.model.parameters():
             p.requires_grad_(False)
-
-    @property
-    def module(self) -> torch.nn.Module:
-        return self.model
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return decoder_hidden(self.model, input_ids, attention_mask, self.compute_dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
         raise RuntimeError("the reference policy is frozen")
 
     def checkpoint_state(self) -> tuple[Stateful | None, Stateful | None]:
         return None, None  # nothing to resume: never stepped
-
-    def full_state_dict(self) -> Mapping[str, torch.Tensor] | None:
-        return None
 
     def step(self) -> float:
         raise RuntimeError("the reference policy is frozen")
