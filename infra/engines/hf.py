@@ -17,8 +17,9 @@ Semantics (documented choices):
 - **Seeds.** One ``torch.Generator`` per row, seeded with ``request.seed`` (or, when it is None, with a seed
   drawn from the engine's own RNG, itself seeded at construction); each step the row draws one uniform from it
   and samples by inverse CDF. A row's tokens therefore do not depend on what else is in the batch: batched
-  and unbatched runs of the same request agree (exactly in float32; in bfloat16 padding changes the matmul
-  shapes and rare near-ties can flip).
+  and unbatched runs of the same request agree up to kernel rounding (float32: ~1e-6 in log-prob, since
+  multi-threaded CPU kernels split batch rows between threads; bfloat16: padding changes the matmul shapes),
+  so a rare near-tie can flip. The same batch with the same seeds repeats bit for bit.
 - **Stops.** EOS (the tokenizer's and the generation config's EOS ids, or ``stop_token_ids``) ends a row with
   ``finish_reason='eos'``; the EOS token is included in ``token_ids`` (its log-prob is trained on). A stop
   string is searched after every token in the decoded text of the last few generated tokens (enough to hold the
