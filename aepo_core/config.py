@@ -238,6 +238,15 @@ class AlgorithmConfig(Section):
         description="Policy loss (AEPO.md §6): aepo (entropy clipping-balanced), ppo_clip (PPO/GRPO), dapo, gppo, "
         "ce_gppo, cispo, gspo.",
     )
+    rollout_correction: Literal["none", "tis", "mask"] = Field(
+        "none",
+        description="Sampler–trainer mismatch correction (AEPO.md §6): per model token ρ = π_old(trainer) / "
+        "π_rollout; 'tis' weights the policy term by min(ρ, C), 'mask' drops tokens with ρ > C, 'none' ignores the "
+        "gap (which is logged either way). Only with optim.old_logprobs=trainer (else π_old is the sampler's).",
+    )
+    rollout_correction_cap: float = Field(
+        2.0, gt=1.0, description="C of rollout_correction: the truncation (tis) or masking (mask) threshold of ρ."
+    )
     advantage: AdvantageName = Field(
         "grpo",
         description="Group advantage (AEPO.md §5): grpo (mean and std), dr_grpo (no std), rloo (leave-one-out "
@@ -524,6 +533,22 @@ class ExperimentConfig(Section):
         if r.initial_rollouts is not None and r.initial_rollouts > r.k:
             raise ValueError(f"rollout.initial_rollouts ({r.initial_rollouts}) must not exceed rollout.k ({r.k})")
         return self
+
+    def clip_active(self) -> bool:
+        """Whether a clipping loss can clip at all: π_old differs from the policy being differentiated only with
+        several PPO epochs, several mini-batches per step, or the sampler's log-probs as π_old. With one epoch over
+        one mini-batch every ratio is exactly 1 and every loss gives the same gradient −Â∇logπ (AEPO.md §6)."""
+        o = self.optim
+        return o.ppo_epochs > 1 or o.mini_batch_size < self.train.batch_size or o.old_logprobs == "rollout"
+
+    def check_trainable(self) -> None:
+        """What a training run needs beyond a valid config; raises :class:`ConfigError` naming the key."""
+        if self.rollout.engine == "remote" and not self.rollout.remote.reload_url:
+            raise ConfigError("rollout.engine=remote needs rollout.remote.reload_url to train: without a weight "
+                              "reload hook the server would sample every step from the initial weights")
+        if self.train.sft.enabled and not (self.data.train == "synthetic" or self.data.train.startswith("synthetic:")):
+            raise ConfigError(f"train.sft.enabled needs data.train=synthetic (oracle transcripts); got "
+                              f"data.train={self.data.train!r}: run SFT beforehand and point model.name at it")
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -95,6 +95,7 @@ def train(
     cfg = resolve_config(config, overrides)
     runs = Path(runs_dir or cfg.storage.runs_dir)
     runs.mkdir(parents=True, exist_ok=True)
+    cfg.check_trainable()
     name = run_name or cfg.tracking.run_name or cfg.name
     checkpoint_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else runs / "checkpoints" / name
     rows = prepare_data(cfg.data.train, cfg.data, source_fingerprint(cfg.data.train, cfg.data.data_root))
@@ -104,7 +105,8 @@ def train(
                     else TrajectoryStore(runs / "trajectories"))
     tracker = Tracker.from_config(cfg, runs)
     run_id = tracker.start(cfg, run_name=name, resume_run_id=point.run_id if point else None,
-                           parent_run_id=parent_run_id, flow_run_id=flow_run_id(), tags={"runs_dir": str(runs)})
+                           parent_run_id=parent_run_id, flow_run_id=flow_run_id(),
+                           tags={"runs_dir": str(runs), "clip_active": str(cfg.clip_active()).lower()})
     with tracker:
         tracker.log_config(cfg)
         trainer = Trainer(runtime, rows, checkpoint_dir=checkpoint_dir, run_id=run_id)

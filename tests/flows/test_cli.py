@@ -71,6 +71,7 @@ def test_train_leaves_mlflow_run_parquet_and_checkpoint(trained: tuple[Any, Path
     ("nope.key=1", "unknown key 'nope'"),
     ("rollout.k=-1", "rollout.k"),
     ("data.train=/nope.jsonl", "data.train: dataset '/nope.jsonl'"),
+    ("rollout.engine=remote", "rollout.remote.reload_url"),  # a remote sampler must follow the trained weights
 ])
 def test_bad_config_exits_2_before_anything_is_created(tmp_path: Path, override: str, needle: str) -> None:
     runs = tmp_path / "runs"
