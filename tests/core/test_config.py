@@ -185,11 +185,11 @@ def test_training_needs_a_weight_reload_hook_and_synthetic_sft_data():
     step from the initial policy; SFT transcripts exist only for the synthetic task."""
     from aepo_core.config import ConfigError
 
-    with pytest.raises(ConfigError, match="rollout.remote.reload_url"):
+    with pytest.raises(ConfigError, match=r"rollout\.remote\.reload_url"):
         build_config({}, ["rollout.engine=remote", "rollout.remote.url=http://127.0.0.1:8000"]).check_trainable()
     build_config({}, ["rollout.engine=remote", "rollout.remote.url=http://127.0.0.1:8000",
                       "rollout.remote.reload_url=http://127.0.0.1:8000/reload"]).check_trainable()
-    with pytest.raises(ConfigError, match="train.sft.enabled"):
+    with pytest.raises(ConfigError, match=r"train\.sft\.enabled"):
         build_config({}, ["train.sft.enabled=true", "data.train=hotpotqa"]).check_trainable()
     build_config({}, ["train.sft.enabled=true", "data.train=synthetic"]).check_trainable()
 

@@ -337,7 +337,7 @@ def test_a_sampler_that_is_not_the_trainer_never_skips_the_scoring_pass(override
     torch.testing.assert_close(params(auto), params(always))
     assert met_auto["train/entropy_mean"] == met_always["train/entropy_mean"]
     # Same samples, the sampler declared to be the trainer: the skip path takes the (here noisy) sampler entropies.
-    skipped, met_skip = run_update([*common[:-len(overrides)], "optim.scoring_pass=auto"], samples)
+    _, met_skip = run_update([*common[:-len(overrides)], "optim.scoring_pass=auto"], samples)
     assert met_skip["train/scoring_pass"] == 0.0 and met_skip["train/entropy_mean"] != met_always["train/entropy_mean"]
 
 
