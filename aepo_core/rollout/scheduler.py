@@ -94,6 +94,11 @@ class _QuestionState:
     def leaves_started(self) -> int:
         return len(self.paths)
 
+    @property
+    def globals_started(self) -> int:
+        """Global samples started so far (the probe included); forks and fill samples do not count."""
+        return sum(1 for p in self.paths if p.kind == "global")
+
 
 @dataclass
 class RolloutResult:
@@ -229,7 +234,9 @@ class RolloutScheduler:
         return True
 
     def _start_globals(self, st: _QuestionState) -> None:
-        while st.leaves_started < st.m:
+        """Start global samples until there are m of them: forks already made from the probe are branch
+        budget and must not stand in for globals."""
+        while st.globals_started < st.m:
             self._new_path(st, "global")
 
     def _generate(self, states: list[_QuestionState], active: list[tuple[_QuestionState, _Path]],

@@ -297,3 +297,21 @@ def test_questions_advance_without_waiting_for_each_other():
     assert len(quick_engine.calls) <= 3 < len(slow_engine.calls)
     assert len(both.calls) == len(slow_engine.calls)
     assert both.calls[: len(quick_engine.calls)] == [a + b for a, b in zip(slow_engine.calls, quick_engine.calls)]
+
+
+# ---------------------------------------------------------------- issue 11, second pass
+
+
+def test_forks_from_the_probe_do_not_eat_the_global_samples():
+    """m global samples start even when the probe's own tool steps forked branches (AEPO.md §3: the probe is the
+    first of the m globals; its forks come out of the k − m branch budget)."""
+    # H_root = 2, post-tool entropies 4 then 0: H̄_tool = 2 → m = round(8·σ(0)) = 4.  γ = 1: the first step
+    # (ΔH = +2) always branches, the second (ΔH = −2) never does.
+    cfg = RolloutConfig(mode="aepo", premonitor=True, beta=0.5, **{**BASE, "k": 8, "gamma": 1.0})
+    res, _ = run(tool_then_answer(2, h_first=2.0, h_after_tool=[4.0, 0.0]), cfg)
+    (tree,) = res.trees
+    assert tree.global_budget == 4
+    probe = tree.leaves[0]
+    assert [tree.nodes[i].branch_reason for i in probe.node_ids if tree.nodes[i].kind == "model"][1] == "branch"
+    kinds = [leaf.sample_kind for leaf in tree.leaves]
+    assert kinds.count("global") == 4 and len(kinds) == 8
