@@ -14,6 +14,10 @@ A branch is decided on the model segment that follows a tool result, from the en
 it forks ``beam_size − 1`` paths from the tool-result node, which sample their own continuation.  No question
 ever gets more than k leaves; when all its paths are done with budget left, fresh global samples fill it.
 
+A turn the segment cap (``max_segment_tokens``) cuts into several segments is one turn: its stop strings are
+found in the text of the whole turn, and a segment that runs past a stop string split across the cap boundary
+is cut right after the token that completes it (engines see only their own request's tokens).
+
 Phases advance per question (probe → m − 1 globals → fill), never behind a batch-wide barrier, so one slow
 question does not hold the others' work back.
 
@@ -199,7 +203,11 @@ class RolloutScheduler:
     def _run_rounds(self, states: list[_QuestionState], sampling: SamplingParams) -> None:
         """Rounds until every path of every question is done.
 
-        Phases advance per question, never behind a global barrier: a question whose probe is done starts its
+        A turn the segment cap (``max_segment_tokens``) cuts into several segments is one turn: its stop strings are
+found in the text of the whole turn, and a segment that runs past a stop string split across the cap boundary
+is cut right after the token that completes it (engines see only their own request's tokens).
+
+Phases advance per question, never behind a global barrier: a question whose probe is done starts its
         m − 1 global samples at once, and one whose paths are all done fills its budget while others still run.
         A question's own events happen in the same order either way, so its tree does not depend on the others.
         """
@@ -281,6 +289,8 @@ class RolloutScheduler:
             self._close(p, "engine_error")
             log.warning("engine error on question %s leaf %d: %s", st.question.question_id, p.leaf_id, res.error)
             return None
+        self._generated_tokens += len(res.token_ids)  # engine work, tokens cut below included
+        res = self._cut_at_first_stop(self._turn_text(st, p), res)
         parent = st.nodes[p.node_ids[-1]]
         text = self.engine.decode(res.token_ids)
         node = Node(
@@ -301,7 +311,6 @@ class RolloutScheduler:
         p.node_ids.append(node.node_id)
         p.segments += 1
         p.response_len += len(res.token_ids)
-        self._generated_tokens += len(res.token_ids)
         if p.h_init is None:
             p.h_init = node.segment_entropy
         if p.after_tool:
@@ -318,11 +327,6 @@ class RolloutScheduler:
         if finish == "length" and not res.token_ids:
             self._close(p, "truncated")  # no progress possible (zero-token budget)
             return None
-        if finish == "length":
-            # A stop string split across the cap boundary is invisible to the engine (it sees one request).
-            window = turn[-(len(text) + max(map(len, STOP_STRINGS)) - 1) :]
-            stop = next((s for s in STOP_STRINGS if s in window), None)
-            finish = "stop" if stop is not None else finish
         if finish == "eos" or (finish == "stop" and stop == ANSWER_CLOSE):
             self._close(p, "answered")
             return None
@@ -347,6 +351,30 @@ class RolloutScheduler:
             self._close(p, "tool_error" if p.last_tool_failed else "truncated")
         # else: the segment cap was hit with budget left; the path continues in the next round
         return None
+
+    def _cut_at_first_stop(self, turn: str, res: GenerationResult) -> GenerationResult:
+        """The segment cut right after the token that completes the turn's first stop string.
+
+        An engine matches stop strings in the tokens of its own request only, so when the segment cap splits a
+        stop string (``</se`` | ``arch>…``) it runs on past it, to EOS or the cap.  The scheduler sees the whole
+        turn and cuts here, for every engine (a remote server cannot be told about the earlier text).  The cut is
+        exact: sampling is autoregressive, so the kept tokens are the ones an engine that saw the whole turn
+        would have produced; the tokens past the stop (EOS included) are dropped, never trained on.  A segment
+        that already ends at its stop string comes back unchanged.
+        """
+        if not res.token_ids:
+            return res
+        tail = turn[-(max(map(len, STOP_STRINGS)) - 1) :] if turn else ""
+        text = tail + self.engine.decode(res.token_ids)
+        hits = [(text.find(s) + len(s), s) for s in STOP_STRINGS if s in text]
+        if not hits:
+            return res
+        end, stop = min(hits)
+        if end == len(text) and res.finish_reason == "stop":
+            return res
+        n = next(n for n in range(1, len(res.token_ids) + 1) if stop in tail + self.engine.decode(res.token_ids[:n]))
+        return GenerationResult(res.token_ids[:n], res.logprobs[:n], res.entropies[:n], "stop", stop,
+                                res.entropy_is_estimate)
 
     @staticmethod
     def _turn_text(st: _QuestionState, p: _Path) -> str:

@@ -315,3 +315,31 @@ def test_forks_from_the_probe_do_not_eat_the_global_samples():
     assert [tree.nodes[i].branch_reason for i in probe.node_ids if tree.nodes[i].kind == "model"][1] == "branch"
     kinds = [leaf.sample_kind for leaf in tree.leaves]
     assert kinds.count("global") == 4 and len(kinds) == 8
+
+
+@pytest.mark.parametrize("tail", ["!!", "!! more text past the stop"])
+def test_stop_string_split_by_the_segment_cap_cuts_the_model_node_at_the_stop(tail):
+    """`</se|arch>`: the cap cuts the stop string; the engine sees only the new segment and runs on (to EOS, or
+    to the cap).  The call is still executed, the model node ends exactly at the stop string, and no token past
+    it is kept (none carries loss mask 1)."""
+    cfg = RolloutConfig(mode="independent", **{**BASE, "k": 1, "max_segment_tokens": 16, "entropy_window": 16})
+    prompt = "".join(map(chr, PROMPT))
+
+    def script(t, s):
+        turn_start = t.rfind("</result>\n") + len("</result>\n") if "<result>" in t else len(prompt)
+        full = "<search>kavo</search>" + tail if "<result>" not in t else "<answer>\\boxed{1}</answer>"
+        return Segment(full[len(t) - turn_start :], 1.0, eos="<result>" not in t)
+
+    res, engine = run(script, cfg)
+    tree = res.trees[0]
+    leaf = tree.leaves[0]
+    assert [e.argument for e in tree.tool_events(leaf)] == ["kavo"]
+    assert leaf.status == "answered"
+    path = tree.path(leaf)
+    first_tool = next(i for i, n in enumerate(path) if n.kind == "tool")
+    assert "".join(n.text for n in path[1:first_tool]) == "<search>kavo</search>"
+    assert path[first_tool - 1].finish_reason == "stop"
+    ids, mask = tree.response_ids(leaf), tree.loss_mask(leaf)
+    trained = engine.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    assert trained == "<search>kavo</search><answer>\\boxed{1}</answer>"
+    assert tree.text(leaf).startswith("<search>kavo</search>\n<result>\nPage 1: doc about kavo\n</result>\n")
