@@ -32,9 +32,9 @@ import logging
 import math
 import random
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from aepo_core.config import RolloutConfig
@@ -49,6 +49,7 @@ from aepo_core.rollout.tree import Leaf, LeafStatus, Node, RolloutTree, SampleKi
 log = logging.getLogger(__name__)
 
 TOOL_LIMIT_MESSAGE = "Tool call limit reached ({limit} calls). No more tools: give your final answer now."
+TOOL_THREAD_HEADROOM = 4  # tool threads per tool worker: room for calls abandoned after their timeout
 UNKNOWN_TOOL_MESSAGE = "Tool {name!r} is not available. Available tools: {available}."
 
 
@@ -151,8 +152,11 @@ class RolloutScheduler:
             for i, q in enumerate(questions)
         ]
         start = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=self.tool_workers, thread_name_prefix="aepo-tool") as pool:
-            self._pool = pool
+        # Headroom past tool_workers: threads of abandoned (timed-out) calls keep running until their tool returns,
+        # and the calls after them must still start at once (_run_calls caps live calls at tool_workers).
+        self._pool = ThreadPoolExecutor(max_workers=TOOL_THREAD_HEADROOM * self.tool_workers,
+                                        thread_name_prefix="aepo-tool")
+        try:
             for st in states:
                 if cfg.mode == "aepo" and cfg.premonitor:
                     st.probing = True
@@ -161,6 +165,8 @@ class RolloutScheduler:
                     st.m = cfg.k if cfg.mode == "independent" else fixed_budget(cfg.k, cfg.initial_rollouts)
                     self._start_globals(st)
             self._run_rounds(states, sampling)
+        finally:  # a hung tool call must not hold the rollout back after it has been timed out
+            self._pool.shutdown(wait=False, cancel_futures=True)
         trees = [self._finish(st) for st in states]
         total = time.perf_counter() - start
         stats, by_l = rollout_stats(trees, self._decisions)
@@ -414,29 +420,65 @@ Phases advance per question, never behind a global barrier: a question whose pro
         p.step_history.append(branched)
 
     def _dispatch_tools(self, jobs: list[tuple[_QuestionState, _Path, ToolCall | None, str | None]]) -> None:
+        """Run the round's tool calls in parallel and append each result (or notice) to its path, in job order."""
         t0 = time.perf_counter()
-        futures = [None if call is None else self._pool.submit(self._call_tool, call) for _, _, call, _ in jobs]
-        deadline = time.monotonic() + self.tool_timeout_s
-        for (st, p, call, notice), fut in zip(jobs, futures, strict=True):
-            if fut is None:
+        results = iter(self._run_calls([call for _, _, call, _ in jobs if call is not None]))
+        for st, p, call, notice in jobs:
+            if call is None:
                 assert notice is not None
                 name = "limit" if p.limit_notice else "invalid"
                 result = ToolResult(notice, ok=False, error=name)
                 event = ToolEvent(name, "", False, name, 0.0, False, len(notice))
             else:
-                assert call is not None
-                try:
-                    result = fut.result(timeout=max(0.0, deadline - time.monotonic()))
-                except FutureTimeout:
-                    fut.cancel()
-                    result = ToolResult(f"Tool {call.name} timed out after {self.tool_timeout_s:.0f} s.", ok=False,
-                                        error="timeout", latency_s=self.tool_timeout_s)
+                result = next(results)
                 event = ToolEvent(call.name, call.argument, result.ok, result.error, result.latency_s,
                                   result.cache_hit, len(result.text))
                 p.tool_calls += 1
             p.last_tool_failed = not result.ok
             self._append_result(st, p, result.text, event)
         self._timers["tools_s"] += time.perf_counter() - t0
+
+    def _run_calls(self, calls: list[ToolCall]) -> list[ToolResult]:
+        """Results of ``calls``, at most ``tool_workers`` running at a time, each timed out ``tool_timeout_s``
+        after its own start (time spent waiting for a worker does not count).
+
+        A timed-out call is abandoned: its slot goes to the next call at once while its thread finishes (or
+        hangs) on its own, so a hung tool cannot stall the round.  A call that has not even started
+        ``tool_timeout_s`` after it was handed to the pool (every thread held by abandoned calls) times out too.
+        """
+        results: list[ToolResult | None] = [None] * len(calls)
+        starts: dict[int, float] = {}  # call index → monotonic start, written by the worker thread
+        pending = deque(range(len(calls)))
+        running: dict[Future[ToolResult], tuple[int, float]] = {}  # → (call index, when handed to the pool)
+
+        def deadline(i: int, handed: float) -> float:
+            return starts.get(i, handed) + self.tool_timeout_s
+
+        while pending or running:
+            while pending and len(running) < self.tool_workers:
+                i = pending.popleft()
+                running[self._pool.submit(self._started_call, calls[i], starts, i)] = (i, time.monotonic())
+            first = min(deadline(*entry) for entry in running.values())
+            done, _ = wait(running, timeout=max(0.0, first - time.monotonic()), return_when=FIRST_COMPLETED)
+            for fut in done:
+                results[running.pop(fut)[0]] = fut.result()
+            now = time.monotonic()
+            for fut, (i, handed) in list(running.items()):
+                if now >= deadline(i, handed):
+                    fut.cancel()  # only a call that has not started can be cancelled; a running one is abandoned
+                    del running[fut]
+                    results[i] = self._timed_out(calls[i])
+        return [r for r in results if r is not None]
+
+    def _timed_out(self, call: ToolCall) -> ToolResult:
+        """The result of a call that ran past ``tool_timeout_s``: a failed result, like any tool error."""
+        return ToolResult(f"Tool {call.name} timed out after {self.tool_timeout_s:.0f} s.", ok=False,
+                          error="timeout", latency_s=self.tool_timeout_s)
+
+    def _started_call(self, call: ToolCall, starts: dict[int, float], index: int) -> ToolResult:
+        """:meth:`_call_tool`, noting when it started (the start of its timeout)."""
+        starts[index] = time.monotonic()
+        return self._call_tool(call)
 
     def _call_tool(self, call: ToolCall) -> ToolResult:
         t0 = time.perf_counter()

@@ -343,3 +343,22 @@ def test_stop_string_split_by_the_segment_cap_cuts_the_model_node_at_the_stop(ta
     trained = engine.decode([t for t, m in zip(ids, mask, strict=True) if m])
     assert trained == "<search>kavo</search><answer>\\boxed{1}</answer>"
     assert tree.text(leaf).startswith("<search>kavo</search>\n<result>\nPage 1: doc about kavo\n</result>\n")
+
+
+def test_tool_timeout_counts_from_the_start_of_each_call_not_the_queue():
+    """32 calls of 0.2 s on 4 workers take 1.6 s in all, but none runs for 1 s: none times out.  A call that
+    really runs longer than the timeout still does."""
+    prompt = "".join(map(chr, PROMPT))
+
+    def script(t, s):
+        qid = t.split("\n", 1)[0]
+        return Segment(f"<search>{qid}</search>" if "<result>" not in t else "<answer>\\boxed{1}</answer>", 1.0)
+
+    cfg = RolloutConfig(mode="independent", **{**BASE, "k": 1})
+    tools = {"search": EchoSearch(hang_on={"Q32"}, hang_s=3.0, delay_s=0.2)}
+    sched = RolloutScheduler(ScriptedEngine(script), tools, cfg, tool_timeout_s=1.0, tool_workers=4)
+    res = sched.run([Question(f"q{i}", [ord(c) for c in f"Q{i}\n{prompt}"]) for i in range(33)], seed=0)
+    events = {tree.question_id: tree.tool_events(tree.leaves[0])[0] for tree in res.trees}
+    assert events.pop("q32").error == "timeout"
+    assert [(e.ok, e.error) for e in events.values()] == [(True, None)] * 32
+    assert res.stats["tools_s"] < 2.9
