@@ -35,7 +35,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from aepo_core.config import RolloutConfig
 from aepo_core.entropy import segment_entropy
@@ -74,7 +74,7 @@ class _Path:
     segments: int = 0
     step_history: list[bool] = field(default_factory=list)
     h_init: float | None = None
-    after_tool: bool = False  # the next segment follows a tool result (a tool step)
+    after_tool: bool = False  # the next segment follows a real tool result (a tool step; notices are none)
     fork_pending: bool = False  # the next segment is a fork's first: its step already branched
     limit_notice: bool = False
     last_tool_failed: bool = False
@@ -94,6 +94,7 @@ class _QuestionState:
     h_root: float = math.nan
     h_tool: float = math.nan
     probing: bool = False  # the pre-monitoring probe is still running (aepo with premonitor)
+    fork_points: dict[int, _Path] = field(default_factory=dict)  # real tool-result node → path state just after it
 
     @property
     def leaves_started(self) -> int:
@@ -181,27 +182,19 @@ class RolloutScheduler:
         return RolloutResult(trees, stats, by_l)
 
     # ------------------------------------------------------------------ paths
-    def _new_path(self, st: _QuestionState, kind: SampleKind, parent: _Path | None = None,
-                  upto_node: int | None = None) -> _Path:
-        if parent is None:
-            path = _Path(qi=st.index, leaf_id=st.leaves_started, node_ids=[0], kind=kind)
-        else:
-            assert upto_node is not None
-            cut = parent.node_ids.index(upto_node) + 1
-            node_ids = parent.node_ids[:cut]
-            end = st.nodes[upto_node]
-            tool_calls = sum(1 for i in node_ids if st.nodes[i].kind == "tool")
-            path = _Path(
-                qi=parent.qi,
-                leaf_id=st.leaves_started,
-                node_ids=node_ids,
-                kind="branch",
-                response_len=end.token_end,
-                tool_calls=tool_calls,
-                h_init=parent.h_init,
-                after_tool=True,
-                fork_pending=True,
-            )
+    def _new_path(self, st: _QuestionState, kind: SampleKind) -> _Path:
+        """A fresh trajectory from the prompt (a global or fill sample)."""
+        path = _Path(qi=st.index, leaf_id=st.leaves_started, node_ids=[0], kind=kind)
+        st.paths.append(path)
+        return path
+
+    def _fork(self, st: _QuestionState, tool_node: int, history: list[bool]) -> _Path:
+        """A branch from a tool-result node: an exact copy of its path's state right after that result was
+        appended (tool calls, notices, whether the call failed, length, h_init), with the step history that
+        the branch decision gave it, sampling its own continuation."""
+        point = st.fork_points[tool_node]
+        path = replace(point, leaf_id=st.leaves_started, kind="branch", node_ids=list(point.node_ids),
+                       step_history=list(history), fork_pending=True, started=time.perf_counter())
         st.paths.append(path)
         return path
 
@@ -413,10 +406,8 @@ Phases advance per question, never behind a global barrier: a question whose pro
         if branched:
             fork_from = node.parent_id
             assert fork_from is not None
-            history = [*p.step_history, True]
             for _ in range(min(cfg.beam_size - 1, budget_left)):
-                child = self._new_path(st, "branch", parent=p, upto_node=fork_from)
-                child.step_history = list(history)
+                self._fork(st, fork_from, [*p.step_history, True])
         p.step_history.append(branched)
 
     def _dispatch_tools(self, jobs: list[tuple[_QuestionState, _Path, ToolCall | None, str | None]]) -> None:
@@ -511,8 +502,9 @@ Phases advance per question, never behind a global barrier: a question whose pro
         p.response_len += len(node.token_ids)
         if p.response_len >= cfg.max_response_tokens:
             self._close(p, "tool_error" if p.last_tool_failed else "truncated")
-        else:
+        elif not event.is_notice:  # a notice is no tool feedback: no branch decision, no fork point
             p.after_tool = True
+            st.fork_points[node.node_id] = replace(p, node_ids=list(p.node_ids), step_history=list(p.step_history))
 
     def _close(self, p: _Path, status: LeafStatus) -> None:
         p.status = status
@@ -525,7 +517,7 @@ Phases advance per question, never behind a global barrier: a question whose pro
         nodes = [st.nodes[i] for i in probe.node_ids]
         model_nodes = [n for n in nodes if n.kind == "model"]
         st.h_root = model_nodes[0].segment_entropy if model_nodes else math.nan
-        post_tool = [n for n in model_nodes if n.parent_id is not None and st.nodes[n.parent_id].kind == "tool"]
+        post_tool = [n for n in model_nodes if self._is_tool_step(st, n)]
         h_root = st.h_root if not math.isnan(st.h_root) else 0.0
         st.h_tool = mean_tool_entropy(h_root, [n.segment_entropy for n in post_tool])
         st.m = global_budget(self.cfg.k, h_root, st.h_tool, self.cfg.beta)
@@ -535,12 +527,18 @@ Phases advance per question, never behind a global barrier: a question whose pro
         for n in post_tool:
             self._decide(st, probe, n, budget_left=self.cfg.k - st.leaves_started - reserved)
 
+    @staticmethod
+    def _is_tool_step(st: _QuestionState, node: Node) -> bool:
+        """A model segment right after a real tool result (not a notice): where a branch is decided and what
+        H̄_tool averages."""
+        parent = st.nodes[node.parent_id] if node.parent_id is not None else None
+        return node.kind == "model" and parent is not None and parent.tool is not None and not parent.tool.is_notice
+
     def _finish(self, st: _QuestionState) -> RolloutTree:
         if math.isnan(st.h_root) and st.paths:
             first = [st.nodes[i] for i in st.paths[0].node_ids if st.nodes[i].kind == "model"]
             st.h_root = first[0].segment_entropy if first else math.nan
-            post = [n.segment_entropy for n in st.nodes if n.kind == "model" and n.parent_id is not None
-                    and st.nodes[n.parent_id].kind == "tool"]
+            post = [n.segment_entropy for n in st.nodes if self._is_tool_step(st, n)]
             st.h_tool = mean_tool_entropy(st.h_root, post) if not math.isnan(st.h_root) else math.nan
         leaves = []
         for p in st.paths:

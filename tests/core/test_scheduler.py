@@ -362,3 +362,58 @@ def test_tool_timeout_counts_from_the_start_of_each_call_not_the_queue():
     assert events.pop("q32").error == "timeout"
     assert [(e.ok, e.error) for e in events.values()] == [(True, None)] * 32
     assert res.stats["tools_s"] < 2.9
+
+
+def steps(*segments: tuple[str, float]):
+    """A script that writes segments[n] after the n-th result (the last one from then on)."""
+    return lambda t, s: Segment(*segments[min(t.count("<result>"), len(segments) - 1)])
+
+
+def assert_forks_are_copies(tree: RolloutTree) -> None:
+    """The script depends on the transcript only, so a fork that is an exact copy of its path's state
+    continues exactly as the path did: every leaf has the same text, status and tool events."""
+    assert any(leaf.sample_kind == "branch" for leaf in tree.leaves)
+    texts = {tree.text(leaf) for leaf in tree.leaves}
+    outcomes = {(leaf.status, tuple((e.name, e.ok) for e in tree.tool_events(leaf))) for leaf in tree.leaves}
+    assert len(texts) == 1 and len(outcomes) == 1, (texts, outcomes)
+
+
+def test_a_fork_counts_only_real_tool_calls():
+    """A notice (here: an unknown tool) before the fork point is no tool call, for the fork as for the path."""
+    script = steps(("<search>q0</search>", 1.0), ("<python>x</python>", -20.0), ("<search>q1</search>", -20.0),
+                   ("<search>q2</search>", 4.0), ("<answer>\\boxed{1}</answer>", 1.0))
+    cfg = RolloutConfig(mode="arpo", **{**BASE, "k": 2, "initial_rollouts": 1, "max_tool_calls": 3})
+    res, _ = run(script, cfg)
+    (tree,) = res.trees
+    assert [e.name for e in tree.tool_events(tree.leaves[0])] == ["search", "invalid", "search", "search"]
+    assert_forks_are_copies(tree)
+
+
+@pytest.mark.parametrize("mode", ["arpo", "aepo"])
+def test_a_fork_inherits_that_the_last_tool_call_failed(mode):
+    """A fork made right after a failed call that then runs out of budget ends ``tool_error``, like its path
+    (aepo: the probe's fork, made after the probe finished, still copies the state at the fork point)."""
+    script = steps(("<search>bad</search>", 1.0), ("<think>" + "x" * 300, 4.0))
+    cfg = RolloutConfig(mode=mode, **{**BASE, "k": 2, "initial_rollouts": 1, "max_response_tokens": 120})
+    res, _ = run(script, cfg, tools={"search": EchoSearch(fail={"bad"})})
+    (tree,) = res.trees
+    assert tree.leaves[0].status == "tool_error"
+    assert_forks_are_copies(tree)
+
+
+def test_no_branch_decision_after_a_notice():
+    """Branch decisions follow real tool results only: not the 'invalid' or 'limit' notices."""
+    script = steps(("<search>q0</search>", 1.0), ("<python>x</python>", 4.0), ("<search>q1</search>", 4.0),
+                   ("<search>q2</search>", 4.0), ("<search>q3</search>", 4.0))
+    cfg = RolloutConfig(mode="arpo", **{**BASE, "k": 8, "initial_rollouts": 1, "max_tool_calls": 2})
+    res, _ = run(script, cfg)
+    (tree,) = res.trees
+    names = [e.name for e in tree.tool_events(tree.leaves[0])]
+    assert names == ["search", "invalid", "search", "limit"] and tree.leaves[0].status == "tool_limit"
+    after_notice = [n for n in tree.nodes if n.kind == "model" and tree.nodes[n.parent_id].kind == "tool"
+                    and tree.nodes[n.parent_id].tool.name in ("invalid", "limit")]
+    assert after_notice and all(n.branch_reason in ("", "fork") and n.branch_score != n.branch_score
+                                for n in after_notice)
+    forked_from = {tree.nodes[n.parent_id].tool.name for n in tree.nodes if n.branch_reason == "fork"}
+    assert forked_from == {"search"}
+    assert_forks_are_copies(tree)
