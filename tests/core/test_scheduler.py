@@ -7,7 +7,7 @@ import random
 import pytest
 from scripted_engine import EchoSearch, ScriptedEngine, Segment, tool_then_answer
 
-from aepo_core.config import RolloutConfig
+from aepo_core.config import ConfigError, RolloutConfig, build_config
 from aepo_core.rollout.scheduler import Question, RolloutScheduler
 from aepo_core.rollout.tree import RolloutTree
 
@@ -226,7 +226,7 @@ def test_response_budget_truncates_including_tool_tokens():
 
 
 def test_segment_cap_continues_the_turn():
-    cfg = RolloutConfig(mode="independent", **{**BASE, "k": 1, "max_segment_tokens": 8})
+    cfg = RolloutConfig(mode="independent", **{**BASE, "k": 1, "max_segment_tokens": 8, "entropy_window": 8})
     target = "<answer>\\boxed{42}</answer>"
     prompt = "".join(map(chr, PROMPT))
     script = lambda t, s: Segment(target[len(t) - len(prompt) :], 1.0)  # noqa: E731
@@ -246,7 +246,7 @@ def test_batching_across_questions_and_paths():
 
 
 def test_tool_call_split_by_the_segment_cap_is_still_parsed():
-    cfg = RolloutConfig(mode="independent", **{**BASE, "k": 1, "max_segment_tokens": 7})
+    cfg = RolloutConfig(mode="independent", **{**BASE, "k": 1, "max_segment_tokens": 7, "entropy_window": 7})
     prompt = "".join(map(chr, PROMPT))
 
     def script(t, s):
@@ -417,3 +417,13 @@ def test_no_branch_decision_after_a_notice():
     forked_from = {tree.nodes[n.parent_id].tool.name for n in tree.nodes if n.branch_reason == "fork"}
     assert forked_from == {"search"}
     assert_forks_are_copies(tree)
+
+
+def test_segment_cap_below_the_entropy_window_is_a_config_error():
+    """A segment capped below W would average fewer than W tokens (the window would silently shrink)."""
+    with pytest.raises(ConfigError, match=r"rollout\.max_segment_tokens.*rollout\.entropy_window"):
+        build_config({}, ["rollout.max_segment_tokens=16"])
+    with pytest.raises(ConfigError, match=r"rollout\.max_segment_tokens.*rollout\.entropy_window"):
+        build_config({"rollout": {"max_segment_tokens": 8, "entropy_window": 9}})
+    assert build_config({}, ["rollout.max_segment_tokens=16", "rollout.entropy_window=16"]).rollout.entropy_window == 16
+    assert build_config({}, ["rollout.max_segment_tokens=20"]).rollout.max_segment_tokens == 20
