@@ -10,9 +10,14 @@ Modes:
 - ``arpo``: m = ``initial_rollouts``, the same branch rule with λ = 0.
 - ``independent``: k global samples, no branching (GRPO-style rollouts).
 
-A branch is decided on the model segment that follows a tool result, from the entropy of its first W tokens;
-it forks ``beam_size − 1`` paths from the tool-result node, which sample their own continuation.  No question
-ever gets more than k leaves; when all its paths are done with budget left, fresh global samples fill it.
+A branch is decided on the model segment that follows a real tool result (never after the scheduler's own
+'limit'/'invalid' notices), from the entropy of its first W tokens; it forks ``beam_size − 1`` paths from the
+tool-result node, each an exact copy of the path's state right after that result, which sample their own
+continuation.  No question ever gets more than k leaves; when all its paths are done with budget left, fresh
+global samples fill it.  Forks made from the probe come out of the branch budget: m globals always start.
+
+Tool calls of a round run in parallel, at most ``tool_workers`` at a time; each is timed out
+``tool_timeout_s`` after its own start, so waiting for a worker never counts against it.
 
 A turn the segment cap (``max_segment_tokens``) cuts into several segments is one turn: its stop strings are
 found in the text of the whole turn, and a segment that runs past a stop string split across the cap boundary
@@ -202,11 +207,7 @@ class RolloutScheduler:
     def _run_rounds(self, states: list[_QuestionState], sampling: SamplingParams) -> None:
         """Rounds until every path of every question is done.
 
-        A turn the segment cap (``max_segment_tokens``) cuts into several segments is one turn: its stop strings are
-found in the text of the whole turn, and a segment that runs past a stop string split across the cap boundary
-is cut right after the token that completes it (engines see only their own request's tokens).
-
-Phases advance per question, never behind a global barrier: a question whose probe is done starts its
+        Phases advance per question, never behind a global barrier: a question whose probe is done starts its
         m − 1 global samples at once, and one whose paths are all done fills its budget while others still run.
         A question's own events happen in the same order either way, so its tree does not depend on the others.
         """
