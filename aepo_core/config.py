@@ -168,6 +168,18 @@ class RolloutConfig(Section):
             object.__setattr__(self, "initial_rollouts", default_initial_rollouts(self.k))  # no re-validation
         return self
 
+    @model_validator(mode="after")
+    def _segment_holds_the_entropy_window(self) -> RolloutConfig:
+        """A segment cap below W would silently average fewer than W tokens per segment (AEPO.md §2), changing
+        ΔH and m; lower W explicitly instead."""
+        if self.max_segment_tokens is not None and self.max_segment_tokens < self.entropy_window:
+            raise ValueError(
+                f"rollout.max_segment_tokens ({self.max_segment_tokens}) is below rollout.entropy_window "
+                f"({self.entropy_window}): segment entropy would average fewer than W tokens; raise the cap or "
+                "set rollout.entropy_window to at most the cap"
+            )
+        return self
+
 
 class SearchToolConfig(Section):
     """The agent's search tool."""

@@ -14,7 +14,12 @@ FinishReason = Literal["stop", "length", "eos", "error"]
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One row of a batched generation: continue ``prompt_ids`` until a stop string, EOS or ``max_tokens``."""
+    """One row of a batched generation: continue ``prompt_ids`` until a stop string, EOS or ``max_tokens``.
+
+    Stop strings are matched in the generated tokens only, never in ``prompt_ids``: one that a caller's segment
+    cap split (``</se`` at the end of the prompt, ``arch>`` generated) goes unnoticed by the engine.  The rollout
+    scheduler finds it in the whole turn and cuts the segment there, the same way for every engine.
+    """
 
     prompt_ids: Sequence[int]
     max_tokens: int
