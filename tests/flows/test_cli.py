@@ -16,7 +16,7 @@ from flows.cli import app
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.yaml")
 FAST = ["rollout.k=2", "rollout.initial_rollouts=1", "rollout.max_response_tokens=48", "rollout.max_segment_tokens=16",
-        "eval.max_questions=2", "eval.top_p=1.0"]
+        "rollout.entropy_window=16", "eval.max_questions=2", "eval.top_p=1.0"]
 ENV = {"COLUMNS": "250"}  # wide tables: rich would fold long ids at 80 columns
 
 
