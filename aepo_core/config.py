@@ -279,7 +279,19 @@ class AlgorithmConfig(Section):
     dapo_clip_high: float = Field(0.28, ge=0.0, description="ε_h of the dapo loss (clip-higher).")
     gspo_clip_low: float = Field(3e-4, ge=0.0, lt=1.0, description="ε_l of the gspo loss (sequence ratios).")
     gspo_clip_high: float = Field(4e-4, ge=0.0, description="ε_h of the gspo loss (sequence ratios).")
-    dual_clip: float | None = Field(None, gt=1.0, description="Dual-clip c for Â < 0 (paper option: 3.0).")
+    dual_clip: float | None = Field(
+        3.0,
+        gt=1.0,
+        description="Dual-clip c of the PPO-family losses (ppo_clip, dapo, aepo, gppo, ce_gppo): for Â < 0 the "
+        "per-token loss is capped at −c·Â (verl's clip_ratio_c = 3, which the published AEPO scripts use). "
+        "null: off. cispo (its IS weight is already capped) and gspo (sequence ratios) ignore it.",
+    )
+    cispo_eps_high: float = Field(
+        3.0,
+        gt=0.0,
+        description="ε_high^IS of the cispo loss: the IS weight is min(r, 1+ε), no lower bound (MiniMax-M1 tunes "
+        "only this upper bound and does not publish it; 3 caps the weight at 4, ScaleRL's / Tinker's default).",
+    )
     gppo_beta_low: float = Field(1.0, ge=0.0, description="CE-GPPO β₁ (low side weight).")
     gppo_beta_high: float = Field(1.0, ge=0.0, description="CE-GPPO β₂ (high side weight).")
     kl_coef: float = Field(0.0, ge=0.0, description="0: no reference model is loaded.")
@@ -290,7 +302,9 @@ class AlgorithmConfig(Section):
     loss_agg: LossAgg = Field(
         "token-mean",
         description="Per-token losses → scalar: token-mean (over the mini-batch's tokens), seq-mean-token-mean "
-        "(every sequence weighs the same), seq-mean-token-sum-norm (token sum / loss_norm_len, Dr.GRPO).",
+        "(every sequence weighs the same), seq-mean-token-sum-norm (token sum / loss_norm_len, Dr.GRPO). "
+        "Unset: seq-mean-token-mean for loss gspo, seq-mean-token-sum-norm for advantage dr_grpo (the only "
+        "aggregations under which they are what their papers say; another choice is an error), else token-mean.",
     )
     loss_norm_len: int | None = Field(
         None, ge=1, description="Constant of seq-mean-token-sum-norm (default: rollout.max_response_tokens)."
@@ -300,6 +314,32 @@ class AlgorithmConfig(Section):
     overlong_penalty: float = Field(
         1.0, ge=0.0, description="DAPO: reward subtracted at max length, linear over the last overlong_buffer tokens."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aggregation_of_the_method(cls, data: Any) -> Any:
+        """GSPO's gradient is the paper's only under seq-mean-token-mean (one clipped ratio per sequence, every
+        sequence weighing the same); Dr.GRPO needs the constant normalizer seq-mean-token-sum-norm (Σ_t L / L_max,
+        no per-sequence length).  An unset ``loss_agg`` becomes the one required; another one is an error.
+
+        (On assignment pydantic passes every field, so there ``loss_agg`` always counts as set.)"""
+        if not isinstance(data, dict):
+            return data
+        required = {key: agg for key, value, agg in (("algorithm.loss", "gspo", "seq-mean-token-mean"),
+                                                     ("algorithm.advantage", "dr_grpo", "seq-mean-token-sum-norm"))
+                    if data.get(key.split(".")[1]) == value}
+        if len(set(required.values())) > 1:
+            raise ValueError("algorithm.loss=gspo needs algorithm.loss_agg=seq-mean-token-mean but "
+                             "algorithm.advantage=dr_grpo needs seq-mean-token-sum-norm: choose one of them")
+        if not required:
+            return data
+        ((key, agg),) = required.items()
+        if data.get("loss_agg") is None:
+            return {**data, "loss_agg": agg}
+        if data["loss_agg"] != agg:
+            raise ValueError(f"{key}={data[key.split('.')[1]]} needs algorithm.loss_agg={agg}, got "
+                             f"{data['loss_agg']!r} (leave algorithm.loss_agg unset to get it)")
+        return data
 
 
 class OptimConfig(Section):

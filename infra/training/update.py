@@ -30,6 +30,7 @@ from aepo_core.advantages import EntropyStats, entropy_aware_advantage, entropy_
 from aepo_core.config import ExperimentConfig
 from aepo_core.correction import rollout_is_weights
 from aepo_core.losses import (
+    SEQUENCE_LEVEL_LOSSES,
     Diagnostic,
     LossInputs,
     LossNormalizer,
@@ -207,11 +208,10 @@ class PolicyUpdater:
         else:  # on-policy: the sampler's exact entropies of the same distribution; the gap is taken per micro-batch
             entropies, tally = [torch.tensor(s.rollout_entropies, dtype=torch.float32) for s in samples], _Tally()
         step = _Step(samples, entropies, scored, scoring)
-        self.backend.module.train()
+        self.backend.module.eval()  # as the scoring pass: dropout would make the gradient pass another policy
         for _epoch in range(self.cfg.optim.ppo_epochs):
             for mini in split_mini_batches(samples, self.cfg.optim.mini_batch_size):
                 self._mini_batch(step, mini, tally)
-        self.backend.module.eval()
         return self._metrics(step, tally, wall=time.perf_counter() - t0, t_score=t_score)
 
     def _mini_batch(self, step: _Step, mini: list[int], tally: _Tally) -> None:
@@ -220,7 +220,7 @@ class PolicyUpdater:
         mini_mask = self._stack([torch.tensor(samples[i].loss_mask, dtype=torch.float32) for i in mini],
                                 max(samples[i].response_len for i in mini))
         mini_ent = self._stack([step.entropies[i] for i in mini], mini_mask.shape[1])
-        stats = entropy_stats(mini_ent, mini_mask)
+        stats = entropy_stats(mini_ent, mini_mask, per_sequence=alg.loss in SEQUENCE_LEVEL_LOSSES)
         norm = loss_normalizer(mini_mask, mini_ent, alg)
         mini_loss = 0.0
         for mb in self._micro_batches(samples, mini):

@@ -108,7 +108,7 @@ def test_micro_batch_size_does_not_change_the_update(loss):
     m1, met1 = run_update([f"algorithm.loss={loss}", "optim.micro_batch_tokens=1"])
     m8, met8 = run_update([f"algorithm.loss={loss}", "optim.micro_batch_tokens=400"])
     assert met1["train/padding_waste"] == 0.0 and met8["train/padding_waste"] > 0.0
-    torch.testing.assert_close(params(m1), params(m8), rtol=1e-4, atol=1e-5)  # Adam amplifies fp32 noise
+    torch.testing.assert_close(params(m1), params(m8), rtol=1e-4, atol=2e-5)  # Adam amplifies fp32 noise
     assert met1["train/loss"] == pytest.approx(met8["train/loss"], rel=1e-5, abs=1e-7)
 
 
@@ -169,8 +169,12 @@ def test_kl_reference_model():
 def test_metrics_present():
     _, met = run_update([])
     for key in ("train/loss", "train/grad_norm", "train/entropy_mean", "train/clip_frac_high",
-                "train/clip_frac_high_entropy", "train/tokens_per_s", "train/peak_rss_mb", "train/approx_kl"):
+                "train/tokens_per_s", "train/peak_rss_mb", "train/approx_kl"):
         assert key in met, key
+    # The high-entropy threshold (and its diagnostics) exist only under the high-entropy clip gate.
+    assert "train/clip_frac_high_entropy" not in met
+    _, gated = run_update(["algorithm.clip_gate=high_entropy"])
+    assert "train/clip_frac_high_entropy" in gated and "train/num_high_entropy_tokens" in gated
 
 
 def _with_exact_rollout_entropies(samples: list[TrainSample], seed: int = 0) -> list[TrainSample]:
@@ -217,9 +221,9 @@ def test_combined_diagnostics_are_pinned():
     """The update's loss diagnostics on a fixed example (values from before diagnostics declared their reduction)."""
     _, met = run_update(SPLIT)
     pinned = {
-        "clip_frac": 57 / 136, "clip_frac_high": 24 / 136, "clip_frac_low": 33 / 136, "clip_frac_high_entropy": 0.4,
+        "clip_frac": 57 / 136, "clip_frac_high": 24 / 136, "clip_frac_low": 33 / 136,
         "approx_kl": 0.2360767496001619, "ratio_mean": 1.1249514088472898, "ratio_max": 17.262943267822266,
-        "ratio_min": 0.07128968834877014, "num_tokens": 136.0, "num_high_entropy_tokens": 30.0,
+        "ratio_min": 0.07128968834877014, "num_tokens": 136.0,
         "entropy_mean": 3.2801619662958035,
     }
     assert {k: met[f"train/{k}"] for k in pinned} == pytest.approx(pinned, rel=1e-4)
