@@ -208,3 +208,23 @@ def test_sigterm_stops_the_run_and_its_temporary_prefect_server(tmp_path: Path, 
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def test_progress_comes_from_structured_events_not_from_the_log_text() -> None:
+    """The bar reads the event a task attaches to its log record; the message itself may say anything."""
+    import logging
+
+    from flows.cli import _ProgressHandler
+    from tasks.progress import Progress, report
+
+    seen: list[Progress] = []
+    logger = logging.getLogger("aepo.test.progress")
+    logger.setLevel(logging.INFO)
+    handler = _ProgressHandler(seen.append)
+    logger.addHandler(handler)
+    try:
+        report(logger, Progress("update", done=3, total=5), "whatever wording: %s", "reworded")
+        logger.info("step 4 update: loss 0.1")  # the old text pattern, without an event: no progress
+    finally:
+        logger.removeHandler(handler)
+    assert seen == [Progress("update", done=3, total=5)]
