@@ -151,10 +151,16 @@ def entropy_aware_advantage(
     return advantages * scale * mask.to(advantages.dtype)
 
 
-def informative_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """DAPO dynamic sampling: True for trajectories whose group's rewards are not all equal."""
-    s = group_stats(rewards, group_ids)
-    return s.std > 0
+# A group whose values' std is at most this is uniform: equal float rewards leave a std of ~1e-16, not 0.
+INFORMATIVE_STD_TOL = 1e-6
+
+
+def informative_groups(values: torch.Tensor, group_ids: torch.Tensor, tol: float = INFORMATIVE_STD_TOL
+                       ) -> torch.Tensor:
+    """DAPO dynamic sampling: True for trajectories whose group's values (scoring passes correctness, 0/1) are
+    not all equal, i.e. whose group std exceeds ``tol``."""
+    s = group_stats(values, group_ids)
+    return s.std > tol
 
 
 def soft_overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float) -> torch.Tensor:

@@ -309,7 +309,14 @@ class AlgorithmConfig(Section):
     loss_norm_len: int | None = Field(
         None, ge=1, description="Constant of seq-mean-token-sum-norm (default: rollout.max_response_tokens)."
     )
-    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal.")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO: drop groups whose leaves are all correct or all incorrect, and refill the step "
+        "with the next questions until train.batch_size informative groups (or dynamic_sampling_max_tries rounds).",
+    )
+    dynamic_sampling_max_tries: int = Field(
+        3, ge=1, description="DAPO: most sampling rounds per step (the first included); the update then uses the "
+        "informative groups found, at most train.batch_size.",
+    )
     overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty buffer (0: off).")
     overlong_penalty: float = Field(
         1.0, ge=0.0, description="DAPO: reward subtracted at max length, linear over the last overlong_buffer tokens."
@@ -524,6 +531,10 @@ class RewardConfig(Section):
     tool_bonus: float = Field(0.1, description="Added when F1 > 0 and every required tool was used.")
     required_tools: list[str] = Field(
         default_factory=lambda: ["search", "python"], description="Tools that must all have been used for the bonus."
+    )
+    math_timeout_s: float = Field(
+        5.0, gt=0.0, description="math: wall-clock bound of one answer's math-verify comparison, in any thread "
+        "(it runs in a verifier process that is killed on timeout; the answer then scores 0, reason timeout).",
     )
 
 

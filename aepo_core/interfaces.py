@@ -100,5 +100,11 @@ class RewardResult:
 
 @runtime_checkable
 class RewardFn(Protocol):
-    def __call__(self, response_text: str, golds: Sequence[str], tool_names: Sequence[str] = ()) -> RewardResult:
+    """Scores one trajectory.  ``response_text`` is the whole transcript (model segments and tool results: the
+    format check and the tool calls read it); ``model_text`` is only what the model wrote, where the answer is
+    read, so a tool result (a search snippet) can never supply it.  ``model_text=None``: the transcript with its
+    ``<result>`` blocks removed."""
+
+    def __call__(self, response_text: str, golds: Sequence[str], tool_names: Sequence[str] = (), *,
+                 model_text: str | None = None) -> RewardResult:
         ...
