@@ -1,9 +1,9 @@
 """Advantage estimators (a registry, like verl's) and AEPO's entropy-aware advantage (AEPO.md §5).
 
 An estimator maps per-trajectory rewards and group ids to per-trajectory advantages; the trainer broadcasts
-them to the trajectory's model tokens.  The entropy-aware scaling then works per token, with its statistics
-taken over the whole PPO mini-batch (pass :class:`EntropyStats`) so the result does not depend on how the
-mini-batch is split into micro-batches.
+them to the trajectory's model tokens.  The entropy-aware scaling then works per token (per sequence for GSPO,
+whose advantage must stay one per sequence), with its statistics taken over the whole PPO mini-batch (pass
+:class:`EntropyStats`) so the result does not depend on how the mini-batch is split into micro-batches.
 """
 
 from __future__ import annotations
@@ -100,18 +100,29 @@ def broadcast_to_tokens(seq_advantages: torch.Tensor, mask: torch.Tensor) -> tor
 
 @dataclass(frozen=True)
 class EntropyStats:
-    """Mean and std of token entropy over the model tokens of a PPO mini-batch."""
+    """Mean and std of token entropy over the model tokens of a PPO mini-batch, or (``per_sequence``) of the
+    sequence entropies H̄_i over its sequences that have model tokens."""
 
     mean: float
     std: float
+    per_sequence: bool = False
 
 
-def entropy_stats(entropy: torch.Tensor, mask: torch.Tensor) -> EntropyStats:
-    """Population statistics over masked tokens (computed once per mini-batch, shared by its micro-batches)."""
-    values = entropy.detach().float()[mask.bool()]
+def sequence_entropy(entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """H̄_i = Σ_t m_{i,t}·H_{i,t} / Σ_t m_{i,t}: each sequence's mean token entropy over its model tokens ([B]; 0
+    for a sequence without any)."""
+    m = mask.to(torch.float32)
+    return (entropy.detach().float() * m).sum(-1) / m.sum(-1).clamp(min=1)
+
+
+def entropy_stats(entropy: torch.Tensor, mask: torch.Tensor, per_sequence: bool = False) -> EntropyStats:
+    """Population statistics over masked tokens, or over the sequences' H̄_i (``per_sequence``; every sequence
+    with a model token counts once).  Computed once per mini-batch, shared by its micro-batches."""
+    m = mask.bool()
+    values = sequence_entropy(entropy, mask)[m.any(-1)] if per_sequence else entropy.detach().float()[m]
     if values.numel() == 0:
-        return EntropyStats(0.0, 0.0)
-    return EntropyStats(float(values.mean()), float(values.std(unbiased=False)))
+        return EntropyStats(0.0, 0.0, per_sequence)
+    return EntropyStats(float(values.mean()), float(values.std(unbiased=False)), per_sequence)
 
 
 def entropy_aware_advantage(
@@ -121,22 +132,35 @@ def entropy_aware_advantage(
     alpha: float,
     stats: EntropyStats | None = None,
     eps: float = 1e-6,
+    per_sequence: bool = False,
 ) -> torch.Tensor:
     """Ã_t = Â_t · max(0, 1 + α · z(H_t)), z standardized with the mini-batch ``stats``.
 
     High-entropy tokens (forks of the reasoning) get larger updates, low-entropy ones smaller; the max(0, ·)
     means the sign of Â never flips.  ``entropy`` must be detached (it is a weight, not a target).
+
+    Per sequence (``stats.per_sequence``, or ``per_sequence`` when no stats are given; GSPO, whose gradient
+    needs one advantage per sequence): Ã_{i,t} = Â_i · max(0, 1 + α · z(H̄_i)), H̄_i = :func:`sequence_entropy`,
+    z standardized over the mini-batch's sequences.
     """
-    stats = stats if stats is not None else entropy_stats(entropy, mask)
+    stats = stats if stats is not None else entropy_stats(entropy, mask, per_sequence)
+    if stats.per_sequence:
+        entropy = sequence_entropy(entropy, mask)[:, None].expand_as(advantages)
     z = (entropy.detach().float() - stats.mean) / (stats.std + eps)
     scale = (1.0 + alpha * z).clamp(min=0.0)
     return advantages * scale * mask.to(advantages.dtype)
 
 
-def informative_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """DAPO dynamic sampling: True for trajectories whose group's rewards are not all equal."""
-    s = group_stats(rewards, group_ids)
-    return s.std > 0
+# A group whose values' std is at most this is uniform: equal float rewards leave a std of ~1e-16, not 0.
+INFORMATIVE_STD_TOL = 1e-6
+
+
+def informative_groups(values: torch.Tensor, group_ids: torch.Tensor, tol: float = INFORMATIVE_STD_TOL
+                       ) -> torch.Tensor:
+    """DAPO dynamic sampling: True for trajectories whose group's values (scoring passes correctness, 0/1) are
+    not all equal, i.e. whose group std exceeds ``tol``."""
+    s = group_stats(values, group_ids)
+    return s.std > tol
 
 
 def soft_overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float) -> torch.Tensor:

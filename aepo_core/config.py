@@ -168,6 +168,18 @@ class RolloutConfig(Section):
             object.__setattr__(self, "initial_rollouts", default_initial_rollouts(self.k))  # no re-validation
         return self
 
+    @model_validator(mode="after")
+    def _segment_holds_the_entropy_window(self) -> RolloutConfig:
+        """A segment cap below W would silently average fewer than W tokens per segment (AEPO.md §2), changing
+        ΔH and m; lower W explicitly instead."""
+        if self.max_segment_tokens is not None and self.max_segment_tokens < self.entropy_window:
+            raise ValueError(
+                f"rollout.max_segment_tokens ({self.max_segment_tokens}) is below rollout.entropy_window "
+                f"({self.entropy_window}): segment entropy would average fewer than W tokens; raise the cap or "
+                "set rollout.entropy_window to at most the cap"
+            )
+        return self
+
 
 class SearchToolConfig(Section):
     """The agent's search tool."""
@@ -238,6 +250,15 @@ class AlgorithmConfig(Section):
         description="Policy loss (AEPO.md §6): aepo (entropy clipping-balanced), ppo_clip (PPO/GRPO), dapo, gppo, "
         "ce_gppo, cispo, gspo.",
     )
+    rollout_correction: Literal["none", "tis", "mask"] = Field(
+        "none",
+        description="Sampler–trainer mismatch correction (AEPO.md §6): per model token ρ = π_old(trainer) / "
+        "π_rollout; 'tis' weights the policy term by min(ρ, C), 'mask' drops tokens with ρ > C, 'none' ignores the "
+        "gap (which is logged either way). Only with optim.old_logprobs=trainer (else π_old is the sampler's).",
+    )
+    rollout_correction_cap: float = Field(
+        2.0, gt=1.0, description="C of rollout_correction: the truncation (tis) or masking (mask) threshold of ρ."
+    )
     advantage: AdvantageName = Field(
         "grpo",
         description="Group advantage (AEPO.md §5): grpo (mean and std), dr_grpo (no std), rloo (leave-one-out "
@@ -258,7 +279,19 @@ class AlgorithmConfig(Section):
     dapo_clip_high: float = Field(0.28, ge=0.0, description="ε_h of the dapo loss (clip-higher).")
     gspo_clip_low: float = Field(3e-4, ge=0.0, lt=1.0, description="ε_l of the gspo loss (sequence ratios).")
     gspo_clip_high: float = Field(4e-4, ge=0.0, description="ε_h of the gspo loss (sequence ratios).")
-    dual_clip: float | None = Field(None, gt=1.0, description="Dual-clip c for Â < 0 (paper option: 3.0).")
+    dual_clip: float | None = Field(
+        3.0,
+        gt=1.0,
+        description="Dual-clip c of the PPO-family losses (ppo_clip, dapo, aepo, gppo, ce_gppo): for Â < 0 the "
+        "per-token loss is capped at −c·Â (verl's clip_ratio_c = 3, which the published AEPO scripts use). "
+        "null: off. cispo (its IS weight is already capped) and gspo (sequence ratios) ignore it.",
+    )
+    cispo_eps_high: float = Field(
+        3.0,
+        gt=0.0,
+        description="ε_high^IS of the cispo loss: the IS weight is min(r, 1+ε), no lower bound (MiniMax-M1 tunes "
+        "only this upper bound and does not publish it; 3 caps the weight at 4, ScaleRL's / Tinker's default).",
+    )
     gppo_beta_low: float = Field(1.0, ge=0.0, description="CE-GPPO β₁ (low side weight).")
     gppo_beta_high: float = Field(1.0, ge=0.0, description="CE-GPPO β₂ (high side weight).")
     kl_coef: float = Field(0.0, ge=0.0, description="0: no reference model is loaded.")
@@ -269,16 +302,51 @@ class AlgorithmConfig(Section):
     loss_agg: LossAgg = Field(
         "token-mean",
         description="Per-token losses → scalar: token-mean (over the mini-batch's tokens), seq-mean-token-mean "
-        "(every sequence weighs the same), seq-mean-token-sum-norm (token sum / loss_norm_len, Dr.GRPO).",
+        "(every sequence weighs the same), seq-mean-token-sum-norm (token sum / loss_norm_len, Dr.GRPO). "
+        "Unset: seq-mean-token-mean for loss gspo, seq-mean-token-sum-norm for advantage dr_grpo (the only "
+        "aggregations under which they are what their papers say; another choice is an error), else token-mean.",
     )
     loss_norm_len: int | None = Field(
         None, ge=1, description="Constant of seq-mean-token-sum-norm (default: rollout.max_response_tokens)."
     )
-    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal.")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO: drop groups whose leaves are all correct or all incorrect, and refill the step "
+        "with the next questions until train.batch_size informative groups (or dynamic_sampling_max_tries rounds).",
+    )
+    dynamic_sampling_max_tries: int = Field(
+        3, ge=1, description="DAPO: most sampling rounds per step (the first included); the update then uses the "
+        "informative groups found, at most train.batch_size.",
+    )
     overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty buffer (0: off).")
     overlong_penalty: float = Field(
         1.0, ge=0.0, description="DAPO: reward subtracted at max length, linear over the last overlong_buffer tokens."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aggregation_of_the_method(cls, data: Any) -> Any:
+        """GSPO's gradient is the paper's only under seq-mean-token-mean (one clipped ratio per sequence, every
+        sequence weighing the same); Dr.GRPO needs the constant normalizer seq-mean-token-sum-norm (Σ_t L / L_max,
+        no per-sequence length).  An unset ``loss_agg`` becomes the one required; another one is an error.
+
+        (On assignment pydantic passes every field, so there ``loss_agg`` always counts as set.)"""
+        if not isinstance(data, dict):
+            return data
+        required = {key: agg for key, value, agg in (("algorithm.loss", "gspo", "seq-mean-token-mean"),
+                                                     ("algorithm.advantage", "dr_grpo", "seq-mean-token-sum-norm"))
+                    if data.get(key.split(".")[1]) == value}
+        if len(set(required.values())) > 1:
+            raise ValueError("algorithm.loss=gspo needs algorithm.loss_agg=seq-mean-token-mean but "
+                             "algorithm.advantage=dr_grpo needs seq-mean-token-sum-norm: choose one of them")
+        if not required:
+            return data
+        ((key, agg),) = required.items()
+        if data.get("loss_agg") is None:
+            return {**data, "loss_agg": agg}
+        if data["loss_agg"] != agg:
+            raise ValueError(f"{key}={data[key.split('.')[1]]} needs algorithm.loss_agg={agg}, got "
+                             f"{data['loss_agg']!r} (leave algorithm.loss_agg unset to get it)")
+        return data
 
 
 class OptimConfig(Section):
@@ -464,6 +532,10 @@ class RewardConfig(Section):
     required_tools: list[str] = Field(
         default_factory=lambda: ["search", "python"], description="Tools that must all have been used for the bonus."
     )
+    math_timeout_s: float = Field(
+        5.0, gt=0.0, description="math: wall-clock bound of one answer's math-verify comparison, in any thread "
+        "(it runs in a verifier process that is killed on timeout; the answer then scores 0, reason timeout).",
+    )
 
 
 class TrackingConfig(Section):
@@ -524,6 +596,22 @@ class ExperimentConfig(Section):
         if r.initial_rollouts is not None and r.initial_rollouts > r.k:
             raise ValueError(f"rollout.initial_rollouts ({r.initial_rollouts}) must not exceed rollout.k ({r.k})")
         return self
+
+    def clip_active(self) -> bool:
+        """Whether a clipping loss can clip at all: π_old differs from the policy being differentiated only with
+        several PPO epochs, several mini-batches per step, or the sampler's log-probs as π_old. With one epoch over
+        one mini-batch every ratio is exactly 1 and every loss gives the same gradient −Â∇logπ (AEPO.md §6)."""
+        o = self.optim
+        return o.ppo_epochs > 1 or o.mini_batch_size < self.train.batch_size or o.old_logprobs == "rollout"
+
+    def check_trainable(self) -> None:
+        """What a training run needs beyond a valid config; raises :class:`ConfigError` naming the key."""
+        if self.rollout.engine == "remote" and not self.rollout.remote.reload_url:
+            raise ConfigError("rollout.engine=remote needs rollout.remote.reload_url to train: without a weight "
+                              "reload hook the server would sample every step from the initial weights")
+        if self.train.sft.enabled and not (self.data.train == "synthetic" or self.data.train.startswith("synthetic:")):
+            raise ConfigError(f"train.sft.enabled needs data.train=synthetic (oracle transcripts); got "
+                              f"data.train={self.data.train!r}: run SFT beforehand and point model.name at it")
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

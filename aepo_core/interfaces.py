@@ -14,7 +14,12 @@ FinishReason = Literal["stop", "length", "eos", "error"]
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One row of a batched generation: continue ``prompt_ids`` until a stop string, EOS or ``max_tokens``."""
+    """One row of a batched generation: continue ``prompt_ids`` until a stop string, EOS or ``max_tokens``.
+
+    Stop strings are matched in the generated tokens only, never in ``prompt_ids``: one that a caller's segment
+    cap split (``</se`` at the end of the prompt, ``arch>`` generated) goes unnoticed by the engine.  The rollout
+    scheduler finds it in the whole turn and cuts the segment there, the same way for every engine.
+    """
 
     prompt_ids: Sequence[int]
     max_tokens: int
@@ -95,5 +100,11 @@ class RewardResult:
 
 @runtime_checkable
 class RewardFn(Protocol):
-    def __call__(self, response_text: str, golds: Sequence[str], tool_names: Sequence[str] = ()) -> RewardResult:
+    """Scores one trajectory.  ``response_text`` is the whole transcript (model segments and tool results: the
+    format check and the tool calls read it); ``model_text`` is only what the model wrote, where the answer is
+    read, so a tool result (a search snippet) can never supply it.  ``model_text=None``: the transcript with its
+    ``<result>`` blocks removed."""
+
+    def __call__(self, response_text: str, golds: Sequence[str], tool_names: Sequence[str] = (), *,
+                 model_text: str | None = None) -> RewardResult:
         ...

@@ -64,7 +64,16 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
 
 
 def _ratio(inp: LossInputs) -> torch.Tensor:
-    return torch.exp(inp.logprobs - inp.old_logprobs.detach())
+    """r = exp(logπ_θ − logπ_old) on model tokens, exactly 1 on masked ones (whose log-ratio may be anything: a
+    tool or padding token's e^±120 would be 0 or inf in float32, and inf·0 a NaN loss)."""
+    log_ratio = inp.logprobs - inp.old_logprobs.detach()
+    return torch.exp(torch.where(inp.mask.bool(), log_ratio, torch.zeros_like(log_ratio)))
+
+
+def _unit(inp: LossInputs) -> torch.Tensor:
+    """exp(logπ − sg(logπ)): value exactly 1, gradient ∇logπ.  It is the r/sg(r) of the stop-gradient bounds
+    without its 0/0 (a NaN gradient) where r underflows."""
+    return torch.exp(inp.logprobs - inp.logprobs.detach())
 
 
 def _regions(r: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +83,13 @@ def _regions(r: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float
 
 
 def _dual_clip(per_token: torch.Tensor, adv: torch.Tensor, c: float | None) -> torch.Tensor:
-    """Dual-clip: for Â < 0 the loss is capped at c·|Â| so a huge ratio cannot blow up the update."""
+    """Dual-clip: for Â < 0, L = min(L_clip, −c·Â) = min(L_clip, c·|Â|), so a huge ratio cannot blow up the update
+    (value c·|Â| and gradient 0 where r > c); Â ≥ 0 is untouched; ``c=None``: off.
+
+    ``algorithm.dual_clip`` defaults to c = 3 (verl's ``clip_ratio_c``, on in the published AEPO scripts) for the
+    PPO family: ppo_clip, dapo, aepo, gppo, ce_gppo.  CISPO's IS weight is already capped and GSPO's sequence
+    ratios stay near 1, so they do not apply it (neither do their references).
+    """
     if c is None:
         return per_token
     return torch.where(adv < 0, torch.minimum(per_token, -c * adv), per_token)
@@ -106,18 +121,18 @@ def dapo_loss(inp: LossInputs, cfg: AlgorithmConfig, high_entropy: torch.Tensor)
 
 @register_policy_loss("aepo")
 def aepo_loss(inp: LossInputs, cfg: AlgorithmConfig, high_entropy: torch.Tensor) -> TokenLoss:
-    """AEPO entropy clipping-balanced loss: the upper clip bound becomes (1+ε_h)·r/sg(r).
+    """AEPO entropy clipping-balanced loss: the upper clip bound becomes (1+ε_h)·r/sg(r) = (1+ε_h)·exp(logπ − sg(logπ)).
 
     The forward value equals PPO-clip; for Â > 0 and r > 1+ε_h the gradient is (1+ε_h)·Â·∇logπ instead of 0,
     so clipped (often high-entropy, exploratory) tokens keep a bounded learning signal.  The lower side is
     unchanged (Â < 0, r < 1−ε_l still gets 0).  ``clip_gate='high_entropy'`` keeps the preserved gradient
-    only for tokens in the mini-batch's top entropy quantile.
+    only for tokens in the mini-batch's top entropy quantile.  Dual-clip c for Â < 0 (default 3): min(L, −c·Â).
     """
     r = _ratio(inp)
     adv = inp.advantages
     eps_low, eps_high = cfg.clip_low, cfg.clip_high
     upper_const = torch.full_like(r, 1 + eps_high)
-    upper_sg = (1 + eps_high) * r / r.detach()
+    upper_sg = (1 + eps_high) * _unit(inp)
     upper = upper_sg if cfg.clip_gate == "all" else torch.where(high_entropy, upper_sg, upper_const)
     clipped = torch.where(r > 1 + eps_high, upper, torch.where(r < 1 - eps_low, 1 - eps_low, r))
     per_token = -torch.minimum(r * adv, clipped * adv)
@@ -129,7 +144,7 @@ def _gradient_preserving(inp: LossInputs, cfg: AlgorithmConfig, beta_low: float,
     r = _ratio(inp)
     adv = inp.advantages
     high, low = _regions(r, adv, cfg.clip_low, cfg.clip_high)
-    unit = r / r.detach()  # value 1, gradient ∇logπ
+    unit = _unit(inp)
     coef = torch.where(
         high, beta_high * (1 + cfg.clip_high) * unit, torch.where(low, beta_low * (1 - cfg.clip_low) * unit, r)
     )
@@ -138,7 +153,8 @@ def _gradient_preserving(inp: LossInputs, cfg: AlgorithmConfig, beta_low: float,
 
 @register_policy_loss("gppo")
 def gppo_loss(inp: LossInputs, cfg: AlgorithmConfig, high_entropy: torch.Tensor) -> TokenLoss:
-    """GPPO: stop-gradient bounds on both sides, clip(r, (1−ε_l)·r/sg(r), (1+ε_h)·r/sg(r))."""
+    """GPPO: stop-gradient bounds on both sides, clip(r, (1−ε_l)·r/sg(r), (1+ε_h)·r/sg(r)); r/sg(r) is computed as
+    exp(logπ − sg(logπ)).  Dual-clip c for Â < 0 (default 3): min(L, −c·Â)."""
     return _gradient_preserving(inp, cfg, 1.0, 1.0)
 
 
@@ -150,13 +166,17 @@ def ce_gppo_loss(inp: LossInputs, cfg: AlgorithmConfig, high_entropy: torch.Tens
 
 @register_policy_loss("cispo")
 def cispo_loss(inp: LossInputs, cfg: AlgorithmConfig, high_entropy: torch.Tensor) -> TokenLoss:
-    """CISPO: −sg(clip(r, 1−ε_l, 1+ε_h))·Â·logπ_θ — every token keeps a gradient; only its weight is clipped."""
+    """CISPO (MiniMax-M1): −sg(min(r, 1+ε_high^IS))·Â·logπ_θ, ε_high^IS = ``cispo_eps_high``.
+
+    Every token keeps a gradient, −w·Â·∇logπ; only its IS weight w is truncated, from above only (MiniMax-M1
+    sets ε_low^IS large enough never to act, so ``clip_low`` plays no part).  No dual-clip.
+    """
     r = _ratio(inp)
-    weight = torch.clamp(r, 1 - cfg.clip_low, 1 + cfg.clip_high).detach()
+    weight = torch.clamp(r, max=1 + cfg.cispo_eps_high).detach()
     per_token = -weight * inp.advantages * inp.logprobs
     with torch.no_grad():
-        high, low = r > 1 + cfg.clip_high, r < 1 - cfg.clip_low
-    return TokenLoss(per_token, high, low, r.detach())
+        high = r > 1 + cfg.cispo_eps_high
+    return TokenLoss(per_token, high, torch.zeros_like(high), r.detach())
 
 
 @register_policy_loss("gspo")
@@ -165,7 +185,9 @@ def gspo_loss(inp: LossInputs, cfg: AlgorithmConfig, high_entropy: torch.Tensor)
 
     Written in the GSPO-token form s_t = sg(s)·π_θ(y_t)/sg(π_θ(y_t)): its value is s on every token and, with
     a constant advantage per sequence and seq-mean-token-mean aggregation, its gradient is exactly GSPO's
-    (∇s = s·mean_t ∇logπ_t).  Clip ranges are ``gspo_clip_low/high`` (sequence ratios are close to 1).
+    (∇s = s·mean_t ∇logπ_t).  Both hold by construction: the config forces that aggregation, and the update
+    applies the entropy-aware advantage per sequence for the losses in :data:`SEQUENCE_LEVEL_LOSSES`.  Clip
+    ranges are ``gspo_clip_low/high`` (sequence ratios are close to 1).  No dual-clip.
     """
     mask = inp.mask.to(inp.logprobs.dtype)
     log_ratio = (inp.logprobs - inp.old_logprobs.detach()) * mask
@@ -176,6 +198,10 @@ def gspo_loss(inp: LossInputs, cfg: AlgorithmConfig, high_entropy: torch.Tensor)
     per_token = -torch.minimum(s_t * adv, torch.clamp(s_t, 1 - eps_low, 1 + eps_high) * adv)
     high, low = _regions(s_t, adv, eps_low, eps_high)
     return TokenLoss(per_token, high, low, s_t.detach())
+
+
+SEQUENCE_LEVEL_LOSSES: frozenset[str] = frozenset({"gspo"})
+"""Losses whose advantage must be one per sequence (the entropy-aware scaling is then per sequence too)."""
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str, clamp: float) -> torch.Tensor:
@@ -226,17 +252,25 @@ def aggregate(
 
 
 def high_entropy_threshold(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> float:
-    """Entropy value above which a model token is in the top ``quantile`` fraction of the batch."""
+    """Entropy value at or above which a model token is in the top ``quantile`` fraction of the batch.
+
+    The n model-token entropies' order statistic of 0-based rank ⌈(1−q)·(n−1)⌉ (the rank computed in float32):
+    exactly ``torch.quantile(values, 1−q, interpolation='higher')``, by ``torch.kthvalue`` (a selection, O(n)),
+    since torch.quantile refuses inputs of more than 2^24 ≈ 16.8M elements.
+    """
     values = entropy.detach().float()[mask.bool()]
     if values.numel() == 0:
         return float("inf")
-    return float(torch.quantile(values, 1.0 - quantile, interpolation="higher"))
+    rank = int(torch.ceil(torch.tensor(1.0 - quantile, dtype=torch.float32) * (values.numel() - 1)))
+    return float(torch.kthvalue(values, rank + 1).values)
 
 
 def loss_normalizer(mask: torch.Tensor, entropy: torch.Tensor | None, cfg: AlgorithmConfig) -> LossNormalizer:
-    """The mini-batch constants for :func:`compute_policy_loss` over its micro-batches."""
+    """The mini-batch constants for :func:`compute_policy_loss` over its micro-batches; the high-entropy threshold
+    only under ``clip_gate='high_entropy'`` (the only thing that reads it, besides its diagnostics)."""
     m = mask.bool()
-    threshold = high_entropy_threshold(entropy, mask, cfg.high_entropy_quantile) if entropy is not None else None
+    threshold = (high_entropy_threshold(entropy, mask, cfg.high_entropy_quantile)
+                 if entropy is not None and cfg.clip_gate == "high_entropy" else None)
     return LossNormalizer(float(m.sum()), float((m.sum(-1) > 0).sum()), threshold)
 
 
@@ -253,15 +287,15 @@ def compute_policy_loss(
         raise ValueError(f"unknown policy loss {cfg.loss!r}; known: {sorted(POLICY_LOSSES)}") from None
     norm = norm if norm is not None else loss_normalizer(inp.mask, inp.entropy, cfg)
     mask = inp.mask.bool()
-    if inp.entropy is not None:
-        threshold = norm.entropy_threshold if norm.entropy_threshold is not None else float("inf")
-        high_entropy = (inp.entropy.detach() >= threshold) & mask
+    high_entropy = None  # the top-quantile tokens, known only under clip_gate='high_entropy'
+    if cfg.clip_gate == "high_entropy" and inp.entropy is not None:
+        if norm.entropy_threshold is None:
+            raise ValueError("clip_gate='high_entropy' needs LossNormalizer.entropy_threshold (loss_normalizer)")
+        high_entropy = (inp.entropy.detach() >= norm.entropy_threshold) & mask
     elif cfg.clip_gate == "high_entropy" and cfg.loss == "aepo":
         raise ValueError("clip_gate='high_entropy' needs token entropies in LossInputs.entropy")
-    else:
-        high_entropy = torch.zeros_like(mask)
 
-    out = loss_fn(inp, cfg, high_entropy)
+    out = loss_fn(inp, cfg, high_entropy if high_entropy is not None else torch.zeros_like(mask))
     per_token = out.per_token
     kl = None
     if cfg.kl_coef > 0:
@@ -371,7 +405,7 @@ def _diagnostics(
     inp: LossInputs,
     out: TokenLoss,
     mask: torch.Tensor,
-    high_entropy: torch.Tensor,
+    high_entropy: torch.Tensor | None,
     kl: torch.Tensor | None,
     cfg: AlgorithmConfig,
 ) -> dict[str, Diagnostic]:
@@ -384,14 +418,15 @@ def _diagnostics(
         "clip_frac": _masked_mean(clipped, mask),
         "clip_frac_high": _masked_mean(out.clipped_high, mask),
         "clip_frac_low": _masked_mean(out.clipped_low, mask),
-        "clip_frac_high_entropy": _masked_mean(clipped, high_entropy),  # weighted by the high-entropy count
         "approx_kl": _masked_mean(torch.exp(-log_r) + log_r - 1, mask),  # k3 of π_θ vs π_old
         "ratio_mean": Diagnostic(float(ratio.mean()) if some else 1.0, "mean", num_tokens.value),
         "ratio_max": Diagnostic(float(ratio.max()) if some else 1.0, "max"),
         "ratio_min": Diagnostic(float(ratio.min()) if some else 1.0, "min"),
         "num_tokens": num_tokens,
-        "num_high_entropy_tokens": _count(high_entropy),
     }
+    if high_entropy is not None:  # only under clip_gate='high_entropy'
+        diag["clip_frac_high_entropy"] = _masked_mean(clipped, high_entropy)  # weighted by the high-entropy count
+        diag["num_high_entropy_tokens"] = _count(high_entropy)
     if inp.entropy is not None:
         diag["entropy_mean"] = _masked_mean(inp.entropy, mask)
     if kl is not None:

@@ -2,22 +2,28 @@
 
 :func:`score_trees` leaves the trees as they are and returns a :class:`StepScores`: one :class:`LeafScore` per
 leaf, aligned with the trees, and the step's rollout metrics.  A group is all leaves of one question.  With DAPO
-dynamic sampling, groups whose rewards are all equal carry no learning signal; their questions are returned so
-the update can leave them out (:meth:`StepScores.kept`; no refill here: the rollout budget of the step is fixed).
+dynamic sampling, groups whose leaves are all correct or all incorrect carry no learning signal; their questions
+are returned so the update can leave them out (:meth:`StepScores.kept`), and :func:`fill_informative` samples
+further rounds of questions until the batch is full of informative groups.
+
+Rewards read the answer only from what the model wrote (:func:`model_text`), never from a tool result, and the
+soft overlong penalty counts model tokens only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from aepo_core.advantages import compute_advantages, informative_groups, soft_overlong_penalty
 from aepo_core.config import AlgorithmConfig
+from aepo_core.evaluation import is_correct
 from aepo_core.interfaces import RewardFn
-from aepo_core.rollout.tree import RolloutTree
+from aepo_core.rollout.tree import Leaf, RolloutTree
 
 # Tool events that are notices from the scheduler, not calls that reached a tool.
 NOTICE_EVENTS = frozenset({"limit", "invalid"})
@@ -65,6 +71,11 @@ def check_aligned(trees: Sequence[RolloutTree], scores: Sequence[Sequence[LeafSc
                              f"{len(tree_scores)} scores")
 
 
+def model_text(tree: RolloutTree, leaf: Leaf) -> str:
+    """What the model wrote on ``leaf``'s path: its segments without the prompt and the tool results."""
+    return "".join(n.text for n in tree.path(leaf) if n.kind == "model")
+
+
 def score_trees(
     trees: Sequence[RolloutTree],
     golds: Mapping[str, Sequence[str]],
@@ -83,21 +94,23 @@ def score_trees(
             raise KeyError(f"no gold answer for question {tree.question_id!r}")
         for leaf in tree.leaves:
             tools = [e.name for e in tree.tool_events(leaf) if e.name not in NOTICE_EVENTS]
-            res = reward_fn(tree.text(leaf), golds[tree.question_id], tools)
+            res = reward_fn(tree.text(leaf), golds[tree.question_id], tools, model_text=model_text(tree, leaf))
             score = res.score
             if alg.overlong_buffer > 0:
-                length = torch.tensor([len(tree.response_ids(leaf))])
+                length = torch.tensor([sum(tree.loss_mask(leaf))])  # model tokens: tool results are not the model's
                 score += float(soft_overlong_penalty(length, max_response_tokens, alg.overlong_buffer,
                                                      alg.overlong_penalty)[0])
             rewards.append(score)
             reasons.append(res.reason)
             groups.append(gi)
             format_errors.append(1.0 - float(res.details.get("format_ok", 1.0)))
-            correct.append(float(res.details.get("em", 1.0 if res.reason in ("correct", "equivalent") else 0.0)))
+            correct.append(float(is_correct(res)))
     r = torch.tensor(rewards, dtype=torch.float64)
     g = torch.tensor(groups, dtype=torch.long)
     adv = compute_advantages(alg.advantage, r, g, alg.adv_eps) if rewards else r
-    keep = informative_groups(r, g) if rewards else torch.zeros(0, dtype=torch.bool)
+    # DAPO filters on accuracy: a group whose shaped rewards differ but whose leaves are all wrong is uniform.
+    acc = torch.tensor(correct, dtype=torch.float64)
+    keep = informative_groups(acc, g) if rewards else torch.zeros(0, dtype=torch.bool)
     uninformative: set[str] = set()
     leaves: list[tuple[LeafScore, ...]] = []
     i = 0
@@ -123,3 +136,54 @@ def score_trees(
         ),
     }
     return StepScores(tuple(leaves), metrics, frozenset(uninformative))
+
+
+@dataclass(frozen=True)
+class FilledBatch:
+    """A step's sampling rounds (:func:`fill_informative`): what the update uses and what was sampled."""
+
+    trees: list[RolloutTree]  # the groups the update uses: informative ones, in sampling order, at most batch_size
+    scores: StepScores  # their scores (advantages over exactly these groups); metrics: first round's plus refill's
+    sampled_trees: list[RolloutTree]  # every tree of every round (the step's trajectories, for the store)
+    sampled_scores: StepScores  # their scores, aligned with sampled_trees (each round's own advantages)
+    tries: int  # sampling rounds made
+
+
+SampleRound = Callable[[int], tuple[Sequence[RolloutTree], StepScores]]
+"""``attempt`` (0, 1, …) → the trees of the next questions and their scores (seeds derive from the attempt)."""
+
+
+def fill_informative(sample_round: SampleRound, batch_size: int, alg: AlgorithmConfig) -> FilledBatch:
+    """DAPO dynamic sampling: sample rounds until ``batch_size`` informative groups or
+    ``alg.dynamic_sampling_max_tries`` rounds (one round when dynamic sampling is off: every group is kept).
+
+    The update's groups are the first ``batch_size`` informative ones; their advantages are recomputed over exactly
+    those groups (only batch-level estimators such as ``reinforce_pp_baseline`` change).  Metrics:
+    ``rollout/dynamic_sampling_tries``, ``rollout/informative_groups`` (groups in the update) and
+    ``rollout/sampled_groups``, on top of the first round's (the batch as drawn from the data order).
+    """
+    max_tries = alg.dynamic_sampling_max_tries if alg.dynamic_sampling else 1
+    rounds: list[tuple[Sequence[RolloutTree], StepScores]] = []
+    kept: list[tuple[RolloutTree, tuple[LeafScore, ...]]] = []
+    while len(rounds) < max_tries and len(kept) < batch_size:
+        trees, scores = sample_round(len(rounds))
+        rounds.append((trees, scores))
+        kept_trees, kept_scores = scores.kept(trees)
+        kept.extend(zip(kept_trees, kept_scores, strict=True))
+    kept = kept[:batch_size]
+    rewards = torch.tensor([s.reward for _, ts in kept for s in ts], dtype=torch.float64)
+    groups = torch.tensor([gi for gi, (_, ts) in enumerate(kept) for _ in ts], dtype=torch.long)
+    adv = compute_advantages(alg.advantage, rewards, groups, alg.adv_eps) if len(rewards) else rewards
+    adv_iter = iter(adv.tolist())
+    leaves = tuple(tuple(dataclasses.replace(s, advantage=next(adv_iter)) for s in ts) for _, ts in kept)
+    sampled_trees = [t for trees, _ in rounds for t in trees]
+    metrics = {
+        **rounds[0][1].metrics,
+        "rollout/dynamic_sampling_tries": float(len(rounds)),
+        "rollout/informative_groups": float(len(kept)),
+        "rollout/sampled_groups": float(len(sampled_trees)),
+    }
+    sampled = StepScores(tuple(ts for _, scores in rounds for ts in scores.leaves), metrics,
+                         frozenset().union(*(scores.uninformative_questions for _, scores in rounds)))
+    return FilledBatch([t for t, _ in kept], StepScores(leaves, metrics, frozenset()), sampled_trees, sampled,
+                       len(rounds))

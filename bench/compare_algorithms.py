@@ -51,7 +51,8 @@ DEFAULT_SWEEP = REPO / "configs" / "sweeps" / "algorithms.yaml"
 BASELINE = "grpo"
 # What the shared SFT checkpoint depends on (every other key may differ between arms without invalidating it).
 SFT_KEYS = ("model", "data", "tools", "train.sft", "optim.micro_batch_tokens", "seed")
-QUICK_SETS = ["train.steps=1", "train.batch_size=2", "eval.max_questions=4", "eval.n_samples=2",
+# Two steps: the second rollout already samples from weights the arms' losses moved differently.
+QUICK_SETS = ["train.steps=2", "train.batch_size=2", "eval.max_questions=4", "eval.n_samples=2",
               "eval.pass_k=2", "train.sft.max_examples=8", "tracking.log_model=false"]
 
 
@@ -316,7 +317,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "bench-compare")
     p.add_argument("--no-shared-sft", action="store_true", help="every arm runs its own SFT (base config as is)")
     p.add_argument("--refresh-sft", action="store_true", help="redo the shared SFT even if cached")
-    p.add_argument("--quick", action="store_true", help="smoke run: aepo and grpo, one seed, one tiny step")
+    p.add_argument("--quick", action="store_true", help="smoke run: aepo, its ppo_clip ablation and grpo, one seed, "
+                   "two tiny steps")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--analyse-only", action="store_true",
                    help="analyse the finished runs already in --runs-dir (and its shard stores); run nothing")
@@ -351,7 +353,7 @@ def run(args: argparse.Namespace) -> int:
 
     sets = [*(QUICK_SETS if args.quick else []), *args.sets]
     seeds = [0] if args.quick and args.seeds is None else args.seeds
-    cells = ["aepo", BASELINE] if args.quick and args.cells is None else args.cells
+    cells = ["aepo", "aepo-no-clip-balance", BASELINE] if args.quick and args.cells is None else args.cells
     raw = sweep_spec(args.sweep, sets, seeds, cells, None)
     base = load_config(raw["base"], raw["overrides"])
     env = environment(threads=0)

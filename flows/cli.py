@@ -259,6 +259,10 @@ def train(
 ) -> None:
     """Train a policy (cold-start SFT if configured, RL steps, final evaluation), tracked in MLflow."""
     cfg = load_checked_config(config, set_)
+    try:
+        cfg.check_trainable()
+    except ConfigError as exc:
+        fail(str(exc))
     runs = resolve_runs_dir(runs_dir, cfg)
     cfg = _with_runs_dir(cfg, runs)
     prepare_environment(runs)

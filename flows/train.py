@@ -7,6 +7,8 @@ from the last complete checkpoint, in the same MLflow run, with the same data or
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -18,6 +20,9 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 
 from aepo_core.config import ExperimentConfig
 from aepo_core.evaluation import paired_comparison
+from aepo_core.rollout.scheduler import RolloutResult
+from aepo_core.rollout.tree import RolloutTree
+from aepo_core.scoring import StepScores, fill_informative
 from flows.common import flow_run_id, resolve_config
 from infra.evaluation import EvalReport
 from infra.plots import curves_figure, rollout_tree_figure
@@ -95,6 +100,7 @@ def train(
     cfg = resolve_config(config, overrides)
     runs = Path(runs_dir or cfg.storage.runs_dir)
     runs.mkdir(parents=True, exist_ok=True)
+    cfg.check_trainable()
     name = run_name or cfg.tracking.run_name or cfg.name
     checkpoint_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else runs / "checkpoints" / name
     rows = prepare_data(cfg.data.train, cfg.data, source_fingerprint(cfg.data.train, cfg.data.data_root))
@@ -104,7 +110,8 @@ def train(
                     else TrajectoryStore(runs / "trajectories"))
     tracker = Tracker.from_config(cfg, runs)
     run_id = tracker.start(cfg, run_name=name, resume_run_id=point.run_id if point else None,
-                           parent_run_id=parent_run_id, flow_run_id=flow_run_id(), tags={"runs_dir": str(runs)})
+                           parent_run_id=parent_run_id, flow_run_id=flow_run_id(),
+                           tags={"runs_dir": str(runs), "clip_active": str(cfg.clip_active()).lower()})
     with tracker:
         tracker.log_config(cfg)
         trainer = Trainer(runtime, rows, checkpoint_dir=checkpoint_dir, run_id=run_id)
@@ -124,6 +131,18 @@ def train(
                          str(trajectories.uri), evals.summaries, comparisons)
     create_markdown_artifact(key=None, markdown=summary_markdown(result, cfg), description=f"summary of {name}")
     return result
+
+
+def _sample_round(trainer: Trainer, step: int, rounds: list[RolloutResult], attempt: int
+                  ) -> tuple[list[RolloutTree], StepScores]:
+    """One sampling round of ``step`` (:func:`~aepo_core.scoring.fill_informative`): the next questions of the data
+    order, rolled out (seed from (seed, step, attempt)) and scored; the rollout is appended to ``rounds``."""
+    runtime, cfg = trainer.runtime, trainer.runtime.cfg
+    rows = trainer.next_batch()
+    result = rollout.with_options(timeout_seconds=cfg.train.rollout_timeout_s,
+                                  retries=cfg.train.task_retries)(runtime, rows, step, attempt)
+    rounds.append(result)
+    return result.trees, score(runtime, result, rows, step)
 
 
 def _train_loop(trainer: Trainer, name: str, tracker: Tracker, trajectories: TrajectoryStore, evals: _Evaluations,
@@ -148,15 +167,17 @@ def _train_loop(trainer: Trainer, name: str, tracker: Tracker, trajectories: Tra
     while trainer.step < total:
         step = trainer.step + 1
         t0 = time.perf_counter()
-        batch = trainer.next_batch()
-        result = rollout.with_options(timeout_seconds=cfg.train.rollout_timeout_s,
-                                      retries=cfg.train.task_retries)(runtime, batch, step)
-        scores = score(runtime, result, batch, step)
-        train_metrics = update.with_options(timeout_seconds=cfg.train.update_timeout_s)(trainer, result, scores, step)
-        store(trajectories, trainer.run_id, step, result, scores)
-        tracker.log_metrics({**result.metrics(), **scores.metrics, **train_metrics,
+        rounds: list[RolloutResult] = []
+        filled = fill_informative(functools.partial(_sample_round, trainer, step, rounds), cfg.train.batch_size,
+                                  cfg.algorithm)
+        scores = filled.scores
+        train_metrics = update.with_options(timeout_seconds=cfg.train.update_timeout_s)(
+            trainer, dataclasses.replace(rounds[0], trees=filled.trees), scores, step)
+        result = dataclasses.replace(rounds[0], trees=filled.sampled_trees)
+        store(trajectories, trainer.run_id, step, result, filled.sampled_scores)
+        tracker.log_metrics({**rounds[0].metrics(), **scores.metrics, **train_metrics,
                              "step/wall_s": time.perf_counter() - t0}, step)
-        last = (result, scores, batch)
+        last = (result, filled.sampled_scores)
         if step % cfg.checkpoint.every == 0 or step == total:
             checkpoint(trainer)
         if cfg.eval.every and step % cfg.eval.every == 0 and step < total:
@@ -165,7 +186,7 @@ def _train_loop(trainer: Trainer, name: str, tracker: Tracker, trajectories: Tra
                                  description=f"step {step}/{total}: reward {scores.metrics['rollout/reward_mean']:.3f}")
     evals.run("final", trainer.step)
     if last is not None:
-        result, scores, _ = last
+        result, scores = last
         i = max(range(len(result.trees)), key=lambda j: sum(n.branched for n in result.trees[j].nodes))
         tree = result.trees[i]
         tracker.log_figure(rollout_tree_figure(tree, title=f"{tree.question_id} (step {trainer.step})",

@@ -15,7 +15,7 @@ from aepo_core.interfaces import RewardFn, SamplingParams
 from aepo_core.rewards import predicted_answer
 from aepo_core.rollout.scheduler import derive_seed
 from aepo_core.rollout.tree import RolloutTree
-from aepo_core.scoring import NOTICE_EVENTS
+from aepo_core.scoring import NOTICE_EVENTS, model_text
 from infra.data.loaders import dataset_key
 from infra.data.rows import QuestionRow
 from infra.runtime import PolicyRuntime
@@ -68,7 +68,7 @@ def evaluate_dataset(runtime: PolicyRuntime, dataset: str, rows: Sequence[Questi
                                 SamplingParams(ev.temperature, ev.top_p, 0))
         for row, tree in zip(chunk, result.trees, strict=True):
             outcomes.append(question_outcome(dataset, row, tree, runtime.reward_fn))
-            answers[row.id] = [predicted_answer(tree.text(leaf)) for leaf in tree.leaves]
+            answers[row.id] = [predicted_answer(model_text(tree, leaf)) for leaf in tree.leaves]
     summary = summarize(outcomes, ev.pass_k, n_resamples=ev.bootstrap_samples, seed=seed)
     by_family = summarize_by(outcomes, "family", ev.pass_k, n_resamples=ev.bootstrap_samples, seed=seed)
     pass1 = {o.question_id: o.correct / o.n for o in outcomes}
@@ -81,7 +81,8 @@ def question_outcome(dataset: str, row: QuestionRow, tree: RolloutTree, reward_f
     n_calls = 0
     for leaf in tree.leaves:
         events = [e for e in tree.tool_events(leaf) if e.name not in NOTICE_EVENTS]
-        res = reward_fn(tree.text(leaf), list(row.golds), [e.name for e in events])
+        res = reward_fn(tree.text(leaf), list(row.golds), [e.name for e in events],
+                        model_text=model_text(tree, leaf))
         correct += is_correct(res)
         em += res.details.get("em", float(is_correct(res)))
         f1 += res.details.get("f1", float(is_correct(res)))

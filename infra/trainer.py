@@ -82,6 +82,11 @@ class Trainer:
             ref_model, _ = load_policy(cfg.model)
             ref = FrozenBackend(ref_model, autocast_dtype(cfg.model.compute_dtype))
         self.updater = PolicyUpdater(self.backend, cfg, pad_id=runtime.pad_id, ref_backend=ref)
+        if not cfg.clip_active():
+            log.warning("algorithm.loss=%s runs fully on-policy (optim.ppo_epochs=1, optim.mini_batch_size=%d >= "
+                        "train.batch_size=%d): every ratio is 1, nothing is clipped, and every clipping loss gives the "
+                        "same gradient; use several mini-batches per step for the loss choice to matter",
+                        cfg.algorithm.loss, cfg.optim.mini_batch_size, cfg.train.batch_size)
         self.cursor: DataCursor = self.order.start()
         self._step = 0
 

@@ -26,9 +26,11 @@ from tasks.progress import Progress, report
 
 
 @task(name="rollout", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
-def rollout(runtime: PolicyRuntime, rows: Sequence[QuestionRow], step: int) -> RolloutResult:
-    """Rollout trees of the step's questions; the seed derives from (config seed, step)."""
-    result = runtime.sample(rows, runtime.cfg.rollout, derive_seed(runtime.cfg.seed, "rollout", step))
+def rollout(runtime: PolicyRuntime, rows: Sequence[QuestionRow], step: int, attempt: int = 0) -> RolloutResult:
+    """Rollout trees of the step's questions; the seed derives from (config seed, step) and, for the refill rounds
+    of DAPO dynamic sampling (``attempt`` > 0), the attempt."""
+    parts = (runtime.cfg.seed, "rollout", step) + ((attempt,) if attempt else ())
+    result = runtime.sample(rows, runtime.cfg.rollout, derive_seed(*parts))
     s = result.stats
     report(get_run_logger(), Progress("rollout", done=step),
            "step %d rollout: %d questions, %d leaves (%d global, %d branch), %.0f tokens in %.1f s",

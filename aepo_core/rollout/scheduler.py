@@ -10,9 +10,18 @@ Modes:
 - ``arpo``: m = ``initial_rollouts``, the same branch rule with λ = 0.
 - ``independent``: k global samples, no branching (GRPO-style rollouts).
 
-A branch is decided on the model segment that follows a tool result, from the entropy of its first W tokens;
-it forks ``beam_size − 1`` paths from the tool-result node, which sample their own continuation.  No question
-ever gets more than k leaves; when all its paths are done with budget left, fresh global samples fill it.
+A branch is decided on the model segment that follows a real tool result (never after the scheduler's own
+'limit'/'invalid' notices), from the entropy of its first W tokens; it forks ``beam_size − 1`` paths from the
+tool-result node, each an exact copy of the path's state right after that result, which sample their own
+continuation.  No question ever gets more than k leaves; when all its paths are done with budget left, fresh
+global samples fill it.  Forks made from the probe come out of the branch budget: m globals always start.
+
+Tool calls of a round run in parallel, at most ``tool_workers`` at a time; each is timed out
+``tool_timeout_s`` after its own start, so waiting for a worker never counts against it.
+
+A turn the segment cap (``max_segment_tokens``) cuts into several segments is one turn: its stop strings are
+found in the text of the whole turn, and a segment that runs past a stop string split across the cap boundary
+is cut right after the token that completes it (engines see only their own request's tokens).
 
 Phases advance per question (probe → m − 1 globals → fill), never behind a batch-wide barrier, so one slow
 question does not hold the others' work back.
@@ -28,10 +37,10 @@ import logging
 import math
 import random
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field, replace
 
 from aepo_core.config import RolloutConfig
 from aepo_core.entropy import segment_entropy
@@ -45,6 +54,7 @@ from aepo_core.rollout.tree import Leaf, LeafStatus, Node, RolloutTree, SampleKi
 log = logging.getLogger(__name__)
 
 TOOL_LIMIT_MESSAGE = "Tool call limit reached ({limit} calls). No more tools: give your final answer now."
+TOOL_THREAD_HEADROOM = 4  # tool threads per tool worker: room for calls abandoned after their timeout
 UNKNOWN_TOOL_MESSAGE = "Tool {name!r} is not available. Available tools: {available}."
 
 
@@ -69,7 +79,7 @@ class _Path:
     segments: int = 0
     step_history: list[bool] = field(default_factory=list)
     h_init: float | None = None
-    after_tool: bool = False  # the next segment follows a tool result (a tool step)
+    after_tool: bool = False  # the next segment follows a real tool result (a tool step; notices are none)
     fork_pending: bool = False  # the next segment is a fork's first: its step already branched
     limit_notice: bool = False
     last_tool_failed: bool = False
@@ -89,10 +99,16 @@ class _QuestionState:
     h_root: float = math.nan
     h_tool: float = math.nan
     probing: bool = False  # the pre-monitoring probe is still running (aepo with premonitor)
+    fork_points: dict[int, _Path] = field(default_factory=dict)  # real tool-result node → path state just after it
 
     @property
     def leaves_started(self) -> int:
         return len(self.paths)
+
+    @property
+    def globals_started(self) -> int:
+        """Global samples started so far (the probe included); forks and fill samples do not count."""
+        return sum(1 for p in self.paths if p.kind == "global")
 
 
 @dataclass
@@ -142,8 +158,11 @@ class RolloutScheduler:
             for i, q in enumerate(questions)
         ]
         start = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=self.tool_workers, thread_name_prefix="aepo-tool") as pool:
-            self._pool = pool
+        # Headroom past tool_workers: threads of abandoned (timed-out) calls keep running until their tool returns,
+        # and the calls after them must still start at once (_run_calls caps live calls at tool_workers).
+        self._pool = ThreadPoolExecutor(max_workers=TOOL_THREAD_HEADROOM * self.tool_workers,
+                                        thread_name_prefix="aepo-tool")
+        try:
             for st in states:
                 if cfg.mode == "aepo" and cfg.premonitor:
                     st.probing = True
@@ -152,6 +171,8 @@ class RolloutScheduler:
                     st.m = cfg.k if cfg.mode == "independent" else fixed_budget(cfg.k, cfg.initial_rollouts)
                     self._start_globals(st)
             self._run_rounds(states, sampling)
+        finally:  # a hung tool call must not hold the rollout back after it has been timed out
+            self._pool.shutdown(wait=False, cancel_futures=True)
         trees = [self._finish(st) for st in states]
         total = time.perf_counter() - start
         stats, by_l = rollout_stats(trees, self._decisions)
@@ -166,27 +187,19 @@ class RolloutScheduler:
         return RolloutResult(trees, stats, by_l)
 
     # ------------------------------------------------------------------ paths
-    def _new_path(self, st: _QuestionState, kind: SampleKind, parent: _Path | None = None,
-                  upto_node: int | None = None) -> _Path:
-        if parent is None:
-            path = _Path(qi=st.index, leaf_id=st.leaves_started, node_ids=[0], kind=kind)
-        else:
-            assert upto_node is not None
-            cut = parent.node_ids.index(upto_node) + 1
-            node_ids = parent.node_ids[:cut]
-            end = st.nodes[upto_node]
-            tool_calls = sum(1 for i in node_ids if st.nodes[i].kind == "tool")
-            path = _Path(
-                qi=parent.qi,
-                leaf_id=st.leaves_started,
-                node_ids=node_ids,
-                kind="branch",
-                response_len=end.token_end,
-                tool_calls=tool_calls,
-                h_init=parent.h_init,
-                after_tool=True,
-                fork_pending=True,
-            )
+    def _new_path(self, st: _QuestionState, kind: SampleKind) -> _Path:
+        """A fresh trajectory from the prompt (a global or fill sample)."""
+        path = _Path(qi=st.index, leaf_id=st.leaves_started, node_ids=[0], kind=kind)
+        st.paths.append(path)
+        return path
+
+    def _fork(self, st: _QuestionState, tool_node: int, history: list[bool]) -> _Path:
+        """A branch from a tool-result node: an exact copy of its path's state right after that result was
+        appended (tool calls, notices, whether the call failed, length, h_init), with the step history that
+        the branch decision gave it, sampling its own continuation."""
+        point = st.fork_points[tool_node]
+        path = replace(point, leaf_id=st.leaves_started, kind="branch", node_ids=list(point.node_ids),
+                       step_history=list(history), fork_pending=True, started=time.perf_counter())
         st.paths.append(path)
         return path
 
@@ -229,7 +242,9 @@ class RolloutScheduler:
         return True
 
     def _start_globals(self, st: _QuestionState) -> None:
-        while st.leaves_started < st.m:
+        """Start global samples until there are m of them: forks already made from the probe are branch
+        budget and must not stand in for globals."""
+        while st.globals_started < st.m:
             self._new_path(st, "global")
 
     def _generate(self, states: list[_QuestionState], active: list[tuple[_QuestionState, _Path]],
@@ -274,6 +289,8 @@ class RolloutScheduler:
             self._close(p, "engine_error")
             log.warning("engine error on question %s leaf %d: %s", st.question.question_id, p.leaf_id, res.error)
             return None
+        self._generated_tokens += len(res.token_ids)  # engine work, tokens cut below included
+        res = self._cut_at_first_stop(self._turn_text(st, p), res)
         parent = st.nodes[p.node_ids[-1]]
         text = self.engine.decode(res.token_ids)
         node = Node(
@@ -294,7 +311,6 @@ class RolloutScheduler:
         p.node_ids.append(node.node_id)
         p.segments += 1
         p.response_len += len(res.token_ids)
-        self._generated_tokens += len(res.token_ids)
         if p.h_init is None:
             p.h_init = node.segment_entropy
         if p.after_tool:
@@ -311,11 +327,6 @@ class RolloutScheduler:
         if finish == "length" and not res.token_ids:
             self._close(p, "truncated")  # no progress possible (zero-token budget)
             return None
-        if finish == "length":
-            # A stop string split across the cap boundary is invisible to the engine (it sees one request).
-            window = turn[-(len(text) + max(map(len, STOP_STRINGS)) - 1) :]
-            stop = next((s for s in STOP_STRINGS if s in window), None)
-            finish = "stop" if stop is not None else finish
         if finish == "eos" or (finish == "stop" and stop == ANSWER_CLOSE):
             self._close(p, "answered")
             return None
@@ -340,6 +351,30 @@ class RolloutScheduler:
             self._close(p, "tool_error" if p.last_tool_failed else "truncated")
         # else: the segment cap was hit with budget left; the path continues in the next round
         return None
+
+    def _cut_at_first_stop(self, turn: str, res: GenerationResult) -> GenerationResult:
+        """The segment cut right after the token that completes the turn's first stop string.
+
+        An engine matches stop strings in the tokens of its own request only, so when the segment cap splits a
+        stop string (``</se`` | ``arch>…``) it runs on past it, to EOS or the cap.  The scheduler sees the whole
+        turn and cuts here, for every engine (a remote server cannot be told about the earlier text).  The cut is
+        exact: sampling is autoregressive, so the kept tokens are the ones an engine that saw the whole turn
+        would have produced; the tokens past the stop (EOS included) are dropped, never trained on.  A segment
+        that already ends at its stop string comes back unchanged.
+        """
+        if not res.token_ids:
+            return res
+        tail = turn[-(max(map(len, STOP_STRINGS)) - 1) :] if turn else ""
+        text = tail + self.engine.decode(res.token_ids)
+        hits = [(text.find(s) + len(s), s) for s in STOP_STRINGS if s in text]
+        if not hits:
+            return res
+        end, stop = min(hits)
+        if end == len(text) and res.finish_reason == "stop":
+            return res
+        n = next(n for n in range(1, len(res.token_ids) + 1) if stop in tail + self.engine.decode(res.token_ids[:n]))
+        return GenerationResult(res.token_ids[:n], res.logprobs[:n], res.entropies[:n], "stop", stop,
+                                res.entropy_is_estimate)
 
     @staticmethod
     def _turn_text(st: _QuestionState, p: _Path) -> str:
@@ -372,36 +407,70 @@ class RolloutScheduler:
         if branched:
             fork_from = node.parent_id
             assert fork_from is not None
-            history = [*p.step_history, True]
             for _ in range(min(cfg.beam_size - 1, budget_left)):
-                child = self._new_path(st, "branch", parent=p, upto_node=fork_from)
-                child.step_history = list(history)
+                self._fork(st, fork_from, [*p.step_history, True])
         p.step_history.append(branched)
 
     def _dispatch_tools(self, jobs: list[tuple[_QuestionState, _Path, ToolCall | None, str | None]]) -> None:
+        """Run the round's tool calls in parallel and append each result (or notice) to its path, in job order."""
         t0 = time.perf_counter()
-        futures = [None if call is None else self._pool.submit(self._call_tool, call) for _, _, call, _ in jobs]
-        deadline = time.monotonic() + self.tool_timeout_s
-        for (st, p, call, notice), fut in zip(jobs, futures, strict=True):
-            if fut is None:
+        results = iter(self._run_calls([call for _, _, call, _ in jobs if call is not None]))
+        for st, p, call, notice in jobs:
+            if call is None:
                 assert notice is not None
                 name = "limit" if p.limit_notice else "invalid"
                 result = ToolResult(notice, ok=False, error=name)
                 event = ToolEvent(name, "", False, name, 0.0, False, len(notice))
             else:
-                assert call is not None
-                try:
-                    result = fut.result(timeout=max(0.0, deadline - time.monotonic()))
-                except FutureTimeout:
-                    fut.cancel()
-                    result = ToolResult(f"Tool {call.name} timed out after {self.tool_timeout_s:.0f} s.", ok=False,
-                                        error="timeout", latency_s=self.tool_timeout_s)
+                result = next(results)
                 event = ToolEvent(call.name, call.argument, result.ok, result.error, result.latency_s,
                                   result.cache_hit, len(result.text))
                 p.tool_calls += 1
             p.last_tool_failed = not result.ok
             self._append_result(st, p, result.text, event)
         self._timers["tools_s"] += time.perf_counter() - t0
+
+    def _run_calls(self, calls: list[ToolCall]) -> list[ToolResult]:
+        """Results of ``calls``, at most ``tool_workers`` running at a time, each timed out ``tool_timeout_s``
+        after its own start (time spent waiting for a worker does not count).
+
+        A timed-out call is abandoned: its slot goes to the next call at once while its thread finishes (or
+        hangs) on its own, so a hung tool cannot stall the round.  A call that has not even started
+        ``tool_timeout_s`` after it was handed to the pool (every thread held by abandoned calls) times out too.
+        """
+        results: list[ToolResult | None] = [None] * len(calls)
+        starts: dict[int, float] = {}  # call index → monotonic start, written by the worker thread
+        pending = deque(range(len(calls)))
+        running: dict[Future[ToolResult], tuple[int, float]] = {}  # → (call index, when handed to the pool)
+
+        def deadline(i: int, handed: float) -> float:
+            return starts.get(i, handed) + self.tool_timeout_s
+
+        while pending or running:
+            while pending and len(running) < self.tool_workers:
+                i = pending.popleft()
+                running[self._pool.submit(self._started_call, calls[i], starts, i)] = (i, time.monotonic())
+            first = min(deadline(*entry) for entry in running.values())
+            done, _ = wait(running, timeout=max(0.0, first - time.monotonic()), return_when=FIRST_COMPLETED)
+            for fut in done:
+                results[running.pop(fut)[0]] = fut.result()
+            now = time.monotonic()
+            for fut, (i, handed) in list(running.items()):
+                if now >= deadline(i, handed):
+                    fut.cancel()  # only a call that has not started can be cancelled; a running one is abandoned
+                    del running[fut]
+                    results[i] = self._timed_out(calls[i])
+        return [r for r in results if r is not None]
+
+    def _timed_out(self, call: ToolCall) -> ToolResult:
+        """The result of a call that ran past ``tool_timeout_s``: a failed result, like any tool error."""
+        return ToolResult(f"Tool {call.name} timed out after {self.tool_timeout_s:.0f} s.", ok=False,
+                          error="timeout", latency_s=self.tool_timeout_s)
+
+    def _started_call(self, call: ToolCall, starts: dict[int, float], index: int) -> ToolResult:
+        """:meth:`_call_tool`, noting when it started (the start of its timeout)."""
+        starts[index] = time.monotonic()
+        return self._call_tool(call)
 
     def _call_tool(self, call: ToolCall) -> ToolResult:
         t0 = time.perf_counter()
@@ -434,8 +503,9 @@ class RolloutScheduler:
         p.response_len += len(node.token_ids)
         if p.response_len >= cfg.max_response_tokens:
             self._close(p, "tool_error" if p.last_tool_failed else "truncated")
-        else:
+        elif not event.is_notice:  # a notice is no tool feedback: no branch decision, no fork point
             p.after_tool = True
+            st.fork_points[node.node_id] = replace(p, node_ids=list(p.node_ids), step_history=list(p.step_history))
 
     def _close(self, p: _Path, status: LeafStatus) -> None:
         p.status = status
@@ -448,7 +518,7 @@ class RolloutScheduler:
         nodes = [st.nodes[i] for i in probe.node_ids]
         model_nodes = [n for n in nodes if n.kind == "model"]
         st.h_root = model_nodes[0].segment_entropy if model_nodes else math.nan
-        post_tool = [n for n in model_nodes if n.parent_id is not None and st.nodes[n.parent_id].kind == "tool"]
+        post_tool = [n for n in model_nodes if self._is_tool_step(st, n)]
         h_root = st.h_root if not math.isnan(st.h_root) else 0.0
         st.h_tool = mean_tool_entropy(h_root, [n.segment_entropy for n in post_tool])
         st.m = global_budget(self.cfg.k, h_root, st.h_tool, self.cfg.beta)
@@ -458,12 +528,18 @@ class RolloutScheduler:
         for n in post_tool:
             self._decide(st, probe, n, budget_left=self.cfg.k - st.leaves_started - reserved)
 
+    @staticmethod
+    def _is_tool_step(st: _QuestionState, node: Node) -> bool:
+        """A model segment right after a real tool result (not a notice): where a branch is decided and what
+        H̄_tool averages."""
+        parent = st.nodes[node.parent_id] if node.parent_id is not None else None
+        return node.kind == "model" and parent is not None and parent.tool is not None and not parent.tool.is_notice
+
     def _finish(self, st: _QuestionState) -> RolloutTree:
         if math.isnan(st.h_root) and st.paths:
             first = [st.nodes[i] for i in st.paths[0].node_ids if st.nodes[i].kind == "model"]
             st.h_root = first[0].segment_entropy if first else math.nan
-            post = [n.segment_entropy for n in st.nodes if n.kind == "model" and n.parent_id is not None
-                    and st.nodes[n.parent_id].kind == "tool"]
+            post = [n.segment_entropy for n in st.nodes if self._is_tool_step(st, n)]
             st.h_tool = mean_tool_entropy(st.h_root, post) if not math.isnan(st.h_root) else math.nan
         leaves = []
         for p in st.paths:

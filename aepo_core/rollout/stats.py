@@ -22,7 +22,7 @@ def rollout_stats(
     leaves = [(t, leaf) for t in trees for leaf in t.leaves]
     n_q = max(1, len(trees))
     events = [e for t, leaf in leaves for e in t.tool_events(leaf)]
-    real_calls = [e for e in events if e.name not in ("limit", "invalid")]
+    real_calls = [e for e in events if not e.is_notice]
     branches_per_q = [sum(1 for n in t.nodes if n.branched) for t in trees]
     delta_h = [n.delta_entropy for t in trees for n in t.nodes if not math.isnan(n.delta_entropy)]
     statuses: dict[str, int] = defaultdict(int)

@@ -14,6 +14,8 @@ NodeKind = Literal["prompt", "model", "tool"]
 LeafStatus = Literal["answered", "truncated", "tool_limit", "tool_error", "engine_error"]
 SampleKind = Literal["global", "branch", "fill"]
 LEAF_STATUSES: tuple[LeafStatus, ...] = ("answered", "truncated", "tool_limit", "tool_error", "engine_error")
+# Event names of the scheduler's own notices (call past the limit, malformed or unknown call): no tool ran.
+NOTICE_EVENTS: frozenset[str] = frozenset({"limit", "invalid"})
 
 
 @dataclass(frozen=True)
@@ -26,10 +28,15 @@ class ToolEvent:
     cache_hit: bool
     result_chars: int
 
+    @property
+    def is_notice(self) -> bool:
+        """The scheduler's notice, not a tool call: it counts toward no limit and no branch decision follows."""
+        return self.name in NOTICE_EVENTS
+
 
 @dataclass
 class Node:
-    """A segment.  Branch fields are set on model segments that follow a tool result (the measured step).
+    """A segment.  Branch fields are set on model segments that follow a real tool result (the measured step).
 
     ``branch_reason``: ``branch`` / ``below_tau`` / ``penalized`` / ``budget_full`` for a decision, ``fork``
     for the first segment of a branch (no decision: its step already branched), ``""`` otherwise.

@@ -26,6 +26,8 @@ Semantics (documented choices):
   longest stop string); the row stops as soon as one appears, so the ids end at the token that completed it.
   That token may carry text past the stop string (e.g. ``></`` completing ``</search>``): callers that cut
   text should cut at ``stop_string``. Otherwise ``max_tokens`` ends the row with ``finish_reason='length'``.
+  Only generated text is searched: a stop string begun in the prompt (split by the caller's segment cap) is the
+  caller's to find (the rollout scheduler cuts the segment at it).
 - **Cost.** Rows that finish leave the batch (their KV cache rows are dropped), so each step costs what the
   active rows cost (a cache without ``batch_select_indices`` keeps them, fed padding and ignored). Per step
   the sampler makes a handful of passes over ``[B, V]`` and one host sync. ``max_batch_size`` splits very

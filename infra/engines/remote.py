@@ -9,6 +9,9 @@ one request per row (the server batches concurrent requests itself), asking for
 - ``return_tokens_as_token_ids``: tokens come back as ``token_id:<id>`` so no detokenize/retokenize drift;
 - ``include_stop_str_in_output``: the transcript keeps the closing tool tag the protocol needs.
 
+The server matches stop strings in the text it generates, not in the prompt; a stop string split across two
+segments by the rollout's segment cap is found and cut by the rollout scheduler.
+
 For AEPO start vLLM with ``--logprobs-mode processed_logprobs`` so log-probs and entropies are those of the
 temperature-scaled distribution that was sampled (the default reports the raw model distribution).
 """

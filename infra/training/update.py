@@ -17,6 +17,7 @@ The in-process engine holds the same model object, so it samples from the new we
 from __future__ import annotations
 
 import logging
+import math
 import resource
 import time
 from collections.abc import Mapping, Sequence
@@ -27,7 +28,9 @@ import torch
 
 from aepo_core.advantages import EntropyStats, entropy_aware_advantage, entropy_stats
 from aepo_core.config import ExperimentConfig
+from aepo_core.correction import rollout_is_weights
 from aepo_core.losses import (
+    SEQUENCE_LEVEL_LOSSES,
     Diagnostic,
     LossInputs,
     LossNormalizer,
@@ -115,6 +118,14 @@ def response_logprobs_and_entropy(
     return logprobs, entropy
 
 
+def sampler_is_trainer(cfg: ExperimentConfig) -> bool:
+    """Whether rollouts are sampled from the trainer's own weights at the trainer's precision: the in-process engine
+    on the training model itself (``model.generation_dtype: same``) under the torch backend. Anything else — a
+    low-precision copy, a remote server, DeepSpeed's own bf16 path — samples from a numerically different policy,
+    so its entropies and log-probs cannot stand in for the trainer's."""
+    return cfg.rollout.engine == "hf" and cfg.model.generation_dtype == "same" and cfg.train.backend == "torch"
+
+
 @dataclass
 class _Scored:
     logprobs: list[torch.Tensor]  # per sample, [response_len]
@@ -165,12 +176,13 @@ class PolicyUpdater:
         return _Scored(logprobs, entropy, ref)
 
     def needs_scoring_pass(self, samples: Sequence[TrainSample]) -> bool:
-        """False when the pre-update forward could not change the update (see ``optim.scoring_pass``)."""
+        """False when the pre-update forward could not change the update (see ``optim.scoring_pass``): on-policy,
+        and the sampler is the trainer itself, so its entropies are the trainer's, exactly."""
         cfg = self.cfg
         if cfg.optim.scoring_pass == "always":
             return True
         on_policy = cfg.optim.ppo_epochs == 1 and len(split_mini_batches(samples, cfg.optim.mini_batch_size)) == 1
-        exact_entropy = (cfg.rollout.top_p >= 1.0 and cfg.rollout.top_k == 0
+        exact_entropy = (sampler_is_trainer(cfg) and cfg.rollout.top_p >= 1.0 and cfg.rollout.top_k == 0
                          and all(s.rollout_entropies is not None for s in samples))
         return not (on_policy and exact_entropy)
 
@@ -190,15 +202,16 @@ class PolicyUpdater:
         scored = self.score(samples, policy=scoring) if scoring or self.ref_backend is not None else None
         t_score = time.perf_counter() - t0
         if scoring and scored is not None:
-            entropies, tally = scored.entropy, _Tally(*_scored_logprob_gap(samples, scored.logprobs))
+            entropies, tally = scored.entropy, _Tally()
+            for i, s in enumerate(samples):
+                tally.add_gap(scored.logprobs[i], torch.tensor(s.rollout_logprobs), torch.tensor(s.loss_mask))
         else:  # on-policy: the sampler's exact entropies of the same distribution; the gap is taken per micro-batch
             entropies, tally = [torch.tensor(s.rollout_entropies, dtype=torch.float32) for s in samples], _Tally()
         step = _Step(samples, entropies, scored, scoring)
-        self.backend.module.train()
+        self.backend.module.eval()  # as the scoring pass: dropout would make the gradient pass another policy
         for _epoch in range(self.cfg.optim.ppo_epochs):
             for mini in split_mini_batches(samples, self.cfg.optim.mini_batch_size):
                 self._mini_batch(step, mini, tally)
-        self.backend.module.eval()
         return self._metrics(step, tally, wall=time.perf_counter() - t0, t_score=t_score)
 
     def _mini_batch(self, step: _Step, mini: list[int], tally: _Tally) -> None:
@@ -207,7 +220,7 @@ class PolicyUpdater:
         mini_mask = self._stack([torch.tensor(samples[i].loss_mask, dtype=torch.float32) for i in mini],
                                 max(samples[i].response_len for i in mini))
         mini_ent = self._stack([step.entropies[i] for i in mini], mini_mask.shape[1])
-        stats = entropy_stats(mini_ent, mini_mask)
+        stats = entropy_stats(mini_ent, mini_mask, per_sequence=alg.loss in SEQUENCE_LEVEL_LOSSES)
         norm = loss_normalizer(mini_mask, mini_ent, alg)
         mini_loss = 0.0
         for mb in self._micro_batches(samples, mini):
@@ -234,14 +247,16 @@ class PolicyUpdater:
                                                     with_entropy=False)
         old = self._old_logprobs(step, mb, batch, logprobs)
         if not step.scoring:
-            tally.gap_sum += float(((logprobs.detach() - batch.rollout_logprobs).abs() * batch.loss_mask).sum())
-            tally.gap_n += int(batch.loss_mask.sum())
+            tally.add_gap(logprobs.detach(), batch.rollout_logprobs, batch.loss_mask)
+        weights, correction = rollout_is_weights(old, batch.rollout_logprobs, batch.loss_mask,
+                                                 alg.rollout_correction if cfg.optim.old_logprobs == "trainer"
+                                                 else "none", alg.rollout_correction_cap)
         loss, diag = compute_policy_loss(
-            LossInputs(logprobs, old, adv, batch.loss_mask, ent, ref), alg, norm,
+            LossInputs(logprobs, old, adv * weights, batch.loss_mask, ent, ref), alg, norm,
             norm_len=cfg.rollout.max_response_tokens,
         )
         self.backend.backward(loss)
-        tally.diagnostics.append(diag)
+        tally.diagnostics.append({**diag, **correction})
         return float(loss.detach())
 
     def _old_logprobs(self, step: _Step, mb: list[int], batch: PaddedBatch, logprobs: torch.Tensor) -> torch.Tensor:
@@ -264,7 +279,7 @@ class PolicyUpdater:
             "train/optimizer_steps": float(len(tally.grad_norms)),
             "train/entropy_mean": float(torch.cat([e[torch.tensor(s.loss_mask, dtype=torch.bool)]
                                                    for e, s in zip(step.entropies, samples, strict=True)]).mean()),
-            "train/rollout_trainer_logprob_gap": tally.gap_sum / max(1, tally.gap_n),
+            **tally.gap_metrics(),
             "train/tokens_per_s": tally.real_tokens / max(wall, 1e-9),
             "train/padding_waste": 1.0 - tally.real_tokens / max(1, tally.padded_tokens),
             "train/scoring_pass_s": t_score,
@@ -296,18 +311,24 @@ class _Tally:
 
     gap_sum: float = 0.0  # Σ |trainer − rollout log-prob| over model tokens
     gap_n: int = 0
+    gaps: list[torch.Tensor] = field(default_factory=list)  # the per-token |gaps|, for the tail statistics
     real_tokens: int = 0
     padded_tokens: int = 0
     grad_norms: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)  # per mini-batch
     diagnostics: list[dict[str, Diagnostic]] = field(default_factory=list)  # per micro-batch
 
+    def add_gap(self, trainer: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> None:
+        """|trainer − rollout log-prob| of the model tokens of one sample or micro-batch."""
+        gap = (trainer - rollout).abs()[mask > 0].float().cpu()
+        self.gap_sum += float(gap.sum())
+        self.gap_n += int(gap.numel())
+        self.gaps.append(gap)
 
-def _scored_logprob_gap(samples: Sequence[TrainSample], logprobs: Sequence[torch.Tensor]) -> tuple[float, int]:
-    """Σ over model tokens of |scoring-pass − rollout log-prob|, and the number of those tokens."""
-    gap_sum, gap_n = 0.0, 0
-    for i, s in enumerate(samples):
-        m = torch.tensor(s.loss_mask, dtype=torch.bool)
-        gap_sum += float((logprobs[i][m] - torch.tensor(s.rollout_logprobs)[m]).abs().sum())
-        gap_n += int(m.sum())
-    return gap_sum, gap_n
+    def gap_metrics(self) -> dict[str, float]:
+        """The sampler–trainer log-prob gap over the step's model tokens: mean, 99th percentile and max (nats)."""
+        gaps = torch.cat(self.gaps) if self.gaps else torch.zeros(0)
+        p99 = float(torch.kthvalue(gaps, max(1, math.ceil(0.99 * gaps.numel()))).values) if gaps.numel() else 0.0
+        return {"train/rollout_trainer_logprob_gap": self.gap_sum / max(1, self.gap_n),
+                "train/rollout_trainer_logprob_gap_p99": p99,
+                "train/rollout_trainer_logprob_gap_max": float(gaps.max()) if gaps.numel() else 0.0}

@@ -71,19 +71,20 @@ class ScriptedEngine:
 
 
 class EchoSearch:
-    """A search tool whose result names the query; chosen queries fail, raise or hang (deterministically)."""
+    """A search tool whose result names the query; chosen queries fail, raise or hang (deterministically); every
+    call takes at least ``delay_s``."""
 
     name = "search"
 
     def __init__(self, fail: set[str] = frozenset(), raise_on: set[str] = frozenset(),
-                 hang_on: set[str] = frozenset(), hang_s: float = 5.0) -> None:
+                 hang_on: set[str] = frozenset(), hang_s: float = 5.0, delay_s: float = 0.0) -> None:
         self.fail, self.raise_on, self.hang_on, self.hang_s = set(fail), set(raise_on), set(hang_on), hang_s
+        self.delay_s = delay_s
 
     def __call__(self, argument: str) -> ToolResult:
         if argument in self.raise_on:
             raise RuntimeError("backend exploded")
-        if argument in self.hang_on:
-            time.sleep(self.hang_s)
+        time.sleep(self.hang_s if argument in self.hang_on else self.delay_s)
         if argument in self.fail:
             return ToolResult("search failed: backend unavailable", ok=False, error="unavailable")
         return ToolResult(f"Page 1: doc about {argument}")

@@ -17,7 +17,7 @@ from aepo_core.advantages import (
     informative_groups,
     soft_overlong_penalty,
 )
-from aepo_core.config import AlgorithmConfig
+from aepo_core.config import AlgorithmConfig, ConfigError, build_config
 from aepo_core.losses import LossInputs, compute_policy_loss, loss_normalizer
 
 REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.0, 2.0, 2.0, 7.0])
@@ -142,3 +142,64 @@ def test_informative_groups_and_overlong_penalty():
     pen = soft_overlong_penalty(torch.tensor([10, 90, 95, 100, 120]), max_len=100, buffer=10, factor=1.0)
     assert pen.tolist() == pytest.approx([0.0, 0.0, -0.5, -1.0, -1.0])
     assert soft_overlong_penalty(torch.tensor([200]), 100, 0, 1.0).tolist() == [0.0]
+
+
+# --- GSPO: the entropy-aware advantage per sequence ------------------------------------------------------------
+
+def test_sequence_entropy_aware_advantage_closed_form():
+    # Ã_i = Â_i · max(0, 1 + α·z(H̄_i)), H̄_i the mean entropy of sequence i's model tokens, z over the sequences.
+    adv = torch.tensor([[1.0, 1.0, 1.0, 0.0], [-2.0, -2.0, 0.0, 0.0], [0.5, 0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 0.0]])
+    ent = torch.tensor([[0.5, 2.0, 3.5, 9.0], [1.0, 3.0, 7.0, 7.0], [0.2, 0.2, 0.4, 0.4], [5.0, 5.0, 5.0, 5.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    alpha = 0.5
+    stats = entropy_stats(ent, mask, per_sequence=True)
+    out = entropy_aware_advantage(adv, ent, mask, alpha, stats)
+    means = [2.0, 2.0, 0.3]  # the empty 4th sequence takes no part in the statistics
+    mu = sum(means) / 3
+    sd = math.sqrt(sum((m - mu) ** 2 for m in means) / 3)
+    assert (stats.mean, stats.std) == (pytest.approx(mu), pytest.approx(sd))
+    scale = [max(0.0, 1 + alpha * (m - mu) / (sd + 1e-6)) for m in means]
+    expected = [[a * scale[i] for a in row] for i, row in enumerate(adv[:3].tolist())]
+    assert out[:3].tolist() == [pytest.approx(row, rel=1e-5) for row in expected]
+    assert out[3].tolist() == [0.0] * 4
+    # one scale per sequence: Ã/Â is constant over each sequence's model tokens
+    assert out[0, :3].tolist() == pytest.approx([scale[0]] * 3, rel=1e-5)
+    # the stats say which level they are of; without them the level is asked for
+    torch.testing.assert_close(entropy_aware_advantage(adv, ent, mask, alpha, per_sequence=True), out)
+    assert not torch.allclose(entropy_aware_advantage(adv, ent, mask, alpha), out)
+
+
+def test_sequence_entropy_aware_advantage_is_invariant_to_micro_batch_split():
+    gen = torch.Generator().manual_seed(2)
+    adv = torch.randn(6, 1, generator=gen).expand(6, 10).clone()
+    ent = torch.rand(6, 10, generator=gen) * 4
+    mask = (torch.rand(6, 10, generator=gen) > 0.2).float()
+    stats = entropy_stats(ent, mask, per_sequence=True)
+    full = entropy_aware_advantage(adv, ent, mask, 0.2, stats)
+    parts = torch.cat([entropy_aware_advantage(adv[s], ent[s], mask[s], 0.2, stats) for s in (slice(0, 2),
+                                                                                               slice(2, 6))])
+    torch.testing.assert_close(parts, full)
+
+
+# --- Dr.GRPO: the constant normalizer --------------------------------------------------------------------------
+
+def test_dr_grpo_forces_the_constant_normalizer():
+    cfg = build_config({}, ["algorithm.advantage=dr_grpo"])
+    assert cfg.algorithm.loss_agg == "seq-mean-token-sum-norm"
+    assert AlgorithmConfig(advantage="dr_grpo").loss_agg == "seq-mean-token-sum-norm"
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        with pytest.raises(ConfigError, match=r"algorithm\.advantage=dr_grpo.*algorithm\.loss_agg"):
+            build_config({}, ["algorithm.advantage=dr_grpo", f"algorithm.loss_agg={agg}"])
+    with pytest.raises(ConfigError, match=r"algorithm\.loss=gspo.*algorithm\.advantage=dr_grpo"):
+        build_config({}, ["algorithm.advantage=dr_grpo", "algorithm.loss=gspo"])
+    # The loss is Σ_t L / L_max per sequence (mean over sequences): a sequence's weight does not depend on its
+    # own length.  Two sequences of 1 and 3 tokens, L_max = rollout.max_response_tokens.
+    norm_len = cfg.rollout.max_response_tokens
+    old = torch.full((2, 3), -1.0, dtype=torch.float64)
+    logp = old.clone().requires_grad_(True)
+    mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+    adv = torch.tensor([[2.0, 0.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+    loss, _ = compute_policy_loss(LossInputs(logp, old, adv, mask), cfg.algorithm, norm_len=norm_len)
+    loss.backward()
+    assert loss.item() == pytest.approx((-2.0 / norm_len - 3.0 / norm_len) / 2)
+    torch.testing.assert_close(logp.grad, -adv / norm_len / 2)

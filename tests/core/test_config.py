@@ -178,3 +178,24 @@ def test_renamed_keys_overrides_win_in_either_spelling():
         assert build_config({}, ["data.synthetic_seed=2", "data.synthetic.seed=3"]).data.synthetic.seed == 3
         with pytest.raises(ConfigError, match=r"data\.synthetic_seed and data\.synthetic\.seed are both set"):
             build_config({"data": {"synthetic_seed": 1, "synthetic": {"seed": 2}}})
+
+
+def test_training_needs_a_weight_reload_hook_and_synthetic_sft_data():
+    """Errors at start, naming the key (issue 11): a remote engine that cannot follow the weights would sample every
+    step from the initial policy; SFT transcripts exist only for the synthetic task."""
+    from aepo_core.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rollout\.remote\.reload_url"):
+        build_config({}, ["rollout.engine=remote", "rollout.remote.url=http://127.0.0.1:8000"]).check_trainable()
+    build_config({}, ["rollout.engine=remote", "rollout.remote.url=http://127.0.0.1:8000",
+                      "rollout.remote.reload_url=http://127.0.0.1:8000/reload"]).check_trainable()
+    with pytest.raises(ConfigError, match=r"train\.sft\.enabled"):
+        build_config({}, ["train.sft.enabled=true", "data.train=hotpotqa"]).check_trainable()
+    build_config({}, ["train.sft.enabled=true", "data.train=synthetic"]).check_trainable()
+
+
+def test_the_paper_config_can_train():
+    from infra.config_files import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "paper" / "qwen3_14b_deepsearch.yaml")
+    cfg.check_trainable()

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from aepo_core.config import AlgorithmConfig
+import aepo_core.losses as losses_mod
+from aepo_core.config import AlgorithmConfig, ConfigError, build_config
 from aepo_core.losses import (
     POLICY_LOSSES,
     Diagnostic,
@@ -15,6 +16,7 @@ from aepo_core.losses import (
     aggregate,
     combine_diagnostics,
     compute_policy_loss,
+    high_entropy_threshold,
     kl_penalty,
     loss_normalizer,
 )
@@ -22,15 +24,15 @@ from aepo_core.losses import (
 EPS_L, EPS_H = 0.2, 0.2
 
 
-def make_inputs(log_ratios, advantages, mask=None, old=None, entropy=None, ref=None):
+def make_inputs(log_ratios, advantages, mask=None, old=None, entropy=None, ref=None, dtype=torch.float64):
     """Inputs whose ratio per token is exp(log_ratio); logprobs is a leaf so its .grad is ∂L/∂logπ."""
-    lr = torch.tensor(log_ratios, dtype=torch.float64)
-    old_lp = torch.tensor(old, dtype=torch.float64) if old is not None else torch.full_like(lr, -1.5)
+    lr = torch.tensor(log_ratios, dtype=dtype)
+    old_lp = torch.tensor(old, dtype=dtype) if old is not None else torch.full_like(lr, -1.5)
     logprobs = (old_lp + lr).clone().requires_grad_(True)
-    adv = torch.tensor(advantages, dtype=torch.float64)
-    m = torch.tensor(mask, dtype=torch.float64) if mask is not None else torch.ones_like(lr)
-    ent = torch.tensor(entropy, dtype=torch.float64) if entropy is not None else None
-    ref_lp = torch.tensor(ref, dtype=torch.float64) if ref is not None else None
+    adv = torch.tensor(advantages, dtype=dtype)
+    m = torch.tensor(mask, dtype=dtype) if mask is not None else torch.ones_like(lr)
+    ent = torch.tensor(entropy, dtype=dtype) if entropy is not None else None
+    ref_lp = torch.tensor(ref, dtype=dtype) if ref is not None else None
     return LossInputs(logprobs, old_lp, adv, m, ent, ref_lp)
 
 
@@ -147,15 +149,29 @@ def test_ce_gppo_with_unit_betas_is_gppo():
     torch.testing.assert_close(gg, gc)
 
 
-def test_cispo_has_no_gradient_through_the_weight():
-    old = [[-1.5, -1.5, -1.5, -1.5]]
-    inp = make_inputs(LOG_R, [A], old=old)
-    loss, g, _ = loss_and_grad(inp, loss="cispo")
-    w = [min(max(r, 1 - EPS_L), 1 + EPS_H) for r in R]
-    logp = [o + math.log(r) for o, r in zip(old[0], R)]
-    assert loss == pytest.approx(sum(-wi * a * lp for wi, a, lp in zip(w, A, logp)) / 4, abs=1e-12)
+def test_cispo_is_the_minimax_m1_form():
+    # IS weight sg(min(r, 1+ε_high^IS)): no lower clip (r = 0.5 < 1−ε_l keeps 0.5), and only the large IS bound
+    # caps it above (r = 1.5 is not clipped at 1+ε_h; r = 6 is capped at 1 + 3 = 4).
+    eps_is = 3.0
+    ratios, adv = [6.0, 1.5, 0.5, 0.9], [2.0, 1.0, -1.0, -3.0]
+    old = [[-1.5, -1.0, -2.0, -0.5]]
+    inp = make_inputs([[math.log(r) for r in ratios]], [adv], old=old)
+    loss, g, diag = loss_and_grad(inp, loss="cispo", cispo_eps_high=eps_is)
+    w = [4.0, 1.5, 0.5, 0.9]
+    logp = [o + math.log(r) for o, r in zip(old[0], ratios)]
+    assert loss == pytest.approx(sum(-wi * a * lp for wi, a, lp in zip(w, adv, logp)) / 4, abs=1e-12)
     # ∂/∂logπ of −sg(w)·Â·logπ is −w·Â: every token, clipped or not, keeps a gradient.
-    torch.testing.assert_close(g[0], torch.tensor([-wi * a / 4 for wi, a in zip(w, A)], dtype=torch.float64))
+    torch.testing.assert_close(g[0], torch.tensor([-wi * a / 4 for wi, a in zip(w, adv)], dtype=torch.float64))
+    assert diag["clip_frac_high"].value == pytest.approx(0.25)
+    assert diag["clip_frac_low"].value == 0.0
+
+
+def test_cispo_default_upper_bound():
+    cfg = AlgorithmConfig()
+    assert cfg.cispo_eps_high == 3.0
+    inp = make_inputs([[math.log(10.0)]], [[1.0]])
+    _, g, _ = loss_and_grad(inp, loss="cispo")
+    assert float(g[0, 0]) == pytest.approx(-(1 + cfg.cispo_eps_high))
 
 
 def test_gspo_one_ratio_per_sequence():
@@ -198,10 +214,31 @@ def test_dual_clip_caps_negative_advantage_loss():
     loss, g, _ = loss_and_grad(inp, loss="ppo_clip", dual_clip=3.0)
     assert loss == pytest.approx(3.0)
     assert float(g[0, 0]) == 0.0
-    loss_nc, g_nc, _ = loss_and_grad(make_inputs([[math.log(5.0)]], [[-1.0]]), loss="ppo_clip")
+    loss_nc, g_nc, _ = loss_and_grad(make_inputs([[math.log(5.0)]], [[-1.0]]), loss="ppo_clip", dual_clip=None)
     assert loss_nc == pytest.approx(5.0) and float(g_nc[0, 0]) == pytest.approx(5.0)
     loss_a, g_a, _ = loss_and_grad(make_inputs([[math.log(5.0)]], [[-1.0]]), loss="aepo", dual_clip=3.0)
     assert loss_a == pytest.approx(3.0) and float(g_a[0, 0]) == 0.0
+
+
+@pytest.mark.parametrize("name", ["ppo_clip", "dapo", "aepo", "gppo", "ce_gppo"])
+def test_dual_clip_c3_is_the_default_of_the_ppo_family(name):
+    # Â < 0: L = min(L_clip, −c·Â), c = 3.  r = 5 is capped (value 3·|Â|, gradient 0); r = 2 is below the cap
+    # (value r·|Â|, gradient r·|Â|); Â > 0 is never dual-clipped.
+    assert AlgorithmConfig().dual_clip == 3.0
+    ratios, adv = [5.0, 2.0, 1.1], [-1.0, -2.0, 1.0]
+    loss, g, _ = loss_and_grad(make_inputs([[math.log(r) for r in ratios]], [adv]), loss=name)
+    assert loss == pytest.approx((3.0 * 1.0 + 2.0 * 2.0 - 1.1 * 1.0) / 3, abs=1e-12)
+    torch.testing.assert_close(g[0], torch.tensor([0.0, 2.0 * 2.0 / 3, -1.1 / 3], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("name", ["cispo", "gspo"])
+def test_dual_clip_leaves_cispo_and_gspo_alone(name):
+    inp = make_inputs([[math.log(5.0)]], [[-1.0]])
+    loss, g, _ = loss_and_grad(inp, loss=name, gspo_clip_low=0.9, gspo_clip_high=9.0)
+    loss_nc, g_nc, _ = loss_and_grad(make_inputs([[math.log(5.0)]], [[-1.0]]), loss=name, dual_clip=None,
+                                     gspo_clip_low=0.9, gspo_clip_high=9.0)
+    assert loss == pytest.approx(loss_nc)
+    torch.testing.assert_close(g, g_nc)
 
 
 def test_aggregation_modes_differ_as_documented():
@@ -224,6 +261,8 @@ def test_micro_batches_add_up_to_the_mini_batch(agg, name):
     adv = torch.randn(4, 6, generator=gen, dtype=torch.float64)
     mask = (torch.rand(4, 6, generator=gen) > 0.3).double()
     ent = torch.rand(4, 6, generator=gen, dtype=torch.float64) * 3
+    if name == "gspo" and agg != "seq-mean-token-mean":
+        pytest.skip("gspo is GSPO only under seq-mean-token-mean (the config refuses the others)")
     cfg = AlgorithmConfig(loss=name, loss_agg=agg, loss_norm_len=6, clip_gate="high_entropy")
 
     full = make_inputs(log_r.tolist(), adv.tolist(), mask=mask.tolist(), entropy=ent.tolist())
@@ -282,7 +321,7 @@ def test_unknown_loss_name_is_a_clear_error():
 
 def test_every_diagnostic_declares_how_it_combines():
     inp = make_inputs(LOG_R, [A], entropy=[[0.1, 2.0, 0.3, 4.0]], ref=[[-1.0, -1.2, -2.0, -1.4]])
-    _, _, diag = loss_and_grad(inp, loss="ppo_clip", kl_coef=0.1)
+    _, _, diag = loss_and_grad(inp, loss="ppo_clip", kl_coef=0.1, clip_gate="high_entropy")
     assert {name: (d.reduce, d.weight) for name, d in diag.items()} == {
         **{name: ("mean", 4.0) for name in ("clip_frac", "clip_frac_high", "clip_frac_low", "approx_kl",
                                            "ratio_mean", "entropy_mean", "kl_ref")},
@@ -314,3 +353,79 @@ def test_combine_diagnostics_edge_cases():
         Diagnostic(1.0, "avg")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="declared both"):
         combine_diagnostics([{"x": Diagnostic(1.0, "sum")}, {"x": Diagnostic(1.0, "mean", 1.0)}])
+
+
+# --- r/sg(r) without 0/0: masked tokens whose ratio under/overflows (float32: e^−120 = 0, e^120 = inf) ---------
+
+@pytest.mark.parametrize("extreme", [-120.0, 120.0])
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_extreme_ratio_on_a_masked_token_leaves_the_loss_finite_and_unchanged(name, extreme):
+    log_r, adv, mask = [[0.3, 0.0, -0.4, 0.1]], [[1.0, 0.0, -2.0, 1.5]], [[1, 0, 1, 1]]
+    ent = [[1.0, 2.0, 3.0, 4.0]]
+    cfg = {"loss": name, "clip_gate": "high_entropy", "high_entropy_quantile": 0.5, "gspo_clip_low": 0.2,
+           "gspo_clip_high": 0.2, **({"loss_agg": "seq-mean-token-mean"} if name == "gspo" else {})}
+    ref_loss, ref_g, _ = loss_and_grad(make_inputs(log_r, adv, mask=mask, entropy=ent, dtype=torch.float32), **cfg)
+    bad = [[0.3, extreme, -0.4, 0.1]]
+    loss, g, _ = loss_and_grad(make_inputs(bad, adv, mask=mask, entropy=ent, dtype=torch.float32), **cfg)
+    assert math.isfinite(loss) and bool(torch.isfinite(g).all())
+    assert loss == pytest.approx(ref_loss, abs=1e-6)
+    torch.testing.assert_close(g, ref_g)
+    assert g[0, 1] == 0.0
+
+
+def test_gppo_underflowed_ratio_on_a_model_token_keeps_its_bounded_gradient():
+    # r = e^−120 = 0 in float32, Â < 0: GPPO's low bound (1−ε_l)·exp(logπ − sg(logπ)) has value 1−ε_l and
+    # gradient (1−ε_l)·∇logπ, where (1−ε_l)·r/sg(r) gave 0/0.
+    inp = make_inputs([[-120.0, 0.0]], [[-1.0, 1.0]], dtype=torch.float32)
+    loss, g, _ = loss_and_grad(inp, loss="gppo")
+    assert loss == pytest.approx(((1 - EPS_L) * 1.0 - 1.0) / 2, abs=1e-6)
+    torch.testing.assert_close(g[0], torch.tensor([(1 - EPS_L) / 2, -1.0 / 2]))
+
+
+# --- GSPO / Dr.GRPO aggregation --------------------------------------------------------------------------------
+
+def test_gspo_forces_sequence_mean_aggregation():
+    assert build_config({}, ["algorithm.loss=gspo"]).algorithm.loss_agg == "seq-mean-token-mean"
+    assert AlgorithmConfig(loss="gspo").loss_agg == "seq-mean-token-mean"
+    cfg = build_config({}, ["algorithm.loss=gspo", "algorithm.loss_agg=seq-mean-token-mean"])
+    assert cfg.algorithm.loss_agg == "seq-mean-token-mean"
+    for agg in ("token-mean", "seq-mean-token-sum-norm"):
+        with pytest.raises(ConfigError, match=r"algorithm\.loss=gspo.*algorithm\.loss_agg"):
+            build_config({}, ["algorithm.loss=gspo", f"algorithm.loss_agg={agg}"])
+    assert AlgorithmConfig().loss_agg == "token-mean"  # the other losses keep the default
+
+
+# --- the high-entropy threshold: only when the gate needs it, and past torch.quantile's 16M-element limit -------
+
+@pytest.mark.parametrize("n", [1, 2, 5, 11, 37, 1000])
+@pytest.mark.parametrize("q", [0.05, 0.2, 0.25, 0.3, 0.5, 0.7, 1.0])
+def test_high_entropy_threshold_equals_the_quantile(n, q):
+    gen = torch.Generator().manual_seed(n)
+    ent = torch.rand(2, n, generator=gen) * 4
+    mask = torch.rand(2, n, generator=gen) > 0.3
+    mask[0, 0] = True
+    expected = torch.quantile(ent[mask], 1.0 - q, interpolation="higher")
+    assert high_entropy_threshold(ent, mask, q) == float(expected)
+
+
+def test_high_entropy_threshold_scales_past_torch_quantile():
+    n = 20_000_000  # torch.quantile refuses more than 2^24 ≈ 16.8M elements
+    ent = torch.rand(n, generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(n, dtype=torch.bool)
+    threshold = high_entropy_threshold(ent, mask, 0.2)
+    rank = math.ceil(float(torch.tensor(0.8) * (n - 1)))  # 'higher': the value at this 0-based sorted index
+    assert int((ent < threshold).sum()) <= rank < int((ent <= threshold).sum())
+    assert threshold == pytest.approx(0.8, abs=1e-3)
+
+
+def test_no_threshold_without_the_high_entropy_gate(monkeypatch: pytest.MonkeyPatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("threshold computed under clip_gate='all'")
+
+    monkeypatch.setattr(losses_mod, "high_entropy_threshold", refuse)
+    inp = make_inputs(LOG_R, [A], entropy=[[0.1, 2.0, 0.3, 4.0]])
+    cfg = AlgorithmConfig(clip_gate="all")
+    assert loss_normalizer(inp.mask, inp.entropy, cfg).entropy_threshold is None
+    _, diag = compute_policy_loss(inp, cfg)
+    assert "clip_frac_high_entropy" not in diag and "num_high_entropy_tokens" not in diag
+    assert diag["entropy_mean"].value == pytest.approx((0.1 + 2.0 + 0.3 + 4.0) / 4)

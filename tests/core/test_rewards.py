@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import pickle
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
 from aepo_core.config import RewardConfig
 from aepo_core.interfaces import RewardFn, RewardResult
+from aepo_core.protocol import result_block
 from aepo_core.rewards import (
     REWARD_FNS,
     deepsearch_reward,
@@ -22,6 +27,8 @@ from aepo_core.rewards import (
     predicted_answer,
     token_f1,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def transcript(answer: str, tools: tuple[str, ...] = ("search", "python")) -> str:
@@ -209,3 +216,63 @@ def test_registry_and_factory() -> None:
     )
     assert fn(transcript("\\boxed{Bern}", ("search",)), ["Bern"], ("search",)).score == 1.5
     assert pickle.loads(pickle.dumps(fn))(transcript("\\boxed{Bern}"), "Bern").score == 1.5
+
+
+SNIPPET_ANSWER = "<think>look it up</think><search>capital of France</search>" + result_block(
+    "Paris is the capital. Answer: \\boxed{Paris}", 1000) + "<think>I am not sure</think>"
+
+
+@pytest.mark.parametrize("fn", [em_reward, f1_reward, deepsearch_reward])
+def test_answer_in_a_tool_result_gets_no_credit(fn: RewardFn) -> None:
+    """A search snippet's \\boxed{} is not the model's answer: the model text has none, so no credit."""
+    assert predicted_answer(SNIPPET_ANSWER) is None
+    model_text = "<think>look it up</think><search>capital of France</search><think>I am not sure</think>"
+    for kwargs in ({}, {"model_text": model_text}):
+        res = fn(SNIPPET_ANSWER, ["Paris"], ("search",), **kwargs)
+        assert res.score <= 0.0 and res.details.get("em", 0.0) == 0.0, (kwargs, res)
+
+
+def test_math_answer_in_a_tool_result_gets_no_credit() -> None:
+    text = "<python>print(6*7)</python>" + result_block("\\boxed{42}", 100) + "<think>done</think>"
+    assert math_reward(text, "42") == RewardResult(0.0, "no_answer")
+    assert math_reward(text, "42", model_text="<python>print(6*7)</python><think>done</think>") == RewardResult(
+        0.0, "no_answer")
+
+
+def test_model_text_is_where_the_answer_is_read() -> None:
+    """The format check reads the full transcript; the answer only the model's segments."""
+    full = transcript("\\boxed{Bern}", ("search",))
+    model_only = full.replace("\n<result>\nout\n</result>\n", "")
+    assert deepsearch_reward(full, ["Bern"], ("search",), model_text=model_only, required_tools=("search",)
+                             ).score == pytest.approx(1.1)
+    # model text without the answer: no credit even though the transcript has one
+    assert em_reward(full, ["Bern"], model_text="<think>plan</think>").score == 0.0
+
+
+_PATHOLOGICAL_SCRIPT = r"""
+import threading, time
+from aepo_core.rewards import math_reward
+out = {}
+def score():
+    out["warm"] = math_reward("\\boxed{0.5}", "\\frac{1}{2}", timeout_s=2.0)  # starts the verifier
+    t0 = time.perf_counter()
+    out["slow"] = math_reward("\\boxed{9^{9^{9}}}", "5", timeout_s=1.0)  # 9^387420489: minutes of big-int work
+    out["slow_s"] = time.perf_counter() - t0
+    out["after"] = math_reward("\\boxed{\\sqrt{8}}", "2\\sqrt{2}", timeout_s=2.0)
+worker = threading.Thread(target=score)  # off the main thread, as in a Prefect task
+worker.start()
+worker.join()
+print(out["warm"].reason, out["slow"].reason, out["after"].reason, round(out["slow_s"], 2))
+"""
+
+
+def test_math_reward_timeout_bounds_a_pathological_answer_off_the_main_thread() -> None:
+    """math-verify on ``9^{9^{9}}`` computes a 370-million-digit integer holding the GIL: a thread cannot even be
+    abandoned.  The comparison is bounded by ``timeout_s`` and the next answer is verified as usual."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", _PATHOLOGICAL_SCRIPT], capture_output=True, text=True, timeout=30,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    warm, slow, after, slow_s = proc.stdout.split()
+    assert (warm, slow, after) == ("equivalent", "timeout", "equivalent")
+    assert float(slow_s) < 5.0

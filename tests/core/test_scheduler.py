@@ -7,7 +7,7 @@ import random
 import pytest
 from scripted_engine import EchoSearch, ScriptedEngine, Segment, tool_then_answer
 
-from aepo_core.config import RolloutConfig
+from aepo_core.config import ConfigError, RolloutConfig, build_config
 from aepo_core.rollout.scheduler import Question, RolloutScheduler
 from aepo_core.rollout.tree import RolloutTree
 
@@ -226,7 +226,7 @@ def test_response_budget_truncates_including_tool_tokens():
 
 
 def test_segment_cap_continues_the_turn():
-    cfg = RolloutConfig(mode="independent", **{**BASE, "k": 1, "max_segment_tokens": 8})
+    cfg = RolloutConfig(mode="independent", **{**BASE, "k": 1, "max_segment_tokens": 8, "entropy_window": 8})
     target = "<answer>\\boxed{42}</answer>"
     prompt = "".join(map(chr, PROMPT))
     script = lambda t, s: Segment(target[len(t) - len(prompt) :], 1.0)  # noqa: E731
@@ -246,7 +246,7 @@ def test_batching_across_questions_and_paths():
 
 
 def test_tool_call_split_by_the_segment_cap_is_still_parsed():
-    cfg = RolloutConfig(mode="independent", **{**BASE, "k": 1, "max_segment_tokens": 7})
+    cfg = RolloutConfig(mode="independent", **{**BASE, "k": 1, "max_segment_tokens": 7, "entropy_window": 7})
     prompt = "".join(map(chr, PROMPT))
 
     def script(t, s):
@@ -297,3 +297,133 @@ def test_questions_advance_without_waiting_for_each_other():
     assert len(quick_engine.calls) <= 3 < len(slow_engine.calls)
     assert len(both.calls) == len(slow_engine.calls)
     assert both.calls[: len(quick_engine.calls)] == [a + b for a, b in zip(slow_engine.calls, quick_engine.calls)]
+
+
+# ---------------------------------------------------------------- issue 11, second pass
+
+
+def test_forks_from_the_probe_do_not_eat_the_global_samples():
+    """m global samples start even when the probe's own tool steps forked branches (AEPO.md §3: the probe is the
+    first of the m globals; its forks come out of the k − m branch budget)."""
+    # H_root = 2, post-tool entropies 4 then 0: H̄_tool = 2 → m = round(8·σ(0)) = 4.  γ = 1: the first step
+    # (ΔH = +2) always branches, the second (ΔH = −2) never does.
+    cfg = RolloutConfig(mode="aepo", premonitor=True, beta=0.5, **{**BASE, "k": 8, "gamma": 1.0})
+    res, _ = run(tool_then_answer(2, h_first=2.0, h_after_tool=[4.0, 0.0]), cfg)
+    (tree,) = res.trees
+    assert tree.global_budget == 4
+    probe = tree.leaves[0]
+    assert [tree.nodes[i].branch_reason for i in probe.node_ids if tree.nodes[i].kind == "model"][1] == "branch"
+    kinds = [leaf.sample_kind for leaf in tree.leaves]
+    assert kinds.count("global") == 4 and len(kinds) == 8
+
+
+@pytest.mark.parametrize("tail", ["!!", "!! more text past the stop"])
+def test_stop_string_split_by_the_segment_cap_cuts_the_model_node_at_the_stop(tail):
+    """`</se|arch>`: the cap cuts the stop string; the engine sees only the new segment and runs on (to EOS, or
+    to the cap).  The call is still executed, the model node ends exactly at the stop string, and no token past
+    it is kept (none carries loss mask 1)."""
+    cfg = RolloutConfig(mode="independent", **{**BASE, "k": 1, "max_segment_tokens": 16, "entropy_window": 16})
+    prompt = "".join(map(chr, PROMPT))
+
+    def script(t, s):
+        turn_start = t.rfind("</result>\n") + len("</result>\n") if "<result>" in t else len(prompt)
+        full = "<search>kavo</search>" + tail if "<result>" not in t else "<answer>\\boxed{1}</answer>"
+        return Segment(full[len(t) - turn_start :], 1.0, eos="<result>" not in t)
+
+    res, engine = run(script, cfg)
+    tree = res.trees[0]
+    leaf = tree.leaves[0]
+    assert [e.argument for e in tree.tool_events(leaf)] == ["kavo"]
+    assert leaf.status == "answered"
+    path = tree.path(leaf)
+    first_tool = next(i for i, n in enumerate(path) if n.kind == "tool")
+    assert "".join(n.text for n in path[1:first_tool]) == "<search>kavo</search>"
+    assert path[first_tool - 1].finish_reason == "stop"
+    ids, mask = tree.response_ids(leaf), tree.loss_mask(leaf)
+    trained = engine.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    assert trained == "<search>kavo</search><answer>\\boxed{1}</answer>"
+    assert tree.text(leaf).startswith("<search>kavo</search>\n<result>\nPage 1: doc about kavo\n</result>\n")
+
+
+def test_tool_timeout_counts_from_the_start_of_each_call_not_the_queue():
+    """32 calls of 0.2 s on 4 workers take 1.6 s in all, but none runs for 1 s: none times out.  A call that
+    really runs longer than the timeout still does."""
+    prompt = "".join(map(chr, PROMPT))
+
+    def script(t, s):
+        qid = t.split("\n", 1)[0]
+        return Segment(f"<search>{qid}</search>" if "<result>" not in t else "<answer>\\boxed{1}</answer>", 1.0)
+
+    cfg = RolloutConfig(mode="independent", **{**BASE, "k": 1})
+    tools = {"search": EchoSearch(hang_on={"Q32"}, hang_s=3.0, delay_s=0.2)}
+    sched = RolloutScheduler(ScriptedEngine(script), tools, cfg, tool_timeout_s=1.0, tool_workers=4)
+    res = sched.run([Question(f"q{i}", [ord(c) for c in f"Q{i}\n{prompt}"]) for i in range(33)], seed=0)
+    events = {tree.question_id: tree.tool_events(tree.leaves[0])[0] for tree in res.trees}
+    assert events.pop("q32").error == "timeout"
+    assert [(e.ok, e.error) for e in events.values()] == [(True, None)] * 32
+    assert res.stats["tools_s"] < 2.9
+
+
+def steps(*segments: tuple[str, float]):
+    """A script that writes segments[n] after the n-th result (the last one from then on)."""
+    return lambda t, s: Segment(*segments[min(t.count("<result>"), len(segments) - 1)])
+
+
+def assert_forks_are_copies(tree: RolloutTree) -> None:
+    """The script depends on the transcript only, so a fork that is an exact copy of its path's state
+    continues exactly as the path did: every leaf has the same text, status and tool events."""
+    assert any(leaf.sample_kind == "branch" for leaf in tree.leaves)
+    texts = {tree.text(leaf) for leaf in tree.leaves}
+    outcomes = {(leaf.status, tuple((e.name, e.ok) for e in tree.tool_events(leaf))) for leaf in tree.leaves}
+    assert len(texts) == 1 and len(outcomes) == 1, (texts, outcomes)
+
+
+def test_a_fork_counts_only_real_tool_calls():
+    """A notice (here: an unknown tool) before the fork point is no tool call, for the fork as for the path."""
+    script = steps(("<search>q0</search>", 1.0), ("<python>x</python>", -20.0), ("<search>q1</search>", -20.0),
+                   ("<search>q2</search>", 4.0), ("<answer>\\boxed{1}</answer>", 1.0))
+    cfg = RolloutConfig(mode="arpo", **{**BASE, "k": 2, "initial_rollouts": 1, "max_tool_calls": 3})
+    res, _ = run(script, cfg)
+    (tree,) = res.trees
+    assert [e.name for e in tree.tool_events(tree.leaves[0])] == ["search", "invalid", "search", "search"]
+    assert_forks_are_copies(tree)
+
+
+@pytest.mark.parametrize("mode", ["arpo", "aepo"])
+def test_a_fork_inherits_that_the_last_tool_call_failed(mode):
+    """A fork made right after a failed call that then runs out of budget ends ``tool_error``, like its path
+    (aepo: the probe's fork, made after the probe finished, still copies the state at the fork point)."""
+    script = steps(("<search>bad</search>", 1.0), ("<think>" + "x" * 300, 4.0))
+    cfg = RolloutConfig(mode=mode, **{**BASE, "k": 2, "initial_rollouts": 1, "max_response_tokens": 120})
+    res, _ = run(script, cfg, tools={"search": EchoSearch(fail={"bad"})})
+    (tree,) = res.trees
+    assert tree.leaves[0].status == "tool_error"
+    assert_forks_are_copies(tree)
+
+
+def test_no_branch_decision_after_a_notice():
+    """Branch decisions follow real tool results only: not the 'invalid' or 'limit' notices."""
+    script = steps(("<search>q0</search>", 1.0), ("<python>x</python>", 4.0), ("<search>q1</search>", 4.0),
+                   ("<search>q2</search>", 4.0), ("<search>q3</search>", 4.0))
+    cfg = RolloutConfig(mode="arpo", **{**BASE, "k": 8, "initial_rollouts": 1, "max_tool_calls": 2})
+    res, _ = run(script, cfg)
+    (tree,) = res.trees
+    names = [e.name for e in tree.tool_events(tree.leaves[0])]
+    assert names == ["search", "invalid", "search", "limit"] and tree.leaves[0].status == "tool_limit"
+    after_notice = [n for n in tree.nodes if n.kind == "model" and tree.nodes[n.parent_id].kind == "tool"
+                    and tree.nodes[n.parent_id].tool.name in ("invalid", "limit")]
+    assert after_notice and all(n.branch_reason in ("", "fork") and n.branch_score != n.branch_score
+                                for n in after_notice)
+    forked_from = {tree.nodes[n.parent_id].tool.name for n in tree.nodes if n.branch_reason == "fork"}
+    assert forked_from == {"search"}
+    assert_forks_are_copies(tree)
+
+
+def test_segment_cap_below_the_entropy_window_is_a_config_error():
+    """A segment capped below W would average fewer than W tokens (the window would silently shrink)."""
+    with pytest.raises(ConfigError, match=r"rollout\.max_segment_tokens.*rollout\.entropy_window"):
+        build_config({}, ["rollout.max_segment_tokens=16"])
+    with pytest.raises(ConfigError, match=r"rollout\.max_segment_tokens.*rollout\.entropy_window"):
+        build_config({"rollout": {"max_segment_tokens": 8, "entropy_window": 9}})
+    assert build_config({}, ["rollout.max_segment_tokens=16", "rollout.entropy_window=16"]).rollout.entropy_window == 16
+    assert build_config({}, ["rollout.max_segment_tokens=20"]).rollout.max_segment_tokens == 20

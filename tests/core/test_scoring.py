@@ -6,12 +6,15 @@ import copy
 import dataclasses
 
 import pytest
+import torch
 from scripted_engine import EchoSearch, ScriptedEngine, Segment
 
+from aepo_core.advantages import informative_groups
 from aepo_core.config import AlgorithmConfig, RewardConfig, RolloutConfig
+from aepo_core.interfaces import ToolResult
 from aepo_core.rewards import make_reward_fn
 from aepo_core.rollout.scheduler import Question, RolloutScheduler
-from aepo_core.scoring import LeafScore, StepScores, score_trees
+from aepo_core.scoring import LeafScore, StepScores, fill_informative, score_trees
 
 
 def answer_script(answers):
@@ -26,10 +29,35 @@ def answer_script(answers):
     return script
 
 
-def rollout(answers, n_q=2, k=4):
+def rollout(answers, n_q=2, k=4, first=0, script=None, search=None):
     cfg = RolloutConfig(mode="independent", k=k, initial_rollouts=1, max_response_tokens=500)
-    sched = RolloutScheduler(ScriptedEngine(answer_script(answers)), {"search": EchoSearch()}, cfg)
-    return sched.run([Question(f"q{i}", [ord(c) for c in f"question {i}"]) for i in range(n_q)], seed=1).trees
+    sched = RolloutScheduler(ScriptedEngine(script or answer_script(answers)), {"search": search or EchoSearch()},
+                             cfg)
+    return sched.run([Question(f"q{i}", [ord(c) for c in f"question {i}"]) for i in range(first, first + n_q)],
+                     seed=1).trees
+
+
+class FixedSearch:
+    """A search tool that always returns the same snippet."""
+
+    name = "search"
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __call__(self, argument: str) -> ToolResult:
+        return ToolResult(self.text)
+
+
+def search_then(final: str):
+    """Search once, then write ``final`` (ending the trajectory with EOS)."""
+
+    def script(transcript, seed):
+        if "<result>" not in transcript:
+            return Segment("<think>look</think><search>q</search>", 1.0)
+        return Segment(final, 1.0, eos=True)
+
+    return script
 
 
 def test_rewards_and_grpo_advantages():
@@ -109,3 +137,105 @@ def test_overlong_penalty_applies():
                          AlgorithmConfig(overlong_buffer=480, overlong_penalty=1.0), max_response_tokens=500)
     assert all(s.reward < 1.1 for s in scores.leaves[0])
     assert scores.metrics["rollout/reward_mean"] < 1.1
+
+
+@pytest.mark.parametrize("kind", ["em", "f1", "math"])
+def test_answer_only_in_a_tool_result_scores_nothing(kind):
+    """The snippet says \\boxed{Paris}; the model never answers: the reward reads only the model's segments."""
+    trees = rollout([], n_q=1, script=search_then("<think>no idea</think>"),
+                    search=FixedSearch("Paris is the capital. \\boxed{Paris}"))
+    assert "\\boxed{Paris}" in trees[0].text(trees[0].leaves[0])  # the transcript does hold it
+    scores = score_trees(trees, {"q0": ["Paris"]}, make_reward_fn(RewardConfig(kind=kind)), AlgorithmConfig(), 500)
+    assert [s.reward for s in scores.leaves[0]] == [0.0] * 4
+    assert {s.reason for s in scores.leaves[0]} == {"no_answer"}
+    assert scores.metrics["rollout/accuracy"] == 0.0
+
+
+def test_overlong_penalty_counts_model_tokens_only():
+    """A long search result fills the response budget; the model itself wrote little: no overlong penalty."""
+    final = "<think>ok</think><answer>\\boxed{Paris}</answer>"
+    trees = rollout([], n_q=1, script=search_then(final), search=FixedSearch("x" * 350))
+    leaf = trees[0].leaves[0]
+    model_tokens = sum(trees[0].loss_mask(leaf))
+    assert len(trees[0].response_ids(leaf)) > 420 > 100 > model_tokens  # the tool result is what is long
+    alg = AlgorithmConfig(overlong_buffer=100, overlong_penalty=1.0)
+    scores = score_trees(trees, {"q0": ["Paris"]}, make_reward_fn(RewardConfig(required_tools=["search"])), alg, 500)
+    assert [s.reward for s in scores.leaves[0]] == [pytest.approx(1.1)] * 4
+    # … while a model that writes past max − buffer is penalized by its own tokens
+    long_final = "<think>" + "y" * 420 + "</think><answer>\\boxed{Paris}</answer>"
+    trees = rollout([], n_q=1, script=search_then(long_final), search=FixedSearch("short"))
+    scores = score_trees(trees, {"q0": ["Paris"]}, make_reward_fn(RewardConfig(required_tools=["search"])), alg, 500)
+    assert all(s.reward < 1.1 for s in scores.leaves[0])
+
+
+def test_informative_groups_tolerates_float_noise():
+    """Twelve rewards of 1.1 have an float std of ~2e-16: the group is uniform, not informative."""
+    rewards = torch.tensor([1.1] * 12 + [0.0] * 6 + [1.0] * 6, dtype=torch.float64)
+    groups = torch.tensor([0] * 12 + [1] * 12)
+    assert informative_groups(rewards, groups).tolist() == [False] * 12 + [True] * 12
+    assert not informative_groups(rewards.float(), groups)[:12].any()
+
+
+def test_dynamic_sampling_filters_on_accuracy_not_the_shaped_reward():
+    """Partial F1 against nothing correct: the rewards differ but no leaf is correct, so the group is dropped."""
+    trees = rollout(["paris france", "london"], n_q=1)
+    scores = score_trees(trees, {"q0": ["Paris"]}, make_reward_fn(RewardConfig(required_tools=["search"])),
+                         AlgorithmConfig(dynamic_sampling=True), max_response_tokens=500)
+    assert len({s.reward for s in scores.leaves[0]}) == 2  # shaped rewards differ (F1 0.67 + bonus vs 0)
+    assert {s.reason for s in scores.leaves[0]} == {"partial", "wrong"}
+    assert scores.uninformative_questions == {"q0"}
+    assert scores.metrics["rollout/informative_groups"] == 0.0
+
+
+def _scripted_rounds(plan, calls, alg):
+    """round ``attempt`` → trees of 4 questions; ``plan[attempt]`` (a set) names the informative ones."""
+
+    def sample_round(attempt):
+        calls.append(attempt)
+        first = 4 * attempt
+        trees = rollout(["paris", "london"], n_q=4, first=first)
+        golds = {f"q{first + i}": (["Paris"] if i in plan[attempt] else ["Rome"]) for i in range(4)}
+        return trees, score_trees(trees, golds, make_reward_fn(RewardConfig()), alg, 500)
+
+    return sample_round
+
+
+def test_fill_informative_refills_to_the_batch_size():
+    calls = []
+    alg = AlgorithmConfig(dynamic_sampling=True, dynamic_sampling_max_tries=5)
+    filled = fill_informative(_scripted_rounds([{0}, {1, 3}, {0, 1, 2, 3}], calls, alg), batch_size=3, alg=alg)
+    assert calls == [0, 1]  # stopped as soon as the batch was full
+    assert [t.question_id for t in filled.trees] == ["q0", "q5", "q7"]  # informative, in sampling order
+    assert filled.scores.uninformative_questions == frozenset()
+    assert filled.scores.kept(filled.trees) == (filled.trees, list(filled.scores.leaves))
+    assert [t.question_id for t in filled.sampled_trees] == [f"q{i}" for i in range(8)]  # everything, for the store
+    assert len(filled.sampled_scores.leaves) == 8
+    assert filled.scores.metrics["rollout/dynamic_sampling_tries"] == 2.0
+    assert filled.scores.metrics["rollout/informative_groups"] == 3.0
+    assert filled.scores.metrics["rollout/sampled_groups"] == 8.0
+    for tree_scores in filled.scores.leaves:  # GRPO advantages within each kept group
+        assert sum(s.advantage for s in tree_scores) == pytest.approx(0.0, abs=1e-6)
+        assert len({s.reward for s in tree_scores}) == 2
+    # more informative groups than needed: exactly batch_size are used
+    calls.clear()
+    filled = fill_informative(_scripted_rounds([{0}, {0, 1, 2, 3}], calls, alg), batch_size=3, alg=alg)
+    assert calls == [0, 1] and [t.question_id for t in filled.trees] == ["q0", "q4", "q5"]
+
+
+def test_fill_informative_gives_up_after_max_tries():
+    calls = []
+    alg = AlgorithmConfig(dynamic_sampling=True, dynamic_sampling_max_tries=2)
+    filled = fill_informative(_scripted_rounds([set(), {2}, {0, 1, 2, 3}], calls, alg), batch_size=4, alg=alg)
+    assert calls == [0, 1]
+    assert [t.question_id for t in filled.trees] == ["q6"]
+    assert filled.scores.metrics["rollout/dynamic_sampling_tries"] == 2.0
+    assert filled.scores.metrics["rollout/informative_groups"] == 1.0
+
+
+def test_fill_informative_without_dynamic_sampling_is_one_round_kept_whole():
+    calls = []
+    alg = AlgorithmConfig(dynamic_sampling=False, dynamic_sampling_max_tries=5)
+    filled = fill_informative(_scripted_rounds([set()], calls, alg), batch_size=4, alg=alg)
+    assert calls == [0]
+    assert [t.question_id for t in filled.trees] == ["q0", "q1", "q2", "q3"]
+    assert filled.scores.leaves == filled.sampled_scores.leaves  # the round's own scores, unchanged

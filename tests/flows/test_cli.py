@@ -16,7 +16,7 @@ from flows.cli import app
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.yaml")
 FAST = ["rollout.k=2", "rollout.initial_rollouts=1", "rollout.max_response_tokens=48", "rollout.max_segment_tokens=16",
-        "eval.max_questions=2", "eval.top_p=1.0"]
+        "rollout.entropy_window=16", "eval.max_questions=2", "eval.top_p=1.0"]
 ENV = {"COLUMNS": "250"}  # wide tables: rich would fold long ids at 80 columns
 
 
@@ -71,6 +71,7 @@ def test_train_leaves_mlflow_run_parquet_and_checkpoint(trained: tuple[Any, Path
     ("nope.key=1", "unknown key 'nope'"),
     ("rollout.k=-1", "rollout.k"),
     ("data.train=/nope.jsonl", "data.train: dataset '/nope.jsonl'"),
+    ("rollout.engine=remote", "rollout.remote.reload_url"),  # a remote sampler must follow the trained weights
 ])
 def test_bad_config_exits_2_before_anything_is_created(tmp_path: Path, override: str, needle: str) -> None:
     runs = tmp_path / "runs"
@@ -207,3 +208,23 @@ def test_sigterm_stops_the_run_and_its_temporary_prefect_server(tmp_path: Path, 
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def test_progress_comes_from_structured_events_not_from_the_log_text() -> None:
+    """The bar reads the event a task attaches to its log record; the message itself may say anything."""
+    import logging
+
+    from flows.cli import _ProgressHandler
+    from tasks.progress import Progress, report
+
+    seen: list[Progress] = []
+    logger = logging.getLogger("aepo.test.progress")
+    logger.setLevel(logging.INFO)
+    handler = _ProgressHandler(seen.append)
+    logger.addHandler(handler)
+    try:
+        report(logger, Progress("update", done=3, total=5), "whatever wording: %s", "reworded")
+        logger.info("step 4 update: loss 0.1")  # the old text pattern, without an event: no progress
+    finally:
+        logger.removeHandler(handler)
+    assert seen == [Progress("update", done=3, total=5)]

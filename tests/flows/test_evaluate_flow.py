@@ -17,7 +17,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
 FAST = ["eval.max_questions=2", "eval.n_samples=2", "eval.pass_k=2", "eval.top_p=1.0",
-        "rollout.max_response_tokens=48", "rollout.max_segment_tokens=16", "tracking.system_metrics=false"]
+        "rollout.max_response_tokens=48", "rollout.max_segment_tokens=16", "rollout.entropy_window=16",
+        "tracking.system_metrics=false"]
 DS = "synthetic:test"
 KEY = "synthetic_test"  # the dataset's name in results, metrics, files and tables
 

@@ -381,7 +381,8 @@ def test_incompatible_config_is_refused_unless_forced(tmp_path: Path, tokenizer:
     other = make_config(**{"model.name": "another-model", "algorithm.loss": "gspo", "algorithm.clip_high": 0.28})
     with pytest.raises(IncompatibleCheckpointError) as info:
         check_compatible(path, other)
-    assert info.value.fields == ["model.name", "algorithm.clip_high", "algorithm.loss"]
+    # gspo brings its own aggregation (seq-mean-token-mean): that differs too.
+    assert info.value.fields == ["model.name", "algorithm.clip_high", "algorithm.loss", "algorithm.loss_agg"]
     assert "another-model" in str(info.value) and "gspo" in str(info.value)
     model = make_model(1)
     with pytest.raises(IncompatibleCheckpointError):

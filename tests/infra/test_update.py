@@ -108,7 +108,7 @@ def test_micro_batch_size_does_not_change_the_update(loss):
     m1, met1 = run_update([f"algorithm.loss={loss}", "optim.micro_batch_tokens=1"])
     m8, met8 = run_update([f"algorithm.loss={loss}", "optim.micro_batch_tokens=400"])
     assert met1["train/padding_waste"] == 0.0 and met8["train/padding_waste"] > 0.0
-    torch.testing.assert_close(params(m1), params(m8), rtol=1e-4, atol=1e-5)  # Adam amplifies fp32 noise
+    torch.testing.assert_close(params(m1), params(m8), rtol=1e-4, atol=2e-5)  # Adam amplifies fp32 noise
     assert met1["train/loss"] == pytest.approx(met8["train/loss"], rel=1e-5, abs=1e-7)
 
 
@@ -169,8 +169,12 @@ def test_kl_reference_model():
 def test_metrics_present():
     _, met = run_update([])
     for key in ("train/loss", "train/grad_norm", "train/entropy_mean", "train/clip_frac_high",
-                "train/clip_frac_high_entropy", "train/tokens_per_s", "train/peak_rss_mb", "train/approx_kl"):
+                "train/tokens_per_s", "train/peak_rss_mb", "train/approx_kl"):
         assert key in met, key
+    # The high-entropy threshold (and its diagnostics) exist only under the high-entropy clip gate.
+    assert "train/clip_frac_high_entropy" not in met
+    _, gated = run_update(["algorithm.clip_gate=high_entropy"])
+    assert "train/clip_frac_high_entropy" in gated and "train/num_high_entropy_tokens" in gated
 
 
 def _with_exact_rollout_entropies(samples: list[TrainSample], seed: int = 0) -> list[TrainSample]:
@@ -217,9 +221,9 @@ def test_combined_diagnostics_are_pinned():
     """The update's loss diagnostics on a fixed example (values from before diagnostics declared their reduction)."""
     _, met = run_update(SPLIT)
     pinned = {
-        "clip_frac": 57 / 136, "clip_frac_high": 24 / 136, "clip_frac_low": 33 / 136, "clip_frac_high_entropy": 0.4,
+        "clip_frac": 57 / 136, "clip_frac_high": 24 / 136, "clip_frac_low": 33 / 136,
         "approx_kl": 0.2360767496001619, "ratio_mean": 1.1249514088472898, "ratio_max": 17.262943267822266,
-        "ratio_min": 0.07128968834877014, "num_tokens": 136.0, "num_high_entropy_tokens": 30.0,
+        "ratio_min": 0.07128968834877014, "num_tokens": 136.0,
         "entropy_mean": 3.2801619662958035,
     }
     assert {k: met[f"train/{k}"] for k in pinned} == pytest.approx(pinned, rel=1e-4)
@@ -263,3 +267,97 @@ def test_update_combines_micro_batch_diagnostics_exactly(monkeypatch: pytest.Mon
     # own metrics, whose value the loss's token-weighted entropy mean overwrites.
     order = [k for k in expected if k != "train/entropy_mean"]
     assert [k for k in met if k in order] == order
+
+
+# ---------------------------------------------------------------------------------------------- issue 11 (1, 3)
+SWEEP = Path(__file__).resolve().parents[2] / "configs" / "sweeps" / "algorithms.yaml"
+
+
+def _sweep_cell(cell: str):
+    from flows.sweep import load_sweep
+
+    return next(r.config for r in load_sweep(SWEEP).runs if r.cell == cell and r.seed == 0)
+
+
+def test_under_the_sweep_settings_the_clipping_loss_acts(model_cache: Path, tmp_path: Path):
+    """The sweep's update regime (one epoch, several mini-batches, its learning rate) on its model, SmolLM2-135M, is
+    off-policy after the first optimizer step: ratios leave the clip range, tokens are clipped, and `aepo` and its
+    `aepo-no-clip-balance` ablation (ppo_clip) move the weights differently. With one mini-batch per step (the first
+    comparison's regime) every ratio was 1 and both arms gave the same weights, run for run. (A tiny random model
+    at this learning rate stays inside the clip range: ratio_max 1.17, measured.)"""
+    from bench.train_step import build_samples
+    from infra.models import load_policy
+    from infra.training.backends import autocast_dtype
+
+    moved = {}
+    for cell in ("aepo", "aepo-no-clip-balance"):
+        cfg = _sweep_cell(cell)
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"cache_dir": str(model_cache)})})
+        assert cfg.clip_active()
+        model, tokenizer = load_policy(cfg.model)
+        samples = build_samples(tokenizer, cfg.train.batch_size, cfg.rollout.k, 0, tmp_path / cell)
+        # Shorter responses keep the test quick; the regime, not the transcript length, decides the drift.
+        samples = [dataclasses.replace(s, input_ids=s.input_ids[: s.prompt_len + 48], loss_mask=s.loss_mask[:48],
+                                       rollout_logprobs=s.rollout_logprobs[:48],
+                                       rollout_entropies=s.rollout_entropies[:48]) for s in samples]
+        backend = TorchBackend(model, cfg.optim, cfg.train.steps, compute_dtype=autocast_dtype(cfg.model.compute_dtype))
+        metrics = PolicyUpdater(backend, cfg, pad_id=int(tokenizer.pad_token_id)).update(samples)
+        assert metrics["train/optimizer_steps"] == cfg.train.batch_size // cfg.optim.mini_batch_size > 1
+        moved[cell] = (params(model), metrics)
+    aepo, ppo = moved["aepo"], moved["aepo-no-clip-balance"]
+    assert aepo[1]["train/ratio_max"] > 1.0 + _sweep_cell("aepo").algorithm.clip_high
+    assert aepo[1]["train/clip_frac_high"] > 0 and ppo[1]["train/clip_frac"] > 0
+    assert not torch.equal(aepo[0], ppo[0])
+
+
+def test_the_shipped_configs_let_the_clipping_loss_act():
+    from infra.config_files import load_config
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    for name in ("demo.yaml", "paper/qwen3_14b_deepsearch.yaml"):
+        assert load_config(root / name).clip_active(), name
+    assert not build_config({}, ["train.batch_size=4", "optim.mini_batch_size=4"]).clip_active()
+
+
+def _noisy_rollout_entropies(samples: list[TrainSample]) -> list[TrainSample]:
+    """The sampler's entropies are the trainer's plus noise: what a bf16 copy or a vLLM server reports."""
+    exact = _with_exact_rollout_entropies(samples)
+    rng = random.Random(7)
+    return [dataclasses.replace(s, rollout_entropies=[e + rng.uniform(0.0, 0.5) * m for e, m in
+                                                      zip(s.rollout_entropies, s.loss_mask, strict=True)])
+            for s in exact]
+
+
+@pytest.mark.parametrize("overrides", [["model.generation_dtype=bfloat16"], ["rollout.engine=remote"]])
+def test_a_sampler_that_is_not_the_trainer_never_skips_the_scoring_pass(overrides):
+    """Skipping the scoring pass is exact only when the engine samples from the trainer's own weights at the same
+    precision; otherwise z(H), the high-entropy gate and train/entropy_mean would come from the sampler."""
+    samples = _noisy_rollout_entropies(make_samples())
+    common = ["optim.mini_batch_size=8", "algorithm.entropy_advantage=true", "algorithm.clip_gate=high_entropy",
+              *overrides]
+    auto, met_auto = run_update([*common, "optim.scoring_pass=auto"], samples)
+    always, met_always = run_update([*common, "optim.scoring_pass=always"], samples)
+    assert met_auto["train/scoring_pass"] == 1.0
+    torch.testing.assert_close(params(auto), params(always))
+    assert met_auto["train/entropy_mean"] == met_always["train/entropy_mean"]
+    # Same samples, the sampler declared to be the trainer: the skip path takes the (here noisy) sampler entropies.
+    _, met_skip = run_update([*common[:-len(overrides)], "optim.scoring_pass=auto"], samples)
+    assert met_skip["train/scoring_pass"] == 0.0 and met_skip["train/entropy_mean"] != met_always["train/entropy_mean"]
+
+
+def test_gap_statistics_are_logged():
+    _, met = run_update(["optim.scoring_pass=always"])
+    gap, p99, top = (met[f"train/rollout_trainer_logprob_gap{s}"] for s in ("", "_p99", "_max"))
+    assert 0 < gap <= p99 <= top
+
+
+@pytest.mark.parametrize("mode", ["tis", "mask"])
+def test_rollout_correction_reweights_the_policy_term(mode):
+    """The made-up rollout log-probs are far from the model's: truncated IS (or masking) changes the update, and
+    reports how many tokens it truncated."""
+    base, met_none = run_update(["algorithm.rollout_correction=none"])
+    corrected, met = run_update([f"algorithm.rollout_correction={mode}", "algorithm.rollout_correction_cap=2.0"])
+    assert met_none["train/rollout_is_weight_mean"] == 1.0 and met_none["train/rollout_is_truncated_frac"] > 0
+    assert met["train/rollout_is_truncated_frac"] == met_none["train/rollout_is_truncated_frac"]
+    assert met["train/rollout_is_weight_mean"] != 1.0
+    assert not torch.allclose(params(base), params(corrected))
