@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 CONSTRAINTS ?= constraints-cpu.txt
 EXTRAS ?= gpu,distributed,s3,dev
 STAMP := $(VENV)/.installed
-# The demo: SmolLM2-135M, evaluation → cold-start SFT → evaluation → AEPO RL → evaluation (~13 min on 2 idle cores).
+# The demo: SmolLM2-135M, evaluation → cold-start SFT → evaluation → AEPO RL → evaluation (~15 min on 2 idle cores).
 # DEMO_CONFIG=configs/tiny.yaml: the same pipeline on a tiny random model in about a minute.
 DEMO_CONFIG ?= configs/demo.yaml
 
