@@ -52,8 +52,10 @@ BASELINE = "grpo"
 # What the shared SFT checkpoint depends on (every other key may differ between arms without invalidating it).
 SFT_KEYS = ("model", "data", "tools", "train.sft", "optim.micro_batch_tokens", "seed")
 # Two steps: the second rollout already samples from weights the arms' losses moved differently.
-QUICK_SETS = ["train.steps=2", "train.batch_size=2", "eval.max_questions=4", "eval.n_samples=2",
-              "eval.pass_k=2", "train.sft.max_examples=8", "tracking.log_model=false"]
+# With 8 SFT transcripts every reward was −1 (zero advantages, zero gradient: every arm identical); the demo's 48
+# give rewards that differ within groups, so the arms' losses move the weights differently.
+QUICK_SETS = ["train.steps=2", "train.batch_size=4", "eval.max_questions=4", "eval.n_samples=2",
+              "eval.pass_k=2", "train.sft.max_examples=48", "tracking.log_model=false"]
 
 
 # ------------------------------------------------------------------------------------------------ SFT start
