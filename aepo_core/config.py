@@ -609,7 +609,7 @@ class ExperimentConfig(Section):
         if self.rollout.engine == "remote" and not self.rollout.remote.reload_url:
             raise ConfigError("rollout.engine=remote needs rollout.remote.reload_url to train: without a weight "
                               "reload hook the server would sample every step from the initial weights")
-        if self.train.sft.enabled and not (self.data.train == "synthetic" or self.data.train.startswith("synthetic:")):
+        if self.train.sft.enabled and not is_synthetic(self.data.train):
             raise ConfigError(f"train.sft.enabled needs data.train=synthetic (oracle transcripts); got "
                               f"data.train={self.data.train!r}: run SFT beforehand and point model.name at it")
 
@@ -627,6 +627,11 @@ class ExperimentConfig(Section):
         """Stable short hash of the resolved config."""
         blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def is_synthetic(spec: str) -> bool:
+    """True for the dataset specs ``synthetic`` and ``synthetic:<split>``: the offline generated task, not a file."""
+    return spec == "synthetic" or spec.startswith("synthetic:")
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -25,9 +25,6 @@ from aepo_core.evaluation import is_correct
 from aepo_core.interfaces import RewardFn
 from aepo_core.rollout.tree import Leaf, RolloutTree
 
-# Tool events that are notices from the scheduler, not calls that reached a tool.
-NOTICE_EVENTS = frozenset({"limit", "invalid"})
-
 
 @dataclass(frozen=True)
 class LeafScore:
@@ -93,7 +90,7 @@ def score_trees(
         if tree.question_id not in golds:
             raise KeyError(f"no gold answer for question {tree.question_id!r}")
         for leaf in tree.leaves:
-            tools = [e.name for e in tree.tool_events(leaf) if e.name not in NOTICE_EVENTS]
+            tools = [e.name for e in tree.tool_events(leaf) if not e.is_notice]
             res = reward_fn(tree.text(leaf), golds[tree.question_id], tools, model_text=model_text(tree, leaf))
             score = res.score
             if alg.overlong_buffer > 0:

@@ -15,7 +15,7 @@ from aepo_core.interfaces import RewardFn, SamplingParams
 from aepo_core.rewards import predicted_answer
 from aepo_core.rollout.scheduler import derive_seed
 from aepo_core.rollout.tree import RolloutTree
-from aepo_core.scoring import NOTICE_EVENTS, model_text
+from aepo_core.scoring import model_text
 from infra.data.loaders import dataset_key
 from infra.data.rows import QuestionRow
 from infra.runtime import PolicyRuntime
@@ -80,7 +80,7 @@ def question_outcome(dataset: str, row: QuestionRow, tree: RolloutTree, reward_f
     correct = em = f1 = calls = errors = answered = 0.0
     n_calls = 0
     for leaf in tree.leaves:
-        events = [e for e in tree.tool_events(leaf) if e.name not in NOTICE_EVENTS]
+        events = [e for e in tree.tool_events(leaf) if not e.is_notice]
         res = reward_fn(tree.text(leaf), list(row.golds), [e.name for e in events],
                         model_text=model_text(tree, leaf))
         correct += is_correct(res)

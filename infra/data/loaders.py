@@ -28,6 +28,7 @@ from typing import Any, Literal
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from aepo_core.config import is_synthetic
 from infra.data.rows import BadRow, BadRowError, QuestionRow
 from infra.data.synthetic import DATA_SOURCE as SYNTHETIC_SOURCE
 from infra.data.synthetic import SyntheticTask
@@ -405,11 +406,6 @@ def resolve_spec(spec: str, data_root: str | os.PathLike[str] | None = None) -> 
         f"dataset {spec!r} is neither a path nor a shipped name under {root} (known: {sorted(names) or 'none'}; "
         f"set {DATA_ROOT_ENV} or data.data_root to point elsewhere)"
     )
-
-
-def is_synthetic(spec: str) -> bool:
-    """True for ``synthetic`` and ``synthetic:<split>``: the offline generated task, not a file."""
-    return spec == SYNTHETIC_PREFIX or spec.startswith(SYNTHETIC_PREFIX + ":")
 
 
 _UNSAFE_KEY = re.compile(r"[^A-Za-z0-9._-]+")
