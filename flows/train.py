@@ -106,27 +106,28 @@ def train(
     rows = prepare_data(cfg.data.train, cfg.data, source_fingerprint(cfg.data.train, cfg.data.data_root))
     point = find_resume_point(checkpoint_dir, cfg, force=force_resume) if resume else None
     runtime = build_runtime(cfg, runs, name)
-    trajectories = (TrajectoryStore.from_config(cfg.storage) if cfg.storage.trajectories_uri
-                    else TrajectoryStore(runs / "trajectories"))
-    tracker = Tracker.from_config(cfg, runs)
-    run_id = tracker.start(cfg, run_name=name, resume_run_id=point.run_id if point else None,
-                           parent_run_id=parent_run_id, flow_run_id=flow_run_id(),
-                           tags={"runs_dir": str(runs), "clip_active": str(cfg.clip_active()).lower()})
-    with tracker:
-        tracker.log_config(cfg)
-        trainer = Trainer(runtime, rows, checkpoint_dir=checkpoint_dir, run_id=run_id)
-        if point is not None:
-            trainer.resume(point, force=force_resume)
-        evals = _Evaluations(runtime, tracker, cfg.train.eval_timeout_s)
-        _train_loop(trainer, name, tracker, trajectories, evals, resumed=point is not None, logger=logger)
-        comparisons = _paired_vs_earlier(evals.per_question, cfg)
-        for cmp_name, by_ds in comparisons.items():
-            tracker.log_metrics({f"eval/{ds}/{cmp_name}_{key}": value
-                                 for ds, c in by_ds.items() for key, value in c.items()}, trainer.step)
-        history = tracker.metric_history(list(CURVE_METRICS))
-        tracker.log_figure(curves_figure({k: v for k, v in history.items() if v}, title=name), "plots/curves.png")
-        if cfg.tracking.log_model:
-            tracker.log_model(runtime.model, runtime.tokenizer, name="policy")
+    with runtime:  # stops a managed vLLM server however the flow ends
+        trajectories = (TrajectoryStore.from_config(cfg.storage) if cfg.storage.trajectories_uri
+                        else TrajectoryStore(runs / "trajectories"))
+        tracker = Tracker.from_config(cfg, runs)
+        run_id = tracker.start(cfg, run_name=name, resume_run_id=point.run_id if point else None,
+                               parent_run_id=parent_run_id, flow_run_id=flow_run_id(),
+                               tags={"runs_dir": str(runs), "clip_active": str(cfg.clip_active()).lower()})
+        with tracker:
+            tracker.log_config(cfg)
+            trainer = Trainer(runtime, rows, checkpoint_dir=checkpoint_dir, run_id=run_id)
+            if point is not None:
+                trainer.resume(point, force=force_resume)
+            evals = _Evaluations(runtime, tracker, cfg.train.eval_timeout_s)
+            _train_loop(trainer, name, tracker, trajectories, evals, resumed=point is not None, logger=logger)
+            comparisons = _paired_vs_earlier(evals.per_question, cfg)
+            for cmp_name, by_ds in comparisons.items():
+                tracker.log_metrics({f"eval/{ds}/{cmp_name}_{key}": value
+                                     for ds, c in by_ds.items() for key, value in c.items()}, trainer.step)
+            history = tracker.metric_history(list(CURVE_METRICS))
+            tracker.log_figure(curves_figure({k: v for k, v in history.items() if v}, title=name), "plots/curves.png")
+            if cfg.tracking.log_model:
+                tracker.log_model(runtime.model, runtime.tokenizer, name="policy")
     result = TrainResult(run_id, name, trainer.step, str(runs), str(checkpoint_dir), tracker.tracking_uri,
                          str(trajectories.uri), evals.summaries, comparisons)
     create_markdown_artifact(key=None, markdown=summary_markdown(result, cfg), description=f"summary of {name}")

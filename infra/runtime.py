@@ -19,6 +19,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -43,6 +44,10 @@ from infra.training.checkpoint import (
     read_checkpoint_state,
 )
 
+if TYPE_CHECKING:
+    from infra.engines.remote import WeightReceiver
+    from infra.engines.vllm_server import VLLMServer
+
 log = logging.getLogger(__name__)
 
 __all__ = ["CheckpointError", "PolicyRuntime", "build_runtime", "checkpoint_config", "find_checkpoint",
@@ -51,6 +56,10 @@ __all__ = ["CheckpointError", "PolicyRuntime", "build_runtime", "checkpoint_conf
 
 GENERATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """``model.generation_dtype`` → the dtype of the engine's own weight copy."""
+
+
+class StaleWeightsError(RuntimeError):
+    """A rollout sampled by weights other than the trainer's current ones (strict mode)."""
 
 
 def seed_everything(seed: int) -> None:
@@ -75,7 +84,19 @@ class PolicyRuntime:
     tools: dict[str, Tool]
     reward_fn: RewardFn
     task: SyntheticTask | None
+    server: VLLMServer | None = None
     _prompts: dict[str, list[int]] = field(default_factory=dict, repr=False)
+
+    def close(self) -> None:
+        """Stop what the runtime started (the managed vLLM server); idempotent."""
+        if self.server is not None:
+            self.server.close()
+
+    def __enter__(self) -> PolicyRuntime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def prompt_ids(self, question: str) -> list[int]:
         """The rollout prompt of ``question``: the chat template is applied once per question; the transcript then
@@ -99,8 +120,26 @@ class PolicyRuntime:
         evaluation: n independent samples), with the configured tools."""
         scheduler = RolloutScheduler(self.engine, self.tools, rollout, tool_timeout_s=self.cfg.tools.timeout_s,
                                      tool_workers=self.cfg.tools.workers)
-        return scheduler.run([Question(row.id, self.prompt_ids(row.question)) for row in rows], seed=seed,
-                             sampling=sampling)
+        result = scheduler.run([Question(row.id, self.prompt_ids(row.question)) for row in rows], seed=seed,
+                               sampling=sampling)
+        self._check_weight_versions(result)
+        return result
+
+    def _check_weight_versions(self, result: RolloutResult) -> None:
+        """Count model segments sampled by weights other than the last ones loaded (``rollout/stale_segments``);
+        under ``rollout.vllm.strict_weight_version`` a stale segment fails the rollout."""
+        expected = self.engine.weight_version
+        versions = result.weight_versions()
+        if expected is None or set(versions) <= {None}:
+            return
+        stale = {v: n for v, n in versions.items() if v is not None and v != expected}
+        result.stats["stale_segments"] = float(sum(stale.values()))
+        if expected.isdigit():
+            result.stats["weight_version"] = float(expected)
+        if stale and self.cfg.rollout.engine == "vllm" and self.cfg.rollout.vllm.strict_weight_version:
+            raise StaleWeightsError(f"{sum(stale.values())} model segments were sampled by weight versions "
+                                    f"{sorted(stale)} while the trainer's weights are version {expected} "
+                                    "(rollout.vllm.strict_weight_version)")
 
     def score(self, result: RolloutResult, rows: Sequence[QuestionRow]) -> StepScores:
         """Rewards and group advantages of a training rollout (the trees are not modified)."""
@@ -155,21 +194,56 @@ def build_runtime(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], run_n
     seed_everything(cfg.seed)
     task = SyntheticTask.from_config(cfg.data) if uses_synthetic(cfg) else None
     model, tokenizer = load_policy(cfg.model)
-    engine = _build_engine(cfg, model, tokenizer, runs / "weights" / (run_name or cfg.name))
+    weights_dir = runs / "weights" / (run_name or cfg.name)
     tools = build_tools(cfg.tools, runs, documents=task.documents() if task else None)
+    if cfg.rollout.engine == "vllm":
+        server = _start_vllm(cfg, model, tokenizer, weights_dir)
+        engine = _remote_engine(server.url, server.served_name, tokenizer, cfg.rollout.vllm.top_logprobs,
+                                receiver=server, weights_dir=weights_dir, loaded_version=INITIAL_VERSION)
+        return PolicyRuntime(cfg, model, tokenizer, engine, tools, make_reward_fn(cfg.reward), task, server)
+    engine = _build_engine(cfg, model, tokenizer, weights_dir)
     return PolicyRuntime(cfg, model, tokenizer, engine, tools, make_reward_fn(cfg.reward), task)
+
+
+INITIAL_VERSION = "0"
+"""The weight version of the policy as loaded, before any update (PolicyWeights.version counts updates)."""
+
+
+def _start_vllm(cfg: ExperimentConfig, model: torch.nn.Module, tokenizer: object, weights_dir: Path) -> VLLMServer:
+    """The run's own vLLM server, serving the policy as loaded (exported once to ``weights_dir/initial``)."""
+    from infra.engines.remote import export_hf_checkpoint
+    from infra.engines.vllm_server import VLLMServer
+
+    initial = export_hf_checkpoint(model, tokenizer, weights_dir / "initial")
+    server = VLLMServer(initial, cfg.rollout.vllm, log_path=weights_dir / "vllm-server.log").start()
+    try:
+        server.label(INITIAL_VERSION)
+    except BaseException:
+        server.close()
+        raise
+    return server
+
+
+def _remote_engine(url: str, model_name: str, tokenizer: object, top_logprobs: int, *,
+                   receiver: WeightReceiver | None, weights_dir: Path, loaded_version: str | None = None
+                   ) -> PolicyEngine:
+    from infra.engines.remote import RemoteEngine
+
+    return RemoteEngine(url, model_name, tokenizer, top_logprobs=top_logprobs, receiver=receiver,
+                        weights_dir=weights_dir, loaded_version=loaded_version)
 
 
 def _build_engine(cfg: ExperimentConfig, model: torch.nn.Module, tokenizer: object, weights_dir: Path
                   ) -> PolicyEngine:
     r = cfg.rollout
     if r.engine == "remote":
-        from infra.engines.remote import RemoteEngine
+        from infra.engines.remote import ReloadEndpoint
 
         if not r.remote.url:
             raise ValueError("rollout.engine=remote needs rollout.remote.url")
-        return RemoteEngine(r.remote.url, r.remote.model or cfg.model.name, tokenizer,
-                            reload_url=r.remote.reload_url, weights_dir=weights_dir)
+        receiver = ReloadEndpoint(r.remote.reload_url) if r.remote.reload_url else None
+        return _remote_engine(r.remote.url, r.remote.model or cfg.model.name, tokenizer, 20, receiver=receiver,
+                              weights_dir=weights_dir)
     from infra.engines.hf import HFEngine
 
     gen_dtype = cfg.model.generation_dtype

@@ -42,7 +42,7 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from aepo_core.config import StorageConfig
-from aepo_core.rollout.tree import RolloutTree
+from aepo_core.rollout.tree import Leaf, RolloutTree
 from aepo_core.scoring import LeafScore, check_aligned
 from infra.atomic import atomic_file, leftover_temps
 
@@ -81,8 +81,9 @@ TRAJECTORY_SCHEMA = pa.schema(
         pa.field("global_budget", pa.int32(), nullable=False),
         pa.field("h_root", pa.float64()),
         pa.field("h_tool", pa.float64()),
+        pa.field("weight_version", pa.string()),
     ],
-    metadata={"aepo.table": "trajectories", "aepo.schema_version": "1"},
+    metadata={"aepo.table": "trajectories", "aepo.schema_version": "2"},
 )
 """One row per leaf (trajectory) of a rollout tree.
 
@@ -106,6 +107,10 @@ TRAJECTORY_SCHEMA = pa.schema(
 - ``response_text`` (string): the decoded response (model text and tool results).
 - ``global_budget`` (int32), ``h_root`` / ``h_tool`` (float64, null if unmeasured): the tree's pre-monitoring
   figures (m, H_root, mean tool-step entropy), repeated on each of its leaves.
+- ``weight_version`` (string, null when the engine does not track versions): the weights that sampled the
+  trajectory's model segments, as the server reported them (the RL step of the last weight sync); segments that
+  disagree are listed in path order, comma-separated ("3,4": the trajectory straddled a sync).  Added in schema
+  version 2; null in older parts.
 """
 
 NODE_SCHEMA = pa.schema(
@@ -136,8 +141,9 @@ NODE_SCHEMA = pa.schema(
         pa.field("tool_cache_hit", pa.bool_()),
         pa.field("tool_result_chars", pa.int32()),
         pa.field("text", pa.string(), nullable=False),
+        pa.field("weight_version", pa.string()),
     ],
-    metadata={"aepo.table": "nodes", "aepo.schema_version": "1"},
+    metadata={"aepo.table": "nodes", "aepo.schema_version": "2"},
 )
 """One row per node (segment) of a rollout tree.
 
@@ -158,6 +164,8 @@ NODE_SCHEMA = pa.schema(
 - ``tool_name``, ``tool_argument``, ``tool_ok``, ``tool_error``, ``tool_latency_ms``, ``tool_cache_hit``,
   ``tool_result_chars``: the tool call whose result this segment is (nulls on other nodes).
 - ``text`` (string): the segment's text.
+- ``weight_version`` (string, null on prompt/tool nodes and for engines that do not track versions): the weights
+  that sampled a model segment, as the server reported them (schema version 2).
 """
 
 SCHEMAS: dict[TableName, pa.Schema] = {"trajectories": TRAJECTORY_SCHEMA, "nodes": NODE_SCHEMA}
@@ -247,7 +255,7 @@ def _add_nodes(cols: dict[str, list[Any]], run_id: str, step: int, tree: Rollout
             "tool_name": t.name if t else None, "tool_argument": t.argument if t else None,
             "tool_ok": bool(t.ok) if t else None, "tool_error": t.error if t else None,
             "tool_latency_ms": t.latency_s * 1000.0 if t else None, "tool_cache_hit": bool(t.cache_hit) if t else None,
-            "tool_result_chars": t.result_chars if t else None, "text": n.text,
+            "tool_result_chars": t.result_chars if t else None, "text": n.text, "weight_version": n.weight_version,
         }
         for k, v in row.items():
             cols[k].append(v)
@@ -280,9 +288,16 @@ def _add_leaves(cols: dict[str, list[Any]], run_id: str, step: int, tree: Rollou
             "tool_names": [e.name for e in events], "tool_errors": sum(not e.ok for e in events),
             "branch_steps": leaf.branch_steps, "wall_ms": leaf.wall_s * 1000.0, "response_text": tree.text(leaf),
             "global_budget": tree.global_budget, "h_root": _null_nan(tree.h_root), "h_tool": _null_nan(tree.h_tool),
+            "weight_version": _path_versions(tree, leaf),
         }
         for k, v in row.items():
             cols[k].append(v)
+
+
+def _path_versions(tree: RolloutTree, leaf: Leaf) -> str | None:
+    """The distinct weight versions of a trajectory's model segments, in path order (None: untracked)."""
+    versions = [n.weight_version for n in tree.path(leaf) if n.kind == "model" and n.weight_version is not None]
+    return ",".join(dict.fromkeys(versions)) or None
 
 
 def _serialize(table: pa.Table, sink: Any) -> None:

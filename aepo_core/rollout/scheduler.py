@@ -37,7 +37,7 @@ import logging
 import math
 import random
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
@@ -116,6 +116,10 @@ class RolloutResult:
     trees: list[RolloutTree]
     stats: dict[str, float]
     branch_rate_by_consecutive: dict[int, float]
+
+    def weight_versions(self) -> Counter[str | None]:
+        """Model segments per weight version (None: the engine does not track versions)."""
+        return Counter(n.weight_version for tree in self.trees for n in tree.nodes if n.kind == "model")
 
     def metrics(self) -> dict[str, float]:
         """``rollout/<stat>``: the names under which the batch statistics (:func:`rollout_stats`, plus wall, generate
@@ -306,6 +310,7 @@ class RolloutScheduler:
             finish_reason=res.finish_reason,
             segment_entropy=segment_entropy(res.entropies, cfg.entropy_window),
             entropy_is_estimate=res.entropy_is_estimate,
+            weight_version=res.weight_version,
         )
         st.nodes.append(node)
         p.node_ids.append(node.node_id)
@@ -373,8 +378,8 @@ class RolloutScheduler:
         if end == len(text) and res.finish_reason == "stop":
             return res
         n = next(n for n in range(1, len(res.token_ids) + 1) if stop in tail + self.engine.decode(res.token_ids[:n]))
-        return GenerationResult(res.token_ids[:n], res.logprobs[:n], res.entropies[:n], "stop", stop,
-                                res.entropy_is_estimate)
+        return replace(res, token_ids=res.token_ids[:n], logprobs=res.logprobs[:n],
+                       entropies=res.entropies[:n], finish_reason="stop", stop_string=stop)
 
     @staticmethod
     def _turn_text(st: _QuestionState, p: _Path) -> str:

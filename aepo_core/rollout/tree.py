@@ -60,6 +60,7 @@ class Node:
     branch_score: float = math.nan
     entropy_is_estimate: bool = False
     tool: ToolEvent | None = None
+    weight_version: str | None = None  # model segments: the weights that sampled them, as the server said
 
     @property
     def token_end(self) -> int:

@@ -1,8 +1,11 @@
 """Client of an OpenAI-compatible completions server (vLLM ``vllm serve``, SGLang): token ids in and out.
 
-vLLM cannot share a virtualenv with Prefect (FastAPI pins clash) and needs a GPU, so rollouts at scale run
-on separate server processes reached over HTTP.  The prompt is sent as token ids (never re-tokenized text),
-one request per row (the server batches concurrent requests itself), asking for
+vLLM cannot share a virtualenv with our packages (it pins its own transformers), so it runs as a separate server
+process reached over HTTP: one the run manages itself (``rollout.engine: vllm``,
+:mod:`infra.engines.vllm_server`) or one someone else runs (``rollout.engine: remote``).  The prompt is sent as
+token ids (never re-tokenized text), one request per row, all rows of a round at once from a thread pool over one
+keep-alive connection pool (the server batches concurrent requests itself; a connection per request cost a TCP
+handshake and a server-side accept each), asking for
 
 - ``logprobs = top_k``: the sampled token's log-prob and the top-k alternatives per position, from which the
   entropy is *estimated* (top-k plus the tail mass spread uniformly; flagged ``entropy_is_estimate``);
@@ -14,23 +17,37 @@ segments by the rollout's segment cap is found and cut by the rollout scheduler.
 
 For AEPO start vLLM with ``--logprobs-mode processed_logprobs`` so log-probs and entropies are those of the
 temperature-scaled distribution that was sampled (the default reports the raw model distribution).
+
+**Weights.** After every update the trainer's weights are saved as an HF checkpoint under
+``weights_dir/step-NNNNNN`` (written under a temporary name and renamed; the previous export is removed once the
+server has loaded the new one) and handed to a :class:`WeightReceiver`: the managed vLLM server (reload in place,
+label the version, verify it) or a plain reload URL.  Where the receiver reports versions, every ``generate``
+reads the served version before and after its requests and stamps each result with it
+(:attr:`~aepo_core.interfaces.GenerationResult.weight_version`): a result whose version is not the last one
+loaded was sampled by stale weights, and the runtime counts it (and fails the rollout in strict mode).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import shutil
 import time
-import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+import httpx
+import torch
+from safetensors.torch import save_file
 
 from aepo_core.entropy import topk_entropy_estimate
 from aepo_core.interfaces import GenerationRequest, GenerationResult, SamplingParams
+from infra.atomic import atomic_dir
 from infra.engines.weights import PolicyWeights, WeightSource
 
 log = logging.getLogger(__name__)
@@ -41,6 +58,66 @@ TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
 
 class RemoteEngineError(RuntimeError):
     pass
+
+
+def export_hf_checkpoint(model: Any, tokenizer: Any, path: Path,
+                         state_dict: Mapping[str, torch.Tensor] | None = None) -> Path:
+    """``model`` (or the gathered ``state_dict``) as an HF checkpoint directory at ``path``, atomically.
+
+    Tied weights are written under both names: vLLM 0.32's in-place reload materialises the layers anew, which
+    unties ``lm_head`` from ``embed_tokens``, and a checkpoint that names only the embedding (what
+    ``save_pretrained`` writes for a tied model) leaves ``lm_head`` at its old values; measured on SmolLM2 after
+    scaling the embedding by 1.2, the server's log-probs were off by 1.6 nats.  With both names, the loader
+    either skips the alias (tie intact) or fills ``lm_head`` with the same values.
+    """
+    state = {k: v.detach().to("cpu").contiguous() for k, v in (state_dict or model.state_dict()).items()}
+    if model.config.tie_word_embeddings:
+        embed = model.get_input_embeddings().weight
+        name = next(k for k, v in model.state_dict().items() if v.data_ptr() == embed.data_ptr())
+        state["lm_head.weight"] = state[name]
+    seen: dict[int, str] = {}
+    for key, tensor in list(state.items()):  # safetensors refuses shared storage: clone the aliases
+        if tensor.data_ptr() in seen:
+            state[key] = tensor.clone()
+        seen[tensor.data_ptr()] = key
+    with atomic_dir(path, replace=True) as tmp:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        model.config.save_pretrained(tmp)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return path
+
+
+class WeightReceiver(Protocol):
+    """What a server offers for weight sync: load a checkpoint directory, and (optionally) say what it serves."""
+
+    def reload(self, weights_dir: Path, version: str) -> None:
+        """Serve the HF checkpoint at ``weights_dir`` from the next request on, labelled ``version``."""
+        ...
+
+    def weight_version(self) -> str | None:
+        """The label of the weights being served; None when the server does not track versions."""
+        ...
+
+
+class ReloadEndpoint:
+    """A server someone else runs (``rollout.remote.reload_url``): the checkpoint path is POSTed as
+    ``{"path": …, "version": …}``; it reports no versions."""
+
+    def __init__(self, url: str, timeout_s: float = 600.0) -> None:
+        self.url = url
+        self.timeout_s = timeout_s
+
+    def reload(self, weights_dir: Path, version: str) -> None:
+        request = urllib.request.Request(self.url, data=json.dumps({"path": str(weights_dir), "version": version}
+                                                                    ).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
+            resp.read()
+
+    def weight_version(self) -> str | None:
+        return None
 
 
 class RemoteEngine:
@@ -58,10 +135,11 @@ class RemoteEngine:
         retry_backoff_s: float = 1.0,
         workers: int = 64,
         api_key: str | None = None,
-        reload_url: str | None = None,
+        receiver: WeightReceiver | None = None,
         weights_dir: str | os.PathLike[str] | None = None,
+        loaded_version: str | None = None,
     ) -> None:
-        self.reload_url = reload_url
+        self.receiver = receiver
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
         self.url = base_url.rstrip("/") + "/v1/completions"
         self.model = model
@@ -71,8 +149,13 @@ class RemoteEngine:
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
         self.workers = workers
-        self.api_key = api_key
         self.vocab_size = len(tokenizer)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # One pool of keep-alive connections shared by the request threads (httpx.Client is thread-safe).
+        self._http = httpx.Client(headers=headers, timeout=timeout_s,
+                                  limits=httpx.Limits(max_connections=workers, max_keepalive_connections=workers))
+        self._loaded_version = loaded_version  # the version the server serves now, when known
+        self._exported: Path | None = None
 
     # ------------------------------------------------------------------ Engine protocol
     def encode(self, text: str) -> list[int]:
@@ -88,29 +171,53 @@ class RemoteEngine:
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[GenerationResult]:
         if not requests:
             return []
+        before = self._served_version()
         with ThreadPoolExecutor(max_workers=min(self.workers, len(requests))) as pool:
-            return list(pool.map(lambda r: self._one(r, sampling), requests))
+            results = list(pool.map(lambda r: self._one(r, sampling), requests))
+        after = self._served_version()
+        if before is None and after is None:
+            return results
+        # A version change during the requests means some rows may have been sampled by the old weights: stamp
+        # them all with the older label (``before``) so nothing stale passes as current.
+        version = before if before is not None else after
+        if before != after:
+            log.warning("the server's weight version changed from %s to %s during a generate call", before, after)
+        return [dataclasses.replace(r, weight_version=version) for r in results]
 
     def load_weights(self, source: WeightSource) -> None:
-        """The weight-update hook: live weights are saved as an HF checkpoint under ``weights_dir/step-NNNNNN``
-        (a filesystem the server shares), then the server is asked to load it (POST ``{"path": …}`` to
-        ``reload_url``); a checkpoint directory is sent as it is."""
-        if not self.reload_url:
-            log.warning("rollout.remote.reload_url is not set: the server keeps sampling from its old weights")
+        """The weight-update hook: live weights are exported as an HF checkpoint under ``weights_dir/step-NNNNNN``
+        (a filesystem the server shares), then handed to the receiver; a checkpoint directory is sent as it is."""
+        if self.receiver is None:
+            log.warning("this remote engine has no weight receiver (rollout.remote.reload_url is not set): the "
+                        "server keeps sampling from its old weights")
             return
-        path = Path(source) if not isinstance(source, PolicyWeights) else self._save(source)
-        request = urllib.request.Request(self.reload_url, data=json.dumps({"path": str(path)}).encode(),
-                                         headers={"Content-Type": "application/json"}, method="POST")
-        with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
-            resp.read()
+        if isinstance(source, PolicyWeights):
+            path, version = self._export(source), str(source.version)
+        else:
+            path = Path(source)
+            version = path.name
+        self.receiver.reload(path, version)
+        self._loaded_version = version
+        if self._exported is not None and self._exported != path:
+            shutil.rmtree(self._exported, ignore_errors=True)  # the server no longer reads it
+        self._exported = path if isinstance(source, PolicyWeights) else None
 
-    def _save(self, weights: PolicyWeights) -> Path:
+    @property
+    def weight_version(self) -> str | None:
+        return self._loaded_version
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _export(self, weights: PolicyWeights) -> Path:
         if self.weights_dir is None:
             raise RemoteEngineError("a remote engine that follows training weights needs a weights_dir to save them")
         path = self.weights_dir / f"step-{weights.version:06d}"
-        weights.model.save_pretrained(path, state_dict=weights.full_state_dict())
-        self.tokenizer.save_pretrained(path)
+        export_hf_checkpoint(weights.model, self.tokenizer, path, weights.full_state_dict())
         return path
+
+    def _served_version(self) -> str | None:
+        return self.receiver.weight_version() if self.receiver is not None else None
 
     # ------------------------------------------------------------------ internals
     def _payload(self, req: GenerationRequest, sampling: SamplingParams) -> dict[str, Any]:
@@ -133,21 +240,15 @@ class RemoteEngine:
         return body
 
     def _post(self, body: dict[str, Any]) -> dict[str, Any]:
-        data = json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
         delay = self.retry_backoff_s
         for attempt in range(self.max_retries + 1):
             try:
-                request = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
-                    return json.loads(resp.read().decode())
-            except urllib.error.HTTPError as exc:
-                detail = exc.read().decode(errors="replace")[:500]
-                if exc.code not in TRANSIENT_HTTP or attempt == self.max_retries:
-                    raise RemoteEngineError(f"HTTP {exc.code} from {self.url}: {detail}") from None
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+                resp = self._http.post(self.url, json=body)
+                if resp.status_code == 200:
+                    return resp.json()
+                if resp.status_code not in TRANSIENT_HTTP or attempt == self.max_retries:
+                    raise RemoteEngineError(f"HTTP {resp.status_code} from {self.url}: {resp.text[:500]}")
+            except httpx.TransportError as exc:
                 if attempt == self.max_retries:
                     raise RemoteEngineError(f"cannot reach {self.url}: {exc}") from None
             log.warning("transient error from %s (attempt %d); retrying in %.1f s", self.url, attempt + 1, delay)

@@ -47,3 +47,9 @@ class PolicyEngine(Engine, Protocol):
     def load_weights(self, source: WeightSource) -> None:
         """Sample from ``source`` from the next ``generate`` on."""
         ...
+
+    @property
+    def weight_version(self) -> str | None:
+        """The label of the weights last loaded, which every result stamped with a version must carry; None when
+        the engine stamps none (the in-process engine samples from the trainer's weights themselves)."""
+        ...

