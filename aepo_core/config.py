@@ -131,8 +131,9 @@ class RolloutConfig(Section):
     kv_reuse: bool = Field(
         True,
         description="hf engine: keep each finished row's KV cache and let later prompts that start with the same "
-        "tokens (the path's next round, a branch from it) prefill only their new tokens; same samples as without it "
-        "(float32: log-probs within ~1e-5). Cleared whenever the weights change.",
+        "tokens (the path's next round, a branch from it) prefill only their new tokens; float32: the same samples "
+        "as without it (log-probs within ~1e-5); bf16 compute: equal up to bf16 rounding, so a token can flip. "
+        "Cleared whenever the weights change.",
     )
     kv_reuse_max_mb: float = Field(
         1024.0,

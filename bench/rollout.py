@@ -18,7 +18,8 @@ other processes on a shared machine hits both sides alike. Three parts:
     behind the SQLite cache (first pass = misses incl. the write, second pass = hits).
 
 Run: ``.venv/bin/python -m bench.rollout [--model tiny-random|smollm2-135m-instruct|both] [--quick] [--parts abcd]``.
-Writes ``bench/results/rollout.json`` (``rollout-quick.json`` with ``--quick``).
+Writes ``bench/results/rollout.json`` (``rollout-quick.json`` with ``--quick``; ``rollout[-quick]-<parts>.json`` with
+``--parts`` other than ``abd``).
 """
 
 from __future__ import annotations
@@ -626,7 +627,8 @@ def main(argv: Sequence[str] | None = None) -> int:
            if "aepo_vs_arpo" in m},
         **{f"kv_reuse[{m['model']}]": m["kv_reuse"]["met"] for m in results["models"] if "kv_reuse" in m},
     }
-    out = args.out or RESULTS_DIR / ("rollout-quick.json" if args.quick else "rollout.json")
+    parts = "" if args.parts == "abd" else f"-{args.parts}"  # a partial run never overwrites the full results
+    out = args.out or RESULTS_DIR / f"rollout{'-quick' if args.quick else ''}{parts}.json"
     atomic_write_json(out, results)
     report(results)
     env = results["environment"]

@@ -41,7 +41,9 @@ Semantics (documented choices):
   ``[pad | reused | pad | rest]`` under the attention mask with positions counting real tokens only.
   ``GenerationStats.prefill_tokens`` / ``reused_tokens`` count both parts. The samples are those of a full
   prefill with the same seeds: the reused KV was computed by other matmul shapes (decode steps, an earlier
-  prefill), so float32 log-probs differ by ~2e-6 (measured on tiny-random), like batched vs unbatched rows.
+  prefill), so float32 log-probs differ by ~2e-6 (measured on tiny-random), like batched vs unbatched rows;
+  under bf16 autocast the difference is bf16 rounding and a sampled token can flip, after which the path
+  diverges (SmolLM2, bench (d): the two arms' trees differ), as bf16 batched vs unbatched rows do.
   The store is byte-capped (LRU) and holds KV of the current weights only: it is cleared by
   :meth:`HFEngine.load_weights` and, at the start of ``generate``, whenever any parameter's storage or version
   counter changed (an optimizer step on a shared training model, ``load_state_dict``, any in-place write).
