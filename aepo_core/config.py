@@ -168,6 +168,19 @@ class RolloutConfig(Section):
     remote: RemoteEngineConfig = Field(
         default_factory=RemoteEngineConfig, description="The completions server used when engine is remote."
     )
+    kv_reuse: bool = Field(
+        True,
+        description="hf engine: keep each finished row's KV cache and let later prompts that start with the same "
+        "tokens (the path's next round, a branch from it) prefill only their new tokens; float32: the same samples "
+        "as without it (log-probs within ~1e-5); bf16 compute: equal up to bf16 rounding, so a token can flip. "
+        "Cleared whenever the weights change.",
+    )
+    kv_reuse_max_mb: float = Field(
+        1024.0,
+        gt=0.0,
+        description="hf engine: cap (MiB) on the retained KV caches, least recently used evicted first "
+        "(SmolLM2-135M float32: 45 KiB per token, so 1024 MiB holds ~23k tokens).",
+    )
     k: int = Field(12, ge=1, description="Rollouts (leaves) per question: the group size (paper 12).")
     initial_rollouts: int | None = Field(
         None,

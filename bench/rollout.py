@@ -1,7 +1,7 @@
 """Rollout benchmark (issue 3): scheduler vs raw ``model.generate``, aepo vs arpo wall time, tool-call latency.
 
 Every comparison is against a baseline measured in the same run, interleaved (A B, B A, …) so that load from
-other processes on a shared machine hits both sides alike. Three parts:
+other processes on a shared machine hits both sides alike. Four parts:
 
 (a) tokens/s of :class:`RolloutScheduler` in ``independent`` mode (tools off: an empty tools dict) over
     :class:`HFEngine`, vs ``model.generate`` (do_sample, same temperature, no top-k/top-p, same prompts, same
@@ -11,11 +11,16 @@ other processes on a shared machine hits both sides alike. Three parts:
     models never call tools, so branching needs a tool-calling policy: SmolLM2 after a few cold-start SFT steps
     on oracle transcripts (cached on disk after the first run). On tiny-random it measures only the phase
     structure (probe → globals → fill) without branches, and says so.
+(d) KV reuse: the same ``aepo`` rollouts (tool-calling policy, same questions and seed) over ``HFEngine`` without
+    ("hf") and with ("hf+kv") retained KV caches, interleaved. Reports prompt tokens prefilled (load-independent)
+    and wall time, and whether both arms sampled identical trees (they do in float32; under bf16 autocast reused
+    KV differs by bf16 rounding and a token can flip). Targets: prefill ≤ 0.6×, wall ≤ 0.75×.
 (c) tool-call latency p50/p95: BM25 search over the synthetic corpus and the Python sandbox, uncached, then
     behind the SQLite cache (first pass = misses incl. the write, second pass = hits).
 
-Run: ``.venv/bin/python -m bench.rollout [--model tiny-random|smollm2-135m-instruct|both] [--quick]``.
-Writes ``bench/results/rollout.json`` (``rollout-quick.json`` with ``--quick``).
+Run: ``.venv/bin/python -m bench.rollout [--model tiny-random|smollm2-135m-instruct|both] [--quick] [--parts abd]``.
+Writes ``bench/results/rollout.json`` (``rollout-quick.json`` with ``--quick``; ``rollout[-quick]-<parts>.json`` with
+``--parts`` other than ``abd``).
 """
 
 from __future__ import annotations
@@ -66,6 +71,9 @@ log = logging.getLogger("bench.rollout")
 MODELS = (TINY_RANDOM, BUILTIN_SMOLLM2)
 TARGET_SCHED_RATIO = 0.7
 TARGET_AEPO_OVERHEAD = 1.15
+TARGET_KV_PREFILL = 0.6
+TARGET_KV_WALL = 0.75
+KV_REUSE_MB = 1024.0  # the rollout.kv_reuse_max_mb default
 # Per-model default precision: tiny-random is faster in plain float32 (configs/tiny.yaml); SmolLM2 uses the
 # project default (float32 weights, bfloat16 autocast compute).
 DEFAULT_COMPUTE = {TINY_RANDOM: "float32", BUILTIN_SMOLLM2: "bfloat16"}
@@ -93,6 +101,7 @@ class CountingEngine:
     def __init__(self, engine: HFEngine) -> None:
         self.engine = engine
         self.calls = self.rows = self.prompt_tokens = self.new_tokens = 0
+        self.prefilled = self.reused = 0  # prompt tokens the engine computed / took from retained KV
         self.forward_passes = self.row_steps = 0  # sequential model calls; Σ active rows over them
         self.seconds = 0.0
 
@@ -107,6 +116,8 @@ class CountingEngine:
         stats = getattr(self.engine, "last_stats", None)
         self.forward_passes += int(getattr(stats, "forward_passes", 0))
         self.row_steps += int(getattr(stats, "row_steps", 0))
+        self.prefilled += int(getattr(stats, "prefill_tokens", 0))
+        self.reused += int(getattr(stats, "reused_tokens", 0))
         return out
 
     def __getattr__(self, name: str) -> Any:  # encode, decode, eos_token_id, …
@@ -329,6 +340,53 @@ def bench_aepo_vs_arpo(model: Any, tokenizer: Any, compute: str, docs: Sequence[
     }
 
 
+# ------------------------------------------------------------------------------------------------ (d) KV reuse
+def bench_kv_reuse(model: Any, tokenizer: Any, compute: str, docs: Sequence[dict[str, str]],
+                   questions: Sequence[Question], sizes: SizesB, seed: int, workdir: Path) -> dict[str, Any]:
+    """aepo rollouts over HFEngine without ("hf") and with ("hf+kv") KV reuse: same questions, seed, sizes; a
+    fresh engine and tool cache per run, arms interleaved."""
+    cfg = RolloutConfig(mode="aepo", k=sizes.k, initial_rollouts=sizes.initial_rollouts,
+                        max_tool_calls=sizes.max_tool_calls, max_response_tokens=sizes.max_response_tokens,
+                        max_result_chars=600)
+    arms = {"hf": 0.0, "hf+kv": KV_REUSE_MB}
+    runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in arms}
+    trees: dict[str, list[Any]] = {}
+    for rep in range(sizes.reps):
+        for arm in (list(arms) if rep % 2 == 0 else list(reversed(arms))):
+            engine = HFEngine(model, tokenizer, seed=seed, autocast_dtype=autocast_of(compute),
+                              kv_reuse_mb=arms[arm])
+            counting = CountingEngine(engine)
+            tools = build_bench_tools(docs, workdir, workdir / f"cache-kv-{arm}-{rep}.sqlite")
+            t0 = time.perf_counter()
+            res = RolloutScheduler(counting, tools, cfg).run(questions, seed=seed)
+            wall = time.perf_counter() - t0
+            trees[arm] = [[(n.parent_id, n.kind, tuple(n.token_ids)) for n in t.nodes] for t in res.trees]
+            runs[arm].append({
+                "wall_s": wall, "generate_s": res.stats["generate_s"], "tools_s": res.stats["tools_s"],
+                "prefill_tokens": float(counting.prefilled), "reused_tokens": float(counting.reused),
+                "prompt_tokens": float(counting.prompt_tokens), "tokens_generated": res.stats["tokens_generated"],
+                "generate_calls": float(counting.calls), "branch_samples": res.stats["branch_samples"],
+                "tool_calls_mean": res.stats["tool_calls_mean"],
+            })
+            log.info("(d) %s rep %d: %.1f s, %d prefilled + %d reused prompt tokens, %d generated", arm, rep, wall,
+                     counting.prefilled, counting.reused, res.stats["tokens_generated"])
+
+    def best(arm: str, key: str) -> float:  # reps repeat identical work: the minimum is the least disturbed
+        return min(r[key] for r in runs[arm])
+
+    prefill_ratio = best("hf+kv", "prefill_tokens") / max(1.0, best("hf", "prefill_tokens"))
+    wall_ratio = best("hf+kv", "wall_s") / max(1e-9, best("hf", "wall_s"))
+    return {
+        "mode": "aepo", "questions": len(questions), "k": sizes.k, "max_response_tokens": sizes.max_response_tokens,
+        "reps": sizes.reps, "kv_reuse_mb": KV_REUSE_MB, "runs": runs, "same_trees": trees["hf"] == trees["hf+kv"],
+        "prefill_ratio": prefill_ratio, "wall_ratio": wall_ratio,
+        "generate_ratio": best("hf+kv", "generate_s") / max(1e-9, best("hf", "generate_s")),
+        "tool_calls_happened": best("hf", "tool_calls_mean") > 0,
+        "targets": {"prefill": TARGET_KV_PREFILL, "wall": TARGET_KV_WALL},
+        "met": prefill_ratio <= TARGET_KV_PREFILL and wall_ratio <= TARGET_KV_WALL,
+    }
+
+
 # -------------------------------------------------------------------------------------------- (c) tool latency
 def _latencies(call: Callable[[str], Any], args: Sequence[str]) -> tuple[list[float], int]:
     out, failures = [], 0
@@ -373,23 +431,49 @@ def bench_tools(task: SyntheticTask, workdir: Path, n_search: int, n_python: int
 
 
 # -------------------------------------------------------------------------------------------------------- main
-def run_aepo_vs_arpo(name: str, model: Any, tokenizer: Any, compute: str, sizes: SizesB, args: argparse.Namespace,
+SIZES_D = {
+    (TINY_RANDOM, False): SizesB(4, 4, 2, 96, 2, 2),
+    (TINY_RANDOM, True): SizesB(2, 4, 2, 64, 2, 2),
+    (BUILTIN_SMOLLM2, False): SizesB(2, 4, 2, 512, 3, 2),
+    (BUILTIN_SMOLLM2, True): SizesB(2, 4, 2, 384, 3, 2),
+}
+
+
+@dataclass
+class ToolPolicy:
+    """The policy that (b) and (d) roll out: SmolLM2 after cold-start SFT (it then calls tools), tiny-random as is."""
+
+    model: Any
+    tokenizer: Any
+    label: str
+    sft: dict[str, Any] | None
+
+
+def tool_policy(name: str, model: Any, tokenizer: Any, compute: str, args: argparse.Namespace, task: SyntheticTask,
+                workdir: Path) -> ToolPolicy:
+    if name != BUILTIN_SMOLLM2 or args.sft_steps <= 0:
+        return ToolPolicy(model, tokenizer, f"{name} (untrained: no tool calls)", None)
+    log.info("[%s] cold-start SFT (%d steps) so that the policy calls tools", name, args.sft_steps)
+    tools = build_bench_tools(task.documents(), workdir, None)
+    model, tokenizer, sft = load_or_sft(name, args.model_cache, compute, task, tools, args.sft_steps,
+                                        args.sft_batch, args.sft_lr, args.seed, reuse=not args.no_sft_cache)
+    return ToolPolicy(model, tokenizer, f"{name} + {sft['sft_steps']} SFT steps", sft)
+
+
+def bench_questions(task: SyntheticTask, tokenizer: Any, n: int) -> list[Question]:
+    """The first ``n`` two-hop validation questions through the chat template (what (b) and (d) roll out)."""
+    valid = [r for r in task.questions("validation") if r.family == "two_hop"][:n]
+    return [Question(r.id, chat_prompt_ids(tokenizer, r.question)) for r in valid]
+
+
+def run_aepo_vs_arpo(name: str, policy: ToolPolicy, compute: str, sizes: SizesB, args: argparse.Namespace,
                      task: SyntheticTask, workdir: Path) -> dict[str, Any]:
     """(b) for one model: SmolLM2 is SFT'd first so that it calls tools; tiny-random runs untrained."""
-    valid = [r for r in task.questions("validation") if r.family == "two_hop"][: sizes.questions]
-    docs = task.documents()
-    sft = None
-    policy = f"{name} (untrained: no tool calls)"
-    if name == BUILTIN_SMOLLM2 and args.sft_steps > 0:
-        log.info("[%s] (b) cold-start SFT (%d steps) so that the policy calls tools", name, args.sft_steps)
-        tools = build_bench_tools(docs, workdir, None)
-        model, tokenizer, sft = load_or_sft(name, args.model_cache, compute, task, tools, args.sft_steps,
-                                            args.sft_batch, args.sft_lr, args.seed, reuse=not args.no_sft_cache)
-        policy = f"{name} + {sft['sft_steps']} SFT steps"
-    questions = [Question(r.id, chat_prompt_ids(tokenizer, r.question)) for r in valid]
+    questions = bench_questions(task, policy.tokenizer, sizes.questions)
     log.info("[%s] (b) aepo vs arpo on %d questions", name, len(questions))
-    res = bench_aepo_vs_arpo(model, tokenizer, compute, docs, questions, sizes, args.seed, workdir)
-    return {"policy": policy, "sft": sft, **res}
+    res = bench_aepo_vs_arpo(policy.model, policy.tokenizer, compute, task.documents(), questions, sizes, args.seed,
+                             workdir)
+    return {"policy": policy.label, "sft": policy.sft, **res}
 
 
 def run_model(name: str, args: argparse.Namespace, task: SyntheticTask, workdir: Path) -> dict[str, Any]:
@@ -403,14 +487,25 @@ def run_model(name: str, args: argparse.Namespace, task: SyntheticTask, workdir:
     rows = task.questions("train")[: sizes_a.questions]
     prompts = [chat_prompt_ids(tokenizer, r.question) for r in rows]
     out: dict[str, Any] = {"model": name, "weights_dtype": "float32", "compute_dtype": compute, "load_s": load_s}
-    log.info("[%s] (a) scheduler vs model.generate", name)
-    out["scheduler_vs_generate"] = bench_scheduler_vs_generate(model, tokenizer, compute, prompts, sizes_a,
-                                                               args.seed)
+    if "a" in args.parts:
+        log.info("[%s] (a) scheduler vs model.generate", name)
+        out["scheduler_vs_generate"] = bench_scheduler_vs_generate(model, tokenizer, compute, prompts, sizes_a,
+                                                                   args.seed)
     sizes_b = SIZES_B.get((name, args.quick))
-    if sizes_b is None:
+    policy = None
+    if "b" in args.parts and sizes_b is None:
         out["aepo_vs_arpo"] = {"skipped": "--quick: a tool-calling SmolLM2 needs SFT first; run without --quick"}
-    else:
-        out["aepo_vs_arpo"] = run_aepo_vs_arpo(name, model, tokenizer, compute, sizes_b, args, task, workdir)
+    elif "b" in args.parts and sizes_b is not None:
+        policy = tool_policy(name, model, tokenizer, compute, args, task, workdir)
+        out["aepo_vs_arpo"] = run_aepo_vs_arpo(name, policy, compute, sizes_b, args, task, workdir)
+    if "d" in args.parts:
+        policy = policy or tool_policy(name, model, tokenizer, compute, args, task, workdir)
+        sizes_d = SIZES_D[(name, args.quick)]
+        questions = bench_questions(task, policy.tokenizer, sizes_d.questions)
+        log.info("[%s] (d) KV reuse on %d questions", name, len(questions))
+        out["kv_reuse"] = {"policy": policy.label, **bench_kv_reuse(policy.model, policy.tokenizer, compute,
+                                                                    task.documents(), questions, sizes_d,
+                                                                    args.seed, workdir)}
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
 
@@ -418,12 +513,27 @@ def run_model(name: str, args: argparse.Namespace, task: SyntheticTask, workdir:
 def report(results: dict[str, Any]) -> None:
     env = results["environment"]
     rows_a, rows_b = [], []
+    rows_d = []
     for m in results["models"]:
+        d = m.get("kv_reuse")
+        if d:
+            for arm in ("hf", "hf+kv"):
+                runs = d["runs"][arm]
+                rows_d.append([d["policy"], arm, d["k"], d["questions"], min(r["prefill_tokens"] for r in runs),
+                               min(r["reused_tokens"] for r in runs), min(r["tokens_generated"] for r in runs),
+                               min(r["wall_s"] for r in runs), min(r["generate_s"] for r in runs),
+                               d["same_trees"], f"{d['prefill_ratio']:.2f}" if arm == "hf+kv" else "",
+                               f"{d['wall_ratio']:.2f}" if arm == "hf+kv" else "",
+                               d["met"] if arm == "hf+kv" else ""])
+        if "scheduler_vs_generate" not in m:
+            continue
         a = m["scheduler_vs_generate"]
         rows_a.append([m["model"], f"{m['weights_dtype']}/{m['compute_dtype']}", a["batch_rows"],
                        a["new_tokens_per_row"], a["scheduler_tok_s"], a["generate_tok_s"], a["ratio_median"],
                        f"{a['ratio_min']:.2f}–{a['ratio_max']:.2f}", len(a["reps"]), a["met"]])
-        b = m["aepo_vs_arpo"]
+        b = m.get("aepo_vs_arpo")
+        if b is None:
+            continue
         if "skipped" in b:
             rows_b.append([m["model"], "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "skipped"])
             continue
@@ -440,13 +550,20 @@ def report(results: dict[str, Any]) -> None:
                        f"{b['forward_passes_ratio']:.2f}/{b['row_steps_ratio']:.2f}",
                        b["wall_ratio"], b["met"]])
     threads = env["torch_threads"]
-    print_table(f"(a) scheduler (independent, no tools) vs model.generate — torch threads {threads}",
-                ["model", "weights/compute", "rows", "new tok/row", "sched tok/s", "generate tok/s",
-                 "ratio (median)", "ratio range", "reps", f"≥ {TARGET_SCHED_RATIO}"], rows_a)
-    print_table("(b) aepo vs arpo at equal k (same questions, seed; min over reps)",
-                ["policy", "k", "questions", "arpo s", "aepo s", "tokens arpo/aepo", "gen calls arpo/aepo",
-                 "branch samples arpo/aepo", "tool calls/leaf arpo/aepo", "ratio passes/row-steps", "wall ratio",
-                 f"≤ {TARGET_AEPO_OVERHEAD}"], rows_b)
+    if rows_a:
+        print_table(f"(a) scheduler (independent, no tools) vs model.generate — torch threads {threads}",
+                    ["model", "weights/compute", "rows", "new tok/row", "sched tok/s", "generate tok/s",
+                     "ratio (median)", "ratio range", "reps", f"≥ {TARGET_SCHED_RATIO}"], rows_a)
+    if rows_b:
+        print_table("(b) aepo vs arpo at equal k (same questions, seed; min over reps)",
+                    ["policy", "k", "questions", "arpo s", "aepo s", "tokens arpo/aepo", "gen calls arpo/aepo",
+                     "branch samples arpo/aepo", "tool calls/leaf arpo/aepo", "ratio passes/row-steps", "wall ratio",
+                     f"≤ {TARGET_AEPO_OVERHEAD}"], rows_b)
+    if rows_d:
+        print_table("(d) KV reuse: aepo rollouts without (hf) and with (hf+kv) retained KV (min over reps)",
+                    ["policy", "arm", "k", "questions", "prefilled tok", "reused tok", "generated tok", "wall s",
+                     "generate s", "same trees", f"prefill ratio (≤ {TARGET_KV_PREFILL})",
+                     f"wall ratio (≤ {TARGET_KV_WALL})", "met"], rows_d)
     t = results.get("tools")
     if t:
         rows_c = []
@@ -472,6 +589,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sft-lr", type=float, default=2e-4)
     p.add_argument("--no-sft-cache", action="store_true", help="retrain the SFT'd policy even if cached")
     p.add_argument("--no-tools", action="store_true", help="skip (c)")
+    p.add_argument("--parts", default="abd", help="which of (a), (b), (d) to run per model (default abd)")
     p.add_argument("--model-cache", default=os.environ.get("AEPO_MODEL_CACHE"),
                    help="converted-model cache (default $AEPO_MODEL_CACHE, else ~/.cache/aepo/models)")
     p.add_argument("--seed", type=int, default=0)
@@ -504,10 +622,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     results["environment"]["load_avg_end"] = list(os.getloadavg())
     results["total_s"] = time.perf_counter() - started
     results["targets"] = {
-        **{f"scheduler_vs_generate[{m['model']}]": m["scheduler_vs_generate"]["met"] for m in results["models"]},
-        **{f"aepo_overhead[{m['model']}]": m["aepo_vs_arpo"].get("met") for m in results["models"]},
+        **{f"scheduler_vs_generate[{m['model']}]": m["scheduler_vs_generate"]["met"] for m in results["models"]
+           if "scheduler_vs_generate" in m},
+        **{f"aepo_overhead[{m['model']}]": m["aepo_vs_arpo"].get("met") for m in results["models"]
+           if "aepo_vs_arpo" in m},
+        **{f"kv_reuse[{m['model']}]": m["kv_reuse"]["met"] for m in results["models"] if "kv_reuse" in m},
     }
-    out = args.out or RESULTS_DIR / ("rollout-quick.json" if args.quick else "rollout.json")
+    parts = "" if args.parts == "abd" else f"-{args.parts}"  # a partial run never overwrites the full results
+    out = args.out or RESULTS_DIR / f"rollout{'-quick' if args.quick else ''}{parts}.json"
     atomic_write_json(out, results)
     report(results)
     env = results["environment"]

@@ -247,14 +247,16 @@ def _build_engine(cfg: ExperimentConfig, model: torch.nn.Module, tokenizer: obje
     from infra.engines.hf import HFEngine
 
     gen_dtype = cfg.model.generation_dtype
+    kv_mb = r.kv_reuse_max_mb if r.kv_reuse else 0.0
     if gen_dtype == "same" or cfg.train.backend == "deepspeed":
         if gen_dtype != "same":
             log.warning("model.generation_dtype=%s ignored under DeepSpeed (partitioned weights): the engine shares "
                         "the training model", gen_dtype)
-        return HFEngine(model, tokenizer, seed=cfg.seed, autocast_dtype=autocast_dtype(cfg.model.compute_dtype))
+        return HFEngine(model, tokenizer, seed=cfg.seed, autocast_dtype=autocast_dtype(cfg.model.compute_dtype),
+                        kv_reuse_mb=kv_mb)
     generation_model = copy.deepcopy(model).to(GENERATION_DTYPES[gen_dtype]).eval()
     generation_model.requires_grad_(False)
-    return HFEngine(generation_model, tokenizer, seed=cfg.seed)
+    return HFEngine(generation_model, tokenizer, seed=cfg.seed, kv_reuse_mb=kv_mb)
 
 
 def checkpoint_config(path: str | os.PathLike[str]) -> dict[str, object]:

@@ -32,6 +32,21 @@ Semantics (documented choices):
   active rows cost (a cache without ``batch_select_indices`` keeps them, fed padding and ignored). Per step
   the sampler makes a handful of passes over ``[B, V]`` and one host sync. ``max_batch_size`` splits very
   large request lists into sequential batches.
+  **KV reuse** (``kv_reuse_mb > 0``; ``rollout.kv_reuse``): a rollout calls ``generate`` once per tool round
+  and each prompt extends an earlier one (the path's previous prompt + its segment + a tool result; a branch's
+  prompt is a prefix of its parent's transcript), so re-prefilling whole transcripts was about half of CPU
+  rollout time. A finished row's KV (every token it fed: the prompt and all generated tokens but the last) is
+  kept in a :class:`~infra.engines.prefix_cache.PrefixKVStore`; a request reuses the longest stored prefix of
+  its prompt (all but its last token at most) and prefills only the rest, its rows laid out
+  ``[pad | reused | pad | rest]`` under the attention mask with positions counting real tokens only.
+  ``GenerationStats.prefill_tokens`` / ``reused_tokens`` count both parts. The samples are those of a full
+  prefill with the same seeds: the reused KV was computed by other matmul shapes (decode steps, an earlier
+  prefill), so float32 log-probs differ by ~2e-6 (measured on tiny-random), like batched vs unbatched rows;
+  under bf16 autocast the difference is bf16 rounding and a sampled token can flip, after which the path
+  diverges (SmolLM2, bench (d): the two arms' trees differ), as bf16 batched vs unbatched rows do.
+  The store is byte-capped (LRU) and holds KV of the current weights only: it is cleared by
+  :meth:`HFEngine.load_weights` and, at the start of ``generate``, whenever any parameter's storage or version
+  counter changed (an optimizer step on a shared training model, ``load_state_dict``, any in-place write).
 - **Errors.** Bad requests (empty prompt, ids outside the vocabulary) get ``finish_reason='error'`` without
   running; a failure of a batched forward pass re-runs that batch's rows one by one (same seeds, so the
   healthy rows produce what they would have) and only the failing rows get ``'error'``; a row whose
@@ -52,10 +67,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from aepo_core.config import ModelConfig
 from aepo_core.interfaces import FinishReason, GenerationRequest, GenerationResult, SamplingParams
+from infra.engines.prefix_cache import LayerKV, PrefixKV, PrefixKVStore
 from infra.engines.weights import PolicyWeights, WeightSource
 from infra.models import chat_prompt_ids, load_policy
 
@@ -91,6 +110,8 @@ class GenerationStats:
 
     rows: int = 0
     new_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens run through the model (padding excluded)
+    reused_tokens: int = 0  # prompt tokens whose KV came from the prefix store instead (see prefix_cache)
     forward_passes: int = 0
     row_steps: int = 0  # Σ over forward passes of the active rows: what the work actually was
     seconds: float = 0.0
@@ -175,7 +196,9 @@ class HFEngine:
 
     def __init__(self, model: Any, tokenizer: Any, *, seed: int = 0,
                  stop_token_ids: Sequence[int] | None = None, max_batch_size: int | None = None,
-                 autocast_dtype: torch.dtype | None = None) -> None:
+                 autocast_dtype: torch.dtype | None = None, kv_reuse_mb: float = 0.0) -> None:
+        """``kv_reuse_mb``: byte cap (MiB) of the store of finished rows' KV that later prompts starting with the
+        same tokens reuse (see the module docstring, "Cost."); 0 turns reuse off."""
         self.model = model
         self.autocast_dtype = autocast_dtype  # mixed precision: bf16 matmuls over float32 weights
         self.tokenizer = tokenizer
@@ -191,6 +214,24 @@ class HFEngine:
         # Only the last prompt position's logits are needed: skip the [B, L, V] projection of the prefill.
         keep_arg = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
         self._prefill_kwargs: dict[str, Any] = {keep_arg: 1} if keep_arg else {}
+        self._prefixes = PrefixKVStore(int(kv_reuse_mb * 2**20)) if kv_reuse_mb > 0 else None
+        self._prefix_weights: tuple[int, ...] = ()  # the weights the stored KV was computed with
+
+    @property
+    def kv_reuse(self) -> bool:
+        """Whether finished rows' KV is kept for later prompts that start with the same tokens."""
+        return self._prefixes is not None
+
+    def clear_kv(self) -> None:
+        """Forget every retained KV cache (done automatically when the weights change)."""
+        if self._prefixes is not None:
+            self._prefixes.clear()
+
+    def _weights_fingerprint(self) -> tuple[int, ...]:
+        """Storage address and version counter of every parameter: an optimizer step, ``load_state_dict`` or any
+        other in-place write bumps a tensor's version, and a swapped tensor changes the address (~30 µs for
+        SmolLM2's 272 tensors)."""
+        return tuple(v for p in self.model.parameters() for v in (p.data_ptr(), p._version))
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, **kwargs: Any) -> HFEngine:
@@ -238,6 +279,7 @@ class HFEngine:
     def load_weights(self, source: WeightSource) -> None:
         """Sample from ``source`` next: the live training weights (copied into this engine's own model unless it
         is the training model itself) or an HF checkpoint directory (loaded in place)."""
+        self.clear_kv()
         if not isinstance(source, PolicyWeights):
             from infra.training.checkpoint import load_model_weights
 
@@ -262,6 +304,9 @@ class HFEngine:
             rows.append(_Row(index=i, prompt=[int(t) for t in req.prompt_ids], max_tokens=int(req.max_tokens),
                              stop=tuple(s for s in req.stop if s), seed=int(seed)))
         runnable = [r for r in rows if self._admit(r)]
+        if self._prefixes is not None and (now := self._weights_fingerprint()) != self._prefix_weights:
+            self._prefixes.clear()  # KV computed with other weights is stale
+            self._prefix_weights = now
         step = self.max_batch_size or max(1, len(runnable))
         was_training = self.model.training
         self.model.eval()
@@ -323,24 +368,39 @@ class HFEngine:
 
     @torch.inference_mode()
     def _run_batch(self, rows: list[_Row], sampling: SamplingParams, stats: GenerationStats) -> None:
-        """The sampling loop: left-padded prefill, then one token per active row per forward pass."""
+        """The sampling loop: prefill (of what the prefix store does not hold), then one token per active row per
+        forward pass.
+
+        Layout of a row in the batch: ``[pad | reused KV | pad | rest of the prompt]``: the reused KV is
+        right-aligned in a cache ``cached`` wide, the rest of the prompt right-aligned in the ``width`` new
+        columns; the attention mask hides the padding and positions count only real tokens, so a row's numbers
+        do not depend on its neighbours' lengths.  Without reuse, ``cached`` is 0: plain left padding.
+        """
         device = self.model.device
-        width = max(len(r.prompt) for r in rows)
+        reused = self._reusable_prefixes(rows)
+        cached = max(n for _, n in reused)
+        width = max(len(r.prompt) - n for r, (_, n) in zip(rows, reused, strict=True))
         input_ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, row in enumerate(rows):
-            input_ids[i, width - len(row.prompt):] = torch.tensor(row.prompt, dtype=torch.long)
-            attention[i, width - len(row.prompt):] = 1
+        attention = torch.zeros((len(rows), cached + width), dtype=torch.long)
+        for i, (row, (_, n)) in enumerate(zip(rows, reused, strict=True)):
+            rest = row.prompt[n:]
+            input_ids[i, width - len(rest):] = torch.tensor(rest, dtype=torch.long)
+            attention[i, cached - n:cached] = 1
+            attention[i, cached + width - len(rest):] = 1
+            stats.prefill_tokens += len(rest)
+            stats.reused_tokens += n
         input_ids, attention = input_ids.to(device), attention.to(device)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, cached:]
         generators = [torch.Generator(device=device).manual_seed(r.seed) for r in rows]
         windows = [_stop_window(r.stop) for r in rows]
 
+        past = {self._cache_kwarg: self._batch_cache(reused, cached)} if cached else {}
         out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                         use_cache=True, **self._prefill_kwargs)
+                         use_cache=True, **self._prefill_kwargs, **past)
         stats.forward_passes += 1
         stats.row_steps += len(rows)
         cache = _cache_of(out)
+        retain = self._prefixes is not None and _is_plain_dynamic(cache)
         logits = out.logits[:, -1, :]
         next_pos = positions[:, -1] + 1
         active = list(range(len(rows)))
@@ -367,6 +427,10 @@ class HFEngine:
                     row.finish = "length"
                 else:
                     keep.append(j)
+            if retain:
+                for j, a in enumerate(active):
+                    if j not in keep and rows[a].finish not in (None, "error"):
+                        self._retain(rows[a], cache, attention[j], j)
             if not keep:
                 return
             if len(keep) < len(active) and hasattr(cache, "batch_select_indices"):
@@ -390,6 +454,41 @@ class HFEngine:
             logits = out.logits[:, -1, :]
             next_pos = next_pos + 1
 
+    def _reusable_prefixes(self, rows: list[_Row]) -> list[tuple[PrefixKV | None, int]]:
+        """Per row, the stored KV its prompt starts with and how many of its tokens to reuse: at most all but
+        the last prompt token, whose logits the first sample needs."""
+        if self._prefixes is None or not len(self._prefixes):
+            return [(None, 0)] * len(rows)
+        return [self._prefixes.longest(np.asarray(r.prompt, dtype=np.int64), len(r.prompt) - 1) for r in rows]
+
+    def _batch_cache(self, reused: list[tuple[PrefixKV | None, int]], cached: int) -> DynamicCache:
+        """A cache ``cached`` positions wide holding each row's reused KV right-aligned (zeros where masked)."""
+        first = next(entry for entry, n in reused if entry is not None and n)
+        layers: list[LayerKV] = []
+        for li, (k_ref, v_ref) in enumerate(first.layers):
+            keys = k_ref.new_zeros((len(reused), k_ref.shape[0], cached, k_ref.shape[2]))
+            values = v_ref.new_zeros((len(reused), v_ref.shape[0], cached, v_ref.shape[2]))
+            for i, (entry, n) in enumerate(reused):
+                if entry is not None and n:
+                    k, v = entry.layers[li]
+                    keys[i, :, cached - n:] = k[:, :n]
+                    values[i, :, cached - n:] = v[:, :n]
+            layers.append((keys, values))
+        return DynamicCache(ddp_cache_data=layers)
+
+    def _retain(self, row: _Row, cache: DynamicCache, attention: torch.Tensor, j: int) -> None:
+        """Keep the KV of the finished row at batch index ``j``: its real positions (the mask's ones) hold the
+        tokens it fed, the prompt and every generated token but the last (never fed)."""
+        assert self._prefixes is not None
+        real = attention.nonzero().squeeze(-1)
+        fed = row.prompt + row.ids[:-1]
+        if len(real) != len(fed):  # cannot happen with a plain dynamic cache; never store misaligned KV
+            log.warning("not retaining the KV of row %d: %d cached positions for %d tokens", row.index, len(real),
+                        len(fed))
+            return
+        self._prefixes.put(fed, [(layer.keys[j].index_select(1, real), layer.values[j].index_select(1, real))
+                                 for layer in cache.layers])
+
     def _match_stop(self, row: _Row, window: int) -> str | None:
         """The stop string completed by the row's latest token, if any (earliest in the text wins)."""
         text = self.tokenizer.decode(row.ids[-window:], skip_special_tokens=False)
@@ -401,6 +500,12 @@ def _stop_window(stops: tuple[str, ...]) -> int:
     """Generated tokens to decode when looking for a stop string: a token is at least one character except
     for partial UTF-8 bytes, so twice the longest stop string plus slack always holds a fresh match."""
     return 2 * max((len(s) for s in stops), default=0) + 4
+
+
+def _is_plain_dynamic(cache: Any) -> bool:
+    """Whether ``cache`` is a DynamicCache of full-attention layers only: the one layout whose rows' KV can be
+    retained and rebuilt (a sliding-window layer keeps only its last positions)."""
+    return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
 def _cache_of(out: Any) -> Any:

@@ -73,3 +73,44 @@ def test_same_seed_same_tree(taught):
         return [(n.parent_id, n.kind, n.branch_reason, tuple(n.token_ids)) for n in tree.nodes]
 
     assert signature(7) == signature(7)
+
+
+@pytest.mark.parametrize("mode", ["aepo", "arpo", "independent"])
+def test_kv_reuse_gives_the_same_rollout_tree(taught, mode):
+    """Every mode samples the identical tree with and without KV reuse (same seeds), while reuse prefills a
+    fraction of the prompt tokens: continuations and branches start from retained KV."""
+    engine, tools, row, prompt, _ = taught
+    reuse = HFEngine(engine.model, engine.tokenizer, seed=0, kv_reuse_mb=64)
+    trees, counts = [], []
+    for eng in (engine, reuse):
+        counting = _CountingEngine(eng)
+        res = rollout((counting, tools, row, prompt, None), seed=3, mode=mode)
+        trees.append(res.trees[0])
+        counts.append((counting.prefill, counting.reused))
+    plain, reused = trees
+    assert [(n.parent_id, n.kind, n.branch_reason, n.token_ids) for n in plain.nodes] == \
+        [(n.parent_id, n.kind, n.branch_reason, n.token_ids) for n in reused.nodes]
+    assert [(leaf.node_ids, leaf.sample_kind, leaf.status) for leaf in plain.leaves] == \
+        [(leaf.node_ids, leaf.sample_kind, leaf.status) for leaf in reused.leaves]
+    for a, b in zip(plain.nodes, reused.nodes, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    assert any(n.tool is not None for n in plain.nodes)  # tool rounds happened
+    if mode != "independent":
+        assert any(leaf.sample_kind == "branch" for leaf in plain.leaves)
+    (p_off, r_off), (p_on, r_on) = counts
+    assert r_off == 0 and p_on + r_on == p_off and p_on <= 0.6 * p_off
+
+
+class _CountingEngine:
+    """An HFEngine seen through the Engine protocol, adding up its prefill and reuse counts."""
+
+    def __init__(self, engine: HFEngine) -> None:
+        self.engine, self.prefill, self.reused = engine, 0, 0
+        self.encode, self.decode = engine.encode, engine.decode
+        self.eos_token_id = engine.eos_token_id
+
+    def generate(self, requests, sampling):
+        out = self.engine.generate(requests, sampling)
+        self.prefill += self.engine.last_stats.prefill_tokens
+        self.reused += self.engine.last_stats.reused_tokens
+        return out
