@@ -104,8 +104,18 @@ class RemoteEngineConfig(Section):
     )
     model: str | None = Field(None, description="Model name sent with each completion request; None: model.name.")
     reload_url: str | None = Field(
-        None, description="After each update the weights are saved (HF format) and their path POSTed here as "
-        '{"path": …} so the server reloads them; None: the server keeps its weights (evaluation-only use).',
+        None, description="With weight_sync=reload_url: after each update the weights are saved (HF format, on a "
+        'filesystem the server shares) and {"path": …, "version": …} is POSTed here so the server reloads them; '
+        "None: the server keeps its weights (evaluation-only use).",
+    )
+    weight_sync: Literal["reload_url", "vllm"] = Field(
+        "reload_url", description="How the server takes new weights. reload_url: POST the checkpoint path to "
+        "reload_url. vllm: the server is vLLM started with VLLM_SERVER_DEV_MODE=1; weights are reloaded through its "
+        "RL endpoints and every sample's weight version is checked (as for rollout.engine=vllm).",
+    )
+    top_logprobs: int = Field(
+        20, ge=1, le=100, description="Top-k log-probs asked per token, from which the entropy is estimated (at most "
+        "the server's --max-logprobs)."
     )
 
 
@@ -138,8 +148,9 @@ class VLLMConfig(Section):
     )
     port: int | None = Field(None, ge=1, le=65535, description="Port on 127.0.0.1; None: a free one.")
     strict_weight_version: bool = Field(
-        True, description="Fail the rollout when the server reports a weight version other than the trainer's step "
-        "(a stale sample); False: count stale samples (rollout/stale_samples) and go on."
+        True, description="Fail the rollout when the server reports a weight version other than the last one the "
+        "trainer loaded (a stale sample; also for rollout.remote.weight_sync=vllm); False: count stale model "
+        "segments (rollout/stale_segments) and go on."
     )
     extra_args: list[str] = Field(default_factory=list, description="More `vllm serve` arguments, passed as they are.")
 
@@ -659,9 +670,11 @@ class ExperimentConfig(Section):
 
     def check_trainable(self) -> None:
         """What a training run needs beyond a valid config; raises :class:`ConfigError` naming the key."""
-        if self.rollout.engine == "remote" and not self.rollout.remote.reload_url:
-            raise ConfigError("rollout.engine=remote needs rollout.remote.reload_url to train: without a weight "
-                              "reload hook the server would sample every step from the initial weights")
+        remote = self.rollout.remote
+        if self.rollout.engine == "remote" and remote.weight_sync == "reload_url" and not remote.reload_url:
+            raise ConfigError("rollout.engine=remote needs rollout.remote.reload_url (or rollout.remote.weight_sync="
+                              "vllm) to train: without a weight reload hook the server would sample every step "
+                              "from the initial weights")
         if self.train.sft.enabled and not is_synthetic(self.data.train):
             raise ConfigError(f"train.sft.enabled needs data.train=synthetic (oracle transcripts); got "
                               f"data.train={self.data.train!r}: run SFT beforehand and point model.name at it")

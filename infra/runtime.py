@@ -136,7 +136,7 @@ class PolicyRuntime:
         result.stats["stale_segments"] = float(sum(stale.values()))
         if expected.isdigit():
             result.stats["weight_version"] = float(expected)
-        if stale and self.cfg.rollout.engine == "vllm" and self.cfg.rollout.vllm.strict_weight_version:
+        if stale and self.cfg.rollout.vllm.strict_weight_version:
             raise StaleWeightsError(f"{sum(stale.values())} model segments were sampled by weight versions "
                                     f"{sorted(stale)} while the trainer's weights are version {expected} "
                                     "(rollout.vllm.strict_weight_version)")
@@ -199,7 +199,7 @@ def build_runtime(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], run_n
     if cfg.rollout.engine == "vllm":
         server = _start_vllm(cfg, model, tokenizer, weights_dir)
         engine = _remote_engine(server.url, server.served_name, tokenizer, cfg.rollout.vllm.top_logprobs,
-                                receiver=server, weights_dir=weights_dir, loaded_version=INITIAL_VERSION)
+                                receiver=server.control, weights_dir=weights_dir, loaded_version=INITIAL_VERSION)
         return PolicyRuntime(cfg, model, tokenizer, engine, tools, make_reward_fn(cfg.reward), task, server)
     engine = _build_engine(cfg, model, tokenizer, weights_dir)
     return PolicyRuntime(cfg, model, tokenizer, engine, tools, make_reward_fn(cfg.reward), task)
@@ -217,7 +217,7 @@ def _start_vllm(cfg: ExperimentConfig, model: torch.nn.Module, tokenizer: object
     initial = export_hf_checkpoint(model, tokenizer, weights_dir / "initial")
     server = VLLMServer(initial, cfg.rollout.vllm, log_path=weights_dir / "vllm-server.log").start()
     try:
-        server.label(INITIAL_VERSION)
+        server.control.label(INITIAL_VERSION)
     except BaseException:
         server.close()
         raise
@@ -238,12 +238,17 @@ def _build_engine(cfg: ExperimentConfig, model: torch.nn.Module, tokenizer: obje
     r = cfg.rollout
     if r.engine == "remote":
         from infra.engines.remote import ReloadEndpoint
+        from infra.engines.vllm_server import VLLMControl
 
         if not r.remote.url:
             raise ValueError("rollout.engine=remote needs rollout.remote.url")
-        receiver = ReloadEndpoint(r.remote.reload_url) if r.remote.reload_url else None
-        return _remote_engine(r.remote.url, r.remote.model or cfg.model.name, tokenizer, 20, receiver=receiver,
-                              weights_dir=weights_dir)
+        receiver: WeightReceiver | None = None
+        if r.remote.weight_sync == "vllm":
+            receiver = VLLMControl(r.remote.url)
+        elif r.remote.reload_url:
+            receiver = ReloadEndpoint(r.remote.reload_url)
+        return _remote_engine(r.remote.url, r.remote.model or cfg.model.name, tokenizer, r.remote.top_logprobs,
+                              receiver=receiver, weights_dir=weights_dir)
     from infra.engines.hf import HFEngine
 
     gen_dtype = cfg.model.generation_dtype

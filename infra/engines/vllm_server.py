@@ -42,6 +42,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 from aepo_core.config import VLLMConfig
@@ -83,6 +84,66 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
         pass
 
 
+class VLLMControl:
+    """The RL endpoints of a vLLM server (0.32, started with ``VLLM_SERVER_DEV_MODE=1``): the weight receiver of
+    the remote engine, for the server a run manages and for one someone else runs (``rollout.remote.weight_sync:
+    vllm``).  See the module docstring for the reload sequence."""
+
+    def __init__(self, url: str, log_tail: Callable[[], str] | None = None, timeout_s: float = 600.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._log_tail = log_tail
+
+    def call(self, method: str, path: str, body: dict[str, object] | None = None, timeout_s: float | None = None
+             ) -> dict[str, object]:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(self.url + path, data=data, method=method,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as resp:
+                text = resp.read().decode() or "{}"
+        except urllib.error.HTTPError as exc:
+            raise VLLMServerError(f"{method} {path}: HTTP {exc.code}: {exc.read().decode(errors='replace')[:500]}"
+                                  ) from None
+        except OSError as exc:
+            tail = f"; the server's last lines:\n{self._log_tail()}" if self._log_tail is not None else ""
+            raise VLLMServerError(f"{method} {self.url}{path}: {exc}{tail}") from None
+        parsed = json.loads(text)
+        return parsed if isinstance(parsed, dict) else {"result": parsed}
+
+    def weight_version(self) -> str | None:
+        """The version label of the weights the server samples from (``/weight_info``)."""
+        version = self.call("GET", "/weight_info").get("weight_version")
+        return None if version is None else str(version)
+
+    def label(self, version: str) -> None:
+        """Label the weights being served ``version`` (what ``/weight_info`` then reports)."""
+        self.call("POST", "/update_weight_version", {"new_version": version})
+
+    def reload(self, weights_dir: str | os.PathLike[str], version: str) -> None:
+        """Load the HF checkpoint at ``weights_dir`` in place and label it ``version`` (see the module docstring)."""
+        self.call("POST", "/pause?mode=wait")
+        try:
+            self.call("POST", "/collective_rpc", {"method": "reload_weights",
+                                                  "kwargs": {"weights_path": str(weights_dir)}})
+            self.call("POST", "/reset_prefix_cache")
+            self.label(version)
+        finally:
+            self.call("POST", "/resume")
+        served = self.weight_version()
+        if served != version:
+            raise VLLMServerError(f"after loading {weights_dir} the server reports weight version {served!r}, "
+                                  f"not {version!r}")
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+
 class VLLMServer:
     """One ``vllm serve`` process group for ``model_dir`` (see the module docstring)."""
 
@@ -93,6 +154,7 @@ class VLLMServer:
         self.served_name = served_name
         self.port = cfg.port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.control = VLLMControl(self.url, log_tail=self.last_log_lines)
         self.log_path = Path(log_path) if log_path else None
         self._proc: subprocess.Popen[bytes] | None = None
         self._tail: deque[str] = deque(maxlen=40)
@@ -199,56 +261,6 @@ class VLLMServer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ control endpoints
-    def call(self, method: str, path: str, body: dict[str, object] | None = None, timeout_s: float = 600.0
-             ) -> dict[str, object]:
-        data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(self.url + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-                text = resp.read().decode() or "{}"
-        except urllib.error.HTTPError as exc:
-            raise VLLMServerError(f"{method} {path}: HTTP {exc.code}: {exc.read().decode(errors='replace')[:500]}"
-                                  ) from None
-        except OSError as exc:
-            raise VLLMServerError(f"{method} {path}: {exc}; the server's last lines:\n{self.last_log_lines()}"
-                                  ) from None
-        parsed = json.loads(text)
-        return parsed if isinstance(parsed, dict) else {"result": parsed}
-
-    def weight_version(self) -> str | None:
-        """The version label of the weights the server samples from (``/weight_info``)."""
-        version = self.call("GET", "/weight_info").get("weight_version")
-        return None if version is None else str(version)
-
-    def label(self, version: str) -> None:
-        """Label the weights being served ``version`` (what ``/weight_info`` then reports)."""
-        self.call("POST", "/update_weight_version", {"new_version": version})
-
-    def reload(self, weights_dir: str | os.PathLike[str], version: str) -> None:
-        """Load the HF checkpoint at ``weights_dir`` in place and label it ``version`` (see the module docstring)."""
-        self.call("POST", "/pause?mode=wait")
-        try:
-            self.call("POST", "/collective_rpc", {"method": "reload_weights",
-                                                  "kwargs": {"weights_path": str(weights_dir)}})
-            self.call("POST", "/reset_prefix_cache")
-            self.label(version)
-        finally:
-            self.call("POST", "/resume")
-        served = self.weight_version()
-        if served != version:
-            raise VLLMServerError(f"after loading {weights_dir} the server reports weight version {served!r}, "
-                                  f"not {version!r}")
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
-
-
 def _live_members(pgid: int) -> list[int]:
     """Pids of the group's processes that are not zombies (an orphaned zombie waits for init to reap it, and
     holds nothing).  Without /proc: the group exists or not."""
@@ -285,11 +297,11 @@ def _wait_group_gone(leader: subprocess.Popen[bytes], timeout_s: float) -> bool:
         time.sleep(0.1)
 
 
-__all__ = ["VLLMServer", "VLLMServerError", "free_port", "vllm_python"]
+__all__ = ["VLLMControl", "VLLMServer", "VLLMServerError", "free_port", "vllm_python"]
 
 if __name__ == "__main__":  # pragma: no cover - manual check: python -m infra.engines.vllm_server MODEL_DIR
     from aepo_core.config import VLLMConfig as _Cfg
 
     logging.basicConfig(level=logging.INFO)
     with VLLMServer(sys.argv[1], _Cfg()) as srv:
-        print(srv.url, srv.weight_version())
+        print(srv.url, srv.control.weight_version())

@@ -189,6 +189,9 @@ def test_training_needs_a_weight_reload_hook_and_synthetic_sft_data():
         build_config({}, ["rollout.engine=remote", "rollout.remote.url=http://127.0.0.1:8000"]).check_trainable()
     build_config({}, ["rollout.engine=remote", "rollout.remote.url=http://127.0.0.1:8000",
                       "rollout.remote.reload_url=http://127.0.0.1:8000/reload"]).check_trainable()
+    build_config({}, ["rollout.engine=remote", "rollout.remote.url=http://127.0.0.1:8000",
+                      "rollout.remote.weight_sync=vllm"]).check_trainable()
+    build_config({}, ["rollout.engine=vllm"]).check_trainable()  # the run's own server: always synced
     with pytest.raises(ConfigError, match=r"train\.sft\.enabled"):
         build_config({}, ["train.sft.enabled=true", "data.train=hotpotqa"]).check_trainable()
     build_config({}, ["train.sft.enabled=true", "data.train=synthetic"]).check_trainable()

@@ -23,14 +23,18 @@ class CompletionsServer:
         self.engine = engine
         self.fail_first = fail_first
         self.requests: list[dict[str, Any]] = []
+        self.connections: set[tuple[str, int]] = set()  # client (host, port) pairs: one per TCP connection
         self.lock = threading.Lock()  # one generation at a time (the model is shared)
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as real servers do
+
             def log_message(self, *args: object) -> None:
                 return
 
             def do_POST(self) -> None:
+                outer.connections.add(self.client_address)
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 status, payload = outer.handle(self.path, body)
                 data = json.dumps(payload).encode()

