@@ -39,6 +39,7 @@ from aepo_core.losses import (
     loss_normalizer,
 )
 from infra.training.batching import PaddedBatch, TrainSample, collate, plan_micro_batches, split_mini_batches
+from infra.training.memory import micro_batch_token_cap
 
 log = logging.getLogger(__name__)
 
@@ -244,11 +245,12 @@ class PolicyUpdater:
         self.cfg = cfg
         self.pad_id = pad_id
         self.device = backend.device
+        self.micro_batch_tokens = micro_batch_token_cap(cfg.optim, backend.module, backend.device)
 
     # ------------------------------------------------------------------
     def _micro_batches(self, samples: Sequence[TrainSample], indices: Sequence[int]) -> list[list[int]]:
         lengths = [len(samples[i].input_ids) for i in indices]
-        return [[indices[j] for j in mb] for mb in plan_micro_batches(lengths, self.cfg.optim.micro_batch_tokens)]
+        return [[indices[j] for j in mb] for mb in plan_micro_batches(lengths, self.micro_batch_tokens)]
 
     @torch.no_grad()
     def score(self, samples: Sequence[TrainSample], policy: bool = True) -> _Scored:
