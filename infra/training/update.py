@@ -39,7 +39,7 @@ from aepo_core.losses import (
     loss_normalizer,
 )
 from infra.training.batching import PaddedBatch, TrainSample, collate, plan_micro_batches, split_mini_batches
-from infra.training.memory import micro_batch_token_cap
+from infra.training.memory import micro_batch_token_cap, release_memory
 
 log = logging.getLogger(__name__)
 
@@ -315,6 +315,7 @@ class PolicyUpdater:
         for _epoch in range(self.cfg.optim.ppo_epochs):
             for mini in split_mini_batches(samples, self.cfg.optim.mini_batch_size):
                 self._mini_batch(step, mini, tally)
+        release_memory()  # the activations' heap pages back to the OS before the next rollout (see memory.py)
         return self._metrics(step, tally, wall=time.perf_counter() - t0, t_score=t_score)
 
     def _mini_batch(self, step: _Step, mini: list[int], tally: _Tally) -> None:
