@@ -13,6 +13,10 @@ random rewards over groups of k. For each model, in a fresh subprocess (so peak 
   forward for π_old and entropies) is timed as a third arm.
 - padding waste of the updater's micro-batches (and of one unsorted batch, for scale), peak RSS.
 - ``save_checkpoint`` / ``load_checkpoint`` wall time (load with and without checksum verification) and size.
+- peak RSS per phase (raw fwd+bwd, update, scoring pass, optimizer step, checkpoint save/load), sampled from
+  /proc in a thread (:class:`PhaseRss`).
+- the whole single-turn step of SmolLM2 (:func:`bench_step`, ``--step``, default on): HF-engine rollout + update
+  vs raw ``model.generate`` + raw forward/backward, target ≤ 1.1×, and its peak RSS, target < 6 GiB.
 
 Run: ``.venv/bin/python -m bench.train_step [--model tiny-random|smollm2-135m-instruct|both] [--quick]``.
 Writes ``bench/results/train_step.json`` (``train_step-quick.json`` with ``--quick``).
@@ -134,6 +138,7 @@ class TimedBackend:
         self.inner = backend
         self.compute_dtype = backend.compute_dtype
         self.device = backend.device
+        self.chunked_projection = backend.chunked_projection
         self.rss = rss
         self.step_s = 0.0
 
@@ -577,7 +582,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results["targets"] = {f"trainer_ratio[{m['model']}]": m["met"] for m in results["models"]}
     if "step" in results:
         results["targets"].update({"step_ratio": results["step"]["met_ratio"], "step_rss": results["step"]["met_rss"]})
-    out = args.out or RESULTS_DIR / ("train_step-quick.json" if args.quick else "train_step.json")
+    stem = "train_step-step" if args.only_step else "train_step"
+    out = args.out or RESULTS_DIR / (f"{stem}-quick.json" if args.quick else f"{stem}.json")
     atomic_write_json(out, results)
     if results["models"]:
         report(results)

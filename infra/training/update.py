@@ -68,6 +68,13 @@ class TrainBackend(Protocol):
         """The autocast dtype of forward passes (None: plain float32)."""
         ...
 
+    @property
+    def chunked_projection(self) -> bool:
+        """Whether the gradient pass may project chunk by chunk with a backward that accumulates the projection's
+        gradients itself (:class:`_ChunkedLogprob`): False under DeepSpeed, whose ZeRO gradient hooks allow one
+        accumulation per parameter per backward (tied embeddings would get two)."""
+        ...
+
     def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor: ...
 
     def backward(self, loss: torch.Tensor) -> None: ...
@@ -207,9 +214,13 @@ def response_logprobs_and_entropy(
         proj = _Projection(head, backend.compute_dtype, temperature,
                            chunk_rows or logits_chunk_rows(head.out_features))
         flat_ent: torch.Tensor | None
-        if with_grad and torch.is_grad_enabled():
+        if with_grad and torch.is_grad_enabled() and backend.chunked_projection:
             flat_lp, flat_ent = _ChunkedLogprob.apply(h, targets, proj, with_entropy)
             flat_ent = flat_ent if with_entropy else None
+        elif with_grad and torch.is_grad_enabled():  # one [N, V] graph: autograd sums each parameter's gradient once
+            z = proj.logits(h)
+            flat_lp = z.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(z, dim=-1)
+            flat_ent = proj.forward(h.detach(), targets, with_entropy=True)[2] if with_entropy else None
         else:
             _, flat_lp, flat_ent = proj.forward(h, targets, with_entropy)
         index = rows * r + cols
