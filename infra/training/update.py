@@ -117,7 +117,8 @@ class _Projection:
         self.head, self.compute_dtype, self.temperature, self.rows = head, compute_dtype, temperature, rows
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """float32 temperature-scaled logits ``z = head(h) / T`` of one chunk (a fresh tensor: callers work in place)."""
+        """float32 temperature-scaled logits ``z = head(h) / T`` of one chunk (a fresh tensor: callers may work in
+        place)."""
         z = _projected(self.head, h, self.compute_dtype).float()
         return z.div_(self.temperature) if self.temperature != 1.0 else z
 
@@ -146,11 +147,13 @@ class _ChunkedLogprob(torch.autograd.Function):
     that recomputes each chunk's logits instead of keeping them.
 
     Forward (no graph): per chunk, ``z = head(h_c) / T`` in float32, ``log p(t) = z_t − logsumexp(z)`` (and the
-    detached entropy when asked); only ``lse`` [N] is saved. Backward: ``∂ log p(t_i) / ∂z_iv = 1[v = t_i] − softmax(z_i)_v``, so the logits' gradient
-    is ``dz_i = g_i (onehot(t_i) − e^{z_i − lse_i}) / T``, built in place on the recomputed chunk and pushed
-    through a re-run of ``head(h_c)``: that backward accumulates the projection's parameter gradients (tied
-    embeddings included) as the unchunked graph's would, and gives ``∂L/∂h_c``. Like a reentrant checkpoint it
-    accumulates into ``.grad``, so the loss must be differentiated with ``backward()`` (not ``autograd.grad``).
+    detached entropy when asked); only ``lse`` [N] is saved. Backward: ``∂ log p(t_i) / ∂z_iv = 1[v = t_i] −
+    softmax(z_i)_v``, so the logits' gradient is ``dz_i = g_i (onehot(t_i) − e^{z_i − lse_i}) / T``, built in place
+    on the recomputed chunk and pushed through a re-run of ``head(h_c)``: that backward accumulates the
+    projection's parameter gradients (tied embeddings included) into ``.grad``, as a reentrant checkpoint does,
+    and gives ``∂L/∂h_c``. So the loss must be differentiated with ``backward()`` (not ``autograd.grad``), and a
+    backend whose gradient hooks allow one accumulation per parameter (DeepSpeed ZeRO) opts out
+    (``TrainBackend.chunked_projection``).
 
     Peak: two [rows, V] tensors of one chunk (bf16 logits, float32 ``dz``) instead of the micro-batch's
     [N, V] bf16 logits, their float32 copy, the log-softmax saved for backward and its gradients (SmolLM2,

@@ -7,17 +7,16 @@ largest logits tensor the projection ever produces (counted with a forward hook)
 
 from __future__ import annotations
 
-import copy
 import random
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from aepo_core.config import OptimConfig
 from infra.training.backends import TorchBackend
 from infra.training.batching import PaddedBatch, TrainSample, collate
 from infra.training.update import logits_chunk_rows, response_logprobs_and_entropy
-from aepo_core.config import OptimConfig
 
 VOCAB = 211
 
