@@ -13,6 +13,10 @@ random rewards over groups of k. For each model, in a fresh subprocess (so peak 
   forward for π_old and entropies) is timed as a third arm.
 - padding waste of the updater's micro-batches (and of one unsorted batch, for scale), peak RSS.
 - ``save_checkpoint`` / ``load_checkpoint`` wall time (load with and without checksum verification) and size.
+- peak RSS per phase (raw fwd+bwd, update, scoring pass, optimizer step, checkpoint save/load), sampled from
+  /proc in a thread (:class:`PhaseRss`).
+- the whole single-turn step of SmolLM2 (:func:`bench_step`, ``--step``, default on): HF-engine rollout + update
+  vs raw ``model.generate`` + raw forward/backward, target ≤ 1.1×, and its peak RSS, target < 6 GiB.
 
 Run: ``.venv/bin/python -m bench.train_step [--model tiny-random|smollm2-135m-instruct|both] [--quick]``.
 Writes ``bench/results/train_step.json`` (``train_step-quick.json`` with ``--quick``).
@@ -21,6 +25,8 @@ Writes ``bench/results/train_step.json`` (``train_step-quick.json`` with ``--qui
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import logging
 import math
 import multiprocessing
@@ -33,7 +39,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -83,29 +89,42 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-class RssPeak:
-    """Samples this process's RSS every ``interval_s`` in a thread: the peak (MB) of a phase (``with`` block)."""
+class PhaseRss:
+    """Samples this process's RSS (/proc VmRSS) every ``interval_s`` in a thread and charges each sample to the
+    innermost open phase: the peak (MB) of every phase (``with rss("update"):``), nested phases included in their
+    parents. ``getrusage`` maxrss cannot do this: it only ever grows."""
 
-    def __init__(self, interval_s: float = 0.05) -> None:
+    def __init__(self, interval_s: float = 0.02) -> None:
         self.interval_s = interval_s
-        self.peak = 0.0
+        self.peaks: dict[str, float] = {}
+        self._open: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _note(self) -> None:
+        now = rss_mb()
+        for name in list(self._open):
+            self.peaks[name] = max(self.peaks.get(name, 0.0), now)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, rss_mb())
+            self._note()
             self._stop.wait(self.interval_s)
 
-    def __enter__(self) -> RssPeak:
-        self.peak = rss_mb()
-        self._thread.start()
-        return self
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        self._open.append(name)
+        self._note()
+        try:
+            yield
+        finally:
+            self._note()
+            self._open.remove(name)
 
-    def __exit__(self, *exc: object) -> None:
+    def close(self) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, rss_mb())
 
 
 def dir_size(path: Path) -> int:
@@ -115,9 +134,12 @@ def dir_size(path: Path) -> int:
 class TimedBackend:
     """Backend proxy that times the optimizer step (clip + AdamW + schedule) of the wrapped backend."""
 
-    def __init__(self, backend: TorchBackend) -> None:
+    def __init__(self, backend: TorchBackend, rss: PhaseRss) -> None:
         self.inner = backend
-        self.compute_dtype = getattr(backend, "compute_dtype", None)
+        self.compute_dtype = backend.compute_dtype
+        self.device = backend.device
+        self.chunked_projection = backend.chunked_projection
+        self.rss = rss
         self.step_s = 0.0
 
     @property
@@ -132,12 +154,25 @@ class TimedBackend:
 
     def step(self) -> float:
         t0 = time.perf_counter()
-        norm = self.inner.step()
+        with self.rss("optimizer step"):
+            norm = self.inner.step()
         self.step_s += time.perf_counter() - t0
         return norm
 
     def current_lr(self) -> float:
         return self.inner.current_lr()
+
+
+class PhasedUpdater(PolicyUpdater):
+    """The updater with its scoring pass charged to the ``scoring pass`` phase."""
+
+    def __init__(self, backend: TimedBackend, cfg: ExperimentConfig, pad_id: int) -> None:
+        super().__init__(backend, cfg, pad_id)  # type: ignore[arg-type]
+        self.rss = backend.rss
+
+    def score(self, samples: Sequence[TrainSample], policy: bool = True) -> Any:
+        with self.rss("scoring pass"):
+            return super().score(samples, policy)
 
 
 # ----------------------------------------------------------------------------------------------------- samples
@@ -238,15 +273,17 @@ def bench_model(name: str, args_dict: dict[str, Any]) -> dict[str, Any]:
         prompt_lens = [s.prompt_len for s in samples]
         resp_lens = [s.response_len for s in samples]
         masked = sum(s.response_len - sum(s.loss_mask) for s in samples) / max(1, sum(resp_lens))
-        backend = TimedBackend(TorchBackend(model, cfg.optim, total_steps=1000, compute_dtype=compute))
-        updater = PolicyUpdater(backend, cfg, pad_id=pad)  # type: ignore[arg-type]
+        rss = PhaseRss()
+        backend = TimedBackend(TorchBackend(model, cfg.optim, total_steps=1000, compute_dtype=compute), rss)
+        updater = PhasedUpdater(backend, cfg, pad_id=pad)
         # The off-policy path (PPO epochs > 1, several mini-batches, remote engines): the scoring pass runs.
         scored_cfg = cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"scoring_pass": "always"})})
-        scored_updater = PolicyUpdater(backend, scored_cfg, pad_id=pad)  # type: ignore[arg-type]
+        scored_updater = PhasedUpdater(backend, scored_cfg, pad_id=pad)
+        budget = updater.micro_batch_tokens  # micro_batch_tokens capped by optim.memory_budget_gb; raw uses it too
 
         log.info("[%s] %d samples, %d tokens; warm-up", name, len(samples), tokens)
         warm = [replace(samples[0], advantage=1.0)]
-        raw_forward_backward(model, warm, pad, args.micro_batch_tokens, compute)
+        raw_forward_backward(model, warm, pad, budget, compute)
         updater.update(warm)  # also allocates AdamW state (a one-time cost)
         rss_warm = rss_mb()
 
@@ -256,22 +293,21 @@ def bench_model(name: str, args_dict: dict[str, Any]) -> dict[str, Any]:
             got: dict[str, Any] = {}
             for what in order:
                 if what == "raw":
-                    with RssPeak() as peak:
-                        got["raw_s"] = raw_forward_backward(model, samples, pad, args.micro_batch_tokens, compute)
-                    got["raw_peak_rss_mb"] = peak.peak
+                    with rss("raw fwd+bwd"):
+                        got["raw_s"] = raw_forward_backward(model, samples, pad, budget, compute)
                 elif what == "scored":
                     t1 = time.perf_counter()
-                    metrics = scored_updater.update(samples)
+                    with rss("update with scoring pass"):
+                        metrics = scored_updater.update(samples)
                     got["scored_update_s"] = time.perf_counter() - t1
                     got["scored_scoring_s"] = metrics["train/scoring_pass_s"]
                     assert metrics["train/scoring_pass"] == 1.0
                 else:
                     backend.step_s = 0.0
                     t1 = time.perf_counter()
-                    with RssPeak() as peak:
+                    with rss("update"):
                         metrics = updater.update(samples)
                     got["update_s"] = time.perf_counter() - t1
-                    got["update_peak_rss_mb"] = peak.peak
                     got["scoring_s"] = metrics["train/scoring_pass_s"]
                     got["scoring_pass_ran"] = metrics["train/scoring_pass"]
                     got["optimizer_step_s"] = backend.step_s
@@ -295,8 +331,9 @@ def bench_model(name: str, args_dict: dict[str, Any]) -> dict[str, Any]:
         saves, loads, loads_verified, size = [], [], [], 0
         for step in (1,) if args.quick else (1, 2):
             t1 = time.perf_counter()
-            path = save_checkpoint(ckpt_root, step, model=model, tokenizer=tokenizer, config=cfg,
-                                   optimizer=backend.inner.optimizer, scheduler=backend.inner.scheduler, keep=2)
+            with rss("checkpoint save"):
+                path = save_checkpoint(ckpt_root, step, model=model, tokenizer=tokenizer, config=cfg,
+                                       optimizer=backend.inner.optimizer, scheduler=backend.inner.scheduler, keep=2)
             saves.append(time.perf_counter() - t1)
             size = dir_size(path)
             t1 = time.perf_counter()
@@ -304,10 +341,12 @@ def bench_model(name: str, args_dict: dict[str, Any]) -> dict[str, Any]:
                             verify=False, config=cfg)
             loads.append(time.perf_counter() - t1)
             t1 = time.perf_counter()
-            load_checkpoint(path, model=model, optimizer=backend.inner.optimizer, scheduler=backend.inner.scheduler,
-                            verify=True, config=cfg)
+            with rss("checkpoint load"):
+                load_checkpoint(path, model=model, optimizer=backend.inner.optimizer,
+                                scheduler=backend.inner.scheduler, verify=True, config=cfg)
             loads_verified.append(time.perf_counter() - t1)
 
+    rss.close()
     naive_waste = 1 - tokens / (len(samples) * max(lengths))
     med = {key: statistics.median(r[key] for r in reps_out) for key in reps_out[0]}
     return {
@@ -325,19 +364,141 @@ def bench_model(name: str, args_dict: dict[str, Any]) -> dict[str, Any]:
         "response_tokens_mean": statistics.fmean(resp_lens),
         "response_masked_frac": masked,
         "micro_batch_tokens": args.micro_batch_tokens,
-        "micro_batches": len(plan_micro_batches(lengths, args.micro_batch_tokens)),
+        "micro_batch_tokens_capped": budget,
+        "micro_batches": len(plan_micro_batches(lengths, budget)),
         "reps": reps_out,
         "median": med,
         "padding_waste": med["padding_waste"],
         "padding_waste_unsorted_single_batch": naive_waste,
         "rss_mb": {"start": rss_start, "model_loaded": rss_model, "after_warmup": rss_warm, "after_updates": rss_train},
         "peak_rss_mb": peak_rss_mb(),
+        "phase_peak_rss_mb": rss.peaks,
         "checkpoint": {"size_mb": size / 2**20, "save_s": saves, "load_s": loads, "load_verified_s": loads_verified},
         "target": TARGET_RATIO,
         "met": med["ratio_total"] >= TARGET_RATIO,
         "met_without_scoring": med["ratio_without_scoring"] >= TARGET_RATIO,
         "met_with_scoring_pass": med["ratio_with_scoring_pass"] >= TARGET_RATIO,
     }
+
+
+# ------------------------------------------------------------------------------------------------ whole step
+STEP_TARGET_RATIO = 1.1
+STEP_TARGET_RSS_MB = 6 * 1024
+
+
+def bench_step(args_dict: dict[str, Any]) -> dict[str, Any]:
+    """One single-turn RL step of SmolLM2 at default optim settings (the ``make demo`` model settings: float32
+    master weights, bf16 autocast, the engine's own bf16 copy): HF-engine rollout of 8 questions × 4 samples
+    (64 new tokens each, EOS off so both arms make the same tokens) + ``PolicyUpdater.update`` + the engine's
+    weight refresh, against raw ``model.generate`` (same bf16 copy) + raw forward/backward of the same sequences
+    in the same micro-batches, interleaved. Per-phase peak RSS; the step's peak is the target (< 6 GiB)."""
+    args = argparse.Namespace(**args_dict)
+    set_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    for noisy in ("transformers", "infra", "aepo_core", "bm25s"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    from aepo_core.interfaces import GenerationRequest, SamplingParams
+    from infra.engines.hf import HFEngine
+    from infra.engines.weights import PolicyWeights
+
+    questions, k, new_tokens = 8, 4, 64
+    reps = args.reps or (1 if args.quick else 2)
+    rss = PhaseRss()
+    cfg = ExperimentConfig.model_validate({
+        "model": {"name": BUILTIN_SMOLLM2, "dtype": "float32", "compute_dtype": "bfloat16",
+                  "generation_dtype": "bfloat16", "cache_dir": args.model_cache},
+        "rollout": {"k": k, "max_response_tokens": new_tokens, "temperature": 1.0},
+        "optim": {"lr": 1e-6, "mini_batch_size": questions},  # default micro_batch_tokens and memory budget
+    })
+    with rss("load"):
+        model, tokenizer = load_policy(cfg.model)
+        generation_model = copy.deepcopy(model).to(torch.bfloat16).eval().requires_grad_(False)
+    compute = autocast_of(cfg.model.compute_dtype)
+    engine = HFEngine(generation_model, tokenizer, seed=args.seed, stop_token_ids=())  # EOS off: fixed length
+    backend = TimedBackend(TorchBackend(model, cfg.optim, total_steps=1000, compute_dtype=compute), rss)
+    updater = PhasedUpdater(backend, cfg, pad_id=int(tokenizer.pad_token_id))
+    pad = int(tokenizer.pad_token_id)
+    task = SyntheticTask(n_companies=40)
+    prompts = [chat_prompt_ids(tokenizer, row.question) for row in task.questions("train")[:questions]]
+    requests = [GenerationRequest(prompt_ids=p, max_tokens=new_tokens, seed=args.seed + i)
+                for i, p in enumerate(p for p in prompts for _ in range(k))]
+    width = max(len(r.prompt_ids) for r in requests)
+    input_ids = torch.full((len(requests), width), pad, dtype=torch.long)
+    attention = torch.zeros((len(requests), width), dtype=torch.long)
+    for i, r in enumerate(requests):
+        input_ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+        attention[i, width - len(r.prompt_ids):] = 1
+    rng = random.Random(args.seed)
+
+    def aepo_step(rep: int) -> tuple[float, float, list[TrainSample]]:
+        t0 = time.perf_counter()
+        with rss("step"):
+            with rss("rollout"):
+                results = engine.generate(requests, SamplingParams(temperature=1.0))
+            t_rollout = time.perf_counter() - t0
+            samples = [TrainSample(list(q.prompt_ids) + r.token_ids, len(q.prompt_ids), [1] * len(r.token_ids),
+                                   r.logprobs, rng.gauss(0.0, 1.0), i // k, r.entropies)
+                       for i, (q, r) in enumerate(zip(requests, results, strict=True))]
+            with rss("update"):
+                updater.update(samples)
+            with rss("weight refresh"):
+                engine.load_weights(PolicyWeights(model, rep + 1))
+        return t_rollout, time.perf_counter() - t0, samples
+
+    def raw_step(samples: Sequence[TrainSample]) -> tuple[float, float]:
+        torch.manual_seed(args.seed)
+        t0 = time.perf_counter()
+        with rss("raw step"), torch.inference_mode():
+            out = generation_model.generate(input_ids=input_ids, attention_mask=attention, do_sample=True,
+                                            temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                                            eos_token_id=None, pad_token_id=pad)
+        t_generate = time.perf_counter() - t0
+        assert out.shape[1] - width == new_tokens
+        with rss("raw step"):
+            raw_forward_backward(model, samples, pad, updater.micro_batch_tokens, compute)
+        return t_generate, time.perf_counter() - t0
+
+    log.info("[step] warm-up")
+    _, _, samples = aepo_step(-1)  # allocates AdamW state (a one-time cost), warms both paths
+    raw_step(samples[:4])
+    reps_out = []
+    for rep in range(reps):
+        got: dict[str, float] = {}
+        for what in (("aepo", "raw") if rep % 2 == 0 else ("raw", "aepo")):
+            if what == "aepo":
+                got["rollout_s"], got["step_s"], samples = aepo_step(rep)
+                got["update_s"] = got["step_s"] - got["rollout_s"]
+            else:
+                got["raw_generate_s"], got["raw_step_s"] = raw_step(samples)
+        got["ratio"] = got["step_s"] / got["raw_step_s"]
+        reps_out.append(got)
+        log.info("[step] rep %d: step %.1f s (rollout %.1f) vs raw %.1f s (generate %.1f): %.2f×", rep,
+                 got["step_s"], got["rollout_s"], got["raw_step_s"], got["raw_generate_s"], got["ratio"])
+    rss.close()
+    med = {key: statistics.median(r[key] for r in reps_out) for key in reps_out[0]}
+    tokens = sum(len(s.input_ids) for s in samples)
+    step_peak = rss.peaks["step"]
+    return {
+        "model": BUILTIN_SMOLLM2, "questions": questions, "k": k, "new_tokens": new_tokens, "tokens": tokens,
+        "micro_batch_tokens": cfg.optim.micro_batch_tokens, "micro_batch_tokens_capped": updater.micro_batch_tokens,
+        "memory_budget_gb": cfg.optim.memory_budget_gb, "reps": reps_out, "median": med,
+        "update_tok_s": tokens / med["update_s"],
+        "phase_peak_rss_mb": rss.peaks, "step_peak_rss_mb": step_peak, "process_peak_rss_mb": peak_rss_mb(),
+        "target_ratio": STEP_TARGET_RATIO, "met_ratio": med["ratio"] <= STEP_TARGET_RATIO,
+        "target_rss_mb": STEP_TARGET_RSS_MB, "met_rss": step_peak < STEP_TARGET_RSS_MB,
+    }
+
+
+def report_step(step: dict[str, Any]) -> None:
+    med, peaks = step["median"], step["phase_peak_rss_mb"]
+    print_table(f"whole single-turn step ({step['questions']}×{step['k']}, {step['new_tokens']} new tokens, "
+                f"micro-batch {step['micro_batch_tokens_capped']} tokens): rollout + update vs raw generate + fwd/bwd",
+                ["rollout s", "update s", "step s", "raw generate s", "raw step s", "ratio",
+                 f"≤ {STEP_TARGET_RATIO}", "update tok/s", "peak RSS step MB", f"< {STEP_TARGET_RSS_MB}"],
+                [[med["rollout_s"], med["update_s"], med["step_s"], med["raw_generate_s"], med["raw_step_s"],
+                  med["ratio"], step["met_ratio"], step["update_tok_s"], step["step_peak_rss_mb"], step["met_rss"]]])
+    print_table("peak RSS per phase (MB)", list(peaks), [[peaks[k] for k in peaks]])
 
 
 # -------------------------------------------------------------------------------------------------------- main
@@ -355,13 +516,18 @@ def report(results: dict[str, Any]) -> None:
         rows2.append([m["model"], f"{m['load_s']:.1f}/{m.get('reload_s', math.nan):.2f}",
                       f"{m['padding_waste'] * 100:.1f}%",
                       f"{m['padding_waste_unsorted_single_batch'] * 100:.1f}%", m["peak_rss_mb"],
-                      m["rss_mb"]["model_loaded"], med["raw_peak_rss_mb"], med["update_peak_rss_mb"],
+                      m["rss_mb"]["model_loaded"], m["phase_peak_rss_mb"]["raw fwd+bwd"],
+                      m["phase_peak_rss_mb"]["update"],
                       c["size_mb"], min(c["save_s"]), min(c["load_s"]), min(c["load_verified_s"])])
     print_table(f"trainer tokens/s: PolicyUpdater.update vs raw HF forward+backward — torch threads {threads}",
                 ["model", "weights/compute", "samples", "tokens", "prompt+resp", "raw tok/s", "update tok/s",
                  "ratio (on-policy)", "ratio w/ scoring pass", "ratio fwd+bwd only", "scoring/update s (off-pol.)",
                  "reps",
                  f"≥ {TARGET_RATIO}"], rows)
+    for m in results["models"]:
+        peaks = m["phase_peak_rss_mb"]
+        print_table(f"{m['model']}: peak RSS per phase (MB), micro-batch {m['micro_batch_tokens_capped']} tokens",
+                    list(peaks), [[peaks[k] for k in peaks]])
     print_table("padding, memory, checkpoints",
                 ["model", "load s first/again", "padding waste", "unsorted 1-batch", "peak RSS MB", "RSS after load MB",
                  "peak RSS raw MB", "peak RSS update MB", "ckpt MB", "save s", "load s", "load+verify s"], rows2)
@@ -380,6 +546,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-cache", default=os.environ.get("AEPO_MODEL_CACHE"),
                    help="converted-model cache (default $AEPO_MODEL_CACHE, else ~/.cache/aepo/models)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step", action=argparse.BooleanOptionalAction, default=True,
+                   help="the whole single-turn step (rollout + update) of SmolLM2 vs raw generate + fwd/bwd")
+    p.add_argument("--only-step", action="store_true", help="the whole step only (no per-model arms)")
     p.add_argument("--in-process", action="store_true", help="no subprocess per model (peak RSS accumulates)")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/train_step[-quick].json)")
     return p.parse_args(argv)
@@ -397,7 +566,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "environment": environment(args.threads, cpu=False),
         "models": [],
     }
-    names = MODELS if args.model == "both" else (args.model,)
+    names = () if args.only_step else MODELS if args.model == "both" else (args.model,)
     args_dict = {k: v for k, v in vars(args).items() if k != "out"}
     for name in names:
         if args.in_process:
@@ -405,12 +574,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             results["models"].append(pool.submit(bench_model, name, args_dict).result())
+    if args.step and (args.model in ("both", BUILTIN_SMOLLM2)):
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results["step"] = pool.submit(bench_step, args_dict).result()
     results["environment"]["load_avg_end"] = list(os.getloadavg())
     results["total_s"] = time.perf_counter() - started
     results["targets"] = {f"trainer_ratio[{m['model']}]": m["met"] for m in results["models"]}
-    out = args.out or RESULTS_DIR / ("train_step-quick.json" if args.quick else "train_step.json")
+    if "step" in results:
+        results["targets"].update({"step_ratio": results["step"]["met_ratio"], "step_rss": results["step"]["met_rss"]})
+    stem = "train_step-step" if args.only_step else "train_step"
+    out = args.out or RESULTS_DIR / (f"{stem}-quick.json" if args.quick else f"{stem}.json")
     atomic_write_json(out, results)
-    report(results)
+    if results["models"]:
+        report(results)
+    if "step" in results:
+        report_step(results["step"])
     env = results["environment"]
     print(f"\ntotal {results['total_s']:.0f} s; torch threads {args.threads}; "
           f"load avg {env['load_avg_start'][0]:.1f} → {env['load_avg_end'][0]:.1f}; wrote {out}")

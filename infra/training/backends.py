@@ -48,6 +48,10 @@ class _InProcessModel:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def chunked_projection(self) -> bool:
+        return True
+
     def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return decoder_hidden(self.model, input_ids, attention_mask, self.compute_dtype)
 

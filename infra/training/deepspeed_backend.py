@@ -226,6 +226,12 @@ class DeepSpeedBackend:
         """None: DeepSpeed's own bf16 mode decides the precision of the forward, not autocast."""
         return None
 
+    @property
+    def chunked_projection(self) -> bool:
+        """False: ZeRO reduces a parameter's gradient once per backward, and the chunked projection's backward would
+        accumulate a tied embedding twice (measured: ZeRO-2 asserts "Gradient computed twice for this partition")."""
+        return False
+
     def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Decoder hidden states through the engine (gathers ZeRO-3 partitions, arms the backward hooks)."""
         return self.engine(input_ids, attention_mask)

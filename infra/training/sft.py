@@ -22,6 +22,7 @@ from infra.engines.weights import PolicyWeights
 from infra.runtime import PolicyRuntime
 from infra.training.backends import TorchBackend, autocast_dtype
 from infra.training.batching import TrainSample, collate, plan_micro_batches
+from infra.training.memory import micro_batch_token_cap
 from infra.training.update import TrainBackend, response_logprobs_and_entropy
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,8 @@ def run_sft(runtime: PolicyRuntime, rows: Sequence[QuestionRow]) -> SFTReport:
                            compute_dtype=autocast_dtype(cfg.model.compute_dtype))
     # Loss of the first and the last batch as they were trained on (a separate before/after pass over all
     # transcripts would cost two more forward passes: a third of the SFT time on CPU).
-    history = train_sft(backend, samples, sft_cfg, runtime.pad_id, cfg.optim.micro_batch_tokens, seed=cfg.seed)
+    token_budget = micro_batch_token_cap(cfg.optim, runtime.model, backend.device)
+    history = train_sft(backend, samples, sft_cfg, runtime.pad_id, token_budget, seed=cfg.seed)
     runtime.weights_changed(PolicyWeights(runtime.model, 0))
     return SFTReport(history[0]["sft/loss"], history[-1]["sft/loss"], len(history), len(samples),
                      sum(h["sft/tokens_per_s"] for h in history) / len(history))
