@@ -150,15 +150,27 @@ class _ProgressHandler(logging.Handler):
 @contextmanager
 def sigterm_unwinds() -> Iterator[None]:
     """While inside (main thread only), SIGTERM raises SystemExit: ``finally`` blocks run, a flow and its MLflow
-    run end as failed, and Prefect's temporary API server is stopped instead of being left orphaned."""
+    run end as failed, and Prefect's temporary API server is stopped instead of being left orphaned.
+
+    The exit is re-raised on the way out if something in between swallowed it (seen once: a SIGTERM that landed
+    while Prefect's engine was handling a task's result let the command exit 0), so a stopped run never exits as
+    a success."""
+    received: list[int] = []
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        received.append(signum)
+        raise SystemExit(128 + signum)
+
     previous = None
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         yield
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+    if received:
+        raise SystemExit(128 + received[0])
 
 
 @contextmanager
@@ -182,10 +194,6 @@ def flow_progress(label: str, total: int | None,
     finally:
         for lg in loggers:
             lg.removeHandler(handler)
-
-
-def _exit_on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
 
 
 def _train_progress(bar: Progress, task: Any, event: ProgressEvent) -> None:

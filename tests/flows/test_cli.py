@@ -173,6 +173,16 @@ def test_prefect_yaml_deployments_load_and_validate(prefect_harness: Any) -> Non
 
 
 @pytest.mark.timeout(600)
+def _cmdline(p: Any) -> str:
+    """A process's command line; "" for one that exited (or became a zombie) while we looked."""
+    import psutil
+
+    try:
+        return " ".join(p.cmdline())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return ""
+
+
 def test_sigterm_stops_the_run_and_its_temporary_prefect_server(tmp_path: Path, model_cache: Path) -> None:
     """`kill <pid>` of `aepo train` must not leave Prefect's temporary API server (a child process) behind."""
     import contextlib
@@ -197,8 +207,7 @@ def test_sigterm_stops_the_run_and_its_temporary_prefect_server(tmp_path: Path, 
         while not server or not (runs / "mlflow.db").exists():  # the flow is running: its API server is up
             assert proc.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
             assert time.time() < deadline, (tmp_path / "train.log").read_text()[-3000:]
-            children = psutil.Process(proc.pid).children(recursive=True)
-            server = [c for c in children if "uvicorn" in " ".join(c.cmdline())]
+            server = [c for c in psutil.Process(proc.pid).children(recursive=True) if "uvicorn" in _cmdline(c)]
             time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) != 0
