@@ -120,8 +120,11 @@ class PolicyRuntime:
         evaluation: n independent samples), with the configured tools."""
         scheduler = RolloutScheduler(self.engine, self.tools, rollout, tool_timeout_s=self.cfg.tools.timeout_s,
                                      tool_workers=self.cfg.tools.workers)
-        result = scheduler.run([Question(row.id, self.prompt_ids(row.question)) for row in rows], seed=seed,
-                               sampling=sampling)
+        try:
+            result = scheduler.run([Question(row.id, self.prompt_ids(row.question)) for row in rows], seed=seed,
+                                   sampling=sampling)
+        finally:
+            self.engine.release()  # retained KV of this rollout is never asked for again: free it now
         self._check_weight_versions(result)
         return result
 

@@ -222,6 +222,10 @@ class HFEngine:
         """Whether finished rows' KV is kept for later prompts that start with the same tokens."""
         return self._prefixes is not None
 
+    def release(self) -> None:
+        """The rollout is over: its retained KV will not be asked for again (:meth:`PolicyEngine.release`)."""
+        self.clear_kv()
+
     def clear_kv(self) -> None:
         """Forget every retained KV cache (done automatically when the weights change)."""
         if self._prefixes is not None:
@@ -429,7 +433,9 @@ class HFEngine:
                     keep.append(j)
             if retain:
                 for j, a in enumerate(active):
-                    if j not in keep and rows[a].finish not in (None, "error"):
+                    # only rows a caller may continue: EOS ends a trajectory for good (a stop string — a tool call
+                    # — or the length cap of a segment does not)
+                    if j not in keep and rows[a].finish in ("stop", "length"):
                         self._retain(rows[a], cache, attention[j], j)
             if not keep:
                 return

@@ -206,6 +206,9 @@ class RemoteEngine:
     def weight_version(self) -> str | None:
         return self._loaded_version
 
+    def release(self) -> None:
+        return None  # the server's prefix cache is its own (and is reset at every weight sync)
+
     def close(self) -> None:
         self._http.close()
 

@@ -48,6 +48,11 @@ class PolicyEngine(Engine, Protocol):
         """Sample from ``source`` from the next ``generate`` on."""
         ...
 
+    def release(self) -> None:
+        """A rollout is over: drop what was kept between its generate calls (the in-process engine's retained KV
+        caches); the next rollout starts from other prompts or other weights."""
+        ...
+
     @property
     def weight_version(self) -> str | None:
         """The label of the weights last loaded, which every result stamped with a version must carry; None when

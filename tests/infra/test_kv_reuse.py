@@ -146,3 +146,31 @@ def test_the_config_turns_reuse_on_and_off(reuse: bool, tiny_policy: tuple[Any, 
     model, tok = tiny_policy
     engine = _build_engine(cfg, model, tok, tmp_path)
     assert isinstance(engine, HFEngine) and engine.kv_reuse is reuse
+
+
+def test_only_continuable_rows_are_kept_and_a_rollout_frees_them(tiny_policy: tuple[Any, Any], model_cache,
+                                                                  tmp_path) -> None:
+    """A row that ended with EOS is never continued (its KV would only hold memory); a stop string or the length
+    cap may be.  When a rollout ends, the runtime releases what the engine retained for it."""
+    from pathlib import Path
+
+    from infra.config_files import load_config
+    from infra.runtime import build_runtime
+
+    model, tok = tiny_policy
+    engine = HFEngine(model, tok, kv_reuse_mb=16)
+    prompt = engine.apply_chat_template("Say something.")
+    eos = engine.eos_token_ids
+    (res,) = engine.generate([GenerationRequest(prompt, 6, seed=1)], HOT)
+    assert res.finish_reason == "length" and len(engine._prefixes or []) == 1  # type: ignore[arg-type]
+    engine.clear_kv()
+    ended = HFEngine(model, tok, kv_reuse_mb=16, stop_token_ids=tuple(range(model.config.vocab_size)))
+    (res,) = ended.generate([GenerationRequest(prompt, 6, seed=1)], HOT)  # every token is an "EOS"
+    assert res.finish_reason == "eos" and len(ended._prefixes or []) == 0  # type: ignore[arg-type]
+    assert eos  # the tokenizer's EOS ids exist (what normally ends a trajectory)
+
+    repo = Path(__file__).resolve().parents[2]
+    runtime = build_runtime(load_config(repo / "configs" / "tiny.yaml", [f"model.cache_dir={model_cache}"]), tmp_path)
+    rows = runtime.load_rows("synthetic:train")[:1]
+    runtime.sample(rows, runtime.cfg.rollout, seed=0)
+    assert runtime.engine.kv_reuse and len(runtime.engine._prefixes) == 0  # type: ignore[attr-defined]
