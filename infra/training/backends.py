@@ -9,6 +9,7 @@ import torch
 
 from aepo_core.config import OptimConfig
 from infra.training.optim import build_optimizer, build_scheduler
+from infra.training.ranks import Ranks
 from infra.training.update import Stateful
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,11 @@ class _InProcessModel:
     @property
     def chunked_projection(self) -> bool:
         return True
+
+    @property
+    def ranks(self) -> Ranks:
+        """One process: nothing all-reduces this backend's gradients (data parallelism is DeepSpeed's)."""
+        return Ranks()
 
     def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return decoder_hidden(self.model, input_ids, attention_mask, self.compute_dtype)
