@@ -121,7 +121,8 @@ class _TrainingState:
         if saved_world != ranks.world_size:
             raise ValueError(f"optimizer state was saved by {saved_world} rank(s), this run has {ranks.world_size}: "
                              "ZeRO partitions depend on the world size")
-        self._backend.load_state(state["ranks"][ranks.rank] if ranks.distributed else state)
+        self._backend.load_state(state["ranks"][ranks.rank] if ranks.distributed else state,
+                                 all_ranks=state["ranks"] if ranks.distributed else None)
 
 
 class DeepSpeedBackend:
@@ -334,19 +335,33 @@ class DeepSpeedBackend:
         return {"optimizer": opt, "scheduler": self.scheduler.state_dict(),
                 "global_steps": self.engine.global_steps, "zero_stage": self.zero_stage}
 
-    def load_state(self, state: dict[str, Any]) -> None:
+    def load_state(self, state: dict[str, Any], all_ranks: list[dict[str, Any]] | None = None) -> None:
         """Restore what ``state_dict_for_checkpoint`` returned (same ZeRO stage, world size and groups).
 
-        Load the model weights first: under ZeRO the fp32 master weights are then taken from this state, so a
-        bf16 run resumes without the precision loss of rebuilding them from 16-bit weights.
+        ``all_ranks``: under several ranks, every rank's saved state in rank order (``state`` is this rank's):
+        DeepSpeed's ZeRO optimizers take the whole list and pick their data-parallel rank's entry.
+        Load the model weights first (not under ZeRO-3, see ``weights_from_optimizer_state``): under ZeRO the fp32
+        master weights are then taken from this state, so a bf16 run resumes without the precision loss of
+        rebuilding them from 16-bit weights.
         """
         from deepspeed.runtime.base_optimizer import ZeROOptimizer
-        from deepspeed.runtime.zero.config import ZeroStageEnum
-        from deepspeed.utils.tensor_fragment import fragment_address
 
         if state.get("zero_stage", self.zero_stage) != self.zero_stage:
             raise ValueError(f"checkpoint was written under ZeRO-{state['zero_stage']}, this is ZeRO-{self.zero_stage}")
-        opt = dict(state["optimizer"])
+        if isinstance(self.optimizer, ZeROOptimizer):
+            opts = [self._optimizer_state(s["optimizer"]) for s in (all_ranks or [state])]
+            self.optimizer.load_state_dict(opts, load_optimizer_states=True, load_from_fp32_weights=True)
+        else:
+            self.optimizer.load_state_dict(self._optimizer_state(state["optimizer"]))
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.engine.global_steps = int(state.get("global_steps", 0))
+
+    def _optimizer_state(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """A saved optimizer state with DeepSpeed's objects rebuilt (the inverse of ``state_dict_for_checkpoint``)."""
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        opt = dict(saved)
         if isinstance(opt.get("loss_scaler"), dict):
             scaler = copy.copy(self.optimizer.loss_scaler)
             scaler.__dict__.update(opt["loss_scaler"])
@@ -358,9 +373,4 @@ class DeepSpeedBackend:
                 OrderedDict((name, fragment_address(**addr)) for name, addr in group.items())
                 for group in opt["param_slice_mappings"]
             ]
-        if isinstance(self.optimizer, ZeROOptimizer):
-            self.optimizer.load_state_dict([opt], load_optimizer_states=True, load_from_fp32_weights=True)
-        else:
-            self.optimizer.load_state_dict(opt)
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.engine.global_steps = int(state.get("global_steps", 0))
+        return opt
