@@ -58,6 +58,11 @@ class _InProcessModel:
         """One process: nothing all-reduces this backend's gradients (data parallelism is DeepSpeed's)."""
         return Ranks()
 
+    @property
+    def weights_from_optimizer_state(self) -> bool:
+        """False: the model holds its full weights, which a checkpoint's weights are loaded into."""
+        return False
+
     def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return decoder_hidden(self.model, input_ids, attention_mask, self.compute_dtype)
 

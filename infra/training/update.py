@@ -96,6 +96,12 @@ class TrainBackend(Protocol):
         """(optimizer-like, LR scheduler) as a checkpoint saves them; DeepSpeed keeps both in the first."""
         ...
 
+    @property
+    def weights_from_optimizer_state(self) -> bool:
+        """Whether loading the optimizer state also restores the weights, and the live parameters cannot take a
+        full state dict (ZeRO-3 partitions): a resume then skips loading the checkpoint's HF weights."""
+        ...
+
     def full_state_dict(self) -> Mapping[str, torch.Tensor] | None:
         """The gathered full weights when the live parameters are partitions (ZeRO-3); None when the model
         holds them (then ``module.state_dict()`` is the full state)."""
