@@ -123,13 +123,15 @@ def train(
             evals = _Evaluations(runtime, tracker, cfg.train.eval_timeout_s)
             _train_loop(trainer, name, tracker, trajectories, evals, resumed=point is not None, logger=logger)
             comparisons = _paired_vs_earlier(evals.per_question, cfg)
-            for cmp_name, by_ds in comparisons.items():
-                tracker.log_metrics({f"eval/{ds}/{cmp_name}_{key}": value
-                                     for ds, c in by_ds.items() for key, value in c.items()}, trainer.step)
-            history = tracker.metric_history(list(CURVE_METRICS))
-            tracker.log_figure(curves_figure({k: v for k, v in history.items() if v}, title=name), "plots/curves.png")
-            if cfg.tracking.log_model:
-                tracker.log_model(runtime.model, runtime.tokenizer, name="policy")
+            if ranks.is_main:
+                for cmp_name, by_ds in comparisons.items():
+                    tracker.log_metrics({f"eval/{ds}/{cmp_name}_{key}": value
+                                         for ds, c in by_ds.items() for key, value in c.items()}, trainer.step)
+                history = tracker.metric_history(list(CURVE_METRICS))
+                tracker.log_figure(curves_figure({k: v for k, v in history.items() if v}, title=name),
+                                   "plots/curves.png")
+                if cfg.tracking.log_model:
+                    tracker.log_model(runtime.model, runtime.tokenizer, name="policy")
     result = TrainResult(run_id, name, trainer.step, str(runs), str(checkpoint_dir), tracker.tracking_uri,
                          str(trajectories.uri), evals.summaries, comparisons)
     create_markdown_artifact(key=None, markdown=summary_markdown(result, cfg), description=f"summary of {name}")
