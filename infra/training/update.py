@@ -11,6 +11,12 @@
    their losses use mini-batch normalizers so gradient accumulation gives the same update for any split.
 3. Grad clipping, optimizer and LR-schedule step through the backend (torch or DeepSpeed).
 
+Under data-parallel ranks (``backend.ranks``) every rank gets the same global samples: the scoring pass is split
+by sample and all-gathered; each mini-batch's question groups are split across ranks, while its normalisers and
+entropy statistics are those of the global mini-batch, so the ranks' summed gradients are the one-process
+gradient. Every rank runs as many micro-batches as the busiest one (zero-weight fillers), because DeepSpeed's
+forwards and backwards are collectives.
+
 The in-process engine holds the same model object, so it samples from the new weights without a copy.
 """
 

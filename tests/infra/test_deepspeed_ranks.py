@@ -100,3 +100,42 @@ def test_two_rank_resume_continues_exactly(stage, tmp_path):
     assert saved["world_size"] == 2 and len(saved["ranks"]) == 2
     launch(tmp_path, stage, "resume")
     torch.testing.assert_close(gathered(tmp_path, "resume"), gathered(tmp_path, "straight"), rtol=0, atol=0)
+
+
+def aepo_train(runs: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """``torch.distributed.run --nproc_per_node 2 -m flows.cli train`` on configs/tiny.yaml under ZeRO-2."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k not in
+           ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "-m", "flows.cli", "train", "-c", str(ROOT / "configs" / "tiny.yaml"), "--runs-dir", str(runs),
+           "--set", "train.backend=deepspeed", "--set", "train.zero_stage=2", "--set", "eval.max_questions=2", *extra]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=runs.parent)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return proc
+
+
+def test_aepo_train_on_two_ranks_logs_once_and_resumes(tmp_path):
+    """End to end under the launcher: step 1, then ``--resume`` to step 2. One MLflow run (rank 0's) with both
+    steps, rank 0's checkpoints holding both ranks' optimizer partitions, one trajectory part per step; rank 1
+    has only its private Prefect home."""
+    from mlflow.tracking import MlflowClient
+
+    from infra.tracking import tracking_uri_for
+
+    runs = tmp_path / "runs"
+    aepo_train(runs, "--set", "train.steps=1")
+    aepo_train(runs, "--set", "train.steps=2", "--resume")
+    client = MlflowClient(tracking_uri_for(runs))
+    found = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert len(found) == 1, [r.info.run_name for r in found]
+    run = found[0]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [1, 2]
+    checkpoints = sorted(p.name for p in (runs / "checkpoints" / "tiny").iterdir())
+    assert checkpoints == ["step-000001", "step-000002"]
+    saved = torch.load(runs / "checkpoints" / "tiny" / "step-000002" / "optimizer.pt", weights_only=True)
+    assert saved["world_size"] == 2 and len(saved["ranks"]) == 2
+    parts = sorted(p.relative_to(runs) for p in (runs / "trajectories").rglob("*.parquet"))
+    assert {p.parts[2] for p in parts} == {f"run_id={run.info.run_id}"}
+    assert sum(1 for p in parts if p.parts[1] == "trajectories") == 2  # one part per step, written by rank 0
+    assert (runs / "prefect-rank1").is_dir() and not (runs / "mlflow-rank1").exists()
