@@ -16,12 +16,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from test_deepspeed_backend import OVERRIDES, TOTAL_STEPS  # noqa: E402
-from test_update import make_samples, tiny_model  # noqa: E402
+from test_deepspeed_backend import OVERRIDES, TOTAL_STEPS
+from test_update import make_samples, tiny_model
 
-from aepo_core.config import build_config  # noqa: E402
-from infra.training.deepspeed_backend import DeepSpeedBackend, init_single_process_distributed  # noqa: E402
-from infra.training.update import PolicyUpdater  # noqa: E402
+from aepo_core.config import build_config
+from infra.training.deepspeed_backend import DeepSpeedBackend, init_single_process_distributed
+from infra.training.update import PolicyUpdater
 
 SAMPLES = {"n_groups": 5, "per_group": 3}  # 5 groups: shards of 3 + 2, a last mini-batch of one group
 
