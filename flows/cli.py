@@ -280,7 +280,7 @@ def train(
         fail(str(exc))
     runs = resolve_runs_dir(runs_dir, cfg)
     cfg = _with_runs_dir(cfg, runs)
-    from infra.training.ranks import Ranks
+    from infra.ranks import Ranks
 
     prepare_environment(runs, rank=Ranks.current().rank)
     from flows.train import train as train_flow

@@ -26,11 +26,11 @@ from aepo_core.scoring import StepScores, fill_informative
 from flows.common import flow_run_id, resolve_config
 from infra.evaluation import EvalReport
 from infra.plots import curves_figure, rollout_tree_figure
+from infra.ranks import Ranks
 from infra.runtime import PolicyRuntime, build_runtime
 from infra.store import TrajectoryStore
 from infra.tracking import RankTracker, Tracker
 from infra.trainer import Trainer, find_resume_point
-from infra.training.ranks import Ranks
 from tasks.data import prepare_data, source_fingerprint
 from tasks.progress import Progress, report
 from tasks.rl import checkpoint, evaluate, rollout, score, sft, store, update

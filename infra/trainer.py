@@ -21,13 +21,13 @@ from aepo_core.scoring import StepScores
 from infra.data.rows import QuestionRow
 from infra.engines.weights import PolicyWeights
 from infra.models import load_policy
+from infra.ranks import Ranks
 from infra.runtime import PolicyRuntime
 from infra.training.backends import FrozenBackend, TorchBackend, autocast_dtype
 from infra.training.batching import samples_from_trees
 from infra.training.checkpoint import check_compatible, latest_checkpoint, load_checkpoint, read_checkpoint_state
 from infra.training.checkpoint import save_checkpoint as write_checkpoint
 from infra.training.data_order import DataCursor, DataOrder
-from infra.training.ranks import Ranks
 from infra.training.update import PolicyUpdater, TrainBackend
 
 log = logging.getLogger(__name__)

@@ -8,8 +8,8 @@ from collections.abc import Mapping
 import torch
 
 from aepo_core.config import OptimConfig
+from infra.ranks import Ranks
 from infra.training.optim import build_optimizer, build_scheduler
-from infra.training.ranks import Ranks
 from infra.training.update import Stateful
 
 log = logging.getLogger(__name__)

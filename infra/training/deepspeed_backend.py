@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from aepo_core.config import OptimConfig, TrainConfig
+from infra.ranks import Ranks
 from infra.training.optim import build_optimizer, build_scheduler, lr_factor
-from infra.training.ranks import Ranks
 
 log = logging.getLogger(__name__)
 

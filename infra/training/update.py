@@ -44,9 +44,9 @@ from aepo_core.losses import (
     compute_policy_loss,
     loss_normalizer,
 )
+from infra.ranks import Ranks
 from infra.training.batching import PaddedBatch, TrainSample, collate, plan_micro_batches, split_mini_batches
 from infra.training.memory import micro_batch_token_cap, release_memory
-from infra.training.ranks import Ranks
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from test_deepspeed_backend import OVERRIDES, TOTAL_STEPS
 from test_update import make_samples, params, tiny_model
 
 from aepo_core.config import build_config
+from infra.ranks import Ranks
 from infra.training.backends import TorchBackend
-from infra.training.ranks import Ranks
 from infra.training.update import PolicyUpdater
 
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install -e '.[distributed]')")

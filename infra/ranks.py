@@ -1,4 +1,4 @@
-"""The data-parallel ranks of a training run (``torchrun``/``deepspeed`` launchers), as the update and the flow use them.
+"""The data-parallel ranks of a training run (``torchrun``/``deepspeed`` launchers) as the update and flow see them.
 
 A run under a launcher is SPMD: every rank runs the same training loop on the same global data, and the few places
 where ranks differ ask a :class:`Ranks`:
