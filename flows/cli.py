@@ -85,15 +85,22 @@ def resolve_runs_dir(option: str | None, cfg: ExperimentConfig | None = None) ->
     return Path(raw).expanduser().resolve()
 
 
-def prepare_environment(runs: Path) -> None:
+def prepare_environment(runs: Path, rank: int = 0) -> None:
     """Point Prefect at ``<runs>/prefect`` before it is imported (afterwards its settings are fixed: then this
-    only warns, e.g. under a test harness that already configured Prefect)."""
-    home = runs / "prefect"
+    only warns, e.g. under a test harness that already configured Prefect).
+
+    A data-parallel ``rank`` > 0 (under ``torchrun``/``deepspeed``) runs the same flow against a private ephemeral
+    Prefect API in ``<runs>/prefect-rank<N>`` (``PREFECT_API_URL`` dropped): the flow run, its task runs and
+    artifacts that people and the Prefect UI see are rank 0's alone.
+    """
+    home = runs / ("prefect" if rank == 0 else f"prefect-rank{rank}")
     if "prefect" in sys.modules:
         log.debug("prefect already imported: PREFECT_HOME stays %s", os.environ.get("PREFECT_HOME"))
         return
     home.mkdir(parents=True, exist_ok=True)
     os.environ["PREFECT_HOME"] = str(home)
+    if rank:
+        os.environ.pop("PREFECT_API_URL", None)
     for key, value in PREFECT_ENV.items():
         os.environ.setdefault(key, value)
 
@@ -273,7 +280,9 @@ def train(
         fail(str(exc))
     runs = resolve_runs_dir(runs_dir, cfg)
     cfg = _with_runs_dir(cfg, runs)
-    prepare_environment(runs)
+    from infra.ranks import Ranks
+
+    prepare_environment(runs, rank=Ranks.current().rank)
     from flows.train import train as train_flow
 
     try:

@@ -20,15 +20,16 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 
 from aepo_core.config import ExperimentConfig
 from aepo_core.evaluation import paired_comparison
-from aepo_core.rollout.scheduler import RolloutResult
+from aepo_core.rollout.scheduler import RolloutResult, merge_results
 from aepo_core.rollout.tree import RolloutTree
 from aepo_core.scoring import StepScores, fill_informative
 from flows.common import flow_run_id, resolve_config
 from infra.evaluation import EvalReport
 from infra.plots import curves_figure, rollout_tree_figure
+from infra.ranks import Ranks
 from infra.runtime import PolicyRuntime, build_runtime
 from infra.store import TrajectoryStore
-from infra.tracking import Tracker
+from infra.tracking import RankTracker, Tracker
 from infra.trainer import Trainer, find_resume_point
 from tasks.data import prepare_data, source_fingerprint
 from tasks.progress import Progress, report
@@ -109,7 +110,8 @@ def train(
     with runtime:  # stops a managed vLLM server however the flow ends
         trajectories = (TrajectoryStore.from_config(cfg.storage) if cfg.storage.trajectories_uri
                         else TrajectoryStore(runs / "trajectories"))
-        tracker = Tracker.from_config(cfg, runs)
+        ranks = Ranks.current()  # the launcher's (the process group itself starts with the DeepSpeed backend)
+        tracker: Tracker | RankTracker = Tracker.from_config(cfg, runs) if ranks.is_main else RankTracker(ranks.rank)
         run_id = tracker.start(cfg, run_name=name, resume_run_id=point.run_id if point else None,
                                parent_run_id=parent_run_id, flow_run_id=flow_run_id(),
                                tags={"runs_dir": str(runs), "clip_active": str(cfg.clip_active()).lower()})
@@ -121,13 +123,15 @@ def train(
             evals = _Evaluations(runtime, tracker, cfg.train.eval_timeout_s)
             _train_loop(trainer, name, tracker, trajectories, evals, resumed=point is not None, logger=logger)
             comparisons = _paired_vs_earlier(evals.per_question, cfg)
-            for cmp_name, by_ds in comparisons.items():
-                tracker.log_metrics({f"eval/{ds}/{cmp_name}_{key}": value
-                                     for ds, c in by_ds.items() for key, value in c.items()}, trainer.step)
-            history = tracker.metric_history(list(CURVE_METRICS))
-            tracker.log_figure(curves_figure({k: v for k, v in history.items() if v}, title=name), "plots/curves.png")
-            if cfg.tracking.log_model:
-                tracker.log_model(runtime.model, runtime.tokenizer, name="policy")
+            if ranks.is_main:
+                for cmp_name, by_ds in comparisons.items():
+                    tracker.log_metrics({f"eval/{ds}/{cmp_name}_{key}": value
+                                         for ds, c in by_ds.items() for key, value in c.items()}, trainer.step)
+                history = tracker.metric_history(list(CURVE_METRICS))
+                tracker.log_figure(curves_figure({k: v for k, v in history.items() if v}, title=name),
+                                   "plots/curves.png")
+                if cfg.tracking.log_model:
+                    tracker.log_model(runtime.model, runtime.tokenizer, name="policy")
     result = TrainResult(run_id, name, trainer.step, str(runs), str(checkpoint_dir), tracker.tracking_uri,
                          str(trajectories.uri), evals.summaries, comparisons)
     create_markdown_artifact(key=None, markdown=summary_markdown(result, cfg), description=f"summary of {name}")
@@ -138,10 +142,11 @@ def _sample_round(trainer: Trainer, step: int, rounds: list[RolloutResult], atte
                   ) -> tuple[list[RolloutTree], StepScores]:
     """One sampling round of ``step`` (:func:`~aepo_core.scoring.fill_informative`): the next questions of the data
     order, rolled out (seed from (seed, step, attempt)) and scored; the rollout is appended to ``rounds``."""
-    runtime, cfg = trainer.runtime, trainer.runtime.cfg
+    runtime, cfg, ranks = trainer.runtime, trainer.runtime.cfg, trainer.ranks
     rows = trainer.next_batch()
-    result = rollout.with_options(timeout_seconds=cfg.train.rollout_timeout_s,
-                                  retries=cfg.train.task_retries)(runtime, rows, step, attempt)
+    local = rollout.with_options(timeout_seconds=cfg.train.rollout_timeout_s,
+                                 retries=cfg.train.task_retries)(runtime, ranks.shard(rows), step, attempt, ranks.rank)
+    result = merge_results(ranks.all_gather(local))  # every rank: the whole step, in question order
     rounds.append(result)
     return result.trees, score(runtime, result, rows, step)
 
@@ -157,7 +162,9 @@ def _train_loop(trainer: Trainer, name: str, tracker: Tracker, trajectories: Tra
            f", resumed at step {trainer.step}" if resumed else "")
     progress_id = create_progress_artifact(progress=100.0 * trainer.step / total, key=None,
                                            description=f"RL steps of {name}")
-    if not resumed:
+    # Evaluations run on rank 0 alone (its weights are whole under ZeRO 0–2; the Trainer refuses SFT and ZeRO-3
+    # with the in-process engine under several ranks).
+    if not resumed and trainer.ranks.is_main:
         if cfg.eval.at_start:
             evals.run("start", 0)
         if cfg.train.sft.enabled:
@@ -175,16 +182,19 @@ def _train_loop(trainer: Trainer, name: str, tracker: Tracker, trajectories: Tra
         train_metrics = update.with_options(timeout_seconds=cfg.train.update_timeout_s)(
             trainer, dataclasses.replace(rounds[0], trees=filled.trees), scores, step)
         result = dataclasses.replace(rounds[0], trees=filled.sampled_trees)
-        store(trajectories, trainer.run_id, step, result, filled.sampled_scores)
+        if trainer.ranks.is_main:
+            store(trajectories, trainer.run_id, step, result, filled.sampled_scores)
         tracker.log_metrics({**rounds[0].metrics(), **scores.metrics, **train_metrics,
                              "step/wall_s": time.perf_counter() - t0}, step)
         last = (result, filled.sampled_scores)
         if step % cfg.checkpoint.every == 0 or step == total:
             checkpoint(trainer)
-        if cfg.eval.every and step % cfg.eval.every == 0 and step < total:
+        if cfg.eval.every and step % cfg.eval.every == 0 and step < total and trainer.ranks.is_main:
             evals.run(f"step{step}", step)
         update_progress_artifact(progress_id, progress=100.0 * step / total,
                                  description=f"step {step}/{total}: reward {scores.metrics['rollout/reward_mean']:.3f}")
+    if not trainer.ranks.is_main:
+        return
     evals.run("final", trainer.step)
     if last is not None:
         result, scores = last

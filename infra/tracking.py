@@ -554,3 +554,48 @@ __all__ = [
     "resolve_tracking",
     "tracking_uri_for",
 ]
+
+
+class RankTracker:
+    """The tracker of a data-parallel rank other than 0: it takes the train flow's tracking calls and records
+    nothing, so a run under ``torchrun``/``deepspeed`` has one MLflow run, rank 0's. Its ``run_id`` is a label
+    (``rank<N>``), never an MLflow id; :meth:`metric_history` is empty."""
+
+    def __init__(self, rank: int, tracking_uri: str = "") -> None:
+        self.rank = rank
+        self.tracking_uri = tracking_uri
+
+    @property
+    def run_id(self) -> str:
+        return f"rank{self.rank}"
+
+    def start(self, cfg: ExperimentConfig, **_: Any) -> str:
+        return self.run_id
+
+    def __enter__(self) -> RankTracker:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        return None
+
+    def log_config(self, cfg: ExperimentConfig, artifact_file: str = "config.yaml") -> None:
+        return None
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int) -> int:
+        return 0
+
+    def log_dict(self, data: Mapping[str, Any], artifact_file: str) -> None:
+        return None
+
+    def log_figure(self, figure: Any, artifact_file: str) -> None:
+        return None
+
+    def metric_history(self, keys: Sequence[str] | None = None) -> dict[str, list[tuple[int, float]]]:
+        return {}
+
+    def log_model(self, model: Any, tokenizer: Any, name: str = "model") -> None:
+        return None
+
+    def log_trajectory_sample(self, trees: Sequence[RolloutTree], scores: Sequence[Sequence[LeafScore]] | None,
+                              **_: Any) -> None:
+        return None

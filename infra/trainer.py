@@ -21,6 +21,7 @@ from aepo_core.scoring import StepScores
 from infra.data.rows import QuestionRow
 from infra.engines.weights import PolicyWeights
 from infra.models import load_policy
+from infra.ranks import Ranks
 from infra.runtime import PolicyRuntime
 from infra.training.backends import FrozenBackend, TorchBackend, autocast_dtype
 from infra.training.batching import samples_from_trees
@@ -55,6 +56,15 @@ def find_resume_point(checkpoint_dir: str | os.PathLike[str], cfg: ExperimentCon
 
 def build_backend(runtime: PolicyRuntime, total_steps: int) -> TrainBackend:
     cfg = runtime.cfg
+    if cfg.train.backend != "deepspeed" and Ranks.current().distributed:
+        raise ValueError("train.backend=torch trains in one process: under a torchrun/deepspeed launcher use "
+                         "train.backend=deepspeed, whose ranks all-reduce their gradients")
+    if Ranks.current().distributed and cfg.train.sft.enabled:
+        raise ValueError("train.sft.enabled: cold-start SFT runs in one process; run it before launching ranks")
+    if Ranks.current().distributed and cfg.train.zero_stage == 3 and cfg.rollout.engine == "hf":
+        raise ValueError("train.zero_stage=3 under several ranks needs rollout.engine=remote: the in-process engine "
+                         "would generate on partitioned weights, whose every forward is a collective that the "
+                         "ranks' different rollouts cannot keep in step")
     if cfg.train.backend == "deepspeed":
         from infra.training.deepspeed_backend import DeepSpeedBackend
 
@@ -112,21 +122,38 @@ class Trainer:
     def weights(self) -> PolicyWeights:
         return PolicyWeights(self.runtime.model, self._step, self.backend.full_state_dict)
 
+    @property
+    def ranks(self) -> Ranks:
+        """The backend's data-parallel ranks (one process: ``Ranks(0, 1)``)."""
+        return self.backend.ranks
+
     def save(self) -> Path:
-        """An atomic checkpoint of everything a bit-identical resume needs."""
+        """An atomic checkpoint of everything a bit-identical resume needs.
+
+        Under several ranks every rank calls it: the optimizer state (each rank's ZeRO partition, gathered to
+        rank 0) and under ZeRO-3 the full weights are collectives; rank 0 alone writes and commits the checkpoint
+        directory, and every rank returns its path once it is committed.
+        """
         optimizer, scheduler = self.backend.checkpoint_state()
+        saved_optimizer = _Saved(optimizer.state_dict()) if optimizer is not None else None  # collective
+        weights = self.backend.full_state_dict()  # collective under ZeRO-3
         rt = self.runtime
-        return write_checkpoint(
-            self.checkpoint_dir, self._step, model=rt.model, tokenizer=rt.tokenizer, config=rt.cfg,
-            optimizer=optimizer, scheduler=scheduler, data_cursor=self.cursor, run_id=self.run_id,
-            extra={"order": self.order.state_dict()}, keep=rt.cfg.checkpoint.keep,
-            state_dict=self.backend.full_state_dict(),
-        )
+        path = None
+        if self.ranks.is_main:
+            path = write_checkpoint(
+                self.checkpoint_dir, self._step, model=rt.model, tokenizer=rt.tokenizer, config=rt.cfg,
+                optimizer=saved_optimizer, scheduler=scheduler, data_cursor=self.cursor, run_id=self.run_id,
+                extra={"order": self.order.state_dict(), "world_size": self.ranks.world_size},
+                keep=rt.cfg.checkpoint.keep, state_dict=weights,
+            )
+        return Path(self.ranks.broadcast(str(path)))
 
     def resume(self, point: ResumePoint, force: bool = False) -> int:
-        """Restore ``point`` (weights, optimizer, schedule, RNG streams, data cursor); returns its step."""
+        """Restore ``point`` (weights, optimizer, schedule, RNG streams, data cursor); returns its step. Every rank
+        reads the checkpoint and takes its own optimizer partition (same world size as the save)."""
         optimizer, scheduler = self.backend.checkpoint_state()
-        state = load_checkpoint(point.path, model=self.runtime.model, optimizer=optimizer, scheduler=scheduler,
+        model = None if self.backend.weights_from_optimizer_state else self.runtime.model
+        state = load_checkpoint(point.path, model=model, optimizer=optimizer, scheduler=scheduler,
                                 config=self.runtime.cfg, force=force)
         saved_order = state.extra.get("order")
         if saved_order is not None:
@@ -136,3 +163,16 @@ class Trainer:
         self.runtime.weights_changed(self.weights())
         log.info("resumed %s at step %d (data cursor %s)", point.path, self._step, self.cursor)
         return self._step
+
+
+class _Saved:
+    """A state captured before the single writer runs (a collective on every rank), as ``Stateful``."""
+
+    def __init__(self, state: dict[str, object]) -> None:
+        self._state = state
+
+    def state_dict(self) -> dict[str, object]:
+        return self._state
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        raise TypeError("a saved snapshot is not loaded into")

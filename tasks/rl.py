@@ -26,10 +26,12 @@ from tasks.progress import Progress, report
 
 
 @task(name="rollout", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
-def rollout(runtime: PolicyRuntime, rows: Sequence[QuestionRow], step: int, attempt: int = 0) -> RolloutResult:
-    """Rollout trees of the step's questions; the seed derives from (config seed, step) and, for the refill rounds
-    of DAPO dynamic sampling (``attempt`` > 0), the attempt."""
-    parts = (runtime.cfg.seed, "rollout", step) + ((attempt,) if attempt else ())
+def rollout(runtime: PolicyRuntime, rows: Sequence[QuestionRow], step: int, attempt: int = 0, rank: int = 0
+            ) -> RolloutResult:
+    """Rollout trees of the step's questions (under data-parallel ranks: this ``rank``'s shard of them); the seed
+    derives from (config seed, step), for the refill rounds of DAPO dynamic sampling (``attempt`` > 0) the attempt,
+    and for ranks > 0 the rank (independent streams per shard)."""
+    parts = (runtime.cfg.seed, "rollout", step) + ((attempt,) if attempt else ()) + ((f"rank{rank}",) if rank else ())
     result = runtime.sample(rows, runtime.cfg.rollout, derive_seed(*parts))
     s = result.stats
     report(get_run_logger(), Progress("rollout", done=step),

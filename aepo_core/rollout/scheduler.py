@@ -127,6 +127,23 @@ class RolloutResult:
         return {f"rollout/{name}": value for name, value in self.stats.items()}
 
 
+def merge_results(parts: Sequence[RolloutResult]) -> RolloutResult:
+    """One rollout from the shards that data-parallel ranks rolled out (trees in rank order).
+
+    The tree statistics are recomputed over all trees; wall, generate and tool seconds are the slowest shard's
+    (the ranks ran concurrently), generated tokens are summed; the branch rate by consecutive-branch count and any
+    other statistic are the first shard's (the decisions behind them are not in a result).
+    """
+    if len(parts) == 1:
+        return parts[0]
+    trees = [t for p in parts for t in p.trees]
+    stats = {**parts[0].stats, **rollout_stats(trees)[0]}
+    for key in ("wall_s", "generate_s", "tools_s"):
+        stats[key] = max(p.stats.get(key, 0.0) for p in parts)
+    stats["tokens_generated"] = sum(p.stats.get("tokens_generated", 0.0) for p in parts)
+    return RolloutResult(trees, stats, dict(parts[0].branch_rate_by_consecutive))
+
+
 def derive_seed(*parts: object) -> int:
     """A stable 63-bit seed from any parts (Python's hash() is salted per process)."""
     digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()

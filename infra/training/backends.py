@@ -8,6 +8,7 @@ from collections.abc import Mapping
 import torch
 
 from aepo_core.config import OptimConfig
+from infra.ranks import Ranks
 from infra.training.optim import build_optimizer, build_scheduler
 from infra.training.update import Stateful
 
@@ -51,6 +52,16 @@ class _InProcessModel:
     @property
     def chunked_projection(self) -> bool:
         return True
+
+    @property
+    def ranks(self) -> Ranks:
+        """One process: nothing all-reduces this backend's gradients (data parallelism is DeepSpeed's)."""
+        return Ranks()
+
+    @property
+    def weights_from_optimizer_state(self) -> bool:
+        """False: the model holds its full weights, which a checkpoint's weights are loaded into."""
+        return False
 
     def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return decoder_hidden(self.model, input_ids, attention_mask, self.compute_dtype)

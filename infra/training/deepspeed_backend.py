@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from aepo_core.config import OptimConfig, TrainConfig
+from infra.ranks import Ranks
 from infra.training.optim import build_optimizer, build_scheduler, lr_factor
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,9 @@ def init_single_process_distributed(backend: str | None = None, skip_shm_op: boo
     """Initialise ``deepspeed.comm`` for one process when no launcher did (tests, laptop runs on CPU).
 
     Sets ``RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=<free>`` where missing (a launcher's
-    values are kept). With one rank DeepSpeed's shared-memory all-reduce kernel is never used, yet building it
-    costs minutes on a small CPU; ``skip_shm_op`` marks it unavailable so it is not compiled.
+    values are kept, so under ``torchrun`` this joins the launcher's ranks). Building DeepSpeed's shared-memory
+    all-reduce kernel costs minutes on a small CPU and one rank never uses it; ``skip_shm_op`` marks it unavailable
+    so it is not compiled (several CPU ranks then all-reduce through gloo: milliseconds for the test models).
     """
     import deepspeed
 
@@ -57,7 +59,7 @@ def init_single_process_distributed(backend: str | None = None, skip_shm_op: boo
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    if skip_shm_op and os.environ["WORLD_SIZE"] == "1":
+    if skip_shm_op:
         deepspeed.ops.__compatible_ops__[_SHM_COMM_OP] = False
     if backend is None and not torch.cuda.is_available():
         backend = "gloo"
@@ -94,16 +96,33 @@ def _param_groups(model: torch.nn.Module, cfg: OptimConfig) -> list[dict[str, An
 
 class _TrainingState:
     """``state_dict``/``load_state_dict`` over the backend's optimizer + scheduler state, for checkpoint code
-    written against torch optimizers (ZeRO optimizers' own methods take and give other shapes)."""
+    written against torch optimizers (ZeRO optimizers' own methods take and give other shapes).
+
+    Under several ranks each rank holds its own ZeRO partition of the optimizer: ``state_dict()`` is then a
+    collective (every rank calls it) that gathers ``{"world_size": n, "ranks": [state of rank 0, …]}`` to rank 0
+    (an empty dict elsewhere), so the single writer on rank 0 saves one ``optimizer.pt``; ``load_state_dict``
+    on every rank takes its own part and refuses another world size (ZeRO partitions depend on it).
+    """
 
     def __init__(self, backend: DeepSpeedBackend) -> None:
         self._backend = backend
 
     def state_dict(self) -> dict[str, Any]:
-        return self._backend.state_dict_for_checkpoint()
+        ranks = self._backend.ranks
+        own = self._backend.state_dict_for_checkpoint()
+        if not ranks.distributed:
+            return own
+        parts = ranks.gather_to_main(own)
+        return {"world_size": ranks.world_size, "ranks": parts} if parts is not None else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._backend.load_state(state)
+        ranks = self._backend.ranks
+        saved_world = int(state.get("world_size", 1))
+        if saved_world != ranks.world_size:
+            raise ValueError(f"optimizer state was saved by {saved_world} rank(s), this run has {ranks.world_size}: "
+                             "ZeRO partitions depend on the world size")
+        self._backend.load_state(state["ranks"][ranks.rank] if ranks.distributed else state,
+                                 all_ranks=state["ranks"] if ranks.distributed else None)
 
 
 class DeepSpeedBackend:
@@ -156,6 +175,7 @@ class DeepSpeedBackend:
         self.model = model
         self.zero_stage = zero_stage
         self.grad_clip = cfg.grad_clip
+        self._ranks = Ranks.current()
         base_lr = lr if lr is not None else cfg.lr
         plain = zero_stage == 0 and not bf16
         zero: dict[str, Any] = {"stage": zero_stage}
@@ -232,13 +252,23 @@ class DeepSpeedBackend:
         accumulate a tied embedding twice (measured: ZeRO-2 asserts "Gradient computed twice for this partition")."""
         return False
 
+    @property
+    def ranks(self) -> Ranks:
+        """The launcher's data-parallel ranks (the default process group); ``Ranks(0, 1)`` single-process."""
+        return self._ranks
+
     def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Decoder hidden states through the engine (gathers ZeRO-3 partitions, arms the backward hooks)."""
         return self.engine(input_ids, attention_mask)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Accumulate gradients by plain summation: the loss already carries its mini-batch normalizer."""
-        self.engine.backward(loss, scale_wrt_gas=False)
+        """Accumulate gradients by plain summation: the loss already carries its mini-batch normalizer.
+
+        Each rank's loss is its share of the global mini-batch loss, so the update wants the ranks' gradients
+        summed; DeepSpeed averages them over the data-parallel group, hence the loss × world size.
+        """
+        world = self._ranks.world_size
+        self.engine.backward(loss * world if world > 1 else loss, scale_wrt_gas=False)
 
     def step(self) -> float:
         """Clip, optimizer and LR-schedule step; returns the pre-clipping global gradient norm."""
@@ -276,6 +306,12 @@ class DeepSpeedBackend:
         """Optimizer and scheduler state as one object with ``state_dict()`` / ``load_state_dict()``."""
         return _TrainingState(self), None
 
+    @property
+    def weights_from_optimizer_state(self) -> bool:
+        """True under ZeRO-3: the live parameters are partitions that a full state dict cannot be copied into, and
+        loading the optimizer state restores them from its fp32 master weights."""
+        return self.zero_stage == 3
+
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Gathered weights under ZeRO-3 (a collective: every rank calls it); None at stages 0–2, whose model
         holds its full weights."""
@@ -299,19 +335,33 @@ class DeepSpeedBackend:
         return {"optimizer": opt, "scheduler": self.scheduler.state_dict(),
                 "global_steps": self.engine.global_steps, "zero_stage": self.zero_stage}
 
-    def load_state(self, state: dict[str, Any]) -> None:
+    def load_state(self, state: dict[str, Any], all_ranks: list[dict[str, Any]] | None = None) -> None:
         """Restore what ``state_dict_for_checkpoint`` returned (same ZeRO stage, world size and groups).
 
-        Load the model weights first: under ZeRO the fp32 master weights are then taken from this state, so a
-        bf16 run resumes without the precision loss of rebuilding them from 16-bit weights.
+        ``all_ranks``: under several ranks, every rank's saved state in rank order (``state`` is this rank's):
+        DeepSpeed's ZeRO optimizers take the whole list and pick their data-parallel rank's entry.
+        Load the model weights first (not under ZeRO-3, see ``weights_from_optimizer_state``): under ZeRO the fp32
+        master weights are then taken from this state, so a bf16 run resumes without the precision loss of
+        rebuilding them from 16-bit weights.
         """
         from deepspeed.runtime.base_optimizer import ZeROOptimizer
-        from deepspeed.runtime.zero.config import ZeroStageEnum
-        from deepspeed.utils.tensor_fragment import fragment_address
 
         if state.get("zero_stage", self.zero_stage) != self.zero_stage:
             raise ValueError(f"checkpoint was written under ZeRO-{state['zero_stage']}, this is ZeRO-{self.zero_stage}")
-        opt = dict(state["optimizer"])
+        if isinstance(self.optimizer, ZeROOptimizer):
+            opts = [self._optimizer_state(s["optimizer"]) for s in (all_ranks or [state])]
+            self.optimizer.load_state_dict(opts, load_optimizer_states=True, load_from_fp32_weights=True)
+        else:
+            self.optimizer.load_state_dict(self._optimizer_state(state["optimizer"]))
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.engine.global_steps = int(state.get("global_steps", 0))
+
+    def _optimizer_state(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """A saved optimizer state with DeepSpeed's objects rebuilt (the inverse of ``state_dict_for_checkpoint``)."""
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        opt = dict(saved)
         if isinstance(opt.get("loss_scaler"), dict):
             scaler = copy.copy(self.optimizer.loss_scaler)
             scaler.__dict__.update(opt["loss_scaler"])
@@ -323,9 +373,4 @@ class DeepSpeedBackend:
                 OrderedDict((name, fragment_address(**addr)) for name, addr in group.items())
                 for group in opt["param_slice_mappings"]
             ]
-        if isinstance(self.optimizer, ZeROOptimizer):
-            self.optimizer.load_state_dict([opt], load_optimizer_states=True, load_from_fp32_weights=True)
-        else:
-            self.optimizer.load_state_dict(opt)
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.engine.global_steps = int(state.get("global_steps", 0))
+        return opt

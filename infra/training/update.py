@@ -11,6 +11,12 @@
    their losses use mini-batch normalizers so gradient accumulation gives the same update for any split.
 3. Grad clipping, optimizer and LR-schedule step through the backend (torch or DeepSpeed).
 
+Under data-parallel ranks (``backend.ranks``) every rank gets the same global samples: the scoring pass is split
+by sample and all-gathered; each mini-batch's question groups are split across ranks, while its normalisers and
+entropy statistics are those of the global mini-batch, so the ranks' summed gradients are the one-process
+gradient. Every rank runs as many micro-batches as the busiest one (zero-weight fillers), because DeepSpeed's
+forwards and backwards are collectives.
+
 The in-process engine holds the same model object, so it samples from the new weights without a copy.
 """
 
@@ -38,6 +44,7 @@ from aepo_core.losses import (
     compute_policy_loss,
     loss_normalizer,
 )
+from infra.ranks import Ranks
 from infra.training.batching import PaddedBatch, TrainSample, collate, plan_micro_batches, split_mini_batches
 from infra.training.memory import micro_batch_token_cap, release_memory
 
@@ -75,9 +82,17 @@ class TrainBackend(Protocol):
         accumulation per parameter per backward (tied embeddings would get two)."""
         ...
 
+    @property
+    def ranks(self) -> Ranks:
+        """The data-parallel ranks whose gradients ``step()`` combines (one process: ``Ranks(0, 1)``)."""
+        ...
+
     def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor: ...
 
-    def backward(self, loss: torch.Tensor) -> None: ...
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate ``∇ loss``; across data-parallel ranks the update is the gradient of the ranks' losses
+        *summed* (each rank's loss is its share of the global mini-batch loss)."""
+        ...
 
     def step(self) -> float: ...
 
@@ -85,6 +100,12 @@ class TrainBackend(Protocol):
 
     def checkpoint_state(self) -> tuple[Stateful | None, Stateful | None]:
         """(optimizer-like, LR scheduler) as a checkpoint saves them; DeepSpeed keeps both in the first."""
+        ...
+
+    @property
+    def weights_from_optimizer_state(self) -> bool:
+        """Whether loading the optimizer state also restores the weights, and the live parameters cannot take a
+        full state dict (ZeRO-3 partitions): a resume then skips loading the checkpoint's HF weights."""
         ...
 
     def full_state_dict(self) -> Mapping[str, torch.Tensor] | None:
@@ -260,11 +281,30 @@ class PolicyUpdater:
         self.pad_id = pad_id
         self.device = backend.device
         self.micro_batch_tokens = micro_batch_token_cap(cfg.optim, backend.module, backend.device)
+        self.ranks = backend.ranks
 
     # ------------------------------------------------------------------
     def _micro_batches(self, samples: Sequence[TrainSample], indices: Sequence[int]) -> list[list[int]]:
         lengths = [len(samples[i].input_ids) for i in indices]
         return [[indices[j] for j in mb] for mb in plan_micro_batches(lengths, self.micro_batch_tokens)]
+
+    def _lockstep(self, samples: Sequence[TrainSample], share: Sequence[Sequence[int]]) -> list[list[int] | None]:
+        """This rank's micro-batches of ``share[rank]``, padded with None to the most any rank has.
+
+        Every rank knows every share (the samples are global), so the count needs no collective. The padding is
+        there because the ranks' forwards and backwards are collectives under DeepSpeed (ZeRO-3 gathers each
+        module's partitions in its forward; ZeRO-2 reduces full gradient buckets inside the backward): a rank
+        with fewer micro-batches runs a zero-weight one per missing one (see :meth:`_filler`).
+        """
+        mine = self._micro_batches(samples, share[self.ranks.rank])
+        most = max(len(self._micro_batches(samples, s)) for s in share) if self.ranks.distributed else len(mine)
+        return [*mine, *([None] * (most - len(mine)))]
+
+    def _group_share(self, samples: Sequence[TrainSample], indices: Sequence[int]) -> list[list[int]]:
+        """Per rank, its contiguous share of the question groups of ``indices`` (whole groups, in order)."""
+        groups = sorted({samples[i].group for i in indices})
+        return [[i for i in indices if samples[i].group in set(self.ranks.shard(groups, r))]
+                for r in range(self.ranks.world_size)]
 
     @torch.no_grad()
     def score(self, samples: Sequence[TrainSample], policy: bool = True) -> _Scored:
@@ -275,7 +315,9 @@ class PolicyUpdater:
         entropy: list[torch.Tensor] = [torch.empty(0)] * n
         ref: list[torch.Tensor] | None = [torch.empty(0)] * n if self.ref_backend is not None else None
         self.backend.module.eval()
-        for mb in self._micro_batches(samples, list(range(n))):
+        share = [self.ranks.shard(range(n), r) for r in range(self.ranks.world_size)]
+        for planned in self._lockstep(samples, share):
+            mb = planned if planned is not None else [0]  # a filler forward: computed, then dropped
             batch = collate([samples[i] for i in mb], self.pad_id, self.device)
             lp = ent = ref_lp = None
             if policy:
@@ -283,13 +325,22 @@ class PolicyUpdater:
             if self.ref_backend is not None:
                 ref_lp, _ = response_logprobs_and_entropy(self.ref_backend, batch, temp, with_grad=False,
                                                           with_entropy=False)
-            for row, i in enumerate(mb):
+            for row, i in enumerate(planned or []):
                 r = samples[i].response_len
                 if lp is not None and ent is not None:
                     logprobs[i] = lp[row, :r].cpu()
                     entropy[i] = ent[row, :r].cpu()
                 if ref is not None and ref_lp is not None:
                     ref[i] = ref_lp[row, :r].cpu()
+        if self.ranks.distributed:  # each rank scored its share: every rank gets all of them
+            mine = share[self.ranks.rank]
+            parts = self.ranks.all_gather([(logprobs[i], entropy[i], ref[i] if ref is not None else None)
+                                           for i in mine])
+            for indices, part in zip(share, parts, strict=True):
+                for i, (lp_i, ent_i, ref_i) in zip(indices, part, strict=True):
+                    logprobs[i], entropy[i] = lp_i, ent_i
+                    if ref is not None:
+                        ref[i] = ref_i
         return _Scored(logprobs, entropy, ref)
 
     def needs_scoring_pass(self, samples: Sequence[TrainSample]) -> bool:
@@ -341,14 +392,23 @@ class PolicyUpdater:
         stats = entropy_stats(mini_ent, mini_mask, per_sequence=alg.loss in SEQUENCE_LEVEL_LOSSES)
         norm = loss_normalizer(mini_mask, mini_ent, alg)
         mini_loss = 0.0
-        for mb in self._micro_batches(samples, mini):
-            mini_loss += self._micro_batch(step, mb, stats, norm, tally)
+        for mb in self._lockstep(samples, self._group_share(samples, mini)):
+            if mb is None:
+                self._filler(step, mini, stats, norm)
+            else:
+                mini_loss += self._micro_batch(step, mb, stats, norm, tally)
         tally.grad_norms.append(self.backend.step())
         tally.losses.append(mini_loss)
 
+    def _filler(self, step: _Step, mini: list[int], stats: EntropyStats, norm: LossNormalizer) -> None:
+        """A zero-weight micro-batch (the mini-batch's first sample, loss × 0) for a rank with fewer micro-batches
+        than another: same collectives, no gradient, no metrics."""
+        self._micro_batch(step, mini[:1], stats, norm, _Tally(), weight=0.0)
+
     def _micro_batch(self, step: _Step, mb: list[int], stats: EntropyStats, norm: LossNormalizer,
-                     tally: _Tally) -> float:
-        """Forward, loss and backward of one micro-batch (gradients accumulate); returns its loss."""
+                     tally: _Tally, weight: float = 1.0) -> float:
+        """Forward, loss and backward of one micro-batch (gradients accumulate); returns its loss. ``weight``
+        scales the loss (0: a filler, see :meth:`_filler`)."""
         cfg, alg = self.cfg, self.cfg.algorithm
         batch = collate([step.samples[i] for i in mb], self.pad_id, self.device)
         tally.real_tokens += batch.real_tokens
@@ -373,9 +433,9 @@ class PolicyUpdater:
             LossInputs(logprobs, old, adv * weights, batch.loss_mask, ent, ref), alg, norm,
             norm_len=cfg.rollout.max_response_tokens,
         )
-        self.backend.backward(loss)
+        self.backend.backward(loss * weight if weight != 1.0 else loss)
         tally.diagnostics.append({**diag, **correction})
-        return float(loss.detach())
+        return float(loss.detach()) * weight
 
     def _old_logprobs(self, step: _Step, mb: list[int], batch: PaddedBatch, logprobs: torch.Tensor) -> torch.Tensor:
         """π_old of the ratio: the rollout's, the scoring pass's, or (on-policy, no scoring pass) this very forward,
@@ -389,8 +449,10 @@ class PolicyUpdater:
     def _metrics(self, step: _Step, tally: _Tally, wall: float, t_score: float) -> dict[str, float]:
         """The step's training metrics; the loss diagnostics combined as each declares (``train/<name>``)."""
         samples = step.samples
+        # Each rank's loss is its share of the mini-batch's (global normalisers): the mini-batch loss is their sum.
+        losses = [sum(parts) for parts in zip(*self.ranks.all_gather(tally.losses), strict=True)]
         metrics = {
-            "train/loss": sum(tally.losses) / len(tally.losses),
+            "train/loss": sum(losses) / len(losses),
             "train/grad_norm": sum(tally.grad_norms) / len(tally.grad_norms),
             "train/grad_norm_max": max(tally.grad_norms),
             "train/lr": self.backend.current_lr(),
