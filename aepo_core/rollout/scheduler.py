@@ -131,7 +131,7 @@ def merge_results(parts: Sequence[RolloutResult]) -> RolloutResult:
     """One rollout from the shards that data-parallel ranks rolled out (trees in rank order).
 
     The tree statistics are recomputed over all trees; wall, generate and tool seconds are the slowest shard's
-    (the ranks ran concurrently), generated tokens are summed; the branch rate by consecutive-branch count and any
+    (the ranks ran concurrently), generated tokens and stale segments are summed; the branch rate by consecutive-branch count and any
     other statistic are the first shard's (the decisions behind them are not in a result).
     """
     if len(parts) == 1:
@@ -140,7 +140,9 @@ def merge_results(parts: Sequence[RolloutResult]) -> RolloutResult:
     stats = {**parts[0].stats, **rollout_stats(trees)[0]}
     for key in ("wall_s", "generate_s", "tools_s"):
         stats[key] = max(p.stats.get(key, 0.0) for p in parts)
-    stats["tokens_generated"] = sum(p.stats.get("tokens_generated", 0.0) for p in parts)
+    for key in ("tokens_generated", "stale_segments"):
+        if any(key in p.stats for p in parts):
+            stats[key] = sum(p.stats.get(key, 0.0) for p in parts)
     return RolloutResult(trees, stats, dict(parts[0].branch_rate_by_consecutive))
 
 
