@@ -131,8 +131,9 @@ def merge_results(parts: Sequence[RolloutResult]) -> RolloutResult:
     """One rollout from the shards that data-parallel ranks rolled out (trees in rank order).
 
     The tree statistics are recomputed over all trees; wall, generate and tool seconds are the slowest shard's
-    (the ranks ran concurrently), generated tokens and stale segments are summed; the branch rate by consecutive-branch count and any
-    other statistic are the first shard's (the decisions behind them are not in a result).
+    (the ranks ran concurrently), generated tokens and stale segments are summed; the branch rate by
+    consecutive-branch count and any other statistic are the first shard's (the decisions behind them are not in
+    a result).
     """
     if len(parts) == 1:
         return parts[0]
