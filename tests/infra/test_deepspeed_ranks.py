@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from infra.training.update import PolicyUpdater
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install -e '.[distributed]')")
 
 WORKER = Path(__file__).with_name("ds_rank_worker.py")
+PORT_TAKEN = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -44,9 +46,12 @@ def launch(out: Path, stage: int, mode: str, ranks: int = 2) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
                                                              "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}",
-           str(WORKER), str(out), str(stage), mode]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    for _attempt in range(3):  # the free port can be taken between our probe and the launcher's bind: retry
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
+               f"--master_port={free_port()}", str(WORKER), str(out), str(stage), mode]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        if proc.returncode == 0 or not PORT_TAKEN.search(proc.stdout + proc.stderr):
+            break
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
