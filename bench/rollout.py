@@ -434,13 +434,16 @@ def bench_vllm(policy: ToolPolicy, compute: str, task: SyntheticTask, sizes_d: S
 
     model_dir = export_hf_checkpoint(policy.model, policy.tokenizer, workdir / "vllm-policy")
     startup: dict[str, float] = {}
+    # The warm start reads the compile cache the cold start just filled (without a cold start: ~/.cache/vllm,
+    # warm only if an earlier run filled it for this model).
+    cache_root = Path(tempfile.mkdtemp(dir=workdir)) if cold else None
     if cold:
         server, startup["cold_s"] = _start_vllm(model_dir, workdir / "vllm-cold.log", eager=False,
-                                                cache_root=Path(tempfile.mkdtemp(dir=workdir)))
+                                                cache_root=cache_root)
         server.close()
     server, startup["eager_s"] = _start_vllm(model_dir, workdir / "vllm-eager.log", eager=True, cache_root=None)
     server.close()
-    server, startup["warm_s"] = _start_vllm(model_dir, workdir / "vllm-warm.log", eager=False, cache_root=None)
+    server, startup["warm_s"] = _start_vllm(model_dir, workdir / "vllm-warm.log", eager=False, cache_root=cache_root)
     log.info("(e) vLLM start-up: %s", ", ".join(f"{k} {v:.0f} s" for k, v in startup.items()))
     try:
         prompts = [q.prompt_ids for q in bench_questions(task, policy.tokenizer, sizes.rows)]
