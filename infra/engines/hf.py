@@ -275,11 +275,11 @@ class HFEngine:
 
     # ---------------------------------------------------------------- weights
 
-    @torch.no_grad()
     @property
     def weight_version(self) -> str | None:
         return None  # results carry no version: this engine samples from the weights it was handed, always
 
+    @torch.no_grad()
     def load_weights(self, source: WeightSource) -> None:
         """Sample from ``source`` next: the live training weights (copied into this engine's own model unless it
         is the training model itself) or an HF checkpoint directory (loaded in place)."""

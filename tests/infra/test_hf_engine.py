@@ -45,6 +45,7 @@ def test_implements_the_engine_protocol(tiny_engine: HFEngine) -> None:
     ids = tiny_engine.encode("hello <search>x</search>")
     assert tiny_engine.decode(ids) == "hello <search>x</search>"
     assert tiny_engine.eos_token_id == 2 and 2 in tiny_engine.eos_token_ids
+    assert tiny_engine.weight_version is None  # a property: it samples from the weights it was handed
     prompt = tiny_engine.apply_chat_template("Hi", system_prompt="Be brief.")
     assert tiny_engine.decode(prompt) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
