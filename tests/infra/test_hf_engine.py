@@ -253,3 +253,20 @@ def test_entropy_is_stable_for_bf16_logits() -> None:
     assert torch.isfinite(h).all() and (h >= -1e-6).all()
     assert torch.allclose(h.double(), ref, atol=1e-3)
     assert torch.allclose(logp.exp().sum(-1), torch.ones(4), atol=1e-4)
+
+
+def test_the_output_projection_sees_only_contiguous_last_positions(tiny_engine: HFEngine) -> None:
+    """The prefill asks the model for the last position's logits only, and that slice must reach the output
+    projection contiguous: torch's CPU bf16 ``linear`` on a strided [rows, 1, hidden] input broadcasts the weight
+    per row (measured on SmolLM2, 72 rows: +3.9 GB and 18 s for the one [72, 576] × [576, 49152] product, against
+    8 MB and 0.02 s contiguous)."""
+    seen: list[tuple[tuple[int, ...], bool]] = []
+    head = tiny_engine.model.get_output_embeddings()
+    hook = head.register_forward_pre_hook(lambda _m, args: seen.append((tuple(args[0].shape), args[0].is_contiguous())))
+    try:
+        prompts = _prompts(tiny_engine)
+        tiny_engine.generate([GenerationRequest(p, 3, seed=i) for i, p in enumerate(prompts)], HOT)
+    finally:
+        hook.remove()
+    assert seen and all(shape[-2] == 1 for shape, _ in seen)  # never the whole prompt's logits
+    assert all(contiguous for _, contiguous in seen), seen
