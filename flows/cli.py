@@ -292,6 +292,7 @@ def train(
                                 force_resume=force_resume)
     except Exception as exc:
         fail(f"training failed: {exc}", code=1)
+    Ranks.current().finish()  # under a launcher: every rank ends together, the process group torn down
     out = _out()
     out.print(_eval_table(f"aepo train: {result.run_name} — evaluations ({result.steps} RL steps)",
                           result.final_eval, cfg.eval.pass_k, stages=result.evals))

@@ -89,3 +89,13 @@ class Ranks:
     def barrier(self) -> None:
         if self.distributed:
             torch.distributed.barrier()
+
+    def finish(self) -> None:
+        """The end of a run that succeeded on every rank: wait for all of them, then tear the process group down.
+
+        A rank that exits while the gloo group is alive (its peers still writing checkpoints or weights) can
+        abort in C++ ("terminate called without an active exception", SIGABRT: seen in 1 of ~10 two-rank ZeRO-3
+        runs under load), and the launcher then kills the others and reports the run failed."""
+        if self.distributed and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()

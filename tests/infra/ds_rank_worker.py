@@ -47,6 +47,7 @@ def main() -> None:
         if optimizer_state is not None:
             torch.save(optimizer_state, out / "optimizer.pt")
     (out / f"metrics-{mode}-rank{rank}.json").write_text(json.dumps(metrics))
+    backend.ranks.finish()
 
 
 if __name__ == "__main__":
