@@ -60,9 +60,9 @@ class Stack:
     procs: dict[str, subprocess.Popen[bytes]] | None = None
 
     def start(self, name: str, cmd: list[str], env: dict[str, str], cwd: Path = REPO) -> subprocess.Popen[bytes]:
-        log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
+        with open(self.tmp / f"{name}.log", "ab") as log:  # the child keeps its own descriptor
+            proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
         assert self.procs is not None
         self.procs[name] = proc
         return proc
