@@ -437,7 +437,7 @@ def finished_children(tracker: Tracker, spec: SweepSpec, configs: Mapping[str, E
                       ) -> dict[str, FinishedChild]:
     """Run name → the newest FINISHED MLflow run of the experiment with that name, this sweep's ``sweep_name``
     tag and the config hash the child would run with now (a changed sweep file re-runs the cells it changes)."""
-    found = tracker.search_runs(filter_string=f"tags.{TAG_SWEEP} = '{spec.name}' and attributes.status = 'FINISHED'")
+    found = tracker.search_runs(filter_string=f"tags.{TAG_SWEEP} = '{spec.name}' AND attributes.status = 'FINISHED'")
     out: dict[str, FinishedChild] = {}
     for _, row in found.iterrows():  # newest first (search_runs orders by start time, descending)
         name = row["run_name"]

@@ -173,11 +173,12 @@ def _sweep_spec(stack: Stack, tracking_uri: str | None) -> dict[str, Any]:
     return spec
 
 
-def _flow_runs_of(deployment: str) -> list[Any]:
+def _flow_runs_on(stack: Stack, deployment: str) -> list[Any]:
+    """The flow runs of a deployment on the stack's server."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
-    with get_client(sync_client=True) as client:
+    with _on_server(stack, stack.tmp / "prefect-client"), get_client(sync_client=True) as client:
         dep = client.read_deployment_by_name(deployment)
         return client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])))
 
@@ -208,12 +209,12 @@ def test_fanout_sweep_runs_children_on_workers_and_matches_in_process(
             fan = sweep(sweep_config=_sweep_spec(stack, stack.mlflow_url), runs_dir=str(tmp_path / "fanout"),
                         deployment=DEPLOYMENT, max_parallel=2, child_timeout_s=600)
             t_fan = time.monotonic() - t0
-            child_flow_runs = _flow_runs_of(DEPLOYMENT)
+            child_flow_runs = _flow_runs_on(stack, DEPLOYMENT)
             t0 = time.monotonic()
             again = sweep(sweep_config=_sweep_spec(stack, stack.mlflow_url), runs_dir=str(tmp_path / "fanout"),
                           deployment=DEPLOYMENT, max_parallel=2, child_timeout_s=600)
             t_again = time.monotonic() - t0
-            flow_runs_after = _flow_runs_of(DEPLOYMENT)
+            flow_runs_after = _flow_runs_on(stack, DEPLOYMENT)
     finally:
         torch.set_num_threads(threads)
     print(f"in-process sweep {t_ref:.0f} s, fan-out {t_fan:.0f} s, re-run {t_again:.0f} s")
@@ -258,3 +259,20 @@ def test_fanout_sweep_runs_children_on_workers_and_matches_in_process(
     assert sorted(moved["run_id"]) == sorted(children["run_id"])
     assert set(moved["tags.sweep_previous_parent_run_id"]) == {fan.parent_run_id}
     pd.testing.assert_frame_equal(pd.DataFrame(again.runs)[COMPARED], fan_runs)
+
+    # a child that fails on its worker is reported by name and final state; the finished ones are reused and
+    # compared, and the sweep (its parent run) ends failed. The broken cell fails at once (no such dataset).
+    broken = _sweep_spec(stack, stack.mlflow_url)
+    broken["cells"] = {"broken": {"data.train": str(tmp_path / "no-such-dataset.parquet")}}
+    broken["seeds"] = [0, 1]
+    with _on_server(stack, tmp_path / "prefect-home"), pytest.raises(RuntimeError) as failure:
+        sweep(sweep_config=broken, runs_dir=str(tmp_path / "fanout"), deployment=DEPLOYMENT, max_parallel=2,
+              child_timeout_s=600)
+    assert "2 of 6 runs failed" in str(failure.value)
+    assert "fan-broken-s0 (Failed)" in str(failure.value) and "fan-broken-s1 (Failed)" in str(failure.value)
+    table = pd.read_csv(tmp_path / "fanout" / "sweeps" / "fan" / "comparison.csv")
+    assert sorted(table["run_name"]) == sorted(names) and set(table["status"]) == {"FINISHED"}
+    last = tracker.search_runs(filter_string="tags.kind = 'sweep'", order_by=["attributes.start_time DESC"])
+    assert last["run_name"].iloc[0] == "fan" and last["status"].iloc[0] == "FAILED"
+    assert sorted(fr.name for fr in _flow_runs_on(stack, DEPLOYMENT)) == sorted(
+        [*names, "fan-broken-s0", "fan-broken-s1"])
