@@ -114,6 +114,9 @@ class Stack:
 def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("fanout-stack")
     st = Stack(tmp, procs={})
+    env = pytest.MonkeyPatch()
+    env.setenv("PREFECT_HOME", str(tmp / "prefect-test"))  # this process's Prefect files, never ~/.prefect
+    env.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     try:
         s3_port, mlflow_port, prefect_port = _free_port(), _free_port(), _free_port()
         st.s3_url = f"http://127.0.0.1:{s3_port}"
@@ -149,6 +152,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterat
     finally:
         for name in reversed(list(st.procs or {})):
             st.stop(name)
+        env.undo()
 
 
 @contextlib.contextmanager
