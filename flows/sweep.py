@@ -184,6 +184,8 @@ def load_sweep(source: str | Path | Mapping[str, Any]) -> SweepSpec:
         base_path = base_path if base_path.is_absolute() else here / base_path
         base, base_source = load_config(base_path), str(base_path.resolve())
     common = _override_map(raw.get("overrides"), "overrides")
+    if common:  # the parent run too: it logs where the children do (e.g. tracking.tracking_uri of a server)
+        base = build_config(base.to_dict(), common, source=f"{label}, overrides")
     seeds_raw = raw.get("seeds")
     seeds = [base.seed] if seeds_raw is None else seeds_raw
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool)

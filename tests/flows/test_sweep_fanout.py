@@ -214,6 +214,8 @@ def test_fanout_sweep_runs_children_on_workers_and_matches_in_process(
                         deployment=DEPLOYMENT, max_parallel=2, child_timeout_s=600)
             t_fan = time.monotonic() - t0
             child_flow_runs = _flow_runs_on(stack, DEPLOYMENT)
+            tracker = Tracker(stack.mlflow_url)  # (the re-run below re-parents the children: read them now)
+            children = tracker.search_runs(filter_string=f"tags.mlflow.parentRunId = '{fan.parent_run_id}'")
             t0 = time.monotonic()
             again = sweep(sweep_config=_sweep_spec(stack, stack.mlflow_url), runs_dir=str(tmp_path / "fanout"),
                           deployment=DEPLOYMENT, max_parallel=2, child_timeout_s=600)
@@ -230,10 +232,8 @@ def test_fanout_sweep_runs_children_on_workers_and_matches_in_process(
     assert fan.tracking_uri == stack.mlflow_url and sorted(fan.started) == sorted(names) and fan.reused == []
 
     # ... and logged to the one MLflow server, nested under the sweep's parent run
-    tracker = Tracker(stack.mlflow_url)
     parent = tracker.client.get_run(fan.parent_run_id)
     assert parent.info.status == "FINISHED" and parent.data.tags["sweep_deployment"] == DEPLOYMENT
-    children = tracker.search_runs(filter_string=f"tags.mlflow.parentRunId = '{fan.parent_run_id}'")
     assert sorted(children["run_name"]) == sorted(names) and set(children["status"]) == {"FINISHED"}
     assert dict(zip(children["run_name"], children["tags.sweep_cell"], strict=True)) == {
         n: n.split("-")[1] for n in names}
