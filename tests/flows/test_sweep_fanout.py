@@ -255,6 +255,18 @@ def test_fanout_sweep_runs_children_on_workers_and_matches_in_process(
     assert len(fan_runs) == 4 and list(fan_runs["run_name"]) == names
     pd.testing.assert_frame_equal(fan_runs, ref_runs)
     pd.testing.assert_frame_equal(pd.DataFrame(fan.summary), pd.DataFrame(ref.summary))
+    # The tiny random policy never answers (measured: pass@1 0, reward -1 in every run), so the table alone would
+    # match by accident; its rollout entropies differ by seed (10.48468 vs 10.48325 nats) and were measured
+    # bit-equal between the worker processes and this one at one torch thread: compare them too.
+    entropy = ["rollout/h_root_mean", "train/entropy_mean"]
+    ref_children = Tracker(ref.tracking_uri).search_runs(
+        filter_string=f"tags.mlflow.parentRunId = '{ref.parent_run_id}'")
+    for frame in (children, ref_children):
+        assert frame[[f"metrics.{m}" for m in entropy]].notna().all().all()
+    by_name = {n: r for n, r in zip(ref_children["run_name"], ref_children.to_dict("records"), strict=True)}
+    for row in children.to_dict("records"):
+        assert [row[f"metrics.{m}"] for m in entropy] == [by_name[row["run_name"]][f"metrics.{m}"] for m in entropy]
+    assert len(set(children["metrics.rollout/h_root_mean"])) > 1
 
     # a re-run finds the four FINISHED children, submits nothing and compares them under its own parent
     assert again.started == [] and sorted(again.reused) == sorted(names)
