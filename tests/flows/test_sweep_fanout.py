@@ -211,6 +211,7 @@ def test_fanout_sweep_runs_children_on_workers_and_matches_in_process(
             t0 = time.monotonic()
             ref = sweep(sweep_config=_sweep_spec(stack, None), runs_dir=str(tmp_path / "in-process"))
             t_ref = time.monotonic() - t0
+            ref_again = sweep(sweep_config=_sweep_spec(stack, None), runs_dir=str(tmp_path / "in-process"))
             t0 = time.monotonic()
             fan = sweep(sweep_config=_sweep_spec(stack, stack.mlflow_url), runs_dir=str(tmp_path / "fanout"),
                         deployment=DEPLOYMENT, max_parallel=2, child_timeout_s=600)
@@ -270,7 +271,10 @@ def test_fanout_sweep_runs_children_on_workers_and_matches_in_process(
         assert [row[f"metrics.{m}"] for m in entropy] == [by_name[row["run_name"]][f"metrics.{m}"] for m in entropy]
     assert len(set(children["metrics.rollout/h_root_mean"])) > 1
 
-    # a re-run finds the four FINISHED children, submits nothing and compares them under its own parent
+    # a re-run, in process or fanned out, finds the four FINISHED children, runs or submits nothing and compares
+    # them under its own parent
+    assert ref_again.started == [] and sorted(ref_again.reused) == sorted(names)
+    pd.testing.assert_frame_equal(pd.DataFrame(ref_again.runs)[COMPARED], ref_runs)
     assert again.started == [] and sorted(again.reused) == sorted(names)
     assert len(flow_runs_after) == len(child_flow_runs)
     moved = tracker.search_runs(filter_string=f"tags.mlflow.parentRunId = '{again.parent_run_id}'")
