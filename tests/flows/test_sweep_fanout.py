@@ -262,8 +262,9 @@ def test_fanout_sweep_runs_children_on_workers_and_matches_in_process(
     # match by accident; its rollout entropies differ by seed (10.48468 vs 10.48325 nats) and were measured
     # bit-equal between the worker processes and this one at one torch thread: compare them too.
     entropy = ["rollout/h_root_mean", "train/entropy_mean"]
-    ref_children = Tracker(ref.tracking_uri).search_runs(
-        filter_string=f"tags.mlflow.parentRunId = '{ref.parent_run_id}'")
+    ref_children = Tracker(ref.tracking_uri).search_runs(  # (re-parented by the in-process re-run)
+        filter_string=f"tags.mlflow.parentRunId = '{ref_again.parent_run_id}'")
+    assert sorted(ref_children["run_name"]) == sorted(names)
     for frame in (children, ref_children):
         assert frame[[f"metrics.{m}" for m in entropy]].notna().all().all()
     by_name = {n: r for n, r in zip(ref_children["run_name"], ref_children.to_dict("records"), strict=True)}
