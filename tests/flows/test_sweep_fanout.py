@@ -6,8 +6,8 @@ deployment registered by ``prefect deploy`` from ``prefect.yaml`` (the README's 
 worker start --limit 1`` processes. A sweep of 2 cells × 2 seeds on the tiny config runs in process (the
 reference) and through the deployment with ``max_parallel=2``; the tables must agree, a re-run must submit
 nothing, and a cell that fails on the workers must be reported by name and state. Every process started here
-runs in its own session and its whole process group is stopped at the end. Measured: ~205 s on 2 cores (stack
-30 s, in-process sweep ~40 s, fan-out ~70 s, re-run 2–4 s, failing cell ~30 s, teardown 11 s).
+runs in its own session and its whole process group is stopped at the end. Measured: 195–208 s on 2 cores (stack
+30–45 s, in-process sweep 32–45 s, fan-out 63–77 s, re-runs 2–4 s each, failing cell ~30 s, teardown 9–11 s).
 """
 
 from __future__ import annotations
