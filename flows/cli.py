@@ -391,12 +391,28 @@ def sweep_cmd(
     config: Annotated[Path, typer.Option("--config", "-c", help="Sweep YAML (format: flows/sweep.py).")],
     runs_dir: RunsOpt = None,
     shard: Annotated[str | None, typer.Option("--shard", help="Run only shard i/N of the (cell, seed) list (every "
-                                              "N-th from the i-th); give each shard its own --runs-dir.")] = None,
+                                              "N-th from the i-th); superseded by --deployment and a work pool.")
+                     ] = None,
+    deployment: Annotated[str | None, typer.Option(
+        "--deployment", help="Submit each (cell, seed) as a flow run of this deployment (e.g. aepo-train/train) "
+                             "to the Prefect server at $PREFECT_API_URL; default: run them here, one by one.")] = None,
+    max_parallel: Annotated[int, typer.Option("--max-parallel", min=1, help="With --deployment: child flow runs "
+                                              "in flight at once.")] = 4,
+    child_timeout: Annotated[float | None, typer.Option(
+        "--child-timeout", help="With --deployment: seconds after which an unfinished child is cancelled and "
+                                "reported failed (default: wait).")] = None,
 ) -> None:
     """Run a grid of training runs (cells × seeds) nested under one MLflow run, then compare them."""
     if not config.is_file():
         fail(f"sweep file not found: {config}")
     runs = _sweep_runs_dir(runs_dir, config)
+    if deployment is not None:
+        api_url = os.environ.get("PREFECT_API_URL")
+        if not api_url:
+            fail("--deployment needs a Prefect server with workers: export PREFECT_API_URL=http://127.0.0.1:4200/api "
+                 "(README, 'Scaling out')")
+        if not _api_healthy(api_url):
+            fail(f"--deployment: no Prefect server at PREFECT_API_URL={api_url}", code=1)
     prepare_environment(runs)
     from flows.sweep import load_sweep, shard_runs, sweep
 
@@ -414,7 +430,8 @@ def sweep_cmd(
 
     try:
         with flow_progress(f"sweep {spec.name}", len(selected), on_event) as progress:
-            result = sweep(sweep_config=str(config.resolve()), runs_dir=str(runs), shard=shard)
+            result = sweep(sweep_config=str(config.resolve()), runs_dir=str(runs), shard=shard,
+                           deployment=deployment, max_parallel=max_parallel, child_timeout_s=child_timeout)
             progress.update(progress.task_ids[0], completed=len(selected), description=f"sweep {result.name} done")
     except Exception as exc:
         fail(f"sweep failed: {exc}", code=1)
@@ -428,6 +445,8 @@ def sweep_cmd(
                       _fmt(r["tool_calls_per_question"], 2), _fmt(r["reward_mean"]))
     out = _out()
     out.print(table)
+    if result.reused:
+        out.print(f"already FINISHED in MLflow, not run again: {', '.join(result.reused)}")
     out.print(_where_table([(k, v) for k, v in result.files.items()]))
     out.print(escape(_ui_hint(result.tracking_uri, runs)))
 

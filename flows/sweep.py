@@ -3,10 +3,31 @@
 Each (cell, seed) is a child ``train`` flow run and a nested MLflow run under one parent run named after the
 sweep; the sweep ends with a comparison table built from ``mlflow.search_runs`` over the children (a markdown
 Prefect artifact, CSVs and a PNG, logged to the parent run and written to ``<runs_dir>/sweeps/<name>/``).
-Cells run one after another in one process. To use more machines, or the cores of one machine with one torch
-thread per process (CPU decoding of a small model scales poorly past a thread or two), run the sweep as shards:
-``shard="i/N"`` (CLI ``--shard i/N``) runs every N-th (cell, seed) from the i-th, in its own runs directory, with
-its own parent run ``<name>-shard<i>of<N>``; ``bench/compare_algorithms.py --workers N`` does this and merges.
+
+Where the children run:
+
+- ``deployment=None`` (the default, no server needed): here, one after another, as subflows of this process.
+- ``deployment="aepo-train/train"`` (CLI ``--deployment``): each child is submitted as a flow run of that
+  deployment (``prefect.deployments.run_deployment``, named like its MLflow run, linked as a subflow), at most
+  ``max_parallel`` in flight at once (on top of any concurrency limit of the work pool), and the sweep polls
+  their states every 2 s. Workers of the deployment's pool run them, on this machine or others: the child's
+  parameters carry its whole resolved config, with the parent's MLflow tracking URI written in, so every child
+  logs under the one parent run; for workers on other machines that URI must be an ``mlflow server``
+  (``tracking.tracking_uri: http://…``). A child that ends in any state but Completed (Failed, Crashed,
+  Cancelled, or still unfinished ``child_timeout_s`` after its submission: then it is cancelled) is reported by
+  name and state; the others go on, the comparison of the finished ones is written, and the sweep ends failed.
+  README "Scaling out" has the commands for a process work pool with N workers.
+- ``shard="i/N"`` (CLI ``--shard i/N``) selects every N-th (cell, seed) from the i-th, under its own parent run
+  ``<name>-shard<i>of<N>``: it was the way to spread a sweep before the work pool (``bench/compare_algorithms.py
+  --workers N`` still uses it and merges the shards' stores) and now only narrows the run list; it combines with
+  either way of running.
+
+Re-running a sweep (same name) skips the children that already FINISHED: a child is found by its
+``sweep_name`` tag (set when the child's run is created) and run name, anywhere in the experiment, and is reused
+only if its ``config_hash`` tag equals the hash of the config it would run with now. A reused child is
+re-parented: its ``mlflow.parentRunId`` tag is moved to the new parent run (the old parent is kept in the
+``sweep_previous_parent_run_id`` tag), so the comparison, which selects the children by parent, and the MLflow
+UI both show the whole sweep under the newest parent; the earlier parent's logged comparison is unchanged.
 
 Sweep file (YAML; relative paths are relative to the sweep file)::
 
@@ -34,10 +55,12 @@ import itertools
 import logging
 import math
 import re
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import pandas as pd
 import yaml
@@ -58,6 +81,8 @@ log = logging.getLogger(__name__)
 SPEC_KEYS = frozenset({"name", "base", "overrides", "seeds", "grid", "cells", "runs_dir", "description"})
 TAG_SWEEP = "sweep_name"
 TAG_CELL = "sweep_cell"
+TAG_PREVIOUS_PARENT = "sweep_previous_parent_run_id"  # set on a child re-parented by a re-run of its sweep
+POLL_S = 2.0  # seconds between two reads of the children's states in a fan-out (one API call per child in flight)
 RUN_COLUMNS = ["cell", "seed", "run_name", "run_id", "status", "dataset", "pass@1", "pass@1_ci_low",
                "pass@1_ci_high", "k", "pass@k", "tool_calls_per_question", "answered_rate", "reward_mean",
                "branch_samples", "max_branches_per_path"]
@@ -159,6 +184,8 @@ def load_sweep(source: str | Path | Mapping[str, Any]) -> SweepSpec:
         base_path = base_path if base_path.is_absolute() else here / base_path
         base, base_source = load_config(base_path), str(base_path.resolve())
     common = _override_map(raw.get("overrides"), "overrides")
+    if common:  # the parent run too: it logs where the children do (e.g. tracking.tracking_uri of a server)
+        base = build_config(base.to_dict(), common, source=f"{label}, overrides")
     seeds_raw = raw.get("seeds")
     seeds = [base.seed] if seeds_raw is None else seeds_raw
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool)
@@ -331,51 +358,202 @@ class SweepResult:
     files: dict[str, str]
     runs: list[dict[str, Any]]
     summary: list[dict[str, Any]]
+    started: list[str] = field(default_factory=list)
+    """Run names of the children this invocation ran (or submitted)."""
+    reused: list[str] = field(default_factory=list)
+    """Run names of the children that had already FINISHED in MLflow and were not run again."""
 
 
 @flow(name="aepo-sweep", log_prints=True)
-def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None,
-          shard: str | None = None) -> SweepResult:
+def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None, shard: str | None = None,
+          deployment: str | None = None, max_parallel: int = 4,
+          child_timeout_s: float | None = None) -> SweepResult:
     """Run every (cell, seed) of the sweep — or of one shard ``"i/N"`` — as a nested training run, then compare
-    them; returns the tables' paths."""
+    them; returns the tables' paths.
+
+    ``deployment`` (e.g. ``"aepo-train/train"``) submits each child as a flow run of that deployment, at most
+    ``max_parallel`` in flight, and waits for them (a child still unfinished ``child_timeout_s`` after its
+    submission is cancelled and reported failed; None: wait for ever). None runs them here, one after another.
+    Children that already FINISHED in MLflow with the same run name, sweep name and config are not run again."""
     logger = get_run_logger()
     spec = load_sweep(sweep_config)
     if shard is not None:
         i, n = parse_shard(shard)
         spec = replace(spec, name=f"{spec.name}-shard{i}of{n}", runs=shard_runs(spec.runs, shard))
-    runs = Path(runs_dir or spec.runs_dir or spec.base.storage.runs_dir)
+    if max_parallel < 1:
+        raise ConfigError(f"sweep max_parallel must be >= 1; got {max_parallel}")
+    if child_timeout_s is not None and child_timeout_s <= 0:
+        raise ConfigError(f"sweep child_timeout_s must be > 0 (or None); got {child_timeout_s}")
+    runs = Path(runs_dir or spec.runs_dir or spec.base.storage.runs_dir).expanduser().resolve()
     runs.mkdir(parents=True, exist_ok=True)
     tracker = Tracker.from_config(spec.base, runs, system_metrics=False)
+    configs = {r.run_name: child_config(r.config, tracker) for r in spec.runs}
+    if deployment is not None:
+        check_deployment(deployment, tracker.tracking_uri, logger)
     parent = tracker.start(spec.base, run_name=spec.name, flow_run_id=flow_run_id(),
                            tags={"kind": "sweep", TAG_SWEEP: spec.name, "sweep_cells": len(spec.cells),
-                                 "sweep_seeds": ",".join(map(str, spec.seeds))})
+                                 "sweep_seeds": ",".join(map(str, spec.seeds)),
+                                 "sweep_deployment": deployment or "in-process"})
     out_dir = runs / "sweeps" / spec.name
     with tracker:
         tracker.log_dict(spec.as_dict(), "sweep.json")
-        failed = _run_children(spec, runs, parent, logger)
+        done = finished_children(tracker, spec, configs)
+        for name, old in done.items():  # re-parent: the new parent run shows the whole sweep (see the docstring)
+            tracker.client.set_tag(old.run_id, "mlflow.parentRunId", parent)
+            tracker.client.set_tag(old.run_id, TAG_PREVIOUS_PARENT, old.parent_run_id)
+            logger.info("sweep run %s already FINISHED in MLflow (run %s): not run again", name, old.run_id)
+        todo = [r for r in spec.runs if r.run_name not in done]
+        if deployment is None:
+            failed = _run_children(spec, todo, configs, runs, parent, logger)
+        else:
+            failed = _fan_out(spec, todo, configs, runs, parent, deployment, max_parallel, child_timeout_s, logger)
         per_run, summary, markdown, files = _compare(spec, tracker, parent, out_dir)
         artifact_id = create_markdown_artifact(markdown=markdown, key=f"sweep-{_slug(spec.name)}",
                                                description=f"comparison of sweep {spec.name}")
         if failed:  # the parent run ends FAILED; the comparison of the runs that finished is written
             raise RuntimeError(f"sweep {spec.name}: {len(failed)} of {len(spec.runs)} runs failed: "
-                               f"{', '.join(failed)} (comparison written to {out_dir})")
+                               f"{', '.join(f'{f.run_name} ({f.state})' for f in failed)} "
+                               f"(comparison written to {out_dir})")
     return SweepResult(spec.name, parent, str(runs), str(out_dir), tracker.tracking_uri, str(artifact_id),
                        {k: str(v) for k, v in files.items()}, per_run.to_dict(orient="records"),
-                       summary.to_dict(orient="records"))
+                       summary.to_dict(orient="records"), [r.run_name for r in todo], sorted(done))
 
 
-def _run_children(spec: SweepSpec, runs: Path, parent: str, logger: Any) -> list[str]:
-    """Every (cell, seed) as a child ``train`` flow run nested under ``parent``; returns the failed run names."""
+def child_config(cfg: ExperimentConfig, tracker: Tracker) -> ExperimentConfig:
+    """The config a child runs with: its cell's config with the parent's tracking URI and artifact location
+    written in, so a child started anywhere (a worker process, another machine) logs to the parent's MLflow."""
+    tracking = cfg.tracking.model_copy(update={"tracking_uri": tracker.tracking_uri,
+                                               "artifact_location": tracker.artifact_location})
+    return cfg.model_copy(update={"tracking": tracking})
+
+
+@dataclass(frozen=True)
+class FinishedChild:
+    """A child that already FINISHED in MLflow in an earlier invocation of the sweep."""
+
+    run_id: str
+    parent_run_id: str
+
+
+def finished_children(tracker: Tracker, spec: SweepSpec, configs: Mapping[str, ExperimentConfig]
+                      ) -> dict[str, FinishedChild]:
+    """Run name → the newest FINISHED MLflow run of the experiment with that name, this sweep's ``sweep_name``
+    tag and the config hash the child would run with now (a changed sweep file re-runs the cells it changes)."""
+    found = tracker.search_runs(filter_string=f"tags.{TAG_SWEEP} = '{spec.name}' AND attributes.status = 'FINISHED'")
+    out: dict[str, FinishedChild] = {}
+    for _, row in found.iterrows():  # newest first (search_runs orders by start time, descending)
+        name = row["run_name"]
+        cfg = configs.get(name)
+        if cfg is None or name in out:
+            continue
+        if row.get("tags.config_hash") != cfg.config_hash():
+            log.info("sweep run %s (MLflow %s) FINISHED with another config: it runs again", name, row["run_id"])
+            continue
+        out[name] = FinishedChild(row["run_id"], str(row.get("tags.mlflow.parentRunId") or ""))
+    return out
+
+
+@dataclass(frozen=True)
+class ChildFailure:
+    """A child that did not complete: its run name and the final state (a Prefect state name, or why)."""
+
+    run_name: str
+    state: str
+
+
+def _run_children(spec: SweepSpec, todo: Sequence[SweepRun], configs: Mapping[str, ExperimentConfig], runs: Path,
+                  parent: str, logger: Any) -> list[ChildFailure]:
+    """Every (cell, seed) as a child ``train`` flow run nested under ``parent``; returns the failed runs."""
     failed = []
-    for i, run in enumerate(spec.runs):
-        report(logger, Progress("cell", done=i, total=len(spec.runs), name=run.run_name),
-               "sweep cell %d/%d: %s (%s)", i + 1, len(spec.runs), run.run_name,
+    for i, run in enumerate(todo):
+        report(logger, Progress("cell", done=i, total=len(todo), name=run.run_name),
+               "sweep cell %d/%d: %s (%s)", i + 1, len(todo), run.run_name,
                ", ".join(f"{k}={v}" for k, v in run.overrides.items()))
-        state = train(config=run.config, runs_dir=str(runs), run_name=run.run_name, parent_run_id=parent,
-                      return_state=True)
+        state = train(config=configs[run.run_name], runs_dir=str(runs), run_name=run.run_name,
+                      parent_run_id=parent, tags=_child_tags(spec, run), return_state=True)
         if not state.is_completed():
-            failed.append(run.run_name)
+            failed.append(ChildFailure(run.run_name, state.name or state.type.value))
             logger.error("sweep run %s ended %s: %s", run.run_name, state.type.value, state.message)
+    return failed
+
+
+def _child_tags(spec: SweepSpec, run: SweepRun) -> dict[str, str]:
+    return {TAG_SWEEP: spec.name, TAG_CELL: run.cell}
+
+
+def check_deployment(deployment: str, tracking_uri: str, logger: Any) -> None:
+    """The deployment must exist on the Prefect API this flow talks to (a typo fails before any run starts)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_deployment_by_name(deployment)
+        except ObjectNotFound:
+            raise ConfigError(f"sweep deployment {deployment!r} not found on the Prefect API at "
+                              f"{client.api_url}: register it (`prefect deploy --name train`) or fix the name "
+                              "('<flow name>/<deployment name>', e.g. 'aepo-train/train')") from None
+    if not tracking_uri.startswith(("http://", "https://")):
+        logger.warning("sweep children of %s log to %s: only workers that share this filesystem can write there; "
+                       "set tracking.tracking_uri to an `mlflow server` (http://…) for workers on other machines",
+                       deployment, tracking_uri)
+
+
+def _fan_out(spec: SweepSpec, todo: Sequence[SweepRun], configs: Mapping[str, ExperimentConfig], runs: Path,
+             parent: str, deployment: str, max_parallel: int, child_timeout_s: float | None,
+             logger: Any) -> list[ChildFailure]:
+    """Every (cell, seed) as a flow run of ``deployment`` (named like its MLflow run), at most ``max_parallel``
+    submitted and unfinished at once; polls their states and returns the runs that did not complete. If the
+    sweep itself is stopped (an exception, Ctrl-C, SIGTERM), the children in flight are cancelled."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+    from prefect.states import Cancelling
+
+    pending = list(todo)
+    in_flight: dict[UUID, tuple[SweepRun, float]] = {}
+    failed: list[ChildFailure] = []
+    finished = 0
+    with get_client(sync_client=True) as client:
+        try:
+            while pending or in_flight:
+                while pending and len(in_flight) < max_parallel:
+                    run = pending.pop(0)
+                    flow_run = run_deployment(
+                        deployment, timeout=0, flow_run_name=run.run_name, tags=["aepo-sweep", spec.name],
+                        idempotency_key=f"{parent}/{run.run_name}",
+                        parameters={"config": configs[run.run_name].to_dict(), "runs_dir": str(runs),
+                                    "run_name": run.run_name, "parent_run_id": parent, "overrides": [],
+                                    "resume": False, "tags": _child_tags(spec, run)})
+                    in_flight[flow_run.id] = (run, time.monotonic())
+                    report(logger, Progress("cell", done=finished, total=len(todo), name=run.run_name),
+                           "sweep run %s submitted to %s as flow run %s (%d in flight)", run.run_name, deployment,
+                           flow_run.id, len(in_flight))
+                time.sleep(POLL_S)
+                for flow_run_id_, (run, submitted) in list(in_flight.items()):
+                    state = client.read_flow_run(flow_run_id_).state
+                    if state is not None and state.is_final():
+                        del in_flight[flow_run_id_]
+                        finished += 1
+                        if not state.is_completed():
+                            failed.append(ChildFailure(run.run_name, state.name or state.type.value))
+                            logger.error("sweep run %s (flow run %s) ended %s: %s", run.run_name, flow_run_id_,
+                                         state.name, state.message)
+                        else:
+                            report(logger, Progress("cell", done=finished, total=len(todo), name=run.run_name),
+                                   "sweep run %s completed (%d of %d ended)", run.run_name, finished, len(todo))
+                    elif child_timeout_s is not None and time.monotonic() - submitted > child_timeout_s:
+                        del in_flight[flow_run_id_]
+                        finished += 1
+                        where = state.name if state is not None else "no state"
+                        failed.append(ChildFailure(run.run_name, f"timed out after {child_timeout_s:g} s in {where}"))
+                        logger.error("sweep run %s (flow run %s) still %s after %g s: cancelled", run.run_name,
+                                     flow_run_id_, where, child_timeout_s)
+                        client.set_flow_run_state(flow_run_id_, Cancelling(), force=True)
+        except BaseException:
+            for flow_run_id_, (run, _) in in_flight.items():
+                logger.warning("sweep stopped: cancelling %s (flow run %s)", run.run_name, flow_run_id_)
+                client.set_flow_run_state(flow_run_id_, Cancelling(), force=True)
+            raise
     return failed
 
 

@@ -95,8 +95,12 @@ def train(
     run_name: str | None = None,
     parent_run_id: str | None = None,
     force_resume: bool = False,
+    tags: dict[str, str] | None = None,
 ) -> TrainResult:
-    """Train a policy with the configured algorithm; returns the evaluations and where everything went."""
+    """Train a policy with the configured algorithm; returns the evaluations and where everything went.
+
+    ``parent_run_id`` nests the MLflow run under another (a sweep's parent run); ``tags`` are extra MLflow tags
+    set when the run is created (a sweep's ``sweep_name`` / ``sweep_cell``, by which a re-run finds it)."""
     logger = get_run_logger()
     cfg = resolve_config(config, overrides)
     runs = Path(runs_dir or cfg.storage.runs_dir)
@@ -114,7 +118,8 @@ def train(
         tracker: Tracker | RankTracker = Tracker.from_config(cfg, runs) if ranks.is_main else RankTracker(ranks.rank)
         run_id = tracker.start(cfg, run_name=name, resume_run_id=point.run_id if point else None,
                                parent_run_id=parent_run_id, flow_run_id=flow_run_id(),
-                               tags={"runs_dir": str(runs), "clip_active": str(cfg.clip_active()).lower()})
+                               tags={"runs_dir": str(runs), "clip_active": str(cfg.clip_active()).lower(),
+                                     **(tags or {})})
         with tracker:
             tracker.log_config(cfg)
             trainer = Trainer(runtime, rows, checkpoint_dir=checkpoint_dir, run_id=run_id)

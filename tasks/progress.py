@@ -23,7 +23,8 @@ class Progress:
     - ``start``: a run of ``total`` steps named ``name`` begins (``done``: steps already done, on resume);
     - ``rollout`` / ``update``: step ``done`` has finished its rollout / its update;
     - ``evaluate``: dataset ``name`` evaluated (``label``: start, sft, stepN, final, eval);
-    - ``cell``: sweep cell ``done`` + 1 of ``total``, ``name``, begins.
+    - ``cell``: sweep child ``name`` begins (in process), is submitted or has completed (fan-out to a
+      deployment); ``done`` of the ``total`` children have ended before it.
     """
 
     stage: Stage
