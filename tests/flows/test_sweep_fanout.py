@@ -83,7 +83,7 @@ class Stack:
                 with urllib.request.urlopen(url, timeout=2) as resp:
                     if resp.status == 200:
                         return
-            except OSError:
+            except OSError:  # not listening yet: poll again
                 pass
             time.sleep(0.5)
         pytest.fail(f"{name} not up after {timeout_s} s ({url}):\n{self.log_tail(name)}")
