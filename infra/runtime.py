@@ -43,6 +43,7 @@ from infra.training.checkpoint import (
     load_checkpoint,
     read_checkpoint_state,
 )
+from infra.training.memory import release_memory
 
 if TYPE_CHECKING:
     from infra.engines.remote import WeightReceiver
@@ -125,6 +126,7 @@ class PolicyRuntime:
                                    sampling=sampling)
         finally:
             self.engine.release()  # retained KV of this rollout is never asked for again: free it now
+            release_memory()  # and its heap pages, or the update stacks on them
         self._check_weight_versions(result)
         return result
 

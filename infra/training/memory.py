@@ -22,10 +22,12 @@ from aepo_core.config import OptimConfig
 
 log = logging.getLogger(__name__)
 
-CPU_ACTIVATION_BUDGET_GB = 2.0
-"""``optim.memory_budget_gb: auto`` on a CPU device: SmolLM2-135M gets 1449-token micro-batches (measured on 2
+CPU_ACTIVATION_BUDGET_GB = 1.0
+"""``optim.memory_budget_gb: auto`` on a CPU device: SmolLM2-135M gets 724-token micro-batches. Measured on 2
 cores, single-turn step: 1024-token micro-batches 154 tok/s and 4.2 GB peak, 2048-token 155 tok/s and 5.6 GB,
-8192-token 99 tok/s and 10.7 GB)."""
+8192-token 99 tok/s and 10.7 GB; demo RL steps (``make demo`` settings from its trained checkpoint, 2 updates):
+a 2 GB budget (1449 tokens) 140 / 164 tok/s and update peaks of 5.7 / 5.8 GB, 1 GB (724 tokens) 127 / 175 tok/s
+and 4.7 / 5.0 GB. Under ``make demo`` (Prefect, MLflow and the tools add ~1 GB) 2 GB peaked at 7.3 GB."""
 
 
 def activation_bytes_per_token(layers: int, hidden: int, intermediate: int) -> int:
@@ -64,9 +66,11 @@ def release_memory() -> None:
     """Collect garbage and hand the C heap's free pages back to the OS (glibc ``malloc_trim``).
 
     glibc keeps what a big phase freed in its heap: after a SmolLM2 single-turn update the process holds 4.2 GB,
-    2.3 GB once trimmed (``bench/train_step.py --only-step``). The next phase would reuse those pages, so trimming
-    does not lower the step's peak (the rollout's, 5.5 GB either way); it gives the memory back to the other
-    processes of the machine between phases (tool sandboxes, evaluation workers).
+    2.3 GB once trimmed (``bench/train_step.py --only-step``). In the single-turn bench the next phase reused those
+    pages (peak 5.5 GB either way), but under ``make demo`` they did not: the pages a rollout's KV caches or the
+    cold-start SFT freed stayed resident and the next phase's allocations landed on top (SFT → evaluation 5.6 →
+    6.0 GB, rollout → update 5.2 → 7.5 GB). So every phase boundary trims: the end of each update, of each
+    rollout (``PolicyRuntime.sample``) and of SFT.
     """
     gc.collect()
     if _LIBC is not None:

@@ -22,7 +22,7 @@ from infra.engines.weights import PolicyWeights
 from infra.runtime import PolicyRuntime
 from infra.training.backends import TorchBackend, autocast_dtype
 from infra.training.batching import TrainSample, collate, plan_micro_batches
-from infra.training.memory import micro_batch_token_cap
+from infra.training.memory import micro_batch_token_cap, release_memory
 from infra.training.update import TrainBackend, response_logprobs_and_entropy
 
 log = logging.getLogger(__name__)
@@ -138,6 +138,8 @@ def run_sft(runtime: PolicyRuntime, rows: Sequence[QuestionRow]) -> SFTReport:
     # transcripts would cost two more forward passes: a third of the SFT time on CPU).
     token_budget = micro_batch_token_cap(cfg.optim, runtime.model, backend.device)
     history = train_sft(backend, samples, sft_cfg, runtime.pad_id, token_budget, seed=cfg.seed)
+    del backend  # SFT's own AdamW moments (2 × the weights) are not the RL optimizer's
+    release_memory()  # its activations' and moments' heap pages back to the OS before evaluation and RL
     runtime.weights_changed(PolicyWeights(runtime.model, 0))
     return SFTReport(history[0]["sft/loss"], history[-1]["sft/loss"], len(history), len(samples),
                      sum(h["sft/tokens_per_s"] for h in history) / len(history))
