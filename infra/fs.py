@@ -88,3 +88,12 @@ def probe(uri: str, options: Mapping[str, Any] | None = None) -> None:
     with storage_errors(uri, "cannot reach"):
         fs.ls(root.split("/", 1)[0], refresh=True)
 
+
+
+def put_file(local: str | os.PathLike[str], uri: str, options: Mapping[str, Any] | None = None) -> str:
+    """Copy one local file to ``uri`` (on an object store one PUT: the object appears whole or not at all);
+    returns ``uri``."""
+    fs, path = open_fs(uri, options)
+    with storage_errors(uri, "cannot write"):
+        fs.put_file(str(local), path)
+    return uri
