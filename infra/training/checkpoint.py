@@ -26,6 +26,10 @@ Commit protocol (one writer per root):
 A ``step-*`` directory without ``manifest.json`` is not a checkpoint. The manifest checksums also catch damage
 after the commit (a truncated copy, bit rot): :func:`latest_checkpoint` skips such a checkpoint with a warning
 and falls back to the previous one.
+
+A remote root (``s3://bucket/prefix``, workers that share no disk) keeps this protocol over objects:
+:mod:`infra.training.checkpoint_store` stages the checkpoint locally with :func:`save_checkpoint`, uploads
+``manifest.json`` last, and reads a remote checkpoint through a local copy verified here.
 """
 
 from __future__ import annotations
