@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -502,7 +502,10 @@ class CheckpointConfig(Section):
 
     every: int = Field(10, ge=1, description="Save a checkpoint every N RL steps (and at the end).")
     keep: int = Field(3, ge=1, description="Newest checkpoints kept; older ones are deleted.")
-    dir: str | None = Field(None, description="Default: <runs_dir>/checkpoints/<run name>.")
+    dir: str | None = Field(
+        None, description="This run's checkpoint folder (local or s3://bucket/prefix). Default: "
+        "<storage.checkpoints_uri or runs_dir/checkpoints>/<run name>.",
+    )
 
 
 class EvalConfig(Section):
@@ -634,9 +637,32 @@ class StorageConfig(Section):
         "runs", description="Root of run outputs: tracking db, checkpoints, trajectories, caches, evaluations."
     )
     trajectories_uri: str | None = Field(None, description="Default: <runs_dir>/trajectories; s3://bucket/prefix ok.")
-    s3_endpoint_url: str | None = Field(
-        None, description="S3-compatible endpoint (MinIO…) for s3:// trajectory URIs; None: AWS's default."
+    checkpoints_uri: str | None = Field(
+        None, description="Root of the checkpoints, one folder per run name under it (checkpoint.dir, when set, "
+        "wins). Default: <runs_dir>/checkpoints; s3://bucket/prefix ok: committed by uploading manifest.json last, "
+        "read back through a verified local copy under <runs_dir>/cache/checkpoints.",
     )
+    evaluations_uri: str | None = Field(
+        None, description="Root of the per-question evaluation Parquet of `aepo eval`, <root>/<eval run name>/"
+        "<dataset>.parquet. Default: <runs_dir>/eval; s3://bucket/prefix ok.",
+    )
+    s3_endpoint_url: str | None = Field(
+        None, description="S3-compatible endpoint (MinIO, moto…) for every s3:// URI of this section; None: AWS's "
+        "default."
+    )
+
+    @field_validator("trajectories_uri", "checkpoints_uri", "evaluations_uri")
+    @classmethod
+    def _uri_names_a_place(cls, value: str | None) -> str | None:
+        """A local path or ``scheme://bucket[/prefix]``: an empty value or a URI without a bucket is a typo."""
+        if value is None:
+            return None
+        if not value.strip():
+            raise ValueError("must not be empty (leave it unset for the default under storage.runs_dir)")
+        scheme, sep, rest = value.partition("://")
+        if sep and not rest.strip("/"):
+            raise ValueError(f"{value!r} names no bucket: use {scheme}://bucket/prefix")
+        return value
 
 
 class ExperimentConfig(Section):

@@ -6,8 +6,9 @@ All state lives under one runs directory (``--runs-dir``, else ``$AEPO_RUNS_DIR`
     runs/mlflow.db  runs/mlartifacts/   MLflow tracking store and artifacts
     runs/prefect/                       PREFECT_HOME (the ephemeral API's SQLite database, results, profiles)
     runs/trajectories/                  Parquet trajectory store (trajectories/ and nodes/ tables)
-    runs/checkpoints/<run name>/        checkpoints
-    runs/eval/<run name>/<dataset>.parquet   per-question evaluation results
+    runs/checkpoints/<run name>/        checkpoints (storage.checkpoints_uri: elsewhere, s3:// too)
+    runs/eval/<run name>/<dataset>.parquet   per-question evaluation results (storage.evaluations_uri: elsewhere)
+    runs/cache/checkpoints/             verified local copies of remote checkpoints, staging of remote saves
     runs/sweeps/<sweep name>/           sweep comparison tables and plot
 
 Prefect reads its settings when it is imported, so this module imports no flow (hence no Prefect) at the top:
@@ -133,6 +134,23 @@ def load_checked_config(path: Path | None, sets: Sequence[str] | None, training:
     except ConfigError as exc:
         fail(str(exc))
     return cfg
+
+
+def check_storage(cfg: ExperimentConfig, runs: Path, run_name: str, resume: bool = False) -> None:
+    """Every remote store the run writes (``s3://`` trajectories, checkpoints) must be reachable, and a ``--resume``
+    from a remote checkpoint root must find a committed checkpoint there: exits 2 naming the location."""
+    from infra.fs import StorageError, probe, storage_options
+    from infra.runtime import checkpoint_store
+
+    checkpoints = checkpoint_store(cfg, runs, run_name)
+    try:
+        for uri in (cfg.storage.trajectories_uri, checkpoints.uri):
+            if uri:
+                probe(uri, storage_options(cfg.storage, uri))
+        if resume and checkpoints.remote and not checkpoints.steps():
+            fail(f"--resume: {checkpoints.uri} holds no complete checkpoint (nothing to resume from)")
+    except StorageError as exc:
+        fail(str(exc))
 
 
 def _with_runs_dir(cfg: ExperimentConfig, runs: Path) -> ExperimentConfig:
@@ -280,6 +298,7 @@ def train(
         fail(str(exc))
     runs = resolve_runs_dir(runs_dir, cfg)
     cfg = _with_runs_dir(cfg, runs)
+    check_storage(cfg, runs, run_name or cfg.tracking.run_name or cfg.name, resume=resume)
     from infra.ranks import Ranks
 
     prepare_environment(runs, rank=Ranks.current().rank)
@@ -315,7 +334,9 @@ def train(
 @app.command("eval")
 def eval_(
     checkpoint: Annotated[str | None, typer.Option("--checkpoint", help="Checkpoint dir (step-NNNNNN) or a run's "
-                                                   "checkpoint root (its newest); omit for the configured model.")],
+                                                   "checkpoint root (its newest), local or s3://… (the endpoint from "
+                                                   "--config / --set storage.s3_endpoint_url); omit for the "
+                                                   "configured model.")],
     config: Annotated[Path | None, typer.Option("--config", "-c", help="Config YAML (default: the checkpoint's).")
                       ] = None,
     dataset: Annotated[list[str] | None, typer.Option("--dataset", "-d", help="Dataset to evaluate (repeatable; "
@@ -329,22 +350,26 @@ def eval_(
     """Evaluate a checkpoint: Pass@1/Pass@k with CIs, per-question Parquet, optional judge and paired comparison."""
     base = load_checked_config(config, [], training=False) if config is not None else None
     runs = resolve_runs_dir(runs_dir, base)
-    if compare_to is not None and not Path(compare_to).exists():
+    from infra.fs import StorageError, is_remote, probe, storage_options
+
+    if compare_to is not None and not is_remote(compare_to) and not Path(compare_to).exists():
         fail(f"--compare-to {compare_to}: no such file or directory")
     prepare_environment(runs)
-    from flows.evaluate import evaluate, resolve_checkpoint, resolve_eval_config
+    from flows.evaluate import checkpoint_source, eval_storage, evaluate, resolve_checkpoint, resolve_eval_config
     from infra.runtime import CheckpointError
 
     try:
-        ckpt = resolve_checkpoint(checkpoint)
+        ckpt = resolve_checkpoint(checkpoint, eval_storage(base, set_), runs)
         cfg = resolve_eval_config(base, ckpt, set_, dataset)
         check_datasets(cfg, training=False)
-    except (ConfigError, CheckpointError) as exc:
+        if cfg.storage.evaluations_uri:
+            probe(cfg.storage.evaluations_uri, storage_options(cfg.storage, cfg.storage.evaluations_uri))
+    except (ConfigError, CheckpointError, StorageError) as exc:
         fail(str(exc))
     cfg = _with_runs_dir(cfg, runs)
     try:
         with flow_progress("evaluating", len(cfg.eval.datasets) or None, _eval_progress):
-            result = evaluate(config=cfg, checkpoint=str(ckpt) if ckpt else None, runs_dir=str(runs),
+            result = evaluate(config=cfg, checkpoint=checkpoint_source(checkpoint, ckpt), runs_dir=str(runs),
                               compare_to=compare_to, run_name=run_name)
     except Exception as exc:
         fail(f"evaluation failed: {exc}", code=1)

@@ -9,7 +9,8 @@ Outputs:
 
 - an MLflow run of its own (tag ``kind=eval``, the checkpoint and its training run in tags), with the metrics
   ``eval/<dataset key>/…`` at the checkpoint's step, the per-question files and a JSON summary as artifacts;
-- per-question results as Parquet, ``<runs_dir>/eval/<run name>/<dataset key>.parquet`` (written atomically), with
+- per-question results as Parquet, ``<runs_dir>/eval/<run name>/<dataset key>.parquet`` (written atomically), or
+  under ``storage.evaluations_uri`` (``s3://…``: written locally under ``<runs_dir>/cache/eval/``, then one PUT), with
   the columns of :data:`QUESTION_SCHEMA`; a later evaluation's ``compare_to`` points at this file or directory;
 - a Prefect table artifact with one row per dataset and per (dataset, family).
 """
@@ -30,19 +31,23 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from aepo_core.config import ExperimentConfig, build_config
+from aepo_core.config import ExperimentConfig, StorageConfig, build_config
 from aepo_core.evaluation import paired_comparison
 from aepo_core.metrics import pass_at_k
 from flows.common import flow_run_id
 from infra.config_files import load_config
 from infra.data.rows import QuestionRow
 from infra.evaluation import EvalReport
+from infra.fs import is_remote, open_fs, put_file, storage_errors, storage_options
 from infra.judge import LLMJudge
 from infra.runtime import build_runtime, checkpoint_config, find_checkpoint
 from infra.tracking import Tracker
 from tasks.rl import evaluate as evaluate_task
 
 log = logging.getLogger(__name__)
+
+EVAL_STAGING = Path("cache") / "eval"
+"""Under the runs dir: the local copy of results bound for a remote ``storage.evaluations_uri``."""
 
 QUESTION_SCHEMA = pa.schema(
     [
@@ -92,39 +97,69 @@ def resolve_eval_config(config: ExperimentConfig | dict[str, Any] | str | None, 
                         overrides: Sequence[str] | None, datasets: Sequence[str] | None) -> ExperimentConfig:
     """The config to evaluate with: the given one (object, dict or YAML path), else the checkpoint's own, else
     the defaults; then the dotted overrides and the dataset list."""
-    if isinstance(config, str):
-        cfg = load_config(config)
-        tree = cfg.to_dict()
-    elif isinstance(config, ExperimentConfig):
-        tree = config.to_dict()
-    elif config is not None:
-        tree = dict(config)
-    elif checkpoint is not None:
-        tree = checkpoint_config(checkpoint)
-    else:
-        tree = {}
+    tree = _given_tree(config)
+    if tree is None:
+        tree = checkpoint_config(checkpoint) if checkpoint is not None else {}
     cfg = build_config(tree, list(overrides or []), source="evaluate parameters")
     if datasets:
         cfg = build_config(cfg.to_dict(), {"eval.datasets": list(datasets)}, source="evaluate datasets")
     return cfg
 
 
-def resolve_checkpoint(path: str | os.PathLike[str] | None) -> Path | None:
-    """A checkpoint directory (``step-NNNNNN``) or a run's checkpoint root (its newest complete checkpoint)."""
-    return find_checkpoint(path) if path is not None else None
+def _given_tree(config: ExperimentConfig | dict[str, Any] | str | None) -> dict[str, Any] | None:
+    """The given config (object, dict or YAML path) as a tree; None when none is given."""
+    if isinstance(config, str):
+        return load_config(config).to_dict()
+    if isinstance(config, ExperimentConfig):
+        return config.to_dict()
+    return dict(config) if config is not None else None
 
 
-def read_question_results(path: str | os.PathLike[str]) -> dict[str, dict[str, float]]:
-    """Per-question Pass@1 of a previous evaluation (a ``<dataset>.parquet`` or its run directory), by dataset."""
-    p = Path(path).expanduser()
-    files = sorted(p.glob("*.parquet")) if p.is_dir() else [p]
-    if not files or not all(f.is_file() for f in files):
-        raise FileNotFoundError(f"compare_to {p}: no per-question Parquet file there")
+def eval_storage(config: ExperimentConfig | dict[str, Any] | str | None, overrides: Sequence[str] | None
+                 ) -> StorageConfig:
+    """The storage a checkpoint is read with, before its own config is known: the given config's storage section
+    (the defaults without one) with the ``storage.…`` overrides (e.g. ``storage.s3_endpoint_url``)."""
+    sets = [o for o in overrides or [] if o.startswith("storage.")]
+    return build_config(_given_tree(config) or {}, sets, source="evaluate storage").storage
+
+
+def resolve_checkpoint(path: str | os.PathLike[str] | None, storage: StorageConfig | None = None,
+                       runs_dir: str | os.PathLike[str] | None = None) -> Path | None:
+    """A checkpoint directory (``step-NNNNNN``) or a run's checkpoint root (its newest complete checkpoint), local
+    or remote (``s3://…``, read through a verified copy under ``<runs_dir>/cache/checkpoints``): a local directory."""
+    return find_checkpoint(path, storage, runs_dir) if path is not None else None
+
+
+def checkpoint_source(location: str | None, local: Path | None) -> str | None:
+    """What an evaluation records as its checkpoint: the local directory, or for a remote location the remote
+    checkpoint itself (``…/step-NNNNNN``, also when ``location`` named its run's root)."""
+    if location is None or local is None:
+        return None
+    if not is_remote(location):
+        return str(local)
+    text = location.rstrip("/")
+    return text if text.rsplit("/", 1)[-1] == local.name else f"{text}/{local.name}"
+
+
+def read_question_results(path: str | os.PathLike[str], storage: StorageConfig | None = None
+                          ) -> dict[str, dict[str, float]]:
+    """Per-question Pass@1 of a previous evaluation (a ``<dataset>.parquet`` or its run directory, local or
+    remote), by dataset."""
+    text = str(path)
+    fs, root = open_fs(text if is_remote(text) else Path(text).expanduser(),
+                       storage_options(storage, text) if storage is not None else None)
+    with storage_errors(text, "cannot read"):
+        fs.invalidate_cache(root)
+        files = sorted(fs.glob(f"{root}/*.parquet")) if fs.isdir(root) else [root]
+        found = bool(files) and all(fs.isfile(f) for f in files)
+    if not found:
+        raise FileNotFoundError(f"compare_to {text}: no per-question Parquet file there")
     out: dict[str, dict[str, float]] = {}
-    for f in files:
-        table = pq.read_table(f, columns=["dataset", "question_id", "pass_at_1"]).to_pylist()
-        for row in table:
-            out.setdefault(row["dataset"], {})[row["question_id"]] = float(row["pass_at_1"])
+    with storage_errors(text, "cannot read"):
+        for f in files:
+            table = pq.read_table(f, columns=["dataset", "question_id", "pass_at_1"], filesystem=fs).to_pylist()
+            for row in table:
+                out.setdefault(row["dataset"], {})[row["question_id"]] = float(row["pass_at_1"])
     return out
 
 
@@ -226,9 +261,11 @@ def evaluate(
 ) -> EvalResult:
     """Evaluate a checkpoint (None: the configured model) on every dataset; returns summaries and file paths."""
     logger = get_run_logger()
-    ckpt = resolve_checkpoint(checkpoint)
+    given = eval_storage(config, overrides)
+    ckpt = resolve_checkpoint(checkpoint, given, runs_dir or given.runs_dir)
+    source = checkpoint_source(checkpoint, ckpt)
     cfg = resolve_eval_config(config, ckpt, overrides, datasets)
-    previous = read_question_results(compare_to) if compare_to else None
+    previous = read_question_results(compare_to, cfg.storage) if compare_to else None
     runs = Path(runs_dir or cfg.storage.runs_dir)
     runs.mkdir(parents=True, exist_ok=True)
 
@@ -244,13 +281,15 @@ def evaluate(
             raise ValueError(f"compare_to {compare_to} holds datasets {sorted(previous)}, none of {eval_sets}")
 
         tracker = Tracker.from_config(cfg, runs, system_metrics=False)
-        tags = {"kind": "eval", "checkpoint": str(ckpt) if ckpt else "", "checkpoint_step": step,
+        tags = {"kind": "eval", "checkpoint": source or "", "checkpoint_step": step,
                 "source_run_id": (state.run_id if state else None) or "", "compare_to": compare_to or ""}
         run_id = tracker.start(cfg, run_name=name, tags=tags, flow_run_id=flow_run_id())
-        out_dir = runs / "eval" / name
-        logger.info("evaluating %s (step %d) on %s → MLflow run %s, results in %s", ckpt or cfg.model.name, step,
-                    ", ".join(eval_sets), run_id, out_dir)
-        result = EvalResult(run_id, name, str(ckpt) if ckpt else None, step, str(runs), str(out_dir),
+        results = f"{(cfg.storage.evaluations_uri or str(runs / 'eval')).rstrip('/')}/{name}"
+        # A remote destination gets each file once written; the local copy is what MLflow logs.
+        out_dir = runs / EVAL_STAGING / name if is_remote(results) else Path(results)
+        logger.info("evaluating %s (step %d) on %s → MLflow run %s, results in %s", source or cfg.model.name, step,
+                    ", ".join(eval_sets), run_id, results)
+        result = EvalResult(run_id, name, source, step, str(runs), results,
                             tracker.tracking_uri, cfg.eval.pass_k)
         table: list[dict[str, Any]] = []
         with tracker:
@@ -266,7 +305,11 @@ def evaluate(
                 base = {"eval_run_id": run_id, "eval_run_name": name, "checkpoint": result.checkpoint,
                         "checkpoint_step": step}
                 rows = _question_rows(report, rows_by_id, cfg.eval.pass_k, verdicts, base)
-                result.files[report.key] = write_results(rows, str(out_dir / f"{report.key}.parquet"))
+                written = write_results(rows, str(out_dir / f"{report.key}.parquet"))
+                if is_remote(results):
+                    written = put_file(written, f"{results}/{report.key}.parquet",
+                                       storage_options(cfg.storage, results))
+                result.files[report.key] = written
                 if previous is not None and ds in previous:
                     cmp = paired_comparison(report.per_question_pass1, previous[ds],
                                             n_resamples=cfg.eval.bootstrap_samples, seed=cfg.seed)
@@ -280,7 +323,7 @@ def evaluate(
             tracker.log_artifact(out_dir, "eval")
             tracker.log_dict({"summary": result.summary, "by_family": result.by_family, "judge_pass@1": result.judge,
                               "compare": result.compare, "compare_to": compare_to}, "eval/summary.json")
-    create_table_artifact(table=table, key=None, description=f"evaluation {name} of {ckpt or cfg.model.name}")
+    create_table_artifact(table=table, key=None, description=f"evaluation {name} of {source or cfg.model.name}")
     return result
 
 

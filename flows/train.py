@@ -27,7 +27,7 @@ from flows.common import flow_run_id, resolve_config
 from infra.evaluation import EvalReport
 from infra.plots import curves_figure, rollout_tree_figure
 from infra.ranks import Ranks
-from infra.runtime import PolicyRuntime, build_runtime
+from infra.runtime import PolicyRuntime, build_runtime, checkpoint_store
 from infra.store import TrajectoryStore
 from infra.tracking import RankTracker, Tracker
 from infra.trainer import Trainer, find_resume_point
@@ -107,9 +107,9 @@ def train(
     runs.mkdir(parents=True, exist_ok=True)
     cfg.check_trainable()
     name = run_name or cfg.tracking.run_name or cfg.name
-    checkpoint_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else runs / "checkpoints" / name
+    checkpoints = checkpoint_store(cfg, runs, name)
     rows = prepare_data(cfg.data.train, cfg.data, source_fingerprint(cfg.data.train, cfg.data.data_root))
-    point = find_resume_point(checkpoint_dir, cfg, force=force_resume) if resume else None
+    point = find_resume_point(checkpoints, cfg, force=force_resume) if resume else None
     runtime = build_runtime(cfg, runs, name)
     with runtime:  # stops a managed vLLM server however the flow ends
         trajectories = (TrajectoryStore.from_config(cfg.storage) if cfg.storage.trajectories_uri
@@ -122,7 +122,7 @@ def train(
                                      **(tags or {})})
         with tracker:
             tracker.log_config(cfg)
-            trainer = Trainer(runtime, rows, checkpoint_dir=checkpoint_dir, run_id=run_id)
+            trainer = Trainer(runtime, rows, checkpoint_dir=checkpoints, run_id=run_id)
             if point is not None:
                 trainer.resume(point, force=force_resume)
             evals = _Evaluations(runtime, tracker, cfg.train.eval_timeout_s)
@@ -137,7 +137,7 @@ def train(
                                    "plots/curves.png")
                 if cfg.tracking.log_model:
                     tracker.log_model(runtime.model, runtime.tokenizer, name="policy")
-    result = TrainResult(run_id, name, trainer.step, str(runs), str(checkpoint_dir), tracker.tracking_uri,
+    result = TrainResult(run_id, name, trainer.step, str(runs), checkpoints.uri, tracker.tracking_uri,
                          str(trajectories.uri), evals.summaries, comparisons)
     create_markdown_artifact(key=None, markdown=summary_markdown(result, cfg), description=f"summary of {name}")
     return result

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from aepo_core.config import ExperimentConfig, RolloutConfig
+from aepo_core.config import ExperimentConfig, RolloutConfig, StorageConfig
 from aepo_core.interfaces import RewardFn, SamplingParams, Tool
 from aepo_core.rewards import make_reward_fn
 from aepo_core.rollout.scheduler import Question, RolloutResult, RolloutScheduler
@@ -33,16 +33,18 @@ from infra.data.loaders import is_synthetic, load_dataset_rows
 from infra.data.rows import QuestionRow
 from infra.data.synthetic import SyntheticTask
 from infra.engines.weights import PolicyEngine, PolicyWeights, WeightSource
+from infra.fs import StorageError, storage_options
 from infra.models import chat_prompt_ids, load_policy
+from infra.ranks import Ranks
 from infra.tools.registry import build_tools
 from infra.training.backends import autocast_dtype
 from infra.training.checkpoint import (
     CheckpointError,
     CheckpointState,
-    latest_checkpoint,
     load_checkpoint,
     read_checkpoint_state,
 )
+from infra.training.checkpoint_store import CheckpointStore, open_checkpoint
 from infra.training.memory import release_memory
 
 if TYPE_CHECKING:
@@ -51,8 +53,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointError", "PolicyRuntime", "build_runtime", "checkpoint_config", "find_checkpoint",
-           "seed_everything"]
+__all__ = ["CheckpointError", "CheckpointStore", "PolicyRuntime", "StorageError", "build_runtime", "checkpoint_config",
+           "checkpoint_store", "find_checkpoint", "seed_everything"]
 
 
 GENERATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -176,17 +178,37 @@ class PolicyRuntime:
         return state
 
 
-def find_checkpoint(path: str | os.PathLike[str]) -> Path:
-    """A checkpoint directory (``step-NNNNNN``) or a run's checkpoint root (its newest complete checkpoint)."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise CheckpointError(f"checkpoint {p} does not exist")
-    if (p / "manifest.json").is_file():
-        return p
-    latest = latest_checkpoint(p)
-    if latest is None:
-        raise CheckpointError(f"{p} is neither a checkpoint nor a directory holding complete checkpoints")
-    return latest
+CHECKPOINT_CACHE = Path("cache") / "checkpoints"
+"""Under the runs dir: the staging folder of remote saves and the verified local copies of remote checkpoints."""
+
+
+def _checkpoint_cache(runs_dir: str | os.PathLike[str] | None) -> Path | None:
+    """``<runs_dir>/cache/checkpoints``, one folder per data-parallel rank (each rank reads a resume's checkpoint)."""
+    if runs_dir is None:
+        return None
+    rank = Ranks.current().rank
+    return Path(runs_dir) / (CHECKPOINT_CACHE if rank == 0 else Path(f"{CHECKPOINT_CACHE}-rank{rank}"))
+
+
+def checkpoint_store(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], run_name: str) -> CheckpointStore:
+    """The run's checkpoints: ``checkpoint.dir``, else ``<storage.checkpoints_uri>/<run name>``, else
+    ``<runs_dir>/checkpoints/<run name>``; local or remote (``s3://``, the endpoint of ``storage.s3_endpoint_url``)."""
+    if cfg.checkpoint.dir:
+        location = cfg.checkpoint.dir
+    elif cfg.storage.checkpoints_uri:
+        location = f"{cfg.storage.checkpoints_uri.rstrip('/')}/{run_name}"
+    else:
+        location = str(Path(runs_dir) / "checkpoints" / run_name)
+    return CheckpointStore(location, storage_options(cfg.storage, location), cache_dir=_checkpoint_cache(runs_dir))
+
+
+def find_checkpoint(path: str | os.PathLike[str], storage: StorageConfig | None = None,
+                    runs_dir: str | os.PathLike[str] | None = None) -> Path:
+    """A checkpoint directory (``step-NNNNNN``) or a run's checkpoint root (its newest complete checkpoint), local or
+    remote (``s3://…``: copied into ``<runs_dir>/cache/checkpoints`` and verified there, the endpoint from
+    ``storage``); a local directory either way."""
+    options = storage_options(storage, str(path)) if storage is not None else None
+    return open_checkpoint(path, options, cache_dir=_checkpoint_cache(runs_dir))
 
 
 def build_runtime(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], run_name: str | None = None

@@ -34,7 +34,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import fsspec
 import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -45,6 +44,8 @@ from aepo_core.config import StorageConfig
 from aepo_core.rollout.tree import Leaf, RolloutTree
 from aepo_core.scoring import LeafScore, check_aligned
 from infra.atomic import atomic_file, leftover_temps
+from infra.fs import StorageError, open_fs
+from infra.fs import storage_options as fs_options
 
 log = logging.getLogger(__name__)
 
@@ -317,23 +318,17 @@ class TrajectoryStore:
             raise StoreError("store uri is empty")
         self.uri = str(uri)
         try:
-            self.fs, root = fsspec.core.url_to_fs(self.uri, **dict(storage_options or {}))
-        except (ImportError, ValueError, TypeError) as exc:
-            raise StoreError(f"cannot open trajectory store {self.uri!r}: {exc}") from exc
+            self.fs, self.root = open_fs(self.uri, storage_options)
+        except StorageError as exc:
+            raise StoreError(f"trajectory store: {exc}") from exc
         self.local = isinstance(self.fs, LocalFileSystem)
-        self.root = (str(Path(root).resolve()) if self.local else root).rstrip("/")
 
     @classmethod
     def from_config(cls, storage: StorageConfig, storage_options: Mapping[str, Any] | None = None) -> TrajectoryStore:
         """The store of ``cfg.storage``: ``trajectories_uri``, else ``<runs_dir>/trajectories``; an S3 endpoint
         (MinIO, moto, …) from ``s3_endpoint_url`` unless ``storage_options`` already name one."""
         uri = storage.trajectories_uri or str(Path(storage.runs_dir) / "trajectories")
-        opts = dict(storage_options or {})
-        if storage.s3_endpoint_url and uri.startswith(("s3://", "s3a://")):
-            client_kwargs = dict(opts.get("client_kwargs") or {})
-            client_kwargs.setdefault("endpoint_url", storage.s3_endpoint_url)
-            opts["client_kwargs"] = client_kwargs
-        return cls(uri, opts)
+        return cls(uri, fs_options(storage, uri, storage_options))
 
     def __repr__(self) -> str:
         return f"TrajectoryStore({self.uri!r})"

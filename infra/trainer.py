@@ -25,8 +25,8 @@ from infra.ranks import Ranks
 from infra.runtime import PolicyRuntime
 from infra.training.backends import FrozenBackend, TorchBackend, autocast_dtype
 from infra.training.batching import samples_from_trees
-from infra.training.checkpoint import check_compatible, latest_checkpoint, load_checkpoint, read_checkpoint_state
-from infra.training.checkpoint import save_checkpoint as write_checkpoint
+from infra.training.checkpoint import CheckpointError, check_compatible, load_checkpoint, read_checkpoint_state
+from infra.training.checkpoint_store import CheckpointStore
 from infra.training.data_order import DataCursor, DataOrder
 from infra.training.update import PolicyUpdater, TrainBackend
 
@@ -42,12 +42,24 @@ class ResumePoint:
     run_id: str | None
 
 
-def find_resume_point(checkpoint_dir: str | os.PathLike[str], cfg: ExperimentConfig, force: bool = False
-                      ) -> ResumePoint | None:
-    """The checkpoint a resume continues from (None: nothing saved yet); falls back past corrupt checkpoints and
-    refuses one whose model or algorithm differs from ``cfg`` (unless ``force``)."""
-    path = latest_checkpoint(checkpoint_dir)
+def _store(checkpoints: str | os.PathLike[str] | CheckpointStore) -> CheckpointStore:
+    return checkpoints if isinstance(checkpoints, CheckpointStore) else CheckpointStore(checkpoints)
+
+
+def find_resume_point(checkpoints: str | os.PathLike[str] | CheckpointStore, cfg: ExperimentConfig,
+                      force: bool = False) -> ResumePoint | None:
+    """The checkpoint a resume continues from (None: nothing saved yet in a local directory); falls back past
+    corrupt checkpoints and refuses one whose model or algorithm differs from ``cfg`` (unless ``force``).
+
+    A remote root (``s3://…``) is read through a verified local copy (``ResumePoint.path``); one without a complete
+    checkpoint is an error, not a fresh start: it is shared storage, where nothing to resume from means a wrong
+    location far more often than a first launch.
+    """
+    store = _store(checkpoints)
+    path = store.latest()
     if path is None:
+        if store.remote:
+            raise CheckpointError(f"nothing to resume: {store.uri} holds no complete checkpoint")
         return None
     state = read_checkpoint_state(path)
     check_compatible(state, cfg, force=force)
@@ -75,15 +87,15 @@ def build_backend(runtime: PolicyRuntime, total_steps: int) -> TrainBackend:
 class Trainer:
     """See the module docstring.  ``run_id`` names the run in the trajectory store and the checkpoints."""
 
-    def __init__(self, runtime: PolicyRuntime, rows: Sequence[QuestionRow], *, checkpoint_dir: str | os.PathLike[str],
-                 run_id: str) -> None:
+    def __init__(self, runtime: PolicyRuntime, rows: Sequence[QuestionRow], *,
+                 checkpoint_dir: str | os.PathLike[str] | CheckpointStore, run_id: str) -> None:
         cfg = runtime.cfg
         self.rows = list(rows)[: cfg.data.max_questions] if cfg.data.max_questions is not None else list(rows)
         if not self.rows:
             raise ValueError(f"data.train={cfg.data.train!r} has no usable rows")
         self.runtime = runtime
         self.run_id = run_id
-        self.checkpoint_dir = Path(checkpoint_dir)
+        self.checkpoints = _store(checkpoint_dir)
         self.order = DataOrder(len(self.rows), cfg.train.batch_size, cfg.seed, shuffle=cfg.data.shuffle)
         self.total_steps = cfg.train.steps or cfg.train.epochs * self.order.batches_per_epoch
         self.backend = build_backend(runtime, self.total_steps)
@@ -127,12 +139,13 @@ class Trainer:
         """The backend's data-parallel ranks (one process: ``Ranks(0, 1)``)."""
         return self.backend.ranks
 
-    def save(self) -> Path:
-        """An atomic checkpoint of everything a bit-identical resume needs.
+    def save(self) -> str:
+        """An atomic checkpoint of everything a bit-identical resume needs; returns where it is (a local directory
+        or a remote URL, see :class:`~infra.training.checkpoint_store.CheckpointStore`).
 
         Under several ranks every rank calls it: the optimizer state (each rank's ZeRO partition, gathered to
-        rank 0) and under ZeRO-3 the full weights are collectives; rank 0 alone writes and commits the checkpoint
-        directory, and every rank returns its path once it is committed.
+        rank 0) and under ZeRO-3 the full weights are collectives; rank 0 alone writes and commits the checkpoint,
+        and every rank returns its location once it is committed.
         """
         optimizer, scheduler = self.backend.checkpoint_state()
         saved_optimizer = _Saved(optimizer.state_dict()) if optimizer is not None else None  # collective
@@ -140,13 +153,13 @@ class Trainer:
         rt = self.runtime
         path = None
         if self.ranks.is_main:
-            path = write_checkpoint(
-                self.checkpoint_dir, self._step, model=rt.model, tokenizer=rt.tokenizer, config=rt.cfg,
+            path = self.checkpoints.save(
+                self._step, model=rt.model, tokenizer=rt.tokenizer, config=rt.cfg,
                 optimizer=saved_optimizer, scheduler=scheduler, data_cursor=self.cursor, run_id=self.run_id,
                 extra={"order": self.order.state_dict(), "world_size": self.ranks.world_size},
                 keep=rt.cfg.checkpoint.keep, state_dict=weights,
             )
-        return Path(self.ranks.broadcast(str(path)))
+        return str(self.ranks.broadcast(str(path)))
 
     def resume(self, point: ResumePoint, force: bool = False) -> int:
         """Restore ``point`` (weights, optimizer, schedule, RNG streams, data cursor); returns its step. Every rank

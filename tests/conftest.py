@@ -6,6 +6,7 @@ Heavy imports stay inside the fixtures so that infra tests that need no model do
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,3 +61,32 @@ def prefect_harness(tmp_path_factory: pytest.TempPathFactory, model_cache: Path)
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture
+def moto_s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A real S3 API on 127.0.0.1 (moto's threaded server, fresh and empty), with dummy credentials; its URL."""
+    from moto.server import ThreadedMotoServer
+
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
+    import urllib.request
+
+    # moto keeps its buckets in this process's memory, across servers: start each test from an empty S3
+    urllib.request.urlopen(urllib.request.Request(f"{url}/moto-api/reset", method="POST"), timeout=30).close()
+    yield url
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(moto_s3: str) -> str:
+    """A bucket ``aepo`` on :func:`moto_s3`; its URI ``s3://aepo``."""
+    import boto3
+
+    boto3.client("s3", endpoint_url=moto_s3, region_name="us-east-1").create_bucket(Bucket="aepo")
+    return "s3://aepo"

@@ -26,6 +26,10 @@ Commit protocol (one writer per root):
 A ``step-*`` directory without ``manifest.json`` is not a checkpoint. The manifest checksums also catch damage
 after the commit (a truncated copy, bit rot): :func:`latest_checkpoint` skips such a checkpoint with a warning
 and falls back to the previous one.
+
+A remote root (``s3://bucket/prefix``, workers that share no disk) keeps this protocol over objects:
+:mod:`infra.training.checkpoint_store` stages the checkpoint locally with :func:`save_checkpoint`, uploads
+``manifest.json`` last, and reads a remote checkpoint through a local copy verified here.
 """
 
 from __future__ import annotations
@@ -227,7 +231,7 @@ def save_checkpoint(
         manifest["manifest_sha256"] = _manifest_digest(manifest)
         _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         _fsync_dir(tmp)
-        _commit(tmp, final)
+        commit_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -248,7 +252,7 @@ def _save_model(model: Any, out: Path, state_dict: Mapping[str, torch.Tensor] | 
         raise CheckpointError(f"{type(model).__name__}.save_pretrained wrote no .safetensors file in {out}")
 
 
-def _commit(tmp: Path, final: Path) -> None:
+def commit_dir(tmp: Path, final: Path) -> None:
     """Rename ``tmp`` to ``final`` (the commit point) and make the rename durable."""
     replaced: Path | None = None
     if final.exists():
@@ -268,21 +272,23 @@ def _hidden_sibling(path: Path, tag: str) -> Path:
     return path.parent / f"{TMP_PREFIX}{tag}-{path.name}-{os.getpid()}-{time.time_ns()}"
 
 
+def prune_plan(steps: list[int], step: int, keep: int) -> tuple[list[int], list[int]]:
+    """Which committed checkpoints (``steps``, ascending) a save of ``step`` deletes: (newer ones, of a timeline
+    abandoned by resuming from an older checkpoint; older ones beyond the newest ``keep``, ``step`` included)."""
+    newer = [s for s in steps if s > step]
+    older = [s for s in steps if s < step]
+    return newer, older[: max(0, len(older) - (keep - 1))]
+
+
 def _prune(root: Path, step: int, keep: int) -> None:
     """Keep the newest ``keep`` complete checkpoints up to ``step`` (always ``step`` itself); drop the rest,
     newer abandoned ones, and leftovers of crashed saves."""
-    current = root / step_dir_name(step)
-    complete = list_checkpoints(root)
-    doomed: list[Path] = []
-    for path in complete:
-        if _step_of(path) > step:
-            log.warning("deleting checkpoint %s: newer than the one just written (step %d), from an abandoned run",
-                        path, step)
-            doomed.append(path)
-    older = [p for p in complete if _step_of(p) <= step and p != current]
-    doomed += older[: max(0, len(older) - (keep - 1))]
-    for path in doomed:
-        _delete_dir(path)
+    newer, older = prune_plan([step_of(p) for p in list_checkpoints(root)], step, keep)
+    for s in newer:
+        log.warning("deleting checkpoint %s: newer than the one just written (step %d), from an abandoned run",
+                    root / step_dir_name(s), step)
+    for s in newer + older:
+        _delete_dir(root / step_dir_name(s))
     for child in root.iterdir():
         if child.name.startswith(TMP_PREFIX) and child.is_dir():
             log.info("removing leftover %s of an interrupted save", child)
@@ -310,15 +316,15 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if _STEP_RE.match(p.name) and p.is_dir() and (p / MANIFEST).is_file()]
-    return sorted(found, key=_step_of)
+    return sorted(found, key=step_of)
 
 
 def verify_checkpoint(path: str | os.PathLike[str], checksums: bool = True) -> None:
     """Raise :class:`CorruptCheckpointError` unless every manifest file is present with its size (and, with
     ``checksums``, its sha256). The size check alone is cheap and catches truncation."""
     path = Path(path)
-    manifest = _read_manifest(path)
-    if _STEP_RE.match(path.name) and manifest.get("step") != _step_of(path):
+    manifest = read_manifest(path)
+    if _STEP_RE.match(path.name) and manifest.get("step") != step_of(path):
         raise CorruptCheckpointError(f"{path}: the manifest is for step {manifest.get('step')}")
     for rel, meta in manifest["files"].items():
         file = path / rel
@@ -348,7 +354,7 @@ def latest_checkpoint(root: str | os.PathLike[str], verify: bool = True) -> Path
     return None
 
 
-def _read_manifest(path: Path) -> dict[str, Any]:
+def read_manifest(path: Path) -> dict[str, Any]:
     file = path / MANIFEST
     try:
         manifest = json.loads(file.read_bytes())
@@ -559,11 +565,17 @@ def _saved_config_hash(state: CheckpointState) -> str:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _step_of(path: Path) -> int:
-    match = _STEP_RE.match(path.name)
+def step_of(path: str | os.PathLike[str]) -> int:
+    """The step of a ``step-NNNNNN`` directory (a local path or an object-store key)."""
+    match = _STEP_RE.match(str(path).rstrip("/").rsplit("/", 1)[-1])
     if match is None:
         raise ValueError(f"{path} is not a step directory")
     return int(match.group(1))
+
+
+def is_step_name(name: str) -> bool:
+    """Whether ``name`` is a checkpoint directory's name (``step-NNNNNN``)."""
+    return _STEP_RE.match(name) is not None
 
 
 def _sha256_file(file: Path) -> str:

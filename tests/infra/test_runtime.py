@@ -41,7 +41,7 @@ def test_bf16_generation_copy_is_refreshed_after_sft_update_and_resume(model_cac
     trainer.update(result, runtime.score(result, batch))
     assert trainer.step == 1 and _copy_matches(runtime)
     saved = trainer.save()
-    assert saved.is_dir()
+    assert Path(saved).is_dir()
 
     for p in runtime.model.parameters():  # scribble over the live weights; resume must bring both back
         torch.nn.init.normal_(p.data)

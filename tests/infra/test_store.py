@@ -223,21 +223,6 @@ def test_bad_inputs_give_clear_errors(tmp_path: Path, trees: list[RolloutTree]) 
     assert empty.empty and list(empty.columns) == TRAJECTORY_SCHEMA.names
 
 
-@pytest.fixture
-def moto_s3(monkeypatch: pytest.MonkeyPatch):
-    """A real S3 API on 127.0.0.1 (moto's threaded server), with dummy credentials."""
-    from moto.server import ThreadedMotoServer
-
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(k, v)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
 def test_s3_round_trip_through_moto(moto_s3: str, trees: list[RolloutTree], scores: list[list[LeafScore]]) -> None:
     import s3fs
 
