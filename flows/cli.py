@@ -447,6 +447,10 @@ def sweep_cmd(
     child_timeout: Annotated[float | None, typer.Option(
         "--child-timeout", help="With --deployment: seconds after which an unfinished child is cancelled and "
                                 "reported failed (default: wait).")] = None,
+    child_lost_after: Annotated[float | None, typer.Option(
+        "--child-lost-after", help="With --deployment: seconds without a heartbeat after which a running child "
+                                   "counts as lost with its worker: marked Crashed and reported failed (default: "
+                                   "3 × PREFECT_FLOWS_HEARTBEAT_FREQUENCY, 180 s unless set).")] = None,
 ) -> None:
     """Run a grid of training runs (cells × seeds) nested under one MLflow run, then compare them."""
     if not config.is_file():
@@ -478,7 +482,8 @@ def sweep_cmd(
     try:
         with flow_progress(f"sweep {spec.name}", len(selected), on_event) as progress:
             result = sweep(sweep_config=str(config.resolve()), runs_dir=str(runs), shard=shard,
-                           deployment=deployment, max_parallel=max_parallel, child_timeout_s=child_timeout)
+                           deployment=deployment, max_parallel=max_parallel, child_timeout_s=child_timeout,
+                           child_lost_after_s=child_lost_after)
             progress.update(progress.task_ids[0], completed=len(selected), description=f"sweep {result.name} done")
     except Exception as exc:
         fail(f"sweep failed: {exc}", code=1)
@@ -866,7 +871,7 @@ def ui(
             with open(logs / f"{name}-server.log", "ab") as fh:
                 procs.append(subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT,
                                               start_new_session=True))
-        local = "[::1]" if ":" in host else "127.0.0.1"
+        local = hostport if host not in WILDCARD_HOSTS else "[::1]" if host == "::" else "127.0.0.1"  # reachable here
         health = {"mlflow": f"http://{local}:{mlflow_port}", "prefect": f"http://{local}:{prefect_port}/api"}
         with out.status(f"starting {' and '.join(commands)}…"):
             for name in commands:
