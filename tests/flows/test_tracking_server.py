@@ -107,7 +107,7 @@ def test_an_unreachable_tracking_server_fails_at_once(tmp_path: Path) -> None:
     (["--s3-endpoint-url", "http://127.0.0.1:9000"], "only for an s3:// --artifacts-destination"),
     (["--artifacts-destination", "s3://b/p", "--s3-endpoint-url", "127.0.0.1:9000"], "expected http(s)://"),
     (["--host", "no-such-host.invalid"], "--host no-such-host.invalid: unknown host name"),
-    (["--host", "192.0.2.1"], "cannot listen on 192.0.2.1:"),  # TEST-NET-1: no address of this machine
+    (["--host", "203.0.113.1"], "cannot listen on 203.0.113.1:"),  # TEST-NET-3: no address of this machine
 ])
 def test_bad_ui_values_exit_2_with_one_line_and_create_nothing(tmp_path: Path, args: list[str], needle: str
                                                                ) -> None:
