@@ -18,18 +18,22 @@ anything is created — then sets ``PREFECT_HOME`` and the ephemeral-server sett
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import logging
 import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -61,6 +65,9 @@ SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="Dotted ov
 RunsOpt = Annotated[str | None, typer.Option("--runs-dir", envvar=RUNS_ENV, show_envvar=True,
                                              help="Where all state goes (default: the config's storage.runs_dir, "
                                                   "./runs).")]
+TrackingOpt = Annotated[str | None, typer.Option("--tracking-uri", help="MLflow tracking URI, e.g. an `mlflow "
+                                                 "server` (http://host:5000, `aepo ui`); default: the runs dir's "
+                                                 "SQLite store.")]
 
 
 # ---------------------------------------------------------------------------------------------- plumbing
@@ -274,8 +281,45 @@ def _where_table(rows: Sequence[tuple[str, str]]) -> Table:
 
 
 def _ui_hint(tracking_uri: str, runs: Path) -> str:
+    if _is_http(tracking_uri):
+        return f"browse: {tracking_uri} (the MLflow server); `aepo runs --tracking-uri {tracking_uri}` lists the runs"
     return (f"browse: `mlflow ui --backend-store-uri {tracking_uri}` or `aepo ui --runs-dir {runs}` "
             "(Prefect + MLflow)")
+
+
+def _is_http(uri: str | None) -> bool:
+    return bool(uri) and str(uri).startswith(("http://", "https://"))
+
+
+def _healthy(base_url: str, timeout_s: float = 2.0) -> bool:
+    """``<base_url>/health`` answers 200 (a Prefect API URL or an MLflow server URL)."""
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/health", timeout=timeout_s) as resp:
+            return resp.status == 200
+    except (OSError, ValueError):
+        return False
+
+
+def check_tracking_server(uri: str | None) -> None:
+    """An ``http(s)://`` tracking URI must answer before anything starts: MLflow's client would otherwise retry
+    a refused connection for minutes, and a run would fail half-created. Exits 1 with the URI named."""
+    if _is_http(uri) and not _healthy(str(uri), timeout_s=5.0):
+        fail(f"no MLflow server answers at {uri} (tracking.tracking_uri / --tracking-uri): start one with "
+             "`aepo ui`, or check the host and port", code=1)
+
+
+def _tracking_uri(runs: Path, tracking_uri: str | None, required: bool = True) -> str | None:
+    """The tracking URI a reading command uses: ``--tracking-uri`` (checked: a server must answer), else the runs
+    dir's SQLite store, which must exist (``required=False``: None where it does not)."""
+    from infra.tracking import tracking_uri_for
+
+    check_tracking_server(tracking_uri)
+    uri = tracking_uri or tracking_uri_for(runs)
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        if not required and tracking_uri is None:
+            return None
+        fail(f"no MLflow store at {uri} (nothing has run with --runs-dir {runs} yet)", code=1)
+    return uri
 
 
 # ---------------------------------------------------------------------------------------------- train
@@ -296,6 +340,7 @@ def train(
         cfg.check_trainable()
     except ConfigError as exc:
         fail(str(exc))
+    check_tracking_server(cfg.tracking.tracking_uri)
     runs = resolve_runs_dir(runs_dir, cfg)
     cfg = _with_runs_dir(cfg, runs)
     check_storage(cfg, runs, run_name or cfg.tracking.run_name or cfg.name, resume=resume)
@@ -366,6 +411,7 @@ def eval_(
             probe(cfg.storage.evaluations_uri, storage_options(cfg.storage, cfg.storage.evaluations_uri))
     except (ConfigError, CheckpointError, StorageError) as exc:
         fail(str(exc))
+    check_tracking_server(cfg.tracking.tracking_uri)
     cfg = _with_runs_dir(cfg, runs)
     try:
         with flow_progress("evaluating", len(cfg.eval.datasets) or None, _eval_progress):
@@ -426,6 +472,10 @@ def sweep_cmd(
     child_timeout: Annotated[float | None, typer.Option(
         "--child-timeout", help="With --deployment: seconds after which an unfinished child is cancelled and "
                                 "reported failed (default: wait).")] = None,
+    child_lost_after: Annotated[float | None, typer.Option(
+        "--child-lost-after", help="With --deployment: seconds without a heartbeat after which a running child "
+                                   "counts as lost with its worker: marked Crashed and reported failed (default: "
+                                   "3 × PREFECT_FLOWS_HEARTBEAT_FREQUENCY, 180 s unless set).")] = None,
 ) -> None:
     """Run a grid of training runs (cells × seeds) nested under one MLflow run, then compare them."""
     if not config.is_file():
@@ -436,7 +486,7 @@ def sweep_cmd(
         if not api_url:
             fail("--deployment needs a Prefect server with workers: export PREFECT_API_URL=http://127.0.0.1:4200/api "
                  "(README, 'Scaling out')")
-        if not _api_healthy(api_url):
+        if not _healthy(api_url):
             fail(f"--deployment: no Prefect server at PREFECT_API_URL={api_url}", code=1)
     prepare_environment(runs)
     from flows.sweep import load_sweep, shard_runs, sweep
@@ -448,6 +498,7 @@ def sweep_cmd(
             check_datasets(run.config)
     except ConfigError as exc:
         fail(str(exc))
+    check_tracking_server(spec.base.tracking.tracking_uri)
 
     def on_event(bar: Progress, task: Any, event: ProgressEvent) -> None:
         if event.stage == "cell":
@@ -456,7 +507,8 @@ def sweep_cmd(
     try:
         with flow_progress(f"sweep {spec.name}", len(selected), on_event) as progress:
             result = sweep(sweep_config=str(config.resolve()), runs_dir=str(runs), shard=shard,
-                           deployment=deployment, max_parallel=max_parallel, child_timeout_s=child_timeout)
+                           deployment=deployment, max_parallel=max_parallel, child_timeout_s=child_timeout,
+                           child_lost_after_s=child_lost_after)
             progress.update(progress.task_ids[0], completed=len(selected), description=f"sweep {result.name} done")
     except Exception as exc:
         fail(f"sweep failed: {exc}", code=1)
@@ -479,14 +531,6 @@ def sweep_cmd(
 # ---------------------------------------------------------------------------------------------- serve
 
 
-def _api_healthy(api_url: str, timeout_s: float = 2.0) -> bool:
-    try:
-        with urllib.request.urlopen(api_url.rstrip("/") + "/health", timeout=timeout_s) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
-
-
 @app.command()
 def serve(
     runs_dir: RunsOpt = None,
@@ -504,7 +548,7 @@ def serve(
     if not sweep_file.is_file():
         fail(f"sweep file not found: {sweep_file}")
     runs = resolve_runs_dir(runs_dir)
-    if not _api_healthy(api_url):
+    if not _healthy(api_url):
         fail(f"no Prefect server at {api_url}: start one with `aepo ui --runs-dir {runs}` (or `prefect server "
              "start`), or pass --api-url", code=1)
     os.environ["PREFECT_API_URL"] = api_url
@@ -522,15 +566,6 @@ def serve(
 # ---------------------------------------------------------------------------------------------- runs
 
 
-def _tracking_uri(runs: Path, tracking_uri: str | None) -> str:
-    from infra.tracking import tracking_uri_for
-
-    uri = tracking_uri or tracking_uri_for(runs)
-    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
-        fail(f"no MLflow store at {uri} (nothing has run with --runs-dir {runs} yet)", code=1)
-    return uri
-
-
 def _first_metric(row: Any, pattern: re.Pattern[str]) -> float | None:
     for key, value in row.items():
         if pattern.match(str(key)) and value is not None and not (isinstance(value, float) and math.isnan(value)):
@@ -543,12 +578,12 @@ def runs(
     runs_dir: RunsOpt = None,
     experiment: Annotated[str, typer.Option("--experiment", "-e", help="MLflow experiment.")] = "aepo",
     limit: Annotated[int, typer.Option("--limit", "-n", help="Newest N runs.")] = 30,
-    tracking_uri: Annotated[str | None, typer.Option("--tracking-uri", help="Default: the runs dir's SQLite store.")
-                            ] = None,
+    tracking_uri: TrackingOpt = None,
 ) -> None:
     """Table of MLflow runs: name, kind, status, algorithm, final Pass@1 and reward."""
     rdir = resolve_runs_dir(runs_dir)
     uri = _tracking_uri(rdir, tracking_uri)
+    assert uri is not None
     from infra.tracking import Tracker
 
     frame = Tracker(uri, experiment=experiment).search_runs(max_results=limit)
@@ -602,16 +637,16 @@ def trajectories(
     store_uri: Annotated[str | None, typer.Option("--store", help="Trajectory store (default: <runs>/trajectories;"
                                                   " s3://… works).")] = None,
     experiment: Annotated[str, typer.Option("--experiment", "-e")] = "aepo",
+    tracking_uri: TrackingOpt = None,
 ) -> None:
-    """Summary of a run's stored rollout trees: per step, or per question with --step."""
+    """Summary of a run's stored rollout trees: per step, or per question with --step. A run name is resolved
+    through MLflow (--tracking-uri, else the runs dir's SQLite store where there is one)."""
     from infra.store import TrajectoryStore
-    from infra.tracking import tracking_uri_for
 
     rdir = resolve_runs_dir(runs_dir)
+    uri = _tracking_uri(rdir, tracking_uri, required=False)
     store = TrajectoryStore(store_uri or rdir / "trajectories")
-    db = tracking_uri_for(rdir)
-    run_id = _resolve_store_run(store, run, db if Path(db.removeprefix("sqlite:///")).is_file() else None,
-                                experiment)
+    run_id = _resolve_store_run(store, run, uri, experiment)
     cols = ["step", "question_id", "leaf_id", "sample_kind", "reward", "status", "num_tool_calls", "tool_errors",
             "global_budget", "h_root"]
     traj = store.read_trajectories(run_id, step=step, columns=cols)
@@ -642,80 +677,251 @@ def trajectories(
 
 # ---------------------------------------------------------------------------------------------- ui
 
+WILDCARD_HOSTS = ("0.0.0.0", "::")
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+SQL_DRIVERS = {"postgresql": "psycopg2", "postgresql+psycopg2": "psycopg2", "postgresql+psycopg": "psycopg",
+               "postgresql+pg8000": "pg8000"}  # MLflow's SQLAlchemy store: URI scheme → the driver it imports
+
+
+def _check_listen(host: str, port: int, option: str) -> None:
+    """The server can listen on ``host:port``: the host is an address of this machine and the port is free."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        fail(f"--host {host}: unknown host name")
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: a TIME_WAIT port is free
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            fail(f"{option} {port}: cannot listen on {host}:{port} ({exc.strerror})")
+
+
+def _public_host(host: str) -> str:
+    """The host name that other machines use: ``host`` itself, or for a wildcard (0.0.0.0, ::) the address of
+    the interface of the default route (no packet is sent), else the host name."""
+    if host not in WILDCARD_HOSTS:
+        return host
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect(("10.255.255.255", 1))
+            return str(sock.getsockname()[0])
+    except OSError:
+        return socket.gethostname()
+
+
+def _redacted(uri: str) -> str:
+    """A database URI without its password (for messages)."""
+    parsed = urllib.parse.urlsplit(uri)
+    if parsed.password is None:
+        return uri
+    netloc = parsed.netloc.replace(f":{parsed.password}@", ":***@", 1)
+    return urllib.parse.urlunsplit(parsed._replace(netloc=netloc))
+
+
+def _backend_store(value: str | None, rdir: Path) -> str:
+    """``--backend-store-uri``: the runs dir's SQLite store by default, another SQLite file, or PostgreSQL (its
+    driver must be installed: the server would otherwise die at start with an import error)."""
+    from infra.tracking import tracking_uri_for
+
+    if value is None:
+        return tracking_uri_for(rdir)
+    scheme = value.split("://", 1)[0] if "://" in value else ""
+    if scheme == "sqlite":
+        path = Path(value.removeprefix("sqlite:///")).expanduser() if value.startswith("sqlite:///") else None
+        if path is None or not path.name:
+            fail(f"--backend-store-uri {value}: a SQLite store is sqlite:///<path of the .db file> "
+                 "(sqlite:////abs/path/mlflow.db)")
+        if not path.resolve().parent.is_dir():
+            fail(f"--backend-store-uri {value}: no such directory {path.resolve().parent}")
+        return f"sqlite:///{path.resolve()}"
+    if scheme in SQL_DRIVERS:
+        if not urllib.parse.urlsplit(value).path.strip("/"):
+            fail(f"--backend-store-uri {_redacted(value)}: name the database ({scheme}://user:password@host:5432/db)")
+        driver = SQL_DRIVERS[scheme]
+        if importlib.util.find_spec(driver) is None:
+            fail(f"--backend-store-uri {scheme}://…: its driver {driver} is not installed in this environment "
+                 f"(pip install {'psycopg2-binary' if driver == 'psycopg2' else driver})")
+        return value
+    fail(f"--backend-store-uri {_redacted(value)}: expected sqlite:///path/mlflow.db or "
+         "postgresql://user:password@host:5432/db")
+
+
+def _artifacts_destination(value: str | None, rdir: Path, s3_endpoint_url: str | None) -> str:
+    """``--artifacts-destination``: where the MLflow server keeps the artifacts its clients send it (they go
+    through the server: the clients need no access to it): ``<runs>/mlartifacts`` by default, a directory, or
+    ``s3://bucket/prefix`` (``--s3-endpoint-url`` for MinIO, moto, …)."""
+    from infra.tracking import ARTIFACTS_DIR
+
+    if value is None:
+        dest = str(rdir / ARTIFACTS_DIR)
+    elif value.startswith("s3://"):
+        if not value.removeprefix("s3://").split("/", 1)[0]:
+            fail(f"--artifacts-destination {value}: name a bucket (s3://bucket/prefix)")
+        if importlib.util.find_spec("boto3") is None:
+            fail("--artifacts-destination s3://…: the MLflow server needs boto3 (pip install boto3)")
+        dest = value.rstrip("/")
+    elif "://" in value and not value.startswith("file://"):
+        fail(f"--artifacts-destination {value}: expected a directory or s3://bucket/prefix")
+    else:
+        path = Path(urllib.parse.urlsplit(value).path if value.startswith("file://") else value).expanduser()
+        if path.exists() and not path.is_dir():
+            fail(f"--artifacts-destination {value}: not a directory")
+        dest = str(path.resolve())
+    if s3_endpoint_url is not None:
+        if not dest.startswith("s3://"):
+            fail("--s3-endpoint-url: only for an s3:// --artifacts-destination")
+        if not _is_http(s3_endpoint_url):
+            fail(f"--s3-endpoint-url {s3_endpoint_url}: expected http(s)://host:port")
+    return dest
+
+
+def _mlflow_allowed_hosts(public: str) -> list[str]:
+    """Host headers the MLflow server accepts when it listens beyond loopback: its defaults (localhost, private
+    IPs) plus this machine's names, so that workers may use the host name too."""
+    try:
+        from mlflow.server.security_utils import get_default_allowed_hosts
+
+        defaults = list(get_default_allowed_hosts())
+    except ImportError:  # pragma: no cover - an MLflow without host checks
+        return []
+    names = sorted({public, socket.gethostname(), socket.getfqdn()})
+    return [*defaults, *(n for name in names for n in (name, f"{name}:*"))]
+
+
+def _local_artifact_experiments(mlflow_url: str) -> list[str]:
+    """Experiments of the server whose artifacts live on a local path (created by runs that logged straight to
+    the SQLite store): a run on another machine would write its artifacts to its own disk there."""
+    body = json.dumps({"max_results": 1000}).encode()
+    request = urllib.request.Request(f"{mlflow_url}/api/2.0/mlflow/experiments/search", data=body,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            experiments = json.load(resp).get("experiments", [])
+    except (OSError, ValueError):
+        return []
+    return [f"{e['name']} ({e['artifact_location']})" for e in experiments
+            if str(e.get("artifact_location", "")).startswith(("file:", "/"))]
+
 
 def _wait_http(url: str, procs: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in procs):
             return False
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return True
-        except OSError:
-            pass
+        if _healthy(url):
+            return True
         time.sleep(0.5)
     return False
 
 
 def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM each server's process group (a server and the workers it started), SIGKILL what is left."""
     for p in procs:
-        if p.poll() is None:
-            p.terminate()
+        with suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
     for p in procs:
-        try:
+        with suppress(subprocess.TimeoutExpired):
             p.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        with suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
 
 
 @app.command()
 def ui(
     runs_dir: RunsOpt = None,
-    prefect_port: Annotated[int, typer.Option("--prefect-port")] = 4200,
-    mlflow_port: Annotated[int, typer.Option("--mlflow-port")] = 5000,
-    startup_timeout: Annotated[float, typer.Option("--startup-timeout", help="Seconds to wait for each UI.")] = 180,
+    host: Annotated[str, typer.Option("--host", help="Interface both servers listen on: 127.0.0.1 (this machine "
+                                      "only) or 0.0.0.0 (workers on other machines can log to them).")
+                    ] = "127.0.0.1",
+    prefect_port: Annotated[int, typer.Option("--prefect-port", min=1, max=65535)] = 4200,
+    mlflow_port: Annotated[int, typer.Option("--mlflow-port", min=1, max=65535)] = 5000,
+    backend_store_uri: Annotated[str | None, typer.Option(
+        "--backend-store-uri", help="MLflow's database: sqlite:///path/mlflow.db or postgresql://user:password@host"
+                                    ":5432/db (default: <runs dir>/mlflow.db).")] = None,
+    artifacts_destination: Annotated[str | None, typer.Option(
+        "--artifacts-destination", help="Where the MLflow server stores the artifacts its clients send it: a "
+                                        "directory or s3://bucket/prefix (default: <runs dir>/mlartifacts).")] = None,
+    s3_endpoint_url: Annotated[str | None, typer.Option(
+        "--s3-endpoint-url", help="S3-compatible endpoint of an s3:// destination (MinIO, …): the server's "
+                                  "MLFLOW_S3_ENDPOINT_URL.")] = None,
+    no_prefect: Annotated[bool, typer.Option("--no-prefect", help="Start the MLflow server only.")] = False,
+    startup_timeout: Annotated[float, typer.Option("--startup-timeout", help="Seconds to wait for each server.")
+                               ] = 180,
 ) -> None:
-    """Start the Prefect and MLflow servers on 127.0.0.1 (SQLite under the runs dir); Ctrl-C stops both."""
-    from infra.tracking import artifact_location_for, tracking_uri_for
+    """Start the MLflow tracking server and the Prefect server (UIs and APIs); Ctrl-C or SIGTERM stops both.
 
+    Workers on other machines log to them with --host 0.0.0.0: their runs set tracking.tracking_uri to the
+    printed MLflow URL, their Prefect clients PREFECT_API_URL to the printed API URL. Artifacts go through the
+    MLflow server to --artifacts-destination, so the workers need no access to it."""
     rdir = resolve_runs_dir(runs_dir)
-    (rdir / "prefect").mkdir(parents=True, exist_ok=True)
+    servers = [("mlflow", mlflow_port, "--mlflow-port")] + ([] if no_prefect else [("prefect", prefect_port,
+                                                                                     "--prefect-port")])
+    for _, port, option in servers:
+        _check_listen(host, port, option)
+    backend = _backend_store(backend_store_uri, rdir)
+    dest = _artifacts_destination(artifacts_destination, rdir, s3_endpoint_url)
+    public = _public_host(host)
+    local_only = host in LOOPBACK_HOSTS
+    hostport = f"[{public}]" if ":" in public else public
+    mlflow_url, prefect_url = f"http://{hostport}:{mlflow_port}", f"http://{hostport}:{prefect_port}"
+
+    rdir.mkdir(parents=True, exist_ok=True)
+    if not dest.startswith("s3://"):
+        Path(dest).mkdir(parents=True, exist_ok=True)
     bindir = Path(sys.executable).parent
     env = {**os.environ, "PREFECT_HOME": str(rdir / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_UI_API_URL": f"http://127.0.0.1:{prefect_port}/api"}
+           "PREFECT_UI_API_URL": f"{prefect_url}/api"}
     env.pop("PREFECT_API_URL", None)
-    art = rdir / "mlartifacts"
-    commands = {
-        "prefect": [str(bindir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)],
-        "mlflow": [str(bindir / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port),
-                   "--backend-store-uri", tracking_uri_for(rdir), "--default-artifact-root",
-                   artifact_location_for(rdir), "--artifacts-destination", str(art), "--workers", "1"],
-    }
+    if s3_endpoint_url:
+        env["MLFLOW_S3_ENDPOINT_URL"] = s3_endpoint_url
+    mlflow_cmd = [str(bindir / "mlflow"), "server", "--host", host, "--port", str(mlflow_port),
+                  "--backend-store-uri", backend, "--artifacts-destination", dest, "--workers", "1"]
+    if not local_only:
+        allowed = _mlflow_allowed_hosts(public)
+        mlflow_cmd += ["--allowed-hosts", ",".join(allowed)] if allowed else []
+    commands = {"mlflow": mlflow_cmd}
+    if not no_prefect:
+        (rdir / "prefect").mkdir(parents=True, exist_ok=True)
+        commands["prefect"] = [str(bindir / "prefect"), "server", "start", "--host", host, "--port",
+                               str(prefect_port)]
     logs = rdir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen[bytes]] = []
     out = _out()
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # `kill` stops the servers too (finally)
     try:
-        for name, cmd in commands.items():
+        for name, cmd in commands.items():  # each in its own process group: _stop reaches its workers too
             with open(logs / f"{name}-server.log", "ab") as fh:
-                procs.append(subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT))
-        urls = {"Prefect": (f"http://127.0.0.1:{prefect_port}", f"http://127.0.0.1:{prefect_port}/api/health"),
-                "MLflow": (f"http://127.0.0.1:{mlflow_port}", f"http://127.0.0.1:{mlflow_port}/health")}
-        with out.status("starting the Prefect and MLflow servers…"):
-            for name, (_, health) in urls.items():
-                if not _wait_http(health, procs, startup_timeout):
-                    fail(f"the {name} server did not come up (logs in {logs})", code=1)
+                procs.append(subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+        local = hostport if host not in WILDCARD_HOSTS else "[::1]" if host == "::" else "127.0.0.1"  # reachable here
+        health = {"mlflow": f"http://{local}:{mlflow_port}", "prefect": f"http://{local}:{prefect_port}/api"}
+        with out.status(f"starting {' and '.join(commands)}…"):
+            for name in commands:
+                if not _wait_http(health[name], procs, startup_timeout):
+                    fail(f"the {name} server did not come up (log: {logs / f'{name}-server.log'})", code=1)
         out.print(_where_table([
-            ("Prefect UI", urls["Prefect"][0]),
-            ("MLflow UI", urls["MLflow"][0]),
+            ("MLflow", f"{mlflow_url}   (runs: {_redacted(backend)}; artifacts: {dest})"),
+            *([] if no_prefect else [("Prefect", prefect_url)]),
             ("runs dir", str(rdir)),
             ("server logs", str(logs)),
         ]))
-        out.print(f"to send flow runs to this Prefect server: export PREFECT_API_URL=http://127.0.0.1:{prefect_port}"
-                  "/api   (Ctrl-C stops both servers)")
+        out.print(f"Workers {'on this machine' if local_only else 'and clients'} use them with:\n"
+                  f"  --set tracking.tracking_uri={mlflow_url}   (or tracking.tracking_uri in the config / the "
+                  "sweep file's overrides; `aepo runs --tracking-uri` reads them)"
+                  + ("" if no_prefect else f"\n  export PREFECT_API_URL={prefect_url}/api"))
+        if local_only:
+            out.print(f"(listening on {host} only: --host 0.0.0.0 lets workers on other machines in)")
+        else:
+            _err().print("[yellow]warning:[/] the servers have no authentication: whoever reaches "
+                         f"{public} can read and write the runs")
+            for exp in _local_artifact_experiments(f"http://{local}:{mlflow_port}"):
+                _err().print(f"[yellow]warning:[/] experiment {escape(exp)} keeps its artifacts on a local path: "
+                             "runs of other machines would write them to their own disks (use another "
+                             "tracking.experiment)", soft_wrap=True)
+        out.print("Ctrl-C stops the servers")
         while all(p.poll() is None for p in procs):
             time.sleep(1.0)
         dead = [name for name, p in zip(commands, procs, strict=True) if p.poll() is not None]

@@ -16,6 +16,12 @@ Where the children run:
   (``tracking.tracking_uri: http://…``). A child that ends in any state but Completed (Failed, Crashed,
   Cancelled, or still unfinished ``child_timeout_s`` after its submission: then it is cancelled) is reported by
   name and state; the others go on, the comparison of the finished ones is written, and the sweep ends failed.
+  A worker lost with its flow run (machine gone, both processes killed) leaves the flow run Running for ever:
+  nothing is left to report it, and Prefect's server does not notice. The sweep does: a Running child whose
+  flow-run heartbeats (``prefect.flow-run.heartbeat`` events, every ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` s,
+  180 by default) stop for ``child_lost_after_s`` is marked Crashed and reported as lost, and its MLflow run,
+  left RUNNING, is ended KILLED. (A worker killed alone is different: the flow run lives in a session of its
+  own, notices that its worker is gone and reports itself Crashed within seconds.)
   README "Scaling out" has the commands for a process work pool with N workers.
 - ``shard="i/N"`` (CLI ``--shard i/N``) selects every N-th (cell, seed) from the i-th, under its own parent run
   ``<name>-shard<i>of<N>``: it was the way to spread a sweep before the work pool (``bench/compare_algorithms.py
@@ -58,6 +64,7 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -83,6 +90,9 @@ TAG_SWEEP = "sweep_name"
 TAG_CELL = "sweep_cell"
 TAG_PREVIOUS_PARENT = "sweep_previous_parent_run_id"  # set on a child re-parented by a re-run of its sweep
 POLL_S = 2.0  # seconds between two reads of the children's states in a fan-out (one API call per child in flight)
+HEARTBEAT_CHECK_S = 5.0  # seconds between two reads of a running child's newest heartbeat event
+LOST_HEARTBEATS = 3  # default child_lost_after_s: this many heartbeat intervals (as Prefect's zombie automation)
+HEARTBEAT_EVENT = "prefect.flow-run.heartbeat"
 RUN_COLUMNS = ["cell", "seed", "run_name", "run_id", "status", "dataset", "pass@1", "pass@1_ci_low",
                "pass@1_ci_high", "k", "pass@k", "tool_calls_per_question", "answered_rate", "reward_mean",
                "branch_samples", "max_branches_per_path"]
@@ -367,13 +377,16 @@ class SweepResult:
 @flow(name="aepo-sweep", log_prints=True)
 def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None, shard: str | None = None,
           deployment: str | None = None, max_parallel: int = 4,
-          child_timeout_s: float | None = None) -> SweepResult:
+          child_timeout_s: float | None = None, child_lost_after_s: float | None = None) -> SweepResult:
     """Run every (cell, seed) of the sweep — or of one shard ``"i/N"`` — as a nested training run, then compare
     them; returns the tables' paths.
 
     ``deployment`` (e.g. ``"aepo-train/train"``) submits each child as a flow run of that deployment, at most
     ``max_parallel`` in flight, and waits for them (a child still unfinished ``child_timeout_s`` after its
-    submission is cancelled and reported failed; None: wait for ever). None runs them here, one after another.
+    submission is cancelled and reported failed; None: wait for ever). A Running child that sent heartbeats and
+    then none for ``child_lost_after_s`` (None: 3 × this process's ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY``, which
+    the workers should share) is lost with its worker: marked Crashed and reported failed. None runs them here,
+    one after another.
     Children that already FINISHED in MLflow with the same run name, sweep name and config are not run again."""
     logger = get_run_logger()
     spec = load_sweep(sweep_config)
@@ -384,6 +397,8 @@ def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None, shard
         raise ConfigError(f"sweep max_parallel must be >= 1; got {max_parallel}")
     if child_timeout_s is not None and child_timeout_s <= 0:
         raise ConfigError(f"sweep child_timeout_s must be > 0 (or None); got {child_timeout_s}")
+    if child_lost_after_s is not None and child_lost_after_s <= 0:
+        raise ConfigError(f"sweep child_lost_after_s must be > 0 (or None); got {child_lost_after_s}")
     runs = Path(runs_dir or spec.runs_dir or spec.base.storage.runs_dir).expanduser().resolve()
     runs.mkdir(parents=True, exist_ok=True)
     tracker = Tracker.from_config(spec.base, runs, system_metrics=False)
@@ -406,7 +421,9 @@ def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None, shard
         if deployment is None:
             failed = _run_children(spec, todo, configs, runs, parent, logger)
         else:
-            failed = _fan_out(spec, todo, configs, runs, parent, deployment, max_parallel, child_timeout_s, logger)
+            watch = _Watch(child_timeout_s, _lost_after(child_lost_after_s))
+            failed = _fan_out(spec, todo, configs, runs, parent, deployment, max_parallel, watch, logger)
+        _end_abandoned(tracker, parent, failed, logger)
         per_run, summary, markdown, files = _compare(spec, tracker, parent, out_dir)
         artifact_id = create_markdown_artifact(markdown=markdown, key=f"sweep-{_slug(spec.name)}",
                                                description=f"comparison of sweep {spec.name}")
@@ -499,18 +516,83 @@ def check_deployment(deployment: str, tracking_uri: str, logger: Any) -> None:
                        deployment, tracking_uri)
 
 
+@dataclass(frozen=True)
+class _Watch:
+    """When the fan-out gives up on a child: ``timeout_s`` after its submission, or ``lost_after_s`` after its
+    last heartbeat (None: never)."""
+
+    timeout_s: float | None
+    lost_after_s: float | None
+
+
+def _lost_after(child_lost_after_s: float | None) -> float | None:
+    """``child_lost_after_s``, else 3 heartbeat intervals of this process's Prefect settings (None: heartbeats off)."""
+    if child_lost_after_s is not None:
+        return child_lost_after_s
+    from prefect.settings import get_current_settings
+
+    frequency = get_current_settings().flows.heartbeat_frequency
+    return LOST_HEARTBEATS * frequency if frequency else None
+
+
+@dataclass
+class _Child:
+    """A child in flight: its run, when it was submitted, and the newest heartbeat the sweep has seen of it."""
+
+    run: SweepRun
+    submitted: float
+    heartbeat: tuple[UUID, datetime] | None = None  # (event id, occurred)
+    seen_at: float = 0.0  # monotonic time that heartbeat was first seen (this machine's clock only)
+    interval_s: float = 0.0  # the longest gap seen between two of its heartbeats
+    checked_at: float = 0.0
+
+    def silent_for(self, client: Any, flow_run_id: UUID, lost_after_s: float, now: float) -> float | None:
+        """How long the child has been silent (no new heartbeat), if that makes it lost; else None.
+
+        Only a child that has sent a heartbeat can be lost (with heartbeats off on its worker only the timeout
+        applies), and never before two of its own heartbeat intervals: a worker that beats slower than this
+        process's settings assume is not mistaken for a lost one."""
+        if now - self.checked_at < HEARTBEAT_CHECK_S:
+            return None
+        self.checked_at = now
+        try:
+            event = _newest_heartbeat(client, flow_run_id)
+        except Exception as exc:  # no verdict without the events API; the state poll goes on
+            log.debug("reading the heartbeats of flow run %s failed: %s", flow_run_id, exc)
+            return None
+        if event is None:
+            return None
+        if self.heartbeat is None or event.id != self.heartbeat[0]:
+            if self.heartbeat is not None:
+                self.interval_s = max(self.interval_s, (event.occurred - self.heartbeat[1]).total_seconds())
+            self.heartbeat, self.seen_at = (event.id, event.occurred), now
+            return None
+        limit = max(lost_after_s, 2 * self.interval_s)
+        return limit if now - self.seen_at > limit else None
+
+
+def _newest_heartbeat(client: Any, flow_run_id: UUID) -> Any:
+    """The newest ``prefect.flow-run.heartbeat`` event of a flow run (None: none yet)."""
+    from prefect.events.filters import EventFilter, EventNameFilter, EventOrder, EventResourceFilter
+
+    page = client.read_events(EventFilter(event=EventNameFilter(name=[HEARTBEAT_EVENT]),
+                                          resource=EventResourceFilter(id=[f"prefect.flow-run.{flow_run_id}"]),
+                                          order=EventOrder.DESC), limit=1)
+    return page.events[0] if page.events else None
+
+
 def _fan_out(spec: SweepSpec, todo: Sequence[SweepRun], configs: Mapping[str, ExperimentConfig], runs: Path,
-             parent: str, deployment: str, max_parallel: int, child_timeout_s: float | None,
-             logger: Any) -> list[ChildFailure]:
+             parent: str, deployment: str, max_parallel: int, watch: _Watch, logger: Any) -> list[ChildFailure]:
     """Every (cell, seed) as a flow run of ``deployment`` (named like its MLflow run), at most ``max_parallel``
-    submitted and unfinished at once; polls their states and returns the runs that did not complete. If the
-    sweep itself is stopped (an exception, Ctrl-C, SIGTERM), the children in flight are cancelled."""
+    submitted and unfinished at once; polls their states and returns the runs that did not complete (ended in
+    another state, timed out, or lost: see :class:`_Watch`). If the sweep itself is stopped (an exception,
+    Ctrl-C, SIGTERM), the children in flight are cancelled."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
-    from prefect.states import Cancelling
+    from prefect.states import Cancelling, Crashed
 
     pending = list(todo)
-    in_flight: dict[UUID, tuple[SweepRun, float]] = {}
+    in_flight: dict[UUID, _Child] = {}
     failed: list[ChildFailure] = []
     finished = 0
     with get_client(sync_client=True) as client:
@@ -524,13 +606,17 @@ def _fan_out(spec: SweepSpec, todo: Sequence[SweepRun], configs: Mapping[str, Ex
                         parameters={"config": configs[run.run_name].to_dict(), "runs_dir": str(runs),
                                     "run_name": run.run_name, "parent_run_id": parent, "overrides": [],
                                     "resume": False, "tags": _child_tags(spec, run)})
-                    in_flight[flow_run.id] = (run, time.monotonic())
+                    in_flight[flow_run.id] = _Child(run, time.monotonic())
                     report(logger, Progress("cell", done=finished, total=len(todo), name=run.run_name),
                            "sweep run %s submitted to %s as flow run %s (%d in flight)", run.run_name, deployment,
                            flow_run.id, len(in_flight))
                 time.sleep(POLL_S)
-                for flow_run_id_, (run, submitted) in list(in_flight.items()):
+                for flow_run_id_, child in list(in_flight.items()):
+                    run, now = child.run, time.monotonic()
                     state = client.read_flow_run(flow_run_id_).state
+                    silent = (child.silent_for(client, flow_run_id_, watch.lost_after_s, now)
+                              if watch.lost_after_s is not None and state is not None and state.is_running()
+                              else None)
                     if state is not None and state.is_final():
                         del in_flight[flow_run_id_]
                         finished += 1
@@ -541,20 +627,44 @@ def _fan_out(spec: SweepSpec, todo: Sequence[SweepRun], configs: Mapping[str, Ex
                         else:
                             report(logger, Progress("cell", done=finished, total=len(todo), name=run.run_name),
                                    "sweep run %s completed (%d of %d ended)", run.run_name, finished, len(todo))
-                    elif child_timeout_s is not None and time.monotonic() - submitted > child_timeout_s:
+                    elif silent is not None:
+                        del in_flight[flow_run_id_]
+                        finished += 1
+                        failed.append(ChildFailure(run.run_name, f"lost: no heartbeat for over {silent:g} s"))
+                        logger.error("sweep run %s (flow run %s) sent no heartbeat for over %g s: its worker is "
+                                     "gone; marked Crashed", run.run_name, flow_run_id_, silent)
+                        client.set_flow_run_state(flow_run_id_, Crashed(
+                            message=f"aepo sweep: no heartbeat for over {silent:g} s (worker lost)"), force=True)
+                    elif watch.timeout_s is not None and now - child.submitted > watch.timeout_s:
                         del in_flight[flow_run_id_]
                         finished += 1
                         where = state.name if state is not None else "no state"
-                        failed.append(ChildFailure(run.run_name, f"timed out after {child_timeout_s:g} s in {where}"))
+                        failed.append(ChildFailure(run.run_name, f"timed out after {watch.timeout_s:g} s in {where}"))
                         logger.error("sweep run %s (flow run %s) still %s after %g s: cancelled", run.run_name,
-                                     flow_run_id_, where, child_timeout_s)
+                                     flow_run_id_, where, watch.timeout_s)
                         client.set_flow_run_state(flow_run_id_, Cancelling(), force=True)
         except BaseException:
-            for flow_run_id_, (run, _) in in_flight.items():
-                logger.warning("sweep stopped: cancelling %s (flow run %s)", run.run_name, flow_run_id_)
+            for flow_run_id_, child in in_flight.items():
+                logger.warning("sweep stopped: cancelling %s (flow run %s)", child.run.run_name, flow_run_id_)
                 client.set_flow_run_state(flow_run_id_, Cancelling(), force=True)
             raise
     return failed
+
+
+def _end_abandoned(tracker: Tracker, parent: str, failed: Sequence[ChildFailure], logger: Any) -> None:
+    """The MLflow run of a failed child that is still RUNNING belongs to a process that is gone (lost with its
+    worker) or being stopped (cancelled after a timeout): end it KILLED, so that it does not stay RUNNING for
+    ever and the comparison shows what became of it."""
+    names = {f.run_name for f in failed}
+    if not names:
+        return
+    running = tracker.search_runs(filter_string=f"tags.mlflow.parentRunId = '{parent}' AND "
+                                                "attributes.status = 'RUNNING'")
+    for _, child in running.iterrows():
+        if child["run_name"] in names:
+            tracker.client.set_terminated(child["run_id"], status="KILLED")
+            logger.warning("sweep run %s: its MLflow run %s was still RUNNING: ended KILLED", child["run_name"],
+                           child["run_id"])
 
 
 def _compare(spec: SweepSpec, tracker: Tracker, parent: str, out_dir: Path

@@ -1,160 +1,48 @@
 """The sweep fanned out through Prefect: real servers and workers, no mocks.
 
-One module-scoped stack: a moto S3 server (MLflow artifacts and the Parquet trajectories), an ``mlflow server``
-(SQLite backend, artifacts proxied to S3), a ``prefect server``, a process work pool with the ``train``
-deployment registered by ``prefect deploy`` from ``prefect.yaml`` (the README's command), and two ``prefect
-worker start --limit 1`` processes. A sweep of 2 cells × 2 seeds on the tiny config runs in process (the
-reference) and through the deployment with ``max_parallel=2``; the tables must agree, a re-run must submit
-nothing, and a cell that fails on the workers must be reported by name and state. Every process started here
-runs in its own session and its whole process group is stopped at the end. Measured: 195–208 s on 2 cores (stack
-30–45 s, in-process sweep 32–45 s, fan-out 63–77 s, re-runs 2–4 s each, failing cell ~30 s, teardown 9–11 s).
+One module-scoped stack (``tests/server_stack.py``): a moto S3 server (MLflow artifacts and the Parquet
+trajectories), ``aepo ui`` (an ``mlflow server`` on SQLite with its artifacts proxied to S3, and a ``prefect
+server``), a process work pool with the ``train`` deployment registered by ``prefect deploy`` from ``prefect.yaml``
+(the README's command), and two ``prefect worker start --limit 1`` processes. A sweep of 2 cells × 2 seeds on the
+tiny config runs in process (the reference) and through the deployment with ``max_parallel=2``; the tables must
+agree, a re-run must submit nothing, and a cell that fails on the workers must be reported by name and state.
+Last, a worker is killed with the child it runs: the sweep must report that child lost and compare the other.
+Every process started here runs in its own session and its whole process group is stopped at the end.
+Measured on 2 cores: the first test 195–208 s (stack 30–45 s, in-process sweep 32–45 s, fan-out 63–77 s, re-runs
+2–4 s each, failing cell ~30 s, teardown 9–11 s), the killed worker ~110 s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import pytest
 import yaml
+from server_stack import AWS, BIN, REPO, Stack, base_env, running_stack
 
-REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 POOL = "aepo-test-pool"
 DEPLOYMENT = "aepo-train/train"
 BUCKET = "aepo-fanout"
-AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _base_env(**extra: str) -> dict[str, str]:
-    """The test's environment without its Prefect/MLflow settings (each process gets its own, explicitly)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
-    env.update({"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                **AWS, **extra})
-    return env
-
-
-@dataclass
-class Stack:
-    """URLs of the servers, the environment a Prefect client needs, and the started processes (with logs)."""
-
-    tmp: Path
-    s3_url: str = ""
-    mlflow_url: str = ""
-    prefect_api: str = ""
-    procs: dict[str, subprocess.Popen[bytes]] | None = None
-
-    def start(self, name: str, cmd: list[str], env: dict[str, str], cwd: Path = REPO) -> subprocess.Popen[bytes]:
-        with open(self.tmp / f"{name}.log", "ab") as log:  # the child keeps its own descriptor
-            proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        assert self.procs is not None
-        self.procs[name] = proc
-        return proc
-
-    def log_tail(self, name: str, n: int = 40) -> str:
-        path = self.tmp / f"{name}.log"
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.is_file() else ""
-
-    def wait_http(self, name: str, url: str, timeout_s: float = 150.0) -> None:
-        assert self.procs is not None
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.procs[name].poll() is not None:
-                pytest.fail(f"{name} exited with {self.procs[name].returncode}:\n{self.log_tail(name)}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:  # not listening yet: poll again
-                pass
-            time.sleep(0.5)
-        pytest.fail(f"{name} not up after {timeout_s} s ({url}):\n{self.log_tail(name)}")
-
-    def prefect_cli(self, *args: str, timeout_s: float = 180.0) -> str:
-        env = _base_env(PREFECT_API_URL=self.prefect_api, PREFECT_HOME=str(self.tmp / "prefect-cli"),
-                        PWD=str(REPO), PYTHONPATH=str(REPO), PREFECT_CLI_PROMPT="false")
-        proc = subprocess.run([str(BIN / "prefect"), "--no-prompt", *args], env=env, cwd=REPO, capture_output=True,
-                              text=True, timeout=timeout_s)
-        assert proc.returncode == 0, f"prefect {' '.join(args)}:\n{proc.stdout}\n{proc.stderr}"
-        return proc.stdout
-
-    def stop(self, name: str) -> None:
-        assert self.procs is not None
-        proc = self.procs[name]
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        with contextlib.suppress(ProcessLookupError):  # children the leader left behind (a flow run subprocess)
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("fanout-stack")
-    st = Stack(tmp, procs={})
-    env = pytest.MonkeyPatch()
-    env.setenv("PREFECT_HOME", str(tmp / "prefect-test"))  # this process's Prefect files, never ~/.prefect
-    env.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    try:
-        s3_port, mlflow_port, prefect_port = _free_port(), _free_port(), _free_port()
-        st.s3_url = f"http://127.0.0.1:{s3_port}"
-        st.start("moto", [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(s3_port)], _base_env())
-        st.wait_http("moto", f"{st.s3_url}/moto-api/", timeout_s=60)
-        import boto3
-
-        boto3.client("s3", endpoint_url=st.s3_url, region_name="us-east-1", aws_access_key_id="testing",
-                     aws_secret_access_key="testing").create_bucket(Bucket=BUCKET)
-
-        st.mlflow_url = f"http://127.0.0.1:{mlflow_port}"
-        st.start("mlflow", [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port),
-                            "--backend-store-uri", f"sqlite:///{tmp / 'mlflow.db'}",
-                            "--artifacts-destination", f"s3://{BUCKET}/mlartifacts", "--workers", "1"],
-                 _base_env(MLFLOW_S3_ENDPOINT_URL=st.s3_url))
-        st.prefect_api = f"http://127.0.0.1:{prefect_port}/api"
-        st.start("prefect-server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port",
-                                    str(prefect_port)],
-                 _base_env(PREFECT_HOME=str(tmp / "prefect-server"), PREFECT_UI_ENABLED="false"))
-        st.wait_http("mlflow", f"{st.mlflow_url}/health")
-        st.wait_http("prefect-server", f"{st.prefect_api}/health")
-
+    with running_stack(tmp_path_factory.mktemp("fanout-stack"), BUCKET) as st:
         st.prefect_cli("work-pool", "create", POOL, "--type", "process")
         st.prefect_cli("deploy", "--name", "train", "--pool", POOL)  # prefect.yaml's train, on the test's pool
-        for i in (1, 2):
+        for i in (1, 2):  # heartbeats every 30 s (Prefect's minimum; default 180): see the killed-worker test
             st.start(f"worker{i}", [str(BIN / "prefect"), "worker", "start", "--pool", POOL, "--type", "process",
                                     "--limit", "1", "--name", f"worker{i}"],
-                     _base_env(PREFECT_API_URL=st.prefect_api, PREFECT_HOME=str(tmp / f"worker{i}"),
-                               PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-                               AEPO_MODEL_CACHE=str(model_cache), PREFECT_WORKER_QUERY_SECONDS="1",
-                               PREFECT_WORKER_PREFETCH_SECONDS="5"))
+                     base_env(PREFECT_API_URL=st.prefect_api, PREFECT_HOME=str(st.tmp / f"worker{i}"),
+                              OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", AEPO_MODEL_CACHE=str(model_cache),
+                              PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="5",
+                              PREFECT_FLOWS_HEARTBEAT_FREQUENCY="30"))
         yield st
-    finally:
-        for name in reversed(list(st.procs or {})):
-            st.stop(name)
-        env.undo()
 
 
 @contextlib.contextmanager
@@ -244,10 +132,7 @@ def test_fanout_sweep_runs_children_on_workers_and_matches_in_process(
     assert set(children["params.tracking.tracking_uri"]) == {stack.mlflow_url}
     assert {a.path for a in tracker.client.list_artifacts(children["run_id"].iloc[0])} >= {"config.yaml"}
     assert parent.info.artifact_uri.startswith("mlflow-artifacts:")  # proxied by the server to moto's S3
-    import boto3
-
-    s3 = boto3.client("s3", endpoint_url=stack.s3_url, region_name="us-east-1")
-    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET).get("Contents", [])]
+    keys = stack.keys()
     assert any(k.startswith("mlartifacts/") and k.endswith("comparison.csv") for k in keys)
     assert {f"run_id={rid}" for rid in children["run_id"]} <= {
         part for k in keys if k.startswith("traj/") for part in k.split("/")}
@@ -299,3 +184,95 @@ def test_fanout_sweep_runs_children_on_workers_and_matches_in_process(
     assert last["run_name"].iloc[0] == "fan" and last["status"].iloc[0] == "FAILED"
     assert sorted(fr.name for fr in _flow_runs_on(stack, DEPLOYMENT)) == sorted(
         [*names, "fan-broken-s0", "fan-broken-s1"])
+
+
+def _kill_tree(root_pid: int) -> list[int]:
+    """SIGKILL a process and every descendant at once (a worker machine lost with its flow run)."""
+    import psutil
+
+    root = psutil.Process(root_pid)
+    procs = [root, *root.children(recursive=True)]
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    return [p.pid for p in procs]
+
+
+def test_a_child_whose_worker_is_killed_mid_run_is_reported_and_the_others_compared(
+        stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model_cache: Path) -> None:
+    """Two children, one per worker; while the ``slow`` one runs (its flow run Running, its MLflow run RUNNING),
+    its worker and the worker's flow-run process are SIGKILLed together, as when a worker machine is lost.
+
+    Why it is not vacuous: the process worker starts each flow run in a session of its own, so killing only the
+    worker's process group leaves the flow run alive, and it then reports itself Crashed within ~2 s (measured),
+    which the sweep already handled. Killing both leaves nobody to report: the test checks that Prefect still
+    shows the flow run Running 15 s after the kill (so its Crashed state later can only come from the sweep), and
+    the sweep, with no ``child_timeout_s`` short enough to catch it (300 s), must notice within ``lost_after_s``
+    that the child's heartbeats stopped, report it by name as lost while the ``fast`` child is compared, mark its
+    flow run Crashed and its MLflow run KILLED. Without that detection the sweep waited out the 300 s timeout (or,
+    without a timeout, for ever). Runs last in the module: it leaves one worker. Measured: ~100 s.
+    """
+    import threading
+
+    import psutil
+
+    from flows.sweep import sweep
+    from infra.tracking import Tracker
+
+    for k, v in AWS.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AEPO_MODEL_CACHE", str(model_cache))
+    spec = _sweep_spec(stack, stack.mlflow_url)
+    spec.pop("grid")
+    spec.update(name="lost", seeds=[0], cells={"slow": {"train.steps": 20}, "fast": {}})
+    victim = "lost-slow-s0"
+    tracker = Tracker(stack.mlflow_url)
+    killed: dict[str, Any] = {}
+
+    def kill_the_victim_s_worker() -> None:
+        deadline = time.monotonic() + 300
+        with _on_server(stack, tmp_path / "killer-home"):
+            while time.monotonic() < deadline:
+                run = tracker.search_runs(filter_string=f"attributes.run_name = '{victim}'")
+                flow_run = next((fr for fr in _flow_runs_on(stack, DEPLOYMENT) if fr.name == victim), None)
+                if (not run.empty and run["status"].iloc[0] == "RUNNING" and flow_run is not None
+                        and flow_run.infrastructure_pid):
+                    pid = int(str(flow_run.infrastructure_pid).split(":")[-1])  # "pid" (or "host:pid")
+                    worker = next(w for w in ("worker1", "worker2")
+                                  if pid in {p.pid for p in psutil.Process(stack.procs[w].pid).children(True)})
+                    killed.update(worker=worker, pids=_kill_tree(stack.procs[worker].pid), flow_run_id=flow_run.id)
+                    time.sleep(15)
+                    killed["state_15s_later"] = _flow_run_state(stack, flow_run.id)
+                    return
+                time.sleep(1)
+
+    killer = threading.Thread(target=kill_the_victim_s_worker, daemon=True)
+    killer.start()
+    t0 = time.monotonic()
+    with _on_server(stack, tmp_path / "prefect-home"), pytest.raises(RuntimeError) as failure:
+        sweep(sweep_config=spec, runs_dir=str(tmp_path / "fanout"), deployment=DEPLOYMENT, max_parallel=2,
+              child_timeout_s=300, child_lost_after_s=60)
+    elapsed = time.monotonic() - t0
+    killer.join(timeout=30)
+    print(f"sweep with a killed worker: {elapsed:.0f} s; {killed}")
+
+    assert killed.get("pids"), "the slow child's worker was not killed while it ran"
+    assert not [p for p in killed["pids"] if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert killed["state_15s_later"] == "Running"  # Prefect itself never learns that the flow run is gone
+    message = str(failure.value)
+    assert "1 of 2 runs failed" in message and f"{victim} (lost: no heartbeat for over 60 s)" in message, message
+    assert "timed out" not in message and elapsed < 300
+    assert _flow_run_state(stack, killed["flow_run_id"]) == "Crashed"
+    table = pd.read_csv(tmp_path / "fanout" / "sweeps" / "lost" / "comparison.csv")
+    assert dict(zip(table["run_name"], table["status"])) == {"lost-slow-s0": "KILLED", "lost-fast-s0": "FINISHED"}
+    assert table.loc[table["run_name"] == "lost-fast-s0", "reward_mean"].notna().all()
+    parent = tracker.search_runs(filter_string="tags.kind = 'sweep' AND attributes.run_name = 'lost'")
+    assert list(parent["status"]) == ["FAILED"]
+
+
+def _flow_run_state(stack: Stack, flow_run_id: Any) -> str | None:
+    from prefect.client.orchestration import get_client
+
+    with _on_server(stack, stack.tmp / "prefect-client"), get_client(sync_client=True) as client:
+        state = client.read_flow_run(flow_run_id).state
+        return state.name if state is not None else None
