@@ -4,6 +4,7 @@ checks that the target is really there for the test itself, so that a pass is no
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -16,10 +17,12 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
+from infra.tools import python_sandbox
 from infra.tools.python_sandbox import PythonSandbox, SandboxCapabilities
 
 REPO = Path(__file__).resolve().parents[2]
@@ -284,7 +287,7 @@ def test_killed_caller_takes_the_call_with_it(caps: SandboxCapabilities, tmp_pat
         tree = psutil.Process(trainer.pid).children(recursive=True)
         os.kill(trainer.pid, signal.SIGKILL)
         trainer.wait(5)
-        gone, alive = psutil.wait_procs(tree, timeout=5)
+        _gone, alive = psutil.wait_procs(tree, timeout=5)
         assert alive == [], [p.cmdline()[:3] for p in alive]
         assert list(tmp_path.iterdir()) == []  # no working directory left behind
     finally:
@@ -311,3 +314,33 @@ def test_code_cannot_forge_the_launcher_status(sandbox: PythonSandbox, caps: San
     isolation = result.meta["isolation"]
     assert isolation["uid"] not in (0, None) and isolation["private_root"] is True, result.meta  # type: ignore[index]
     assert "forged" not in result.meta["limits_hit"]  # type: ignore[operator]
+
+
+def test_capabilities_say_what_holds(caps: SandboxCapabilities) -> None:
+    report = caps.as_dict()
+    assert report["private_root"] is True and report["drop_privileges"]
+    assert set(report["call_limits"]) >= {"disk"} and isinstance(report["parent_death"], bool)
+    binds = [Path(b) for b in report["root_binds"]]
+    assert binds
+    for hidden in (REPO, DATA, Path.home()):  # nothing that holds them is bound into the root
+        assert not any(hidden == b or b in hidden.parents for b in binds), (hidden, binds)
+
+
+def test_unconfined_machine_refuses_or_warns(
+    sandbox: PythonSandbox, caps: SandboxCapabilities, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    weak = dataclasses.replace(caps, private_root=False, private_tmp=False, launch={**caps.launch, "layout": None})
+    monkeypatch.setattr(python_sandbox, "sandbox_capabilities", lambda *args, **kwargs: weak)
+    launched: list[object] = []
+    real_popen = subprocess.Popen
+
+    def counting_popen(*args: Any, **kwargs: Any) -> Any:
+        launched.append(args[0])
+        return real_popen(*args, **kwargs)
+
+    monkeypatch.setattr(python_sandbox.subprocess, "Popen", counting_popen)
+    refused = PythonSandbox(timeout_s=8.0)("print('ran')")
+    assert not refused.ok and refused.error == "sandbox_unavailable" and launched == []
+    warned = PythonSandbox(timeout_s=8.0, unconfined="warn")("print('ran')")
+    assert warned.ok and warned.text == "ran" and len(launched) == 1
+    assert "unconfined" in str(warned.meta["warning"]) and warned.meta["isolation"]["private_root"] is False  # type: ignore[index]
