@@ -17,7 +17,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
@@ -327,18 +326,11 @@ def test_capabilities_say_what_holds(caps: SandboxCapabilities) -> None:
 
 
 def test_unconfined_machine_refuses_or_warns(
-    sandbox: PythonSandbox, caps: SandboxCapabilities, monkeypatch: pytest.MonkeyPatch
+    caps: SandboxCapabilities, monkeypatch: pytest.MonkeyPatch, sandbox_launches: list[object]
 ) -> None:
     weak = dataclasses.replace(caps, private_root=False, private_tmp=False, launch={**caps.launch, "layout": None})
     monkeypatch.setattr(python_sandbox, "sandbox_capabilities", lambda *args, **kwargs: weak)
-    launched: list[object] = []
-    real_popen = subprocess.Popen
-
-    def counting_popen(*args: Any, **kwargs: Any) -> Any:
-        launched.append(args[0])
-        return real_popen(*args, **kwargs)
-
-    monkeypatch.setattr(python_sandbox.subprocess, "Popen", counting_popen)
+    launched = sandbox_launches
     refused = PythonSandbox(timeout_s=8.0)("print('ran')")
     assert not refused.ok and refused.error == "sandbox_unavailable" and launched == []
     warned = PythonSandbox(timeout_s=8.0, unconfined="warn")("print('ran')")
