@@ -269,20 +269,49 @@ class SearchToolConfig(Section):
 
 
 class PythonToolConfig(Section):
-    """The agent's Python sandbox (a subprocess under resource limits)."""
+    """The agent's Python sandbox: a confined process per call (infra/tools/python_sandbox.py says how)."""
 
     enabled: bool = Field(True, description="Offer the Python tool to the agent.")
-    cpu_seconds: int = Field(10, ge=1, description="CPU-time limit of one call (RLIMIT_CPU), in seconds.")
-    memory_mb: int = Field(1024, ge=16, description="Address-space limit of one call (RLIMIT_AS), in MiB.")
+    cpu_seconds: int = Field(10, ge=1, description="CPU-time limit of each process of a call (RLIMIT_CPU), in seconds.")
+    memory_mb: int = Field(
+        1024,
+        ge=16,
+        description="Memory of one call, in MiB: all its processes together and the files it writes (they live in "
+        "memory), through a per-call cgroup where the machine allows it; also each process's address space "
+        "(RLIMIT_AS).",
+    )
     file_size_mb: int = Field(16, ge=1, description="Largest file one call may write (RLIMIT_FSIZE), in MiB.")
-    max_processes: int = Field(64, ge=1, description="Process limit of one call (RLIMIT_NPROC).")
+    disk_mb: int = Field(
+        64,
+        ge=1,
+        description="Disk space of one call, in MiB: a size-capped tmpfs holding its working directory, /tmp and "
+        "/dev/shm together (with the private root; nothing reaches the host's disk). Counts towards memory_mb.",
+    )
+    max_processes: int = Field(
+        64,
+        ge=1,
+        description="Processes (and threads) of one call together, through a per-call pids cgroup where the "
+        "machine allows it; also RLIMIT_NPROC of its uid.",
+    )
+    cpu_cores: float = Field(
+        1.0, gt=0.0, description="CPU bandwidth of one call, in cores (per-call cpu cgroup quota, where available)."
+    )
+    unconfined: Literal["refuse", "warn"] = Field(
+        "refuse",
+        description="When this machine cannot confine the code (no mount namespace for the private root, or no "
+        "unprivileged uid): 'refuse' returns an error result for every call without running the code; 'warn' "
+        "runs it with only rlimits and a host temp dir — the code can then read the host's files, gold answers "
+        "included — and logs a warning.",
+    )
     max_output_chars: int = Field(
         4000, ge=1, description="stdout and stderr of one call, together, are cut to this many characters."
     )
     isolate_network: bool = Field(True, description="Run under `unshare -n` when the OS allows it.")
     interpreter: str | None = Field(None, description="Python executable for model code (default: the running one).")
     workdir_root: str | None = Field(
-        None, description="Parent of the per-call temporary working directories (default: the system temp dir)."
+        None,
+        description="Parent of the per-call temporary working directories when there is no private root (default: "
+        "the system temp dir); with one, the working directory lives in the call's tmpfs.",
     )
 
 

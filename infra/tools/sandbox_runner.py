@@ -1,21 +1,28 @@
 """Launcher that runs inside the sandbox process: set up, confine, then run the model's code once.
 
 Executed as ``python -I -c <this source> <json settings>`` (stdlib only; it imports nothing from this package, so
-it works under a dropped uid and in any interpreter). Steps, in order:
+it works in any interpreter). Two processes:
 
-1. enter the working directory; if in a private mount namespace, mount a fresh tmpfs over /tmp, /var/tmp and
-   /dev/shm (the working directory is bind-mounted back in place) so the code sees no shared temp files, and
-   make the interpreter reachable for the unprivileged uid (see ``_private_mounts``);
-2. set hard resource limits (CPU, address space, file size, processes, open files, core dumps) while still
-   privileged, so the code cannot raise them again;
-3. drop to an unprivileged uid/gid when asked (the parent runs as root): root ignores RLIMIT_NPROC and can
-   write anywhere;
-4. read the code from stdin, run it REPL-style: every statement, and if the last one is an expression its value
-   is evaluated and its ``repr`` is reported (the parent shows it only if nothing was printed). Runs once.
+- the **supervisor** (this process; PID 1 of the call's PID namespace when there is one). It never runs model
+  code and never changes its credentials, so the parent-death signal it sets (SIGKILL when its parent, the
+  ``unshare`` that the caller's death kills, dies) holds, and when it exits the kernel kills every process of
+  the namespace. In order it: sets that signal; joins the call's cgroups (``cgroups``: the ``cgroup.procs``
+  files the caller created, so that everything the code starts is bounded together); reads the code from
+  stdin; builds the private root when asked (``root``, see ``_build_root``) and pivots into it; forks the code's
+  process; waits for it; then writes the only trusted report, one JSON line on the status descriptor: the
+  setup, the uid, the code process's exit (status or signal), the disk use of the call's tmpfs, and the
+  ``exception`` / ``last_repr`` / ``setup_error`` values that the code's process handed over (these keys
+  only: the code can write anything on that pipe, but it reaches only its own result).
+- the **code's process**, forked: closes the status descriptor (the code cannot write to it, nor reopen it:
+  ``/proc/1/fd`` belongs to a more privileged process); sets hard resource limits (CPU, address space, file
+  size, processes, open files, core dumps) while still privileged; drops to an unprivileged uid — a per-call
+  uid when the caller is root, or, under a user namespace (caller not root), uid 65534 in a nested user
+  namespace without capabilities; sets ``no_new_privs``; adds the interpreter's site directories
+  (``site_dirs``); then runs the code REPL-style: every statement, and if the last one is an expression its
+  value is evaluated and its ``repr`` reported (the caller shows it only if nothing was printed). Runs once.
 
-A report (JSON lines) goes to the status file descriptor: setup results first, then the exception type or the
-last value. Exit codes: 0 success, 1 exception in the code, ``SystemExit`` codes as given, 125 setup failure,
-152 CPU limit (SIGXCPU).
+Exit codes: the code process's (0 success, 1 exception in the code, ``SystemExit`` codes as given, 152 CPU
+limit via SIGXCPU), 125 setup failure, 128 + n when it was killed by signal n (also in the report).
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from __future__ import annotations
 import ast
 import builtins
 import ctypes
+import errno
+import fcntl
 import json
 import linecache
 import os
@@ -35,51 +44,126 @@ from typing import Any
 EXIT_SETUP_FAILED = 125
 EXIT_CPU_LIMIT = 152
 CODE_FILENAME = "<code>"
+NESTED_UID = 65534  # the code's uid in its nested user namespace (caller not root)
+_MS_RDONLY = 1
 _MS_NOSUID = 2
 _MS_NODEV = 4
+_MS_REMOUNT = 32
 _MS_BIND = 4096
 _MS_REC = 16384
+_MNT_DETACH = 2
+_PR_SET_PDEATHSIG = 1
+_PR_SET_NO_NEW_PRIVS = 38
+_CLONE_NEWUSER = 0x10000000
+_SYS_PIVOT_ROOT = 155  # x86_64
+_SYS_CAPSET = 126
+_SYS_PIVOT_ROOT_AARCH64 = 41
+_SYS_CAPSET_AARCH64 = 91
+_RESULT_KEYS = ("exception", "last_repr", "setup_error")
+_DEVICES = ("null", "zero", "full", "random", "urandom")
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _report(fd: int, record: dict[str, Any]) -> None:
-    try:
-        os.write(fd, (json.dumps(record) + "\n").encode())
-    except OSError:
-        pass
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None) -> None:
+def _syscall_no(x86: int, arm: int) -> int:
+    return arm if os.uname().machine in ("aarch64", "arm64") else x86
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
     def encode(text: str | None) -> bytes | None:
         return text.encode() if text is not None else None
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mount(encode(source), encode(target), encode(fstype), ctypes.c_ulong(flags), encode(data)) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mount {target}: {os.strerror(err)}")
+    _check(_libc.mount(encode(source), encode(target), encode(fstype), ctypes.c_ulong(flags), encode(data)),
+           f"mount {target}")
 
 
-def _private_mounts(workdir: str, size_mb: int, reveal: dict[str, list[str]]) -> None:
-    """Private mounts, in the launcher's own mount namespace (nothing changes for the host).
+def _bind(source: str, target: str, writable: bool = False) -> None:
+    """Bind ``source`` at ``target``: read-only, no setuid, no devices, unless it is a device node."""
+    if os.path.isdir(source):
+        os.makedirs(target, mode=0o755, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+        with open(target, "a"):
+            pass
+    _mount(source, target, None, _MS_BIND | _MS_REC)
+    if not writable:
+        try:
+            _mount(None, target, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+        except OSError as exc:  # a mount flag locked by a user namespace (e.g. noexec) must be kept: add them all
+            if exc.errno != errno.EPERM:
+                raise
+            _mount(None, target, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV | 8)
 
-    ``reveal`` maps a directory the unprivileged uid cannot traverse (e.g. /root holding a pyenv Python) to the
-    paths under it the interpreter needs: the directory is covered by an empty tmpfs and only those paths are
-    bound back, so the code can import the standard library without seeing the rest of it. Then a fresh tmpfs
-    covers /tmp, /var/tmp and /dev/shm, and the (already entered) working directory is bound back in place.
+
+def _build_root(spec: dict[str, Any], uid: int | None) -> str:
+    """Build a minimal root on a tmpfs and pivot into it (in this process's own mount namespace).
+
+    It holds, read-only: the system's programs and libraries (``binds``: /usr, /bin, /lib…, or the symlinks a
+    merged /usr has), the interpreter's installation and site-packages directories (bound at their own paths,
+    and nothing else of the directories above them: a venv inside the checkout shows its site-packages only);
+    a generated /etc (passwd, group, hosts, nsswitch.conf, plus ``etc_files`` such as ld.so.cache); device nodes
+    null, zero, full, random, urandom; this PID namespace's /proc. Writable: one size-capped tmpfs (``disk_mb``,
+    ``inodes``) at /tmp, holding the working directory, with /var/tmp and /dev/shm pointing into it, so all the
+    call's files share one budget and vanish with the namespace. Returns the working directory's path.
     """
-    for hidden, keep in reveal.items():
-        fds = [os.open(path, os.O_PATH | os.O_DIRECTORY) for path in keep]
-        _mount("tmpfs", hidden, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,mode=0755")
-        for path, fd in zip(keep, fds, strict=True):
-            os.makedirs(path, mode=0o755, exist_ok=True)
-            _mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC, None)
-            os.close(fd)
-    for target in ("/tmp", "/var/tmp", "/dev/shm"):
-        if os.path.isdir(target):
-            _mount("tmpfs", target, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={size_mb}m,mode=1777")
-    # The cwd still points at the real working directory even if a tmpfs now hides its path.
-    os.makedirs(workdir, exist_ok=True)
-    _mount(".", workdir, None, _MS_BIND, None)
+    stage = spec["stage"]
+    _mount("tmpfs", stage, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=4m,nr_inodes=4096,mode=0755")
+    for name, target in spec["symlinks"].items():
+        os.symlink(target, stage + name)
+    bound: list[str] = []
+    for path in sorted(spec["binds"]):
+        if os.path.exists(path) and not any(path == b or path.startswith(b + "/") for b in bound):
+            _bind(path, stage + path)
+            bound.append(path)
+    etc = stage + "/etc"
+    os.makedirs(etc, mode=0o755, exist_ok=True)
+    for path in spec["etc_files"]:
+        if os.path.islink(path):
+            os.symlink(os.readlink(path), stage + path)
+        elif os.path.isfile(path):
+            _bind(path, stage + path)
+    user = uid if uid is not None else NESTED_UID
+    files = {
+        "passwd": f"root:x:0:0:root:/root:/bin/false\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n"
+        f"sandbox:x:{user}:{user}:sandbox:{spec['workdir']}:/bin/sh\n",
+        "group": f"root:x:0:\nnogroup:x:65534:\nsandbox:x:{user}:\n",
+        "hosts": "127.0.0.1 localhost\n::1 localhost\n",
+        "nsswitch.conf": "passwd: files\ngroup: files\nhosts: files\n",
+    }
+    for name, text in files.items():
+        if not os.path.exists(f"{etc}/{name}"):
+            with open(f"{etc}/{name}", "w") as f:
+                f.write(text)
+    dev = stage + "/dev"
+    os.makedirs(dev, mode=0o755)
+    for name in _DEVICES:
+        if os.path.exists(f"/dev/{name}"):
+            _bind(f"/dev/{name}", f"{dev}/{name}", writable=True)
+    for name, target in {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
+                         "stderr": "/proc/self/fd/2", "shm": "/tmp"}.items():
+        os.symlink(target, f"{dev}/{name}")
+    os.makedirs(stage + "/proc", mode=0o555)
+    _mount("/proc", stage + "/proc", None, _MS_BIND | _MS_REC)
+    os.makedirs(stage + "/var", mode=0o755, exist_ok=True)
+    os.symlink("../tmp", stage + "/var/tmp")
+    os.makedirs(stage + "/tmp", mode=0o1777)
+    _mount("tmpfs", stage + "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV,
+           f"size={int(spec['disk_mb'])}m,nr_inodes={int(spec['inodes'])},mode=1777")
+    workdir = spec["workdir"]
+    os.mkdir(stage + workdir, 0o700)
+    if uid is not None:
+        os.chown(stage + workdir, uid, uid)
+    _mount(None, stage, None, _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+    os.chdir(stage)
+    _check(_libc.syscall(_syscall_no(_SYS_PIVOT_ROOT, _SYS_PIVOT_ROOT_AARCH64), b".", b"."), "pivot_root")
+    _check(_libc.umount2(b".", _MNT_DETACH), "umount old root")
     os.chdir(workdir)
+    return workdir
 
 
 def _set_limits(limits: dict[str, int]) -> None:
@@ -97,12 +181,30 @@ def _set_limits(limits: dict[str, int]) -> None:
         resource.setrlimit(table[name], (value, hard))
 
 
-def _drop_privileges(uid: int, gid: int) -> None:
-    os.setgroups([])
-    os.setresgid(gid, gid, gid)
-    os.setresuid(uid, uid, uid)
-    if os.getuid() != uid or os.geteuid() != uid:
+def _drop_capabilities() -> None:
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
+    data = (ctypes.c_uint32 * 6)()
+    _check(_libc.syscall(_syscall_no(_SYS_CAPSET, _SYS_CAPSET_AARCH64), header, data), "capset")
+
+
+def _drop_privileges(uid: int | None, user_namespace: bool) -> int:
+    """Become unprivileged for good: the given uid (caller root) or uid 65534 of a nested user namespace."""
+    if uid is not None:
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+    elif user_namespace:  # we are "root" of the caller's user namespace: the caller's own uid outside
+        _check(_libc.unshare(_CLONE_NEWUSER), "unshare(CLONE_NEWUSER)")
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{NESTED_UID} 0 1"), ("gid_map", f"{NESTED_UID} 0 1")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+        _drop_capabilities()
+    _check(_libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    if uid is not None and (os.getuid() != uid or os.geteuid() != uid):
         raise OSError(f"still uid {os.geteuid()} after dropping to {uid}")
+    if os.geteuid() == 0:
+        raise OSError("the code would run as root")
+    return os.getuid()
 
 
 def _on_cpu_limit(signum: int, frame: object) -> None:
@@ -110,7 +212,14 @@ def _on_cpu_limit(signum: int, frame: object) -> None:
     os._exit(EXIT_CPU_LIMIT)
 
 
-def _run_code(source: str, status_fd: int, max_repr_chars: int) -> int:
+def _report(fd: int, record: dict[str, Any]) -> None:
+    try:
+        os.write(fd, (json.dumps(record) + "\n").encode())
+    except OSError:
+        pass
+
+
+def _run_code(source: str, result_fd: int, max_repr_chars: int) -> int:
     """Run all statements; evaluate a trailing expression and report its repr. Returns the exit code."""
     linecache.cache[CODE_FILENAME] = (len(source), None, source.splitlines(True), CODE_FILENAME)
     namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
@@ -138,55 +247,122 @@ def _run_code(source: str, status_fd: int, max_repr_chars: int) -> int:
             traceback.print_exception(type(exc), exc, tb)
         except BaseException:
             os.write(2, f"{type(exc).__name__} (traceback unavailable)\n".encode())
-        _report(status_fd, {"exception": type(exc).__name__})
+        _report(result_fd, {"exception": type(exc).__name__})
         return 1
     if value is not None:
         try:
             text = repr(value)
         except Exception as exc:
             text = f"<repr failed: {type(exc).__name__}: {exc}>"
-        _report(status_fd, {"last_repr": text[:max_repr_chars]})
+        _report(result_fd, {"last_repr": text[:max_repr_chars]})
     return 0
 
 
-def main() -> None:
-    settings = json.loads(sys.argv[1])
-    status_fd = int(settings["status_fd"])
-    workdir = settings["workdir"]
-    setup: dict[str, Any] = {"setup": True, "private_tmp": False, "pid": os.getpid()}
+def _code_process(settings: dict[str, Any], source: str, status_fd: int, result_fd: int) -> None:
+    """The forked child: confine, drop privileges, run the code. Never returns."""
+    os.close(status_fd)
     try:
-        os.chdir(workdir)
-        if settings.get("private_tmp"):
-            try:
-                _private_mounts(workdir, int(settings.get("tmp_size_mb", 64)), settings.get("reveal") or {})
-                setup["private_tmp"] = True
-            except OSError as exc:
-                setup["private_tmp_error"] = str(exc)
-        _set_limits({k: int(v) for k, v in settings["limits"].items()})
-        signal.signal(signal.SIGXCPU, _on_cpu_limit)
-        if settings.get("uid") is not None:
-            _drop_privileges(int(settings["uid"]), int(settings["gid"]))
-        setup["uid"] = os.getuid()
-        source = sys.stdin.buffer.read().decode("utf-8", errors="replace")
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.close(devnull)
-        os.set_inheritable(status_fd, False)
+        _set_limits({k: int(v) for k, v in settings["limits"].items()})
+        signal.signal(signal.SIGXCPU, _on_cpu_limit)
+        uid = settings.get("uid")
+        _drop_privileges(int(uid) if uid is not None else None, bool(settings.get("user_namespace")))
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # for the case without a PID namespace
+        if settings.get("site_dirs"):
+            import site
+
+            for path in settings["site_dirs"]:
+                site.addsitedir(path)
     except Exception as exc:
-        setup["setup_error"] = f"{type(exc).__name__}: {exc}"
-        _report(status_fd, setup)
+        _report(result_fd, {"setup_error": f"{type(exc).__name__}: {exc}"})
         os._exit(EXIT_SETUP_FAILED)
-    _report(status_fd, setup)
     # stdout and stderr share one pipe: line buffering keeps prints and tracebacks in order.
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    code = _run_code(source, status_fd, int(settings.get("max_repr_chars", 4000)))
+    code = _run_code(source, result_fd, int(settings.get("max_repr_chars", 4000)))
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:
             pass
-    # _exit: do not wait for threads the code left running (the parent's wall timeout would do it otherwise).
+    # _exit: do not wait for threads the code left running (the caller's wall timeout would do it otherwise).
     os._exit(code if 0 <= code < 256 else 1)
+
+
+def _read_results(fd: int, limit: int) -> dict[str, Any]:
+    """What the code's process reported, read without blocking (its children may hold the pipe open)."""
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
+    data = b""
+    try:
+        while len(data) < limit and (chunk := os.read(fd, 65536)):
+            data += chunk
+    except OSError:
+        pass
+    found: dict[str, Any] = {}
+    for line in data.decode("utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            found.update({k: str(v) for k, v in record.items() if k in _RESULT_KEYS})
+    return found
+
+
+def main() -> None:
+    settings = json.loads(sys.argv[1])
+    status_fd = int(settings["status_fd"])
+    os.set_inheritable(status_fd, False)
+    report: dict[str, Any] = {"setup": True, "private_root": False}
+    try:
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        for procs in settings.get("cgroups") or []:
+            with open(procs, "w") as f:
+                f.write("0")
+        source = sys.stdin.buffer.read().decode("utf-8", errors="replace")
+        if settings.get("root"):
+            _build_root(settings["root"], settings.get("uid"))
+            report["private_root"] = True
+        else:
+            os.chdir(settings["workdir"])
+        report["workdir"] = os.getcwd()
+        result_r, result_w = os.pipe()
+        pid = os.fork()
+    except Exception as exc:
+        report["setup_error"] = f"{type(exc).__name__}: {exc}"
+        _report(status_fd, report)
+        os._exit(EXIT_SETUP_FAILED)
+    if pid == 0:
+        os.close(result_r)
+        _code_process(settings, source, status_fd, result_w)
+    os.close(result_w)
+    for fd in (0, 1, 2):  # the code's output pipe must close when the code's processes are gone
+        os.close(fd)
+    while True:  # as PID 1, also reap the code's orphans
+        try:
+            waited, status = os.wait()
+        except ChildProcessError:
+            status = 0
+            break
+        if waited == pid:
+            break
+    report.update(_read_results(result_r, 1 << 20))
+    report["uid"] = settings.get("uid") if settings.get("uid") is not None else (
+        NESTED_UID if settings.get("user_namespace") else os.getuid())
+    if report.get("setup_error"):
+        report["uid"] = None
+    if report["private_root"]:
+        fs = os.statvfs("/tmp")
+        report["disk_used"] = (fs.f_blocks - fs.f_bfree) * fs.f_frsize
+        report["disk_free"] = fs.f_bavail * fs.f_frsize
+    if os.WIFSIGNALED(status):
+        report["signal"] = os.WTERMSIG(status)
+        code = 128 + os.WTERMSIG(status)
+    else:
+        code = os.WEXITSTATUS(status)
+    _report(status_fd, report)
+    os._exit(code)
 
 
 if __name__ == "__main__":
