@@ -13,25 +13,26 @@
    mean and largest number of branches on one path); the final training reward.
 
 Run: ``.venv/bin/python -m bench.compare_algorithms [--seeds 0 1 2] [--set train.steps=4 ...] [--quick]
-[--workers 2]``. ``--workers N`` runs the sweep as N shards in parallel processes (``runs-dir/shard-<i>``), each
-with cores/N torch threads: small-model decoding on CPU is bound by per-op overhead, so two one-thread processes
-on two cores get more done than one two-thread process (~1.1–1.3× measured). The analysis merges the shards.
+[--workers 2]``. ``--workers N`` (N >= 1) fans the sweep out through a Prefect process work pool on this
+machine (``bench/pool.py``: ``aepo ui``, the ``train`` deployment, N one-flow-run workers with cores/N torch
+threads each), every child logging to the pool's ``mlflow server`` over HTTP: the README's "Scaling out" set-up,
+timed. Small-model decoding on CPU is bound by per-op overhead, so two one-thread workers on two cores get more
+done than one two-thread process. ``--workers 0`` (default) runs the sweep in this process. Either way the runs
+land in the runs dir's SQLite store, which ``--analyse-only`` and ``aepo ui --runs-dir`` read.
 Prints the table and writes ``bench/results/compare_algorithms.json`` (``compare_algorithms-quick.json`` with
-``--quick``). Runs go to ``--runs-dir`` (default ``runs/bench-compare``): ``aepo ui --runs-dir`` browses them.
+``--quick``; ``--out`` elsewhere). Runs go to ``--runs-dir`` (default ``runs/bench-compare``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import math
 import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -133,7 +134,7 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def analyse(result: dict[str, Any], dataset: str, k: int, n_resamples: int, workdir: Path) -> dict[str, Any]:
-    """Per-arm statistics from the MLflow store each run row names (``tracking_uri``: one per shard)."""
+    """Per-arm statistics from the MLflow store each run row names (``tracking_uri``)."""
     from aepo_core.evaluation import paired_comparison
     from infra.tracking import Tracker
 
@@ -209,61 +210,35 @@ def sweep_spec(path: Path, sets: Sequence[str], seeds: Sequence[int] | None, cel
     return spec
 
 
-# ------------------------------------------------------------------------------------------------ shards
-def run_shards(spec: dict[str, Any], runs: Path, workers: int) -> dict[str, Any]:
-    """The sweep as ``workers`` shards in parallel processes (cores/workers torch threads each); the merged
-    result has every run row tagged with its shard's tracking URI."""
-    threads = max(1, (os.cpu_count() or 1) // workers)
-    runs.mkdir(parents=True, exist_ok=True)
-    spec_path = runs / "sweep-spec.json"
-    atomic_write_json(spec_path, spec)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    procs: list[tuple[subprocess.Popen, Path, Path]] = []
-    try:
-        for i in range(1, workers + 1):
-            shard_dir = runs / f"shard-{i}"
-            shard_dir.mkdir(parents=True, exist_ok=True)
-            out, log_path = shard_dir / "shard-result.json", shard_dir / "worker.log"
-            out.unlink(missing_ok=True)
-            cmd = [sys.executable, "-m", "bench.compare_algorithms", "--worker-spec", str(spec_path),
-                   "--shard", f"{i}/{workers}", "--runs-dir", str(shard_dir), "--out", str(out)]
-            with log_path.open("w") as fh:  # own session: a failed or interrupted parent takes the shard down
-                procs.append((subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                               start_new_session=True), out, log_path))
-            log.info("shard %d/%d: pid %d, %d torch thread(s), log %s", i, workers, procs[-1][0].pid, threads,
-                     log_path)
-        for proc, _, log_path in procs:
-            if proc.wait() != 0:
-                raise RuntimeError(f"sweep shard failed (exit {proc.returncode}); see {log_path}")
-    finally:
-        for proc, _, _ in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    merged: dict[str, Any] = {"runs": [], "shards": []}
-    for _, out, _ in procs:
-        part = json.loads(out.read_text())
-        merged["runs"] += [{**row, "tracking_uri": part["tracking_uri"]} for row in part["runs"]]
-        merged["shards"].append({k: part[k] for k in ("name", "parent_run_id", "tracking_uri", "out_dir")})
-    merged.update(parent_run_id=[s["parent_run_id"] for s in merged["shards"]],
-                  tracking_uri=[s["tracking_uri"] for s in merged["shards"]],
-                  out_dir=[s["out_dir"] for s in merged["shards"]])
-    return merged
+# ------------------------------------------------------------------------------------------------ sweep
+def run_sweep(spec: dict[str, Any], runs: Path, pool: Any, child_timeout_s: float | None) -> dict[str, Any]:
+    """The sweep in this process (``pool`` None) or through the local work pool ``pool``; the result with every run
+    row tagged with its tracking URI."""
+    from flows.sweep import sweep
+
+    if pool is None:
+        result = dataclasses.asdict(sweep(sweep_config=spec, runs_dir=str(runs)))
+    else:
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        spec = {**spec, "overrides": {**spec["overrides"], "tracking.tracking_uri": pool.mlflow_url}}
+        with temporary_settings(updates={PREFECT_API_URL: pool.prefect_api}):
+            result = dataclasses.asdict(sweep(sweep_config=spec, runs_dir=str(runs), deployment=pool.deployment,
+                                              max_parallel=pool.workers, child_timeout_s=child_timeout_s))
+    result["runs"] = [{**row, "tracking_uri": result["tracking_uri"]} for row in result["runs"]]
+    return result
 
 
-def stored_runs(runs: Path, checked: Any) -> dict[str, Any]:
-    """The finished runs of the sweep ``checked`` already in ``runs`` and its ``shard-<i>`` stores, shaped like a
-    sweep result (newest run of each name): re-analysis without re-running, or of a sweep stopped early."""
+def stored_runs(runs: Path, checked: Any, tracking_uri: str | None) -> dict[str, Any]:
+    """The finished runs of the sweep ``checked`` already in the runs dir's store, shaped like a sweep result
+    (newest run of each name): re-analysis without re-running, or of a sweep stopped early."""
     from flows.sweep import comparison_frame
     from infra.tracking import Tracker, tracking_uri_for
 
     rows: list[dict[str, Any]] = []
     uris: list[str] = []
     seen: set[tuple[str, str]] = set()
-    for store in [runs, *sorted(runs.glob("shard-*"))]:
-        if not (store / "mlflow.db").is_file():
-            continue
-        uri = tracking_uri_for(store)
+    for uri in [tracking_uri or tracking_uri_for(runs)]:  # the pool's server serves the runs dir's store
         children = Tracker(uri).search_runs(filter_string="attributes.status = 'FINISHED'")
         if children.empty:
             continue
@@ -275,22 +250,6 @@ def stored_runs(runs: Path, checked: Any) -> dict[str, Any]:
     if not rows:
         raise SystemExit(f"no finished run of sweep {checked.name} under {runs}")
     return {"runs": rows, "tracking_uri": uris, "parent_run_id": None, "out_dir": None}
-
-
-def shard_worker(args: argparse.Namespace) -> int:
-    """One shard of a ``--workers`` run: the sweep flow on the spec the parent wrote; the result as JSON."""
-    runs = args.runs_dir.resolve()
-    from flows.cli import prepare_environment
-
-    prepare_environment(runs)  # its own Prefect home and temporary server, its own MLflow store (pre-Prefect)
-    from bench.harness import set_threads
-    from flows.sweep import sweep
-
-    set_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    spec = json.loads(args.worker_spec.read_text())
-    result = sweep(sweep_config=spec, runs_dir=str(runs), shard=args.shard)
-    atomic_write_json(args.out, dataclasses.asdict(result))
-    return 0
 
 
 def report(arms: dict[str, Any], k: int, dataset: str) -> None:
@@ -323,11 +282,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "two tiny steps")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--analyse-only", action="store_true",
-                   help="analyse the finished runs already in --runs-dir (and its shard stores); run nothing")
-    p.add_argument("--workers", type=int, default=1,
-                   help="sweep shards run in parallel, each a process with cores/N torch threads (default 1)")
-    p.add_argument("--worker-spec", type=Path, default=None, help=argparse.SUPPRESS)  # internal: one shard
-    p.add_argument("--shard", default=None, help=argparse.SUPPRESS)
+                   help="analyse the finished runs already in --runs-dir; run nothing")
+    p.add_argument("--workers", type=int, default=0,
+                   help="N >= 1: the sweep through a local Prefect work pool of N workers (cores/N torch threads "
+                   "each); 0: in this process (default)")
+    p.add_argument("--child-timeout", type=float, default=None,
+                   help="with --workers: cancel and report a child unfinished this many seconds after submission")
     return p.parse_args(argv)
 
 
@@ -336,21 +296,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from flows.cli import sigterm_unwinds
 
-    with sigterm_unwinds():  # `kill` stops shards and Prefect's temporary server too
-        if args.worker_spec is not None:
-            return shard_worker(args)
+    with sigterm_unwinds():  # `kill` stops the pool's processes and Prefect's temporary server too
         return run(args)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Shared SFT, the sweep (in-process or as ``--workers`` shards), the analysis, the JSON."""
+    """Shared SFT, the sweep (in this process or through a ``--workers`` pool), the analysis, the JSON."""
     from flows.cli import prepare_environment
 
-    if args.workers < 1:
-        raise SystemExit(f"--workers must be >= 1; got {args.workers}")
+    if args.workers < 0:
+        raise SystemExit(f"--workers must be >= 0; got {args.workers}")
     runs = args.runs_dir.resolve()
     prepare_environment(runs)  # before Prefect is imported
-    from flows.sweep import load_sweep, sweep
+    from flows.sweep import load_sweep
     from infra.config_files import load_config
 
     sets = [*(QUICK_SETS if args.quick else []), *args.sets]
@@ -367,20 +325,27 @@ def run(args: argparse.Namespace) -> int:
     spec["name"] = f"{spec['name']}-bench{'-quick' if args.quick else ''}"
     checked = load_sweep(spec)
     log.info("sweep %s: %d runs (%s)", checked.name, len(checked.runs), ", ".join(checked.cells))
-    if args.analyse_only:
-        result = stored_runs(runs, checked)
-        log.info("analysing %d stored runs of %d", len({r["run_name"] for r in result["runs"]}), len(checked.runs))
-    elif args.workers > 1:
-        result = run_shards(spec, runs, args.workers)
-    else:
-        result = dataclasses.asdict(sweep(sweep_config=spec, runs_dir=str(runs)))
-        result["runs"] = [{**row, "tracking_uri": result["tracking_uri"]} for row in result["runs"]]
-    t_sweep = time.perf_counter() - t0 - t_sft
-    cfg0 = checked.runs[0].config
-    k = cfg0.eval.pass_k
-    dataset = sorted({r["dataset"] for r in result["runs"]})[0]
-    with tempfile.TemporaryDirectory() as tmp:
-        arms = analyse(result, dataset, k, cfg0.eval.bootstrap_samples, Path(tmp))
+    with contextlib.ExitStack() as stack:
+        pool = None
+        if args.workers:  # pool runs' artifacts are served by the pool's mlflow server: also for --analyse-only
+            from bench.pool import local_pool
+
+            pool = stack.enter_context(local_pool(runs, args.workers))
+            log.info("pool %s: %d workers, up in %.1f s (Prefect %s, MLflow %s)", pool.pool, pool.workers,
+                     pool.startup_s, pool.prefect_api, pool.mlflow_url)
+        t1 = time.perf_counter()
+        if args.analyse_only:
+            result = stored_runs(runs, checked, pool.mlflow_url if pool else None)
+            log.info("analysing %d stored runs of %d", len({r["run_name"] for r in result["runs"]}),
+                     len(checked.runs))
+        else:
+            result = run_sweep(spec, runs, pool, args.child_timeout)
+        t_sweep = time.perf_counter() - t1
+        cfg0 = checked.runs[0].config
+        k = cfg0.eval.pass_k
+        dataset = sorted({r["dataset"] for r in result["runs"]})[0]
+        with tempfile.TemporaryDirectory() as tmp:
+            arms = analyse(result, dataset, k, cfg0.eval.bootstrap_samples, Path(tmp))
     report(arms, k, dataset)
     out = args.out or RESULTS_DIR / f"compare_algorithms{'-quick' if args.quick else ''}.json"
     env["load_avg_end"] = list(os.getloadavg())
@@ -396,7 +361,9 @@ def run(args: argparse.Namespace) -> int:
                    "eval_dataset": dataset, "eval_questions": cfg0.eval.max_questions,
                    "eval_samples": cfg0.eval.n_samples, "eval_temperature": cfg0.eval.temperature},
         "shared_sft": {"dir": str(sft_dir) if sft_dir else None, **sft_metrics},
-        "wall_s": {"sft": t_sft, "sweep": None if args.analyse_only else t_sweep},
+        "wall_s": {"sft": t_sft, "sweep": None if args.analyse_only else t_sweep,
+                   "pool_startup": pool.startup_s if pool else None,
+                   "per_run": None if args.analyse_only else t_sweep / len(checked.runs)},
         "workers": args.workers,
         "analyse_only": args.analyse_only,
         "runs_analysed": len({r["run_name"] for r in result["runs"]}),
@@ -406,10 +373,8 @@ def run(args: argparse.Namespace) -> int:
         "arms": {name: {k2: v for k2, v in a.items() if k2 != "per_question_pass@1"} for name, a in arms.items()},
         "per_question_pass@1": {name: a["per_question_pass@1"] for name, a in arms.items()},
     })
-    stores = dict.fromkeys(row["tracking_uri"] for row in result["runs"])
-    browse = [Path(u.removeprefix("sqlite:///")).parent if u.startswith("sqlite:///") else runs for u in stores]
     print(f"\nresults: {out}\nMLflow: {result['tracking_uri']} (parent run {result['parent_run_id']}); "
-          f"browse with " + " and ".join(f"`aepo ui --runs-dir {b}`" for b in browse))
+          f"browse with `aepo ui --runs-dir {runs}`")
     return 0
 
 

@@ -67,9 +67,9 @@ def prefect_harness(tmp_path_factory: pytest.TempPathFactory, model_cache: Path)
 def moto_s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A real S3 API on 127.0.0.1 (moto's threaded server, fresh and empty), with dummy credentials; its URL."""
     from moto.server import ThreadedMotoServer
+    from server_stack import AWS
 
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for k, v in AWS.items():  # dummy credentials, as the server stack's processes get
         monkeypatch.setenv(k, v)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()

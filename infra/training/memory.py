@@ -22,12 +22,15 @@ from aepo_core.config import OptimConfig
 
 log = logging.getLogger(__name__)
 
-CPU_ACTIVATION_BUDGET_GB = 1.0
-"""``optim.memory_budget_gb: auto`` on a CPU device: SmolLM2-135M gets 724-token micro-batches. Measured on 2
+CPU_ACTIVATION_BUDGET_GB = 2.0
+"""``optim.memory_budget_gb: auto`` on a CPU device: SmolLM2-135M gets 1449-token micro-batches. Measured on 2
 cores, single-turn step: 1024-token micro-batches 154 tok/s and 4.2 GB peak, 2048-token 155 tok/s and 5.6 GB,
-8192-token 99 tok/s and 10.7 GB; demo RL steps (``make demo`` settings from its trained checkpoint, 2 updates):
-a 2 GB budget (1449 tokens) 140 / 164 tok/s and update peaks of 5.7 / 5.8 GB, 1 GB (724 tokens) 127 / 175 tok/s
-and 4.7 / 5.0 GB. Under ``make demo`` (Prefect, MLflow and the tools add ~1 GB) 2 GB peaked at 7.3 GB."""
+8192-token 99 tok/s and 10.7 GB. ``make demo``'s cold-start SFT (48 transcripts of ~600–700 tokens): 2 GB 267
+tok/s and 6.0 GB peak, 1.5 GB (1087 tokens) 200 tok/s and 5.5 GB, 1 GB (724 tokens) 196 tok/s and 5.3 GB — below
+two transcripts per micro-batch the per-op overhead shows; its RL updates (from the demo's checkpoint): 2 GB
+140 / 164 tok/s and 5.7 / 5.8 GB, 1 GB 127 / 175 tok/s and 4.7 / 5.0 GB. The whole demo peaks at 7.3 GB with
+2 GB and 6.4 GB with 1 GB (13 min 25 s instead of ~9.5): the speed is kept here, ``memory_budget_gb: 1.0`` is the
+setting for a smaller machine."""
 
 
 def activation_bytes_per_token(layers: int, hidden: int, intermediate: int) -> int:
