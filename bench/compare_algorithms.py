@@ -235,21 +235,18 @@ def stored_runs(runs: Path, checked: Any, tracking_uri: str | None) -> dict[str,
     from flows.sweep import comparison_frame
     from infra.tracking import Tracker, tracking_uri_for
 
+    uri = tracking_uri or tracking_uri_for(runs)  # the pool's server serves the runs dir's store
+    children = Tracker(uri).search_runs(filter_string="attributes.status = 'FINISHED'")
     rows: list[dict[str, Any]] = []
-    uris: list[str] = []
     seen: set[tuple[str, str]] = set()
-    for uri in [tracking_uri or tracking_uri_for(runs)]:  # the pool's server serves the runs dir's store
-        children = Tracker(uri).search_runs(filter_string="attributes.status = 'FINISHED'")
-        if children.empty:
-            continue
-        uris.append(uri)
+    if not children.empty:
         for row in comparison_frame(children, checked).to_dict(orient="records"):
             if (row["run_name"], row["dataset"]) not in seen:  # newest first: a re-run wins over an older one
                 seen.add((row["run_name"], row["dataset"]))
                 rows.append({**row, "tracking_uri": uri})
     if not rows:
         raise SystemExit(f"no finished run of sweep {checked.name} under {runs}")
-    return {"runs": rows, "tracking_uri": uris, "parent_run_id": None, "out_dir": None}
+    return {"runs": rows, "tracking_uri": uri, "parent_run_id": None, "out_dir": None}
 
 
 def report(arms: dict[str, Any], k: int, dataset: str) -> None:
