@@ -23,15 +23,19 @@ def autocast_dtype(name: str) -> torch.dtype | None:
     return AUTOCAST_DTYPES.get(name)
 
 
+def last_hidden_state(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Last hidden states of a causal LM's decoder (the vocabulary projection is applied by the caller), with no
+    KV cache: a training forward that builds one keeps every layer's keys and values alive to its end, which
+    would undo activation checkpointing (``memory.checkpoint_decoder_layers``)."""
+    return model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+
+
 def decoder_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    compute_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Last hidden states of a causal LM's decoder (the vocabulary projection is applied by the caller).
-
-    With ``compute_dtype`` the forward runs under autocast: bf16 matmuls, float32 master weights.
-    """
+    """:func:`last_hidden_state`; with ``compute_dtype`` under autocast: bf16 matmuls, float32 master weights."""
     with torch.autocast(input_ids.device.type, dtype=compute_dtype or torch.float32,
                         enabled=compute_dtype is not None):
-        return model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return last_hidden_state(model, input_ids, attention_mask)
 
 
 class _InProcessModel:

@@ -32,6 +32,7 @@ import torch
 
 from aepo_core.config import OptimConfig, TrainConfig
 from infra.ranks import Ranks
+from infra.training.backends import last_hidden_state
 from infra.training.optim import build_optimizer, build_scheduler, lr_factor
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class _HiddenStates(torch.nn.Module):
         self.lm = lm
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return last_hidden_state(self.lm, input_ids, attention_mask)
 
 
 def _param_groups(model: torch.nn.Module, cfg: OptimConfig) -> list[dict[str, Any]]:

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import logging
 
 import torch
+from torch.utils.checkpoint import checkpoint
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from aepo_core.config import OptimConfig
 
@@ -33,13 +36,18 @@ two transcripts per micro-batch the per-op overhead shows; its RL updates (from 
 setting for a smaller machine."""
 
 
-def activation_bytes_per_token(layers: int, hidden: int, intermediate: int) -> int:
+def activation_bytes_per_token(layers: int, hidden: int, intermediate: int, checkpointed: bool = False) -> int:
     """Bytes one token's activations keep for the backward, an upper estimate for a Llama-like decoder under bf16
     autocast with float32 weights: ``layers × (48·hidden + 12·intermediate)`` (two RMSNorms keep their float32
     input and normalised output, 16·hidden; bf16 copies of the linears' inputs, 12·hidden; attention q/k/v/out in
     bf16 and the float32 rotary outputs, ~12·hidden; the MLP's gate, up, SiLU and product, 8·intermediate; the
-    rest is slack for what the allocator cannot reuse). SmolLM2-135M: 1.38 MB (1.29 MB measured)."""
-    return layers * (48 * hidden + 12 * intermediate)
+    rest is slack for what the allocator cannot reuse). SmolLM2-135M: 1.38 MB (1.29 MB measured).
+
+    ``checkpointed`` (:func:`checkpoint_decoder_layers`): each layer keeps only its float32 input, ``4·hidden``,
+    and one layer at a time is recomputed with all of its activations during the backward:
+    ``layers × 4·hidden + 48·hidden + 12·intermediate``. SmolLM2-135M: 0.12 MB."""
+    one_layer = 48 * hidden + 12 * intermediate
+    return layers * 4 * hidden + one_layer if checkpointed else layers * one_layer
 
 
 def micro_batch_token_cap(optim: OptimConfig, model: torch.nn.Module, device: torch.device) -> int:
@@ -53,12 +61,41 @@ def micro_batch_token_cap(optim: OptimConfig, model: torch.nn.Module, device: to
     dims = model.config.to_dict()  # a transformers PretrainedConfig
     hidden = int(dims["hidden_size"])
     per_token = activation_bytes_per_token(int(dims["num_hidden_layers"]), hidden,
-                                           int(dims.get("intermediate_size") or 4 * hidden))
+                                           int(dims.get("intermediate_size") or 4 * hidden),
+                                           checkpointed=optim.activation_checkpointing)
     cap = max(1, int(float(budget) * 1e9 // per_token))
     if cap < optim.micro_batch_tokens:
         log.info("micro-batches capped at %d tokens (optim.memory_budget_gb=%s, ~%.2f MB of activations per token)",
                  cap, optim.memory_budget_gb, per_token / 1e6)
     return min(optim.micro_batch_tokens, cap)
+
+
+def _checkpointed_forward(layer: GradientCheckpointingLayer, *args: object, **kwargs: object) -> object:
+    """``layer``'s own forward; under autograd through ``torch.utils.checkpoint`` (non-reentrant: keyword
+    arguments pass, and only the inputs are kept, the rest recomputed in the backward)."""
+    forward = type(layer).forward
+    if torch.is_grad_enabled():
+        return checkpoint(forward, layer, *args, use_reentrant=False, **kwargs)
+    return forward(layer, *args, **kwargs)
+
+
+def checkpoint_decoder_layers(model: torch.nn.Module, enabled: bool) -> int:
+    """Recompute each decoder layer's activations in the backward instead of keeping them
+    (``optim.activation_checkpointing``); returns how many layers are checkpointed.
+
+    Not transformers' ``gradient_checkpointing_enable``: that one checkpoints only a module in training mode,
+    and the update runs the policy in eval mode (dropout would make the gradient pass another policy than the one
+    that sampled). The layers are transformers' own ``GradientCheckpointingLayer`` modules, so any decoder that
+    supports gradient checkpointing there is covered. No-grad passes (generation, the scoring pass) are untouched.
+    Idempotent; ``enabled=False`` restores the plain forward.
+    """
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for layer in layers:
+        if enabled:
+            layer.forward = functools.partial(_checkpointed_forward, layer)
+        else:
+            layer.__dict__.pop("forward", None)
+    return len(layers) if enabled else 0
 
 
 _LIBC_NAME = ctypes.util.find_library("c")

@@ -22,7 +22,7 @@ from infra.engines.weights import PolicyWeights
 from infra.runtime import PolicyRuntime
 from infra.training.backends import TorchBackend, autocast_dtype
 from infra.training.batching import TrainSample, collate, plan_micro_batches
-from infra.training.memory import micro_batch_token_cap, release_memory
+from infra.training.memory import checkpoint_decoder_layers, micro_batch_token_cap, release_memory
 from infra.training.update import TrainBackend, response_logprobs_and_entropy
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,7 @@ def run_sft(runtime: PolicyRuntime, rows: Sequence[QuestionRow]) -> SFTReport:
     # Loss of the first and the last batch as they were trained on (a separate before/after pass over all
     # transcripts would cost two more forward passes: a third of the SFT time on CPU).
     token_budget = micro_batch_token_cap(cfg.optim, runtime.model, backend.device)
+    checkpoint_decoder_layers(runtime.model, cfg.optim.activation_checkpointing)
     history = train_sft(backend, samples, sft_cfg, runtime.pad_id, token_budget, seed=cfg.seed)
     del backend  # SFT's own AdamW moments (2 × the weights) are not the RL optimizer's
     release_memory()  # its activations' and moments' heap pages back to the OS before evaluation and RL

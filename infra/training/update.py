@@ -46,7 +46,7 @@ from aepo_core.losses import (
 )
 from infra.ranks import Ranks
 from infra.training.batching import PaddedBatch, TrainSample, collate, plan_micro_batches, split_mini_batches
-from infra.training.memory import micro_batch_token_cap, release_memory
+from infra.training.memory import checkpoint_decoder_layers, micro_batch_token_cap, release_memory
 
 log = logging.getLogger(__name__)
 
@@ -281,6 +281,7 @@ class PolicyUpdater:
         self.pad_id = pad_id
         self.device = backend.device
         self.micro_batch_tokens = micro_batch_token_cap(cfg.optim, backend.module, backend.device)
+        checkpoint_decoder_layers(backend.module, cfg.optim.activation_checkpointing)
         self.ranks = backend.ranks
 
     # ------------------------------------------------------------------

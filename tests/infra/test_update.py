@@ -364,3 +364,57 @@ def test_rollout_correction_reweights_the_policy_term(mode):
     assert met["train/rollout_is_truncated_frac"] == met_none["train/rollout_is_truncated_frac"]
     assert met["train/rollout_is_weight_mean"] != 1.0
     assert not torch.allclose(params(base), params(corrected))
+
+
+@pytest.mark.parametrize("loss", ["aepo", "gspo"])
+def test_activation_checkpointing_does_not_change_the_update(loss):
+    """Recomputing the decoder layers in the backward gives the same step as keeping their activations."""
+    on, _ = run_update([f"algorithm.loss={loss}", "optim.activation_checkpointing=true", "optim.ppo_epochs=2"])
+    off, _ = run_update([f"algorithm.loss={loss}", "optim.activation_checkpointing=false", "optim.ppo_epochs=2"])
+    assert torch.allclose(params(on), params(off), atol=1e-6, rtol=0)
+    assert not torch.equal(params(on), params(tiny_model()))  # the step moved the weights: not vacuous
+
+
+def _saved_bytes(model: torch.nn.Module, checkpointed: bool, tokens: int = 48) -> int:
+    """Bytes autograd keeps for the backward of one forward of ``model`` (saved-tensor hooks count them)."""
+    from infra.training.backends import decoder_hidden
+    from infra.training.memory import checkpoint_decoder_layers
+
+    checkpoint_decoder_layers(model, checkpointed)
+    saved = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    ids = torch.randint(1, VOCAB, (2, tokens))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        decoder_hidden(model, ids, torch.ones_like(ids), torch.bfloat16).sum().backward()
+    return sum(saved)
+
+
+def test_activation_checkpointing_keeps_only_the_layer_inputs():
+    """The point of the option: per token the decoder keeps a few hidden vectors instead of every layer's
+    activations (saved tensors counted by autograd's hooks; the checkpointed layers save their inputs only)."""
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=256, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = LlamaForCausalLM(cfg).eval()
+    full, checkpointed = _saved_bytes(model, False), _saved_bytes(model, True)
+    assert checkpointed < full / 4, (checkpointed, full)
+    assert _saved_bytes(model, False) == full  # switched off again: the plain forward is back
+    assert not model.training  # the update's eval mode is kept (transformers' own checkpointing needs train())
+
+
+def test_the_micro_batch_cap_follows_the_checkpointed_estimate():
+    from infra.training.memory import activation_bytes_per_token, micro_batch_token_cap
+
+    model = tiny_model()
+    layers, hidden, inter = 2, 32, 64
+    for on in (False, True):
+        cfg = build_config({}, ["optim.memory_budget_gb=0.001", "optim.micro_batch_tokens=100000",
+                                f"optim.activation_checkpointing={str(on).lower()}"])
+        per_token = activation_bytes_per_token(layers, hidden, inter, checkpointed=on)
+        assert micro_batch_token_cap(cfg.optim, model, torch.device("cpu")) == int(1e6 // per_token)
+    # SmolLM2-135M (30 layers, 576, 1536): 1.38 MB a token kept, 0.12 MB checkpointed.
+    assert activation_bytes_per_token(30, 576, 1536) == 1_382_400
+    assert activation_bytes_per_token(30, 576, 1536, checkpointed=True) == 115_200
