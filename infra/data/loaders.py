@@ -16,6 +16,7 @@ Known defects of the shipped ARPO data handled here:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ from aepo_core.config import is_synthetic
 from infra.data.rows import BadRow, BadRowError, QuestionRow
 from infra.data.synthetic import DATA_SOURCE as SYNTHETIC_SOURCE
 from infra.data.synthetic import SyntheticTask
+from infra.encoding import not_utf8
 from infra.tools.search import split_pages
 
 logger = logging.getLogger(__name__)
@@ -233,22 +235,25 @@ def _is_verl(record: Mapping[str, Any]) -> bool:
 
 
 def _convert(
-    records: Iterable[Any], to_row: Callable[[Mapping[str, Any], int], QuestionRow | list[BadRow]], source: str
+    records: Iterable[Any], to_row: Callable[[Mapping[str, Any], int], QuestionRow | list[BadRow]], source: str,
+    lines: Sequence[int] | None = None,
 ) -> LoadedDataset:
+    """Rows and bad rows of ``records``; ``lines`` (line-based files): each record's line, put on its bad rows."""
     rows: list[QuestionRow] = []
     bad: list[BadRow] = []
     for index, record in enumerate(records):
+        line = lines[index] if lines is not None else None
         if isinstance(record, BadRow):  # the reader already found this row unusable (e.g. invalid JSON)
             bad.append(record)
             continue
         if not isinstance(record, Mapping):
-            bad.append(BadRow(index, "row", f"wrong type {type(record).__name__} (expected an object)"))
+            bad.append(BadRow(index, "row", f"wrong type {type(record).__name__} (expected an object)", line))
             continue
         result = to_row(record, index)
         if isinstance(result, QuestionRow):
             rows.append(result)
         else:
-            bad.extend(result)
+            bad.extend(dataclasses.replace(b, line=line) for b in result)
     return LoadedDataset(source, rows, bad)
 
 
@@ -268,9 +273,9 @@ def apply_bad_row_policy(dataset: LoadedDataset, on_bad_row: OnBadRow) -> list[Q
     if dataset.bad_rows:
         if on_bad_row == "fail":
             raise BadRowError(dataset.source, dataset.bad_rows)
-        indices = sorted({b.index for b in dataset.bad_rows})
-        logger.warning("%s: skipped %d invalid row(s) (indices %s%s)", dataset.source, len(indices),
-                       indices[:10], " …" if len(indices) > 10 else "")
+        places = sorted({(b.index, b.where) for b in dataset.bad_rows})
+        logger.warning("%s: skipped %d invalid row(s) (%s%s)", dataset.source, len(places),
+                       ", ".join(where for _, where in places[:10]), " …" if len(places) > 10 else "")
     logger.info("%s: %d rows", dataset.source, len(dataset.rows))
     return dataset.rows
 
@@ -301,16 +306,30 @@ def _benchmark_name(path: Path) -> str:
 def read_jsonl_benchmark(path: str | os.PathLike[str]) -> LoadedDataset:
     """A JSONL benchmark (see :func:`load_jsonl_benchmark`); an unparsable line is a bad row."""
     p = Path(path)
-    name = _benchmark_name(p)
+    records, lines = _jsonl_records(p.read_bytes())
+    return _convert(records, _auto_row(_benchmark_name(p), "test"), str(p), lines)
+
+
+def _jsonl_records(data: bytes) -> tuple[list[Any], list[int]]:
+    """One record per non-blank line, and each one's line number as an editor shows it (1-based, blank lines
+    counted). A line that is not UTF-8 or not JSON becomes a :class:`BadRow` saying so (with the byte offset of
+    the bad byte), so the bad-row policy decides about it like about any other row."""
     records: list[Any] = []
-    with p.open(encoding="utf-8") as fh:
-        lines = [line for line in fh if line.strip()]
-    for index, line in enumerate(lines):
+    lines: list[int] = []
+    offset = 0
+    for number, raw in enumerate(data.splitlines(keepends=True), start=1):
+        start, offset = offset, offset + len(raw)
+        if not raw.strip():
+            continue
+        index = len(records)
+        lines.append(number)
         try:
-            records.append(json.loads(line))
+            records.append(json.loads(raw.decode("utf-8")))
+        except UnicodeDecodeError as exc:
+            records.append(BadRow(index, "row", not_utf8(exc, start), number))
         except ValueError as exc:
-            records.append(BadRow(index, "row", f"invalid JSON: {exc}"))
-    return _convert(records, _auto_row(name, "test"), str(p))
+            records.append(BadRow(index, "row", f"invalid JSON: {exc}", number))
+    return records, lines
 
 
 def load_jsonl_benchmark(path: str | os.PathLike[str], on_bad_row: OnBadRow = "fail") -> list[QuestionRow]:

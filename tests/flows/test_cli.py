@@ -86,6 +86,46 @@ def test_missing_config_file_exits_2(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "config file not found" in result.stderr
 
 
+def test_non_utf8_config_exits_2_naming_file_and_line(tmp_path: Path) -> None:
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes(Path(TINY).read_bytes() + b"# caf\xe9\n")
+    result = invoke("train", "-c", str(bad), "--runs-dir", str(tmp_path / "runs"))
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert str(bad) in result.stderr and "not UTF-8" in result.stderr and "Traceback" not in result.stderr
+
+
+def _bad_jsonl(path: Path) -> Path:
+    """A benchmark whose 4th line (after a blank one) has no question."""
+    good = '{"question": "What is 2+2?", "answer": "4"}'
+    path.write_text(f"{good}\n{good}\n\n{{\"answer\": \"no question\"}}\n", encoding="utf-8")
+    return path
+
+
+def _mlflow_statuses(runs: Path) -> list[str]:
+    from infra.tracking import Tracker, tracking_uri_for
+
+    if not (runs / "mlflow.db").exists():
+        return []
+    return list(Tracker(tracking_uri_for(runs)).search_runs()["status"])
+
+
+@pytest.mark.parametrize("key", ["data.train", "eval.datasets"])
+def test_bad_dataset_row_exits_2_with_one_line_and_no_failed_run(prefect_harness: Any, tmp_path: Path,
+                                                                  key: str) -> None:
+    """A user error in the data is reported like a bad config: exit 2, one line naming file, line and field, no
+    traceback, and no FAILED MLflow run left behind."""
+    import flows.train  # noqa: F401  (Prefect's console handler binds to pytest's stderr, see `trained`)
+
+    data = _bad_jsonl(tmp_path / "bad.jsonl")
+    runs = tmp_path / "runs"
+    value = f"[{data}]" if key == "eval.datasets" else str(data)
+    result = invoke("train", "-c", TINY, "--runs-dir", str(runs), *sets(f"{key}={value}", "train.steps=1", *FAST))
+    assert result.exit_code == 2, result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    assert str(data) in result.stderr and "line 4: question: missing" in result.stderr
+    assert "FAILED" not in _mlflow_statuses(runs)
+
+
 def test_runs_lists_the_run(trained: tuple[Any, Path]) -> None:
     _, runs = trained
     run = _only_run(runs)

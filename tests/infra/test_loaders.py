@@ -149,8 +149,8 @@ def test_malformed_jsonl_rows_are_reported_by_index_and_field(tmp_path: Path) ->
     reasons = {b.index: b.reason for b in err.value.bad_rows}
     assert reasons[1] == "missing" and reasons[2] == "wrong type dict" and reasons[3] == "empty"
     assert reasons[5] == "wrong type int" and reasons[6].startswith("invalid JSON")
-    for index in BAD_JSONL:
-        assert f"row {index}:" in str(err.value)
+    for index in BAD_JSONL:  # named by their line in an editor (1-based; this file has no blank lines)
+        assert f"line {index + 1}:" in str(err.value)
 
     rows = load_jsonl_benchmark(path, on_bad_row="skip")
     assert [r.id for r in rows] == ["bench:0", "bench:4", "bench:8"]
@@ -158,6 +158,35 @@ def test_malformed_jsonl_rows_are_reported_by_index_and_field(tmp_path: Path) ->
     assert load_dataset_rows(str(path), on_bad_row="skip") == rows
     with pytest.raises(ValueError, match="on_bad_row"):
         load_jsonl_benchmark(path, on_bad_row="ignore")  # type: ignore[arg-type]
+
+
+def test_jsonl_rows_are_numbered_by_editor_line_blank_lines_included(tmp_path: Path) -> None:
+    """A user opens the file in an editor: the bad row's number is its line there, blank lines counted."""
+    good = json.dumps({"question": "Good?", "answer": "yes"})
+    path = _write_jsonl(tmp_path / "gaps.jsonl", [good, "", "   ", good, json.dumps({"answer": "no question"})])
+    with pytest.raises(BadRowError) as err:
+        load_jsonl_benchmark(path)
+    assert [(b.line, b.field) for b in err.value.bad_rows] == [(5, "question")]
+    assert "line 5: question: missing" in str(err.value) and str(path) in str(err.value)
+
+
+def test_non_utf8_jsonl_names_file_line_and_byte_offset_and_skips_the_row(tmp_path: Path,
+                                                                             caplog: pytest.LogCaptureFixture) -> None:
+    good = json.dumps({"question": "Good?", "answer": "yes"}).encode()
+    bad = b'{"question": "caf\xe9?", "answer": "x"}'  # Latin-1 é
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(good + b"\n\n" + bad + b"\n" + good + b"\n")
+    offset = len(good) + 2 + bad.index(b"\xe9")
+    with pytest.raises(BadRowError) as err:
+        load_jsonl_benchmark(path)
+    message = str(err.value)
+    assert str(path) in message and "line 3:" in message and f"byte offset {offset}" in message
+    assert "UTF-8" in message
+    with caplog.at_level("WARNING"):
+        rows = load_jsonl_benchmark(path, on_bad_row="skip")
+    assert [r.question for r in rows] == ["Good?", "Good?"]
+    assert "skipped 1 invalid row(s)" in caplog.text and "line 3" in caplog.text
+
 
 
 def _verl_record(question: str | None, truth: object, *, user: str = "user text", split: str = "train") -> dict:
