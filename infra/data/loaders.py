@@ -17,6 +17,7 @@ Known defects of the shipped ARPO data handled here:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -428,12 +429,29 @@ def resolve_spec(spec: str, data_root: str | os.PathLike[str] | None = None) -> 
 
 
 _UNSAFE_KEY = re.compile(r"[^A-Za-z0-9._-]+")
+# Longest readable part of a key: ``eval/<key>/<summary name>`` must stay within MLflow's 250-character limit on
+# metric names, which would otherwise cut two long names to one.
+MAX_KEY_NAME = 64
 
 
-def dataset_key(spec: str) -> str:
+def dataset_key(spec: str, among: Sequence[str] = ()) -> str:
     """The one name of a dataset wherever results name it: metric keys (``eval/<key>/pass_at_1``), result files
-    (``<key>.parquet``) and tables.  ``synthetic:test`` → ``synthetic_test``; a path keeps its safe characters."""
-    return _UNSAFE_KEY.sub("_", spec).strip("._") or "dataset"
+    (``<key>.parquet``) and tables.
+
+    Readable: ``synthetic:test`` → ``synthetic_test``, a shipped name stays itself, a path gives its file's stem (a
+    benchmark's ``<name>/test.jsonl``: the directory name), in characters MLflow and file systems accept.  Never
+    merged: a name cut to :data:`MAX_KEY_NAME`, or shared with another spec of ``among`` (the datasets evaluated
+    together, e.g. ``./x.jsonl`` and ``../x.jsonl``), gets a short hash of the spec appended.
+    """
+    key = _readable_key(spec)
+    if len(key) > MAX_KEY_NAME or any(other != spec and _readable_key(other) == key for other in among):
+        key = f"{key[:MAX_KEY_NAME]}-{hashlib.sha256(spec.encode()).hexdigest()[:8]}"
+    return key
+
+
+def _readable_key(spec: str) -> str:
+    name = spec if is_synthetic(spec) else _benchmark_name(Path(spec))
+    return _UNSAFE_KEY.sub("_", name).strip("._") or "dataset"
 
 
 def read_dataset(

@@ -14,6 +14,7 @@ from datasets import Dataset, DatasetDict
 
 from infra.data.loaders import (
     DATA_ROOT_ENV,
+    dataset_key,
     default_data_root,
     load_dataset_rows,
     load_hf_dataset_files,
@@ -292,3 +293,25 @@ def test_search_corpus_from_a_recorded_cache(tmp_path: Path) -> None:
     docs = load_search_corpus(path)
     assert docs == [{"id": "0:1", "title": "", "text": "alpha beta"}, {"id": "0:2", "title": "", "text": "gamma delta"},
                     {"id": "2:2", "title": "", "text": "epsilon"}]
+
+
+# ------------------------------------------------------------------------------------------------------ keys
+
+
+def test_dataset_keys_are_readable_legal_metric_names_and_never_merge() -> None:
+    """`aepo eval -d /abs/file.jsonl` (or ./x, ../x): the key in metric names and result files is the file's name,
+    legal for MLflow, and two datasets of one name in one evaluation get different keys."""
+    from infra.tracking import MAX_KEY, metric_key
+
+    assert dataset_key("/abs/dir/file.jsonl") == "file"
+    assert dataset_key("../eval/gaia/test.jsonl") == "gaia"  # the shipped benchmark layout: the directory names it
+    assert dataset_key("synthetic:test") == "synthetic_test" and dataset_key("math500") == "math500"
+    specs = ["./x.jsonl", "../x.jsonl", "/data/x.parquet", "/other/y.jsonl"]
+    keys = [dataset_key(s, among=specs) for s in specs]
+    assert len(set(keys)) == len(keys) and all(k.startswith("x") for k in keys[:3]) and keys[3] == "y"
+    assert dataset_key("./x.jsonl", among=specs) == keys[0]  # stable: the same spec, the same key
+    long = "/" + "/".join(["d" * 60] * 8) + "/" + "q" * 300 + ".jsonl"
+    for spec in ("/abs/dir/file.jsonl", "./we!rd name@1.jsonl", long):
+        name = f"eval/{dataset_key(spec)}/pass_at_1"
+        assert metric_key(name) == name and len(name) <= MAX_KEY
+    assert dataset_key(long) != dataset_key(long.replace("q" * 300, "q" * 299 + "r"))  # cut, but not merged
