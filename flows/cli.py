@@ -113,6 +113,14 @@ def prepare_environment(runs: Path, rank: int = 0) -> None:
         os.environ.setdefault(key, value)
 
 
+def start_prefect_api() -> None:
+    """Start Prefect's temporary API server (when there is no ``PREFECT_API_URL``) here, in the main thread, so
+    that it dies with this process even when SIGKILL leaves no time to stop it (:mod:`infra.prefect_api`)."""
+    from infra.prefect_api import start_temporary_api
+
+    start_temporary_api()
+
+
 def check_datasets(cfg: ExperimentConfig, training: bool = True) -> None:
     """Every dataset the job reads must exist and pass ``data.on_bad_row`` (synthetic ones always do): a bad row is
     the user's error like a bad config, so it fails here, before any Prefect or MLflow run is created.
@@ -350,6 +358,7 @@ def train(
     from infra.ranks import Ranks
 
     prepare_environment(runs, rank=Ranks.current().rank)
+    start_prefect_api()
     from flows.train import train as train_flow
     from tasks.retry import USER_ERRORS
 
@@ -419,6 +428,7 @@ def eval_(
     except (ConfigError, CheckpointError, StorageError) as exc:
         fail(str(exc))
     check_tracking_server(cfg.tracking.tracking_uri)
+    start_prefect_api()  # after every check: bad input exits without starting a server
     cfg = _with_runs_dir(cfg, runs)
     try:
         with flow_progress("evaluating", len(cfg.eval.datasets) or None, _eval_progress):
@@ -513,6 +523,7 @@ def sweep_cmd(
     except ConfigError as exc:
         fail(str(exc))
     check_tracking_server(spec.base.tracking.tracking_uri)
+    start_prefect_api()  # after every check: bad input exits without starting a server
 
     def on_event(bar: Progress, task: Any, event: ProgressEvent) -> None:
         if event.stage == "cell":

@@ -223,24 +223,31 @@ def _cmdline(p: Any) -> str:
         return ""
 
 
+def _start_long_train(runs: Path, log: Path, model_cache: Path) -> Any:
+    """`aepo train` of 50 steps in its own process and session, with no Prefect settings (its temporary API)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update({"PYTHONPATH": str(REPO), "AEPO_MODEL_CACHE": str(model_cache), "OMP_NUM_THREADS": "1"})
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "flows.cli", "train", "-c", TINY, "--runs-dir", str(runs),
+                                 *sets("train.steps=50", *FAST)], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, cwd=REPO)
+
+
 def test_sigterm_stops_the_run_and_its_temporary_prefect_server(tmp_path: Path, model_cache: Path) -> None:
     """`kill <pid>` of `aepo train` must not leave Prefect's temporary API server (a child process) behind."""
     import contextlib
     import os
     import signal
-    import subprocess
-    import sys
     import time
 
     import psutil
 
     runs = tmp_path / "runs"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update({"PYTHONPATH": str(REPO), "AEPO_MODEL_CACHE": str(model_cache), "OMP_NUM_THREADS": "1"})
-    log = open(tmp_path / "train.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", "-c", TINY, "--runs-dir", str(runs),
-                             *sets("train.steps=50", *FAST)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True, cwd=REPO)
+    proc = _start_long_train(runs, tmp_path / "train.log", model_cache)
     try:
         deadline = time.time() + 400
         server: list[psutil.Process] = []
@@ -254,6 +261,39 @@ def test_sigterm_stops_the_run_and_its_temporary_prefect_server(tmp_path: Path, 
         _, alive = psutil.wait_procs(server, timeout=60)
         assert not alive, f"orphaned Prefect server: {[p.cmdline() for p in alive]}"
     finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_sigkill_of_the_trainer_takes_its_temporary_prefect_server_along(tmp_path: Path, model_cache: Path) -> None:
+    """The OOM killer's SIGKILL of `aepo train` alone (no unwinding, no atexit) must not orphan Prefect's temporary
+    API server: it dies with its parent."""
+    import contextlib
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    runs = tmp_path / "runs"
+    proc = _start_long_train(runs, tmp_path / "train.log", model_cache)
+    tree: list[psutil.Process] = []
+    try:
+        deadline = time.time() + 400
+        while not any("uvicorn" in _cmdline(c) for c in tree) or not (runs / "mlflow.db").exists():
+            assert proc.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
+            assert time.time() < deadline, (tmp_path / "train.log").read_text()[-3000:]
+            tree = psutil.Process(proc.pid).children(recursive=True)  # recorded before the kill: the run's own
+            time.sleep(0.5)
+        proc.kill()  # the main process only: its children are not signalled
+        proc.wait(timeout=30)
+        _, alive = psutil.wait_procs([p for p in tree if "uvicorn" in _cmdline(p)], timeout=10)
+        assert not alive, f"orphaned Prefect server: {[p.cmdline() for p in alive]}"
+    finally:
+        for p in tree:  # whatever is left of the run (the sandbox, a server that outlived it)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
