@@ -113,12 +113,23 @@ def prepare_environment(runs: Path, rank: int = 0) -> None:
         os.environ.setdefault(key, value)
 
 
-def check_datasets(cfg: ExperimentConfig, training: bool = True) -> None:
-    """Every dataset the job reads must exist (synthetic ones always do): fail before any run is created.
+def start_prefect_api() -> None:
+    """Start Prefect's temporary API server (when there is no ``PREFECT_API_URL``) here, in the main thread, so
+    that it dies with this process even when SIGKILL leaves no time to stop it (:mod:`infra.prefect_api`)."""
+    from infra.prefect_api import start_temporary_api
 
+    start_temporary_api()
+
+
+def check_datasets(cfg: ExperimentConfig, training: bool = True) -> None:
+    """Every dataset the job reads must exist and pass ``data.on_bad_row`` (synthetic ones always do): a bad row is
+    the user's error like a bad config, so it fails here, before any Prefect or MLflow run is created.
+
+    Reading the training data here costs one extra pass over it (the flow's cached ``prepare_data`` reads it
+    again); the alternative, failing inside the flow, leaves a failed flow run and Prefect's traceback behind.
     ``training=False`` (evaluation): only the evaluation datasets; the training data need not exist there.
     """
-    from infra.data.loaders import is_synthetic, resolve_spec
+    from infra.data.loaders import is_synthetic, load_dataset_rows
 
     specs = [("data.train", cfg.data.train)] if training else []
     specs += [("data.validation", cfg.data.validation)]
@@ -126,8 +137,8 @@ def check_datasets(cfg: ExperimentConfig, training: bool = True) -> None:
     for key, spec in specs:
         if spec and not is_synthetic(spec):
             try:
-                resolve_spec(spec, cfg.data.data_root)
-            except FileNotFoundError as exc:
+                load_dataset_rows(spec, cfg.data.on_bad_row, data_root=cfg.data.data_root)
+            except (OSError, ValueError) as exc:  # missing / unreadable file, bad rows, unsupported or corrupt file
                 raise ConfigError(f"{key}: {exc}") from None
 
 
@@ -347,13 +358,17 @@ def train(
     from infra.ranks import Ranks
 
     prepare_environment(runs, rank=Ranks.current().rank)
+    start_prefect_api()
     from flows.train import train as train_flow
+    from tasks.retry import USER_ERRORS
 
     try:
         with flow_progress(f"{run_name or cfg.tracking.run_name or cfg.name}: starting", cfg.train.steps,
                            _train_progress):
             result = train_flow(config=cfg, resume=resume, runs_dir=str(runs), run_name=run_name,
                                 force_resume=force_resume)
+    except USER_ERRORS as exc:  # the user's input (a bad row, a bad config), found by the flow: as before it
+        fail(str(exc))
     except Exception as exc:
         fail(f"training failed: {exc}", code=1)
     Ranks.current().finish()  # under a launcher: every rank ends together, the process group torn down
@@ -402,6 +417,7 @@ def eval_(
     prepare_environment(runs)
     from flows.evaluate import checkpoint_source, eval_storage, evaluate, resolve_checkpoint, resolve_eval_config
     from infra.runtime import CheckpointError
+    from tasks.retry import USER_ERRORS
 
     try:
         ckpt = resolve_checkpoint(checkpoint, eval_storage(base, set_), runs)
@@ -412,11 +428,14 @@ def eval_(
     except (ConfigError, CheckpointError, StorageError) as exc:
         fail(str(exc))
     check_tracking_server(cfg.tracking.tracking_uri)
+    start_prefect_api()  # after every check: bad input exits without starting a server
     cfg = _with_runs_dir(cfg, runs)
     try:
         with flow_progress("evaluating", len(cfg.eval.datasets) or None, _eval_progress):
             result = evaluate(config=cfg, checkpoint=checkpoint_source(checkpoint, ckpt), runs_dir=str(runs),
                               compare_to=compare_to, run_name=run_name)
+    except USER_ERRORS as exc:  # the user's input (a bad row, a bad config), found by the flow: as before it
+        fail(str(exc))
     except Exception as exc:
         fail(f"evaluation failed: {exc}", code=1)
     out = _out()
@@ -446,9 +465,13 @@ def _sweep_runs_dir(option: str | None, path: Path) -> Path:
     """--runs-dir / $AEPO_RUNS_DIR, else the sweep file's runs_dir (relative to the file), else ./runs."""
     if option:
         return Path(option).expanduser().resolve()
+    from infra.config_files import read_config_text
+
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError) as exc:
+        raw = yaml.safe_load(read_config_text(path, "sweep file")) or {}
+    except ConfigError as exc:
+        fail(str(exc))
+    except yaml.YAMLError as exc:
         fail(f"cannot read sweep file {path}: {exc}")
     value = raw.get("runs_dir") if isinstance(raw, dict) else None
     if value:
@@ -490,6 +513,7 @@ def sweep_cmd(
             fail(f"--deployment: no Prefect server at PREFECT_API_URL={api_url}", code=1)
     prepare_environment(runs)
     from flows.sweep import load_sweep, shard_runs, sweep
+    from tasks.retry import USER_ERRORS
 
     try:
         spec = load_sweep(config)
@@ -499,6 +523,7 @@ def sweep_cmd(
     except ConfigError as exc:
         fail(str(exc))
     check_tracking_server(spec.base.tracking.tracking_uri)
+    start_prefect_api()  # after every check: bad input exits without starting a server
 
     def on_event(bar: Progress, task: Any, event: ProgressEvent) -> None:
         if event.stage == "cell":
@@ -510,6 +535,8 @@ def sweep_cmd(
                            deployment=deployment, max_parallel=max_parallel, child_timeout_s=child_timeout,
                            child_lost_after_s=child_lost_after)
             progress.update(progress.task_ids[0], completed=len(selected), description=f"sweep {result.name} done")
+    except USER_ERRORS as exc:  # the user's input (a bad row, a bad config), found by the flow: as before it
+        fail(str(exc))
     except Exception as exc:
         fail(f"sweep failed: {exc}", code=1)
     table = Table(title=f"aepo sweep: {result.name} (parent MLflow run {result.parent_run_id})",

@@ -7,6 +7,7 @@ from typing import Any
 from prefect.context import FlowRunContext
 
 from aepo_core.config import ExperimentConfig, build_config
+from infra.runtime import PolicyRuntime
 
 
 def resolve_config(config: ExperimentConfig | dict[str, Any] | None, overrides: list[str] | None) -> ExperimentConfig:
@@ -19,3 +20,10 @@ def flow_run_id() -> str | None:
     """The Prefect flow run this code runs in (tagged on the MLflow run); None outside a flow."""
     ctx = FlowRunContext.get()
     return str(ctx.flow_run.id) if ctx is not None and ctx.flow_run is not None else None
+
+
+def check_eval_datasets(runtime: PolicyRuntime) -> None:
+    """Read every evaluation dataset once before the MLflow run is created: a bad row (a user error) then fails the
+    flow before any run exists, instead of leaving a FAILED run behind after the training it followed."""
+    for spec in runtime.eval_datasets():
+        runtime.load_rows(spec)

@@ -34,7 +34,7 @@ from prefect.cache_policies import NO_CACHE
 from aepo_core.config import ExperimentConfig, StorageConfig, build_config
 from aepo_core.evaluation import paired_comparison
 from aepo_core.metrics import pass_at_k
-from flows.common import flow_run_id
+from flows.common import check_eval_datasets, flow_run_id
 from infra.config_files import load_config
 from infra.data.rows import QuestionRow
 from infra.evaluation import EvalReport
@@ -279,6 +279,7 @@ def evaluate(
             raise ValueError("nothing to evaluate: set eval.datasets (or data.validation)")
         if previous is not None and not set(previous) & set(eval_sets):
             raise ValueError(f"compare_to {compare_to} holds datasets {sorted(previous)}, none of {eval_sets}")
+        check_eval_datasets(runtime)
 
         tracker = Tracker.from_config(cfg, runs, system_metrics=False)
         tags = {"kind": "eval", "checkpoint": source or "", "checkpoint_step": step,

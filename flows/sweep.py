@@ -78,7 +78,7 @@ from prefect.artifacts import create_markdown_artifact
 from aepo_core.config import ConfigError, ExperimentConfig, build_config, parse_override
 from flows.common import flow_run_id
 from flows.train import train
-from infra.config_files import load_config
+from infra.config_files import load_config, read_config_text
 from infra.plots import save_png
 from infra.tracking import Tracker
 from tasks.progress import Progress, report
@@ -173,10 +173,9 @@ def load_sweep(source: str | Path | Mapping[str, Any]) -> SweepSpec:
         raw, here, label = dict(source), Path.cwd(), "sweep parameters"
     else:
         path = Path(source).expanduser()
+        text = read_config_text(path, "sweep file")
         try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"sweep file not found: {path}") from None
+            raw = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             raise ConfigError(f"sweep file {path}: invalid YAML: {exc}") from None
         here, label = path.resolve().parent, str(path)

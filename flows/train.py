@@ -23,7 +23,7 @@ from aepo_core.evaluation import paired_comparison
 from aepo_core.rollout.scheduler import RolloutResult, merge_results
 from aepo_core.rollout.tree import RolloutTree
 from aepo_core.scoring import StepScores, fill_informative
-from flows.common import flow_run_id, resolve_config
+from flows.common import check_eval_datasets, flow_run_id, resolve_config
 from infra.evaluation import EvalReport
 from infra.plots import curves_figure, rollout_tree_figure
 from infra.ranks import Ranks
@@ -112,6 +112,7 @@ def train(
     point = find_resume_point(checkpoints, cfg, force=force_resume) if resume else None
     runtime = build_runtime(cfg, runs, name)
     with runtime:  # stops a managed vLLM server however the flow ends
+        check_eval_datasets(runtime)
         trajectories = (TrajectoryStore.from_config(cfg.storage) if cfg.storage.trajectories_uri
                         else TrajectoryStore(runs / "trajectories"))
         ranks = Ranks.current()  # the launcher's (the process group itself starts with the DeepSpeed backend)

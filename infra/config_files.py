@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from aepo_core.config import ConfigError, ExperimentConfig, config_from_yaml
+from infra.encoding import line_at, not_utf8
 
 
 def load_config(path: str | Path | None, overrides: Mapping[str, Any] | Iterable[str] = ()) -> ExperimentConfig:
@@ -14,13 +15,22 @@ def load_config(path: str | Path | None, overrides: Mapping[str, Any] | Iterable
     if path is None:
         return config_from_yaml("{}", overrides, source="defaults")
     p = Path(path)
+    return config_from_yaml(read_config_text(p, "config file"), overrides, source=str(p))
+
+
+def read_config_text(path: Path, what: str) -> str:
+    """The text of a YAML file the user wrote (``what`` names it in errors: "config file", "sweep file"); a missing,
+    unreadable or non-UTF-8 file is a :class:`ConfigError` naming the file (and the line and byte)."""
     try:
-        text = p.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except FileNotFoundError:
-        raise ConfigError(f"config file not found: {p}") from None
+        raise ConfigError(f"{what} not found: {path}") from None
     except OSError as exc:
-        raise ConfigError(f"cannot read config file {p}: {exc}") from None
-    return config_from_yaml(text, overrides, source=str(p))
+        raise ConfigError(f"cannot read {what} {path}: {exc}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} {path}: line {line_at(data, exc.start)}: {not_utf8(exc)}") from None
 
 
 def save_config(cfg: ExperimentConfig, path: str | Path) -> Path:

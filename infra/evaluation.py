@@ -72,7 +72,8 @@ def evaluate_dataset(runtime: PolicyRuntime, dataset: str, rows: Sequence[Questi
     summary = summarize(outcomes, ev.pass_k, n_resamples=ev.bootstrap_samples, seed=seed)
     by_family = summarize_by(outcomes, "family", ev.pass_k, n_resamples=ev.bootstrap_samples, seed=seed)
     pass1 = {o.question_id: o.correct / o.n for o in outcomes}
-    return EvalReport(dataset, dataset_key(dataset), summary, by_family, outcomes, pass1, answers)
+    key = dataset_key(dataset, among=runtime.eval_datasets())  # unique among the datasets evaluated together
+    return EvalReport(dataset, key, summary, by_family, outcomes, pass1, answers)
 
 
 def question_outcome(dataset: str, row: QuestionRow, tree: RolloutTree, reward_fn: RewardFn) -> QuestionOutcome:

@@ -18,6 +18,7 @@ MLflow metric names may only hold letters, digits, ``_ - . : / `` and spaces: :f
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import math
@@ -90,6 +91,25 @@ def resolve_tracking(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str] | N
     return uri, art
 
 
+def open_store(tracking_uri: str) -> MlflowClient:
+    """A client of ``tracking_uri`` whose store exists and is migrated.
+
+    MLflow creates and migrates a SQLite store on first use, without any locking of its own: two first runs in a
+    fresh runs dir raced on the schema migration and one died (``duplicate column name``). So the first use of a
+    SQLite store happens under an exclusive ``flock`` on ``<db>.lock`` next to it; the second process waits, then
+    finds the schema current. Servers (``http://…``) migrate their store themselves.
+    """
+    if not tracking_uri.startswith("sqlite:///"):
+        return MlflowClient(tracking_uri=tracking_uri)
+    db = Path(tracking_uri.removeprefix("sqlite:///"))
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        client = MlflowClient(tracking_uri=tracking_uri)
+        client.search_experiments(max_results=1)  # the store is created and migrated now, under the lock
+    return client
+
+
 def metric_key(name: str) -> str:
     """The MLflow-legal form of a metric name: ``@`` → ``_at_``, other illegal characters → ``_``."""
     key = _BAD_METRIC_CHARS.sub("_", name.replace("@", "_at_"))
@@ -159,14 +179,12 @@ class Tracker:
 
     def __init__(self, tracking_uri: str, experiment: str = "aepo", artifact_location: str | None = None,
                  system_metrics: bool = False, system_metrics_interval_s: float = 10.0) -> None:
-        if tracking_uri.startswith("sqlite:///"):
-            Path(tracking_uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         self.tracking_uri = tracking_uri
         self.experiment = experiment
         self.artifact_location = artifact_location
         self.system_metrics = system_metrics
         self.system_metrics_interval_s = system_metrics_interval_s
-        self.client = MlflowClient(tracking_uri=tracking_uri)
+        self.client = open_store(tracking_uri)
         self._lock = threading.Lock()
         self._run_id: str | None = None
         self._experiment_id: str | None = None
@@ -550,6 +568,7 @@ __all__ = [
     "artifact_location_for",
     "git_sha",
     "metric_key",
+    "open_store",
     "param_value",
     "resolve_tracking",
     "tracking_uri_for",

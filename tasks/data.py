@@ -12,6 +12,7 @@ from aepo_core.config import DataConfig
 from infra.data.loaders import default_data_root, is_synthetic, load_dataset_rows, resolve_spec
 from infra.data.rows import QuestionRow
 from infra.data.synthetic import SyntheticTask
+from tasks.retry import transient_only
 
 
 def source_fingerprint(spec: str, data_root: str | None) -> str:
@@ -23,7 +24,8 @@ def source_fingerprint(spec: str, data_root: str | None) -> str:
     return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
-@task(name="prepare_data", cache_policy=INPUTS + TASK_SOURCE, persist_result=True, retries=1)
+@task(name="prepare_data", cache_policy=INPUTS + TASK_SOURCE, persist_result=True, retries=1,
+      retry_condition_fn=transient_only)
 def prepare_data(spec: str, data: DataConfig, fingerprint: str) -> list[QuestionRow]:
     """Validated rows (bad rows fail or are skipped with a count, as ``data.on_bad_row`` says); the result is
     cached on the inputs, so a re-run (or a resume) reads a large training file once."""

@@ -23,6 +23,7 @@ from infra.store import TrajectoryStore
 from infra.trainer import Trainer
 from infra.training.sft import SFTReport, run_sft
 from tasks.progress import Progress, report
+from tasks.retry import transient_only
 
 
 @task(name="rollout", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
@@ -81,7 +82,7 @@ def sft(runtime: PolicyRuntime, rows: Sequence[QuestionRow]) -> SFTReport:
     return result
 
 
-@task(name="evaluate", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+@task(name="evaluate", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1, retry_condition_fn=transient_only)
 def evaluate(runtime: PolicyRuntime, dataset: str, label: str) -> EvalReport:
     """Evaluate the runtime's current policy on ``dataset`` (``label``: start, sft, stepN, final, eval)."""
     cfg = runtime.cfg

@@ -16,6 +16,8 @@ Known defects of the shipped ARPO data handled here:
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -32,6 +34,7 @@ from aepo_core.config import is_synthetic
 from infra.data.rows import BadRow, BadRowError, QuestionRow
 from infra.data.synthetic import DATA_SOURCE as SYNTHETIC_SOURCE
 from infra.data.synthetic import SyntheticTask
+from infra.encoding import not_utf8
 from infra.tools.search import split_pages
 
 logger = logging.getLogger(__name__)
@@ -233,22 +236,25 @@ def _is_verl(record: Mapping[str, Any]) -> bool:
 
 
 def _convert(
-    records: Iterable[Any], to_row: Callable[[Mapping[str, Any], int], QuestionRow | list[BadRow]], source: str
+    records: Iterable[Any], to_row: Callable[[Mapping[str, Any], int], QuestionRow | list[BadRow]], source: str,
+    lines: Sequence[int] | None = None,
 ) -> LoadedDataset:
+    """Rows and bad rows of ``records``; ``lines`` (line-based files): each record's line, put on its bad rows."""
     rows: list[QuestionRow] = []
     bad: list[BadRow] = []
     for index, record in enumerate(records):
+        line = lines[index] if lines is not None else None
         if isinstance(record, BadRow):  # the reader already found this row unusable (e.g. invalid JSON)
             bad.append(record)
             continue
         if not isinstance(record, Mapping):
-            bad.append(BadRow(index, "row", f"wrong type {type(record).__name__} (expected an object)"))
+            bad.append(BadRow(index, "row", f"wrong type {type(record).__name__} (expected an object)", line))
             continue
         result = to_row(record, index)
         if isinstance(result, QuestionRow):
             rows.append(result)
         else:
-            bad.extend(result)
+            bad.extend(dataclasses.replace(b, line=line) for b in result)
     return LoadedDataset(source, rows, bad)
 
 
@@ -268,9 +274,9 @@ def apply_bad_row_policy(dataset: LoadedDataset, on_bad_row: OnBadRow) -> list[Q
     if dataset.bad_rows:
         if on_bad_row == "fail":
             raise BadRowError(dataset.source, dataset.bad_rows)
-        indices = sorted({b.index for b in dataset.bad_rows})
-        logger.warning("%s: skipped %d invalid row(s) (indices %s%s)", dataset.source, len(indices),
-                       indices[:10], " …" if len(indices) > 10 else "")
+        places = sorted({(b.index, b.where) for b in dataset.bad_rows})
+        logger.warning("%s: skipped %d invalid row(s) (%s%s)", dataset.source, len(places),
+                       ", ".join(where for _, where in places[:10]), " …" if len(places) > 10 else "")
     logger.info("%s: %d rows", dataset.source, len(dataset.rows))
     return dataset.rows
 
@@ -301,16 +307,30 @@ def _benchmark_name(path: Path) -> str:
 def read_jsonl_benchmark(path: str | os.PathLike[str]) -> LoadedDataset:
     """A JSONL benchmark (see :func:`load_jsonl_benchmark`); an unparsable line is a bad row."""
     p = Path(path)
-    name = _benchmark_name(p)
+    records, lines = _jsonl_records(p.read_bytes())
+    return _convert(records, _auto_row(_benchmark_name(p), "test"), str(p), lines)
+
+
+def _jsonl_records(data: bytes) -> tuple[list[Any], list[int]]:
+    """One record per non-blank line, and each one's line number as an editor shows it (1-based, blank lines
+    counted). A line that is not UTF-8 or not JSON becomes a :class:`BadRow` saying so (with the byte offset of
+    the bad byte), so the bad-row policy decides about it like about any other row."""
     records: list[Any] = []
-    with p.open(encoding="utf-8") as fh:
-        lines = [line for line in fh if line.strip()]
-    for index, line in enumerate(lines):
+    lines: list[int] = []
+    offset = 0
+    for number, raw in enumerate(data.splitlines(keepends=True), start=1):
+        start, offset = offset, offset + len(raw)
+        if not raw.strip():
+            continue
+        index = len(records)
+        lines.append(number)
         try:
-            records.append(json.loads(line))
+            records.append(json.loads(raw.decode("utf-8")))
+        except UnicodeDecodeError as exc:
+            records.append(BadRow(index, "row", not_utf8(exc, start), number))
         except ValueError as exc:
-            records.append(BadRow(index, "row", f"invalid JSON: {exc}"))
-    return _convert(records, _auto_row(name, "test"), str(p))
+            records.append(BadRow(index, "row", f"invalid JSON: {exc}", number))
+    return records, lines
 
 
 def load_jsonl_benchmark(path: str | os.PathLike[str], on_bad_row: OnBadRow = "fail") -> list[QuestionRow]:
@@ -409,12 +429,29 @@ def resolve_spec(spec: str, data_root: str | os.PathLike[str] | None = None) -> 
 
 
 _UNSAFE_KEY = re.compile(r"[^A-Za-z0-9._-]+")
+# Longest readable part of a key: ``eval/<key>/<summary name>`` must stay within MLflow's 250-character limit on
+# metric names, which would otherwise cut two long names to one.
+MAX_KEY_NAME = 64
 
 
-def dataset_key(spec: str) -> str:
+def dataset_key(spec: str, among: Sequence[str] = ()) -> str:
     """The one name of a dataset wherever results name it: metric keys (``eval/<key>/pass_at_1``), result files
-    (``<key>.parquet``) and tables.  ``synthetic:test`` → ``synthetic_test``; a path keeps its safe characters."""
-    return _UNSAFE_KEY.sub("_", spec).strip("._") or "dataset"
+    (``<key>.parquet``) and tables.
+
+    Readable: ``synthetic:test`` → ``synthetic_test``, a shipped name stays itself, a path gives its file's stem (a
+    benchmark's ``<name>/test.jsonl``: the directory name), in characters MLflow and file systems accept.  Never
+    merged: a name cut to :data:`MAX_KEY_NAME`, or shared with another spec of ``among`` (the datasets evaluated
+    together, e.g. ``./x.jsonl`` and ``../x.jsonl``), gets a short hash of the spec appended.
+    """
+    key = _readable_key(spec)
+    if len(key) > MAX_KEY_NAME or any(other != spec and _readable_key(other) == key for other in among):
+        key = f"{key[:MAX_KEY_NAME]}-{hashlib.sha256(spec.encode()).hexdigest()[:8]}"
+    return key
+
+
+def _readable_key(spec: str) -> str:
+    name = spec if is_synthetic(spec) else _benchmark_name(Path(spec))
+    return _UNSAFE_KEY.sub("_", name).strip("._") or "dataset"
 
 
 def read_dataset(

@@ -37,14 +37,23 @@ class QuestionRow:
 
 @dataclass(frozen=True)
 class BadRow:
-    """A row that failed validation: its 0-based position in the source, the offending field and why."""
+    """A row that failed validation: its 0-based position in the source, the offending field and why.
+
+    ``line`` is set for line-based files (JSONL): the 1-based line as an editor shows it, blank lines counted, which
+    is what a user looks for; ``index`` stays the record's position (question ids are built from it).
+    """
 
     index: int
     field: str
     reason: str
+    line: int | None = None
+
+    @property
+    def where(self) -> str:
+        return f"line {self.line}" if self.line is not None else f"row {self.index}"
 
     def __str__(self) -> str:
-        return f"row {self.index}: {self.field}: {self.reason}"
+        return f"{self.where}: {self.field}: {self.reason}"
 
 
 class BadRowError(ValueError):

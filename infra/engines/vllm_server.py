@@ -29,7 +29,6 @@ Measured on this machine (2 cores, SmolLM2-135M bf16): first start ~4 min (torch
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -46,12 +45,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from aepo_core.config import VLLMConfig
+from infra.processes import set_parent_death_signal
 
 log = logging.getLogger(__name__)
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = ".venv-vllm"
-PR_SET_PDEATHSIG = 1
 
 
 class VLLMServerError(RuntimeError):
@@ -78,10 +77,7 @@ def free_port() -> int:
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
     """The child gets SIGTERM when the thread that started it dies (Linux ``prctl``; a no-op elsewhere)."""
     os.setsid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
+    set_parent_death_signal(signal.SIGTERM)
 
 
 class VLLMControl:

@@ -86,6 +86,46 @@ def test_missing_config_file_exits_2(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "config file not found" in result.stderr
 
 
+def test_non_utf8_config_exits_2_naming_file_and_line(tmp_path: Path) -> None:
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes(Path(TINY).read_bytes() + b"# caf\xe9\n")
+    result = invoke("train", "-c", str(bad), "--runs-dir", str(tmp_path / "runs"))
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert str(bad) in result.stderr and "not UTF-8" in result.stderr and "Traceback" not in result.stderr
+
+
+def _bad_jsonl(path: Path) -> Path:
+    """A benchmark whose 4th line (after a blank one) has no question."""
+    good = '{"question": "What is 2+2?", "answer": "4"}'
+    path.write_text(f"{good}\n{good}\n\n{{\"answer\": \"no question\"}}\n", encoding="utf-8")
+    return path
+
+
+def _mlflow_statuses(runs: Path) -> list[str]:
+    from infra.tracking import Tracker, tracking_uri_for
+
+    if not (runs / "mlflow.db").exists():
+        return []
+    return list(Tracker(tracking_uri_for(runs)).search_runs()["status"])
+
+
+@pytest.mark.parametrize("key", ["data.train", "eval.datasets"])
+def test_bad_dataset_row_exits_2_with_one_line_and_no_failed_run(prefect_harness: Any, tmp_path: Path,
+                                                                  key: str) -> None:
+    """A user error in the data is reported like a bad config: exit 2, one line naming file, line and field, no
+    traceback, and no FAILED MLflow run left behind."""
+    import flows.train  # noqa: F401  (Prefect's console handler binds to pytest's stderr, see `trained`)
+
+    data = _bad_jsonl(tmp_path / "bad.jsonl")
+    runs = tmp_path / "runs"
+    value = f"[{data}]" if key == "eval.datasets" else str(data)
+    result = invoke("train", "-c", TINY, "--runs-dir", str(runs), *sets(f"{key}={value}", "train.steps=1", *FAST))
+    assert result.exit_code == 2, result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    assert str(data) in result.stderr and "line 4: question: missing" in result.stderr
+    assert "FAILED" not in _mlflow_statuses(runs)
+
+
 def test_runs_lists_the_run(trained: tuple[Any, Path]) -> None:
     _, runs = trained
     run = _only_run(runs)
@@ -183,24 +223,31 @@ def _cmdline(p: Any) -> str:
         return ""
 
 
+def _start_long_train(runs: Path, log: Path, model_cache: Path) -> Any:
+    """`aepo train` of 50 steps in its own process and session, with no Prefect settings (its temporary API)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update({"PYTHONPATH": str(REPO), "AEPO_MODEL_CACHE": str(model_cache), "OMP_NUM_THREADS": "1"})
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "flows.cli", "train", "-c", TINY, "--runs-dir", str(runs),
+                                 *sets("train.steps=50", *FAST)], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, cwd=REPO)
+
+
 def test_sigterm_stops_the_run_and_its_temporary_prefect_server(tmp_path: Path, model_cache: Path) -> None:
     """`kill <pid>` of `aepo train` must not leave Prefect's temporary API server (a child process) behind."""
     import contextlib
     import os
     import signal
-    import subprocess
-    import sys
     import time
 
     import psutil
 
     runs = tmp_path / "runs"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update({"PYTHONPATH": str(REPO), "AEPO_MODEL_CACHE": str(model_cache), "OMP_NUM_THREADS": "1"})
-    log = open(tmp_path / "train.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", "-c", TINY, "--runs-dir", str(runs),
-                             *sets("train.steps=50", *FAST)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True, cwd=REPO)
+    proc = _start_long_train(runs, tmp_path / "train.log", model_cache)
     try:
         deadline = time.time() + 400
         server: list[psutil.Process] = []
@@ -214,6 +261,39 @@ def test_sigterm_stops_the_run_and_its_temporary_prefect_server(tmp_path: Path, 
         _, alive = psutil.wait_procs(server, timeout=60)
         assert not alive, f"orphaned Prefect server: {[p.cmdline() for p in alive]}"
     finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_sigkill_of_the_trainer_takes_its_temporary_prefect_server_along(tmp_path: Path, model_cache: Path) -> None:
+    """The OOM killer's SIGKILL of `aepo train` alone (no unwinding, no atexit) must not orphan Prefect's temporary
+    API server: it dies with its parent."""
+    import contextlib
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    runs = tmp_path / "runs"
+    proc = _start_long_train(runs, tmp_path / "train.log", model_cache)
+    tree: list[psutil.Process] = []
+    try:
+        deadline = time.time() + 400
+        while not any("uvicorn" in _cmdline(c) for c in tree) or not (runs / "mlflow.db").exists():
+            assert proc.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
+            assert time.time() < deadline, (tmp_path / "train.log").read_text()[-3000:]
+            tree = psutil.Process(proc.pid).children(recursive=True)  # recorded before the kill: the run's own
+            time.sleep(0.5)
+        proc.kill()  # the main process only: its children are not signalled
+        proc.wait(timeout=30)
+        _, alive = psutil.wait_procs([p for p in tree if "uvicorn" in _cmdline(p)], timeout=10)
+        assert not alive, f"orphaned Prefect server: {[p.cmdline() for p in alive]}"
+    finally:
+        for p in tree:  # whatever is left of the run (the sandbox, a server that outlived it)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

@@ -14,6 +14,7 @@ from datasets import Dataset, DatasetDict
 
 from infra.data.loaders import (
     DATA_ROOT_ENV,
+    dataset_key,
     default_data_root,
     load_dataset_rows,
     load_hf_dataset_files,
@@ -149,8 +150,8 @@ def test_malformed_jsonl_rows_are_reported_by_index_and_field(tmp_path: Path) ->
     reasons = {b.index: b.reason for b in err.value.bad_rows}
     assert reasons[1] == "missing" and reasons[2] == "wrong type dict" and reasons[3] == "empty"
     assert reasons[5] == "wrong type int" and reasons[6].startswith("invalid JSON")
-    for index in BAD_JSONL:
-        assert f"row {index}:" in str(err.value)
+    for index in BAD_JSONL:  # named by their line in an editor (1-based; this file has no blank lines)
+        assert f"line {index + 1}:" in str(err.value)
 
     rows = load_jsonl_benchmark(path, on_bad_row="skip")
     assert [r.id for r in rows] == ["bench:0", "bench:4", "bench:8"]
@@ -158,6 +159,35 @@ def test_malformed_jsonl_rows_are_reported_by_index_and_field(tmp_path: Path) ->
     assert load_dataset_rows(str(path), on_bad_row="skip") == rows
     with pytest.raises(ValueError, match="on_bad_row"):
         load_jsonl_benchmark(path, on_bad_row="ignore")  # type: ignore[arg-type]
+
+
+def test_jsonl_rows_are_numbered_by_editor_line_blank_lines_included(tmp_path: Path) -> None:
+    """A user opens the file in an editor: the bad row's number is its line there, blank lines counted."""
+    good = json.dumps({"question": "Good?", "answer": "yes"})
+    path = _write_jsonl(tmp_path / "gaps.jsonl", [good, "", "   ", good, json.dumps({"answer": "no question"})])
+    with pytest.raises(BadRowError) as err:
+        load_jsonl_benchmark(path)
+    assert [(b.line, b.field) for b in err.value.bad_rows] == [(5, "question")]
+    assert "line 5: question: missing" in str(err.value) and str(path) in str(err.value)
+
+
+def test_non_utf8_jsonl_names_file_line_and_byte_offset_and_skips_the_row(tmp_path: Path,
+                                                                             caplog: pytest.LogCaptureFixture) -> None:
+    good = json.dumps({"question": "Good?", "answer": "yes"}).encode()
+    bad = b'{"question": "caf\xe9?", "answer": "x"}'  # Latin-1 é
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(good + b"\n\n" + bad + b"\n" + good + b"\n")
+    offset = len(good) + 2 + bad.index(b"\xe9")
+    with pytest.raises(BadRowError) as err:
+        load_jsonl_benchmark(path)
+    message = str(err.value)
+    assert str(path) in message and "line 3:" in message and f"byte offset {offset}" in message
+    assert "UTF-8" in message
+    with caplog.at_level("WARNING"):
+        rows = load_jsonl_benchmark(path, on_bad_row="skip")
+    assert [r.question for r in rows] == ["Good?", "Good?"]
+    assert "skipped 1 invalid row(s)" in caplog.text and "line 3" in caplog.text
+
 
 
 def _verl_record(question: str | None, truth: object, *, user: str = "user text", split: str = "train") -> dict:
@@ -263,3 +293,25 @@ def test_search_corpus_from_a_recorded_cache(tmp_path: Path) -> None:
     docs = load_search_corpus(path)
     assert docs == [{"id": "0:1", "title": "", "text": "alpha beta"}, {"id": "0:2", "title": "", "text": "gamma delta"},
                     {"id": "2:2", "title": "", "text": "epsilon"}]
+
+
+# ------------------------------------------------------------------------------------------------------ keys
+
+
+def test_dataset_keys_are_readable_legal_metric_names_and_never_merge() -> None:
+    """`aepo eval -d /abs/file.jsonl` (or ./x, ../x): the key in metric names and result files is the file's name,
+    legal for MLflow, and two datasets of one name in one evaluation get different keys."""
+    from infra.tracking import MAX_KEY, metric_key
+
+    assert dataset_key("/abs/dir/file.jsonl") == "file"
+    assert dataset_key("../eval/gaia/test.jsonl") == "gaia"  # the shipped benchmark layout: the directory names it
+    assert dataset_key("synthetic:test") == "synthetic_test" and dataset_key("math500") == "math500"
+    specs = ["./x.jsonl", "../x.jsonl", "/data/x.parquet", "/other/y.jsonl"]
+    keys = [dataset_key(s, among=specs) for s in specs]
+    assert len(set(keys)) == len(keys) and all(k.startswith("x") for k in keys[:3]) and keys[3] == "y"
+    assert dataset_key("./x.jsonl", among=specs) == keys[0]  # stable: the same spec, the same key
+    long = "/" + "/".join(["d" * 60] * 8) + "/" + "q" * 300 + ".jsonl"
+    for spec in ("/abs/dir/file.jsonl", "./we!rd name@1.jsonl", long):
+        name = f"eval/{dataset_key(spec)}/pass_at_1"
+        assert metric_key(name) == name and len(name) <= MAX_KEY
+    assert dataset_key(long) != dataset_key(long.replace("q" * 300, "q" * 299 + "r"))  # cut, but not merged

@@ -272,3 +272,33 @@ def test_log_model_is_loadable(runs_dir: Path, tmp_path: Path, monkeypatch: pyte
         want = model(ids).logits
         got = loaded["model"].float()(ids).logits
     torch.testing.assert_close(got, want)
+
+
+def _open_fresh_store(runs: str, barrier: object, results: object) -> None:
+    """One of the racing processes: wait for the other, then open the (fresh) store and create the experiment."""
+    import traceback
+
+    from infra.tracking import Tracker, tracking_uri_for
+
+    barrier.wait()  # type: ignore[attr-defined]
+    try:
+        Tracker(tracking_uri_for(runs), experiment="race").experiment_id()
+        results.put("ok")  # type: ignore[attr-defined]
+    except BaseException:
+        results.put(traceback.format_exc()[-2000:])  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(300)
+def test_two_processes_opening_a_fresh_store_at_once_both_succeed(tmp_path: Path) -> None:
+    """Two first runs in one fresh runs dir used to race on MLflow's schema migration of mlflow.db (one died)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter each, as two `aepo train` would be
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_open_fresh_store, args=(str(tmp_path / "runs"), barrier, results)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    outcomes = [results.get(timeout=240) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    assert outcomes == ["ok", "ok"], "\n---\n".join(o for o in outcomes if o != "ok")

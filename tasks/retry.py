@@ -1,0 +1,22 @@
+"""Which task failures are worth a retry: transient ones, never the user's own input."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect.client.schemas.objects import TaskRun
+from prefect.states import State
+
+from aepo_core.config import ConfigError
+from infra.data.rows import BadRowError
+
+USER_ERRORS: tuple[type[Exception], ...] = (BadRowError, ConfigError)
+"""Failures caused by what the user gave (a bad dataset row, a bad config): the same input fails the same way
+again, so a retry only repeats the error (and, for a large training file, the time it took)."""
+
+
+def transient_only(task: Any, task_run: TaskRun, state: State[Any]) -> bool:
+    """Prefect ``retry_condition_fn``: retry unless the task failed on a user error (:data:`USER_ERRORS`).
+
+    Prefect hands the failure to the condition as a Failed state whose data is the raised exception."""
+    return not isinstance(state.data, USER_ERRORS)
