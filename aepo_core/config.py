@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import textwrap
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
@@ -759,8 +760,12 @@ class ExperimentConfig(Section):
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+    def to_yaml(self, describe: bool = False) -> str:
+        """The resolved config as YAML; ``describe``: every key preceded by its field description as a comment
+        (``aepo config show --describe``; loads back to the same config)."""
+        if not describe:
+            return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        return "\n".join(_described_lines(self, 0)) + "\n"
 
     def flat(self) -> dict[str, Any]:
         """Dotted key → value, e.g. for tracking params."""
@@ -770,6 +775,25 @@ class ExperimentConfig(Section):
         """Stable short hash of the resolved config."""
         blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _described_lines(model: BaseModel, depth: int, width: int = 100) -> list[str]:
+    """YAML lines of ``model``'s fields, each preceded by its description as ``#`` comments (nested sections
+    indented); values as :meth:`ExperimentConfig.to_dict` writes them."""
+    pad = "  " * depth
+    data = model.model_dump(mode="json")
+    lines: list[str] = []
+    for name, info in type(model).model_fields.items():
+        if info.description:
+            lines += [f"{pad}# {line}" for line in textwrap.wrap(info.description, max(40, width - len(pad) - 2))]
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            lines.append(f"{pad}{name}:")
+            lines += _described_lines(value, depth + 1, width)
+        else:
+            dumped = yaml.safe_dump({name: data[name]}, sort_keys=False, width=10**6)
+            lines += [pad + line for line in dumped.rstrip("\n").splitlines()]
+    return lines
 
 
 def is_synthetic(spec: str) -> bool:

@@ -56,6 +56,7 @@ from infra.tools.search import Bm25Backend, build_search_tool
 from infra.training.backends import TorchBackend
 from infra.training.batching import TrainSample, collate, plan_micro_batches
 from infra.training.checkpoint import load_checkpoint, save_checkpoint
+from infra.training.memory import checkpoint_decoder_layers
 from infra.training.sft import sft_sample
 from infra.training.update import PolicyUpdater
 
@@ -418,8 +419,12 @@ def bench_step(args_dict: dict[str, Any]) -> dict[str, Any]:
     compute = autocast_of(cfg.model.compute_dtype)
     engine = HFEngine(generation_model, tokenizer, seed=args.seed, stop_token_ids=())  # EOS off: fixed length
     backend = TimedBackend(TorchBackend(model, cfg.optim, total_steps=1000, compute_dtype=compute), rss)
-    updater = PhasedUpdater(backend, cfg, pad_id=int(tokenizer.pad_token_id))
     pad = int(tokenizer.pad_token_id)
+    # The same update with every layer's activations kept (optim.activation_checkpointing off, its own micro-batch
+    # cap), on the same samples and weights in the same run: what checkpointing costs and saves.
+    kept_cfg = cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"activation_checkpointing": False})})
+    kept_updater = PhasedUpdater(backend, kept_cfg, pad_id=pad)
+    updater = PhasedUpdater(backend, cfg, pad_id=pad)  # constructed last: its setting is the model's
     task = SyntheticTask(n_companies=40)
     prompts = [chat_prompt_ids(tokenizer, row.question) for row in task.questions("train")[:questions]]
     requests = [GenerationRequest(prompt_ids=p, max_tokens=new_tokens, seed=args.seed + i)
@@ -447,6 +452,14 @@ def bench_step(args_dict: dict[str, Any]) -> dict[str, Any]:
                 engine.load_weights(PolicyWeights(model, rep + 1))
         return t_rollout, time.perf_counter() - t0, samples
 
+    def kept_update(samples: Sequence[TrainSample]) -> float:
+        checkpoint_decoder_layers(model, False)
+        t0 = time.perf_counter()
+        with rss("update, activations kept"):
+            kept_updater.update(samples)
+        checkpoint_decoder_layers(model, cfg.optim.activation_checkpointing)
+        return time.perf_counter() - t0
+
     def raw_step(samples: Sequence[TrainSample]) -> tuple[float, float]:
         torch.manual_seed(args.seed)
         t0 = time.perf_counter()
@@ -457,7 +470,7 @@ def bench_step(args_dict: dict[str, Any]) -> dict[str, Any]:
         t_generate = time.perf_counter() - t0
         assert out.shape[1] - width == new_tokens
         with rss("raw step"):
-            raw_forward_backward(model, samples, pad, updater.micro_batch_tokens, compute)
+            raw_forward_backward(model, samples, pad, kept_updater.micro_batch_tokens, compute)
         return t_generate, time.perf_counter() - t0
 
     log.info("[step] warm-up")
@@ -466,10 +479,12 @@ def bench_step(args_dict: dict[str, Any]) -> dict[str, Any]:
     reps_out = []
     for rep in range(reps):
         got: dict[str, float] = {}
-        for what in (("aepo", "raw") if rep % 2 == 0 else ("raw", "aepo")):
+        for what in (("aepo", "kept", "raw") if rep % 2 == 0 else ("raw", "kept", "aepo")):
             if what == "aepo":
                 got["rollout_s"], got["step_s"], samples = aepo_step(rep)
                 got["update_s"] = got["step_s"] - got["rollout_s"]
+            elif what == "kept":
+                got["update_kept_s"] = kept_update(samples)
             else:
                 got["raw_generate_s"], got["raw_step_s"] = raw_step(samples)
         got["ratio"] = got["step_s"] / got["raw_step_s"]
@@ -484,7 +499,9 @@ def bench_step(args_dict: dict[str, Any]) -> dict[str, Any]:
         "model": BUILTIN_SMOLLM2, "questions": questions, "k": k, "new_tokens": new_tokens, "tokens": tokens,
         "micro_batch_tokens": cfg.optim.micro_batch_tokens, "micro_batch_tokens_capped": updater.micro_batch_tokens,
         "memory_budget_gb": cfg.optim.memory_budget_gb, "reps": reps_out, "median": med,
-        "update_tok_s": tokens / med["update_s"],
+        "activation_checkpointing": cfg.optim.activation_checkpointing,
+        "micro_batch_tokens_capped_kept": kept_updater.micro_batch_tokens,
+        "update_tok_s": tokens / med["update_s"], "update_kept_tok_s": tokens / med["update_kept_s"],
         "phase_peak_rss_mb": rss.peaks, "step_peak_rss_mb": step_peak, "process_peak_rss_mb": peak_rss_mb(),
         "target_ratio": STEP_TARGET_RATIO, "met_ratio": med["ratio"] <= STEP_TARGET_RATIO,
         "target_rss_mb": STEP_TARGET_RSS_MB, "met_rss": step_peak < STEP_TARGET_RSS_MB,
@@ -499,6 +516,12 @@ def report_step(step: dict[str, Any]) -> None:
                  f"≤ {STEP_TARGET_RATIO}", "update tok/s", "peak RSS step MB", f"< {STEP_TARGET_RSS_MB}"],
                 [[med["rollout_s"], med["update_s"], med["step_s"], med["raw_generate_s"], med["raw_step_s"],
                   med["ratio"], step["met_ratio"], step["update_tok_s"], step["step_peak_rss_mb"], step["met_rss"]]])
+    print_table("the update with activation checkpointing vs every layer's activations kept (same samples, same run)",
+                ["checkpointed", "micro-batch", "update s", "update tok/s", "peak RSS MB",
+                 "kept: micro-batch", "update s", "update tok/s", "peak RSS MB"],
+                [[step["activation_checkpointing"], step["micro_batch_tokens_capped"], med["update_s"],
+                  step["update_tok_s"], peaks["update"], step["micro_batch_tokens_capped_kept"],
+                  med["update_kept_s"], step["update_kept_tok_s"], peaks["update, activations kept"]]])
     print_table("peak RSS per phase (MB)", list(peaks), [[peaks[k] for k in peaks]])
 
 

@@ -39,6 +39,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 import yaml
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -53,10 +54,22 @@ log = logging.getLogger(__name__)
 RUNS_ENV = "AEPO_RUNS_DIR"
 DEFAULT_RUNS_DIR = "runs"
 EXIT_USAGE = 2
-PREFECT_ENV = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+PREFECT_ENV = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+               "DO_NOT_TRACK": "1"}  # the client's telemetry banner too ("Prefect collects anonymous usage data")
+QUIET_ENV = {
+    # Prefect's console: warnings and errors only ("Finished in state Completed()" per task, the temporary server's
+    # start/stop); the progress bar says where the run is, and the flow/task logs still reach the Prefect UI.
+    "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING",
+    # MLflow's INFO lines: table creation on a new store, system-metrics monitor start/stop.
+    "MLFLOW_LOGGING_LEVEL": "WARNING",
+}
+"""Settings of a quiet terminal (the default; ``-v`` leaves every library at its own level). Set before Prefect and
+MLflow are imported, which read them once."""
 
 app = typer.Typer(name="aepo", help="Agentic entropy-balanced policy optimization: experiments on Prefect + MLflow.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+_verbosity = 0
+"""``-v`` count of this invocation (:func:`main_options`)."""
 config_app = typer.Typer(help="Inspect experiment configs.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 
@@ -71,6 +84,27 @@ TrackingOpt = Annotated[str | None, typer.Option("--tracking-uri", help="MLflow 
 
 
 # ---------------------------------------------------------------------------------------------- plumbing
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"aepo {version('aepo')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    verbose: Annotated[int, typer.Option("--verbose", "-v", count=True,
+                                         help="Library log lines on the terminal (Prefect task states, MLflow INFO, "
+                                              "DeepSpeed); with it, log lines replace the progress bar.")] = 0,
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """Agentic entropy-balanced policy optimization: experiments on Prefect + MLflow."""
+    global _verbosity
+    _verbosity = verbose
 
 
 def _out() -> Console:
@@ -109,8 +143,23 @@ def prepare_environment(runs: Path, rank: int = 0) -> None:
     os.environ["PREFECT_HOME"] = str(home)
     if rank:
         os.environ.pop("PREFECT_API_URL", None)
-    for key, value in PREFECT_ENV.items():
+    for key, value in quiet_environment(_verbosity).items():
         os.environ.setdefault(key, value)
+
+
+def quiet_environment(verbosity: int) -> dict[str, str]:
+    """The environment a command sets (unless already set) before importing Prefect and MLflow: Prefect's
+    temporary-server settings, and at verbosity 0 :data:`QUIET_ENV` plus ``DS_ACCELERATOR=cpu`` on a machine
+    without CUDA (DeepSpeed's auto-detection warns "Setting accelerator to CPU" on every import; named, it logs that
+    at INFO, below its WARNING level)."""
+    env = dict(PREFECT_ENV)
+    if verbosity == 0:
+        env.update(QUIET_ENV)
+        import torch
+
+        if not torch.cuda.is_available():
+            env["DS_ACCELERATOR"] = "cpu"
+    return env
 
 
 def start_prefect_api() -> None:
@@ -224,8 +273,10 @@ def flow_progress(label: str, total: int | None,
 
     SIGTERM (``kill``, a scheduler's stop) unwinds like Ctrl-C while it runs (:func:`sigterm_unwinds`).
     """
+    # -v: the libraries' log lines instead of a bar (their console handlers write to the stderr they saw at import,
+    # past rich's redirection, and would tear a live bar).
     progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=_err(), transient=False)
+                        TimeElapsedColumn(), console=_err(), transient=False, disable=_verbosity > 0)
     task = progress.add_task(label, total=total)
     handler = _ProgressHandler(lambda event: on_event(progress, task, event))
     loggers = [logging.getLogger("prefect.task_runs"), logging.getLogger("prefect.flow_runs")]
@@ -261,19 +312,21 @@ def _fmt(x: Any, digits: int = 3) -> str:
 def _eval_table(title: str, summaries: dict[str, dict[str, float]], k: int,
                 extra: dict[str, float] | None = None, stages: dict[str, dict[str, dict[str, float]]] | None = None,
                 ) -> Table:
-    """One row per dataset (or per stage × dataset when ``stages`` is given: start, sft, …, final)."""
-    table = Table(title=title, title_justify="left")
+    """One row per dataset (or per stage × dataset when ``stages`` is given: start, sft, …, final); fits a
+    100-column terminal without folding a number (``test_cli``)."""
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     if stages is not None:
         table.add_column("stage")
-    for col in ("dataset", "questions", "pass@1 [95% CI]", f"pass@{k}", "F1", "tool calls/q", "answered"):
-        table.add_column(col, overflow="fold")
+    table.add_column("dataset", overflow="fold")
+    for col in ("n", "pass@1", "95% CI", f"pass@{k}", "F1", "tools/q", "answered"):
+        table.add_column(col, justify="right", no_wrap=True)
     if extra is not None:
-        table.add_column("judge pass@1")
+        table.add_column("judge", justify="right", no_wrap=True)
     rows = ([(stage, ds, s) for stage, by_ds in stages.items() for ds, s in by_ds.items()] if stages is not None
             else [(None, ds, s) for ds, s in summaries.items()])
     for stage, ds, s in rows:
-        row = ([stage] if stage is not None else []) + [ds, _fmt(s.get("questions"), 0),
-               f"{_fmt(s['pass@1'])} [{_fmt(s['pass@1_ci_low'])}, {_fmt(s['pass@1_ci_high'])}]",
+        row = ([stage] if stage is not None else []) + [ds, _fmt(s.get("questions"), 0), _fmt(s["pass@1"]),
+               f"{_fmt(s['pass@1_ci_low'])}–{_fmt(s['pass@1_ci_high'])}",
                _fmt(s.get(f"pass@{k}")), _fmt(s.get("f1")), _fmt(s.get("tool_calls_per_question"), 2),
                _fmt(s.get("answered_rate"), 2)]
         if extra is not None:
@@ -396,7 +449,7 @@ def eval_(
     checkpoint: Annotated[str | None, typer.Option("--checkpoint", help="Checkpoint dir (step-NNNNNN) or a run's "
                                                    "checkpoint root (its newest), local or s3://… (the endpoint from "
                                                    "--config / --set storage.s3_endpoint_url); omit for the "
-                                                   "configured model.")],
+                                                   "configured model.")] = None,
     config: Annotated[Path | None, typer.Option("--config", "-c", help="Config YAML (default: the checkpoint's).")
                       ] = None,
     dataset: Annotated[list[str] | None, typer.Option("--dataset", "-d", help="Dataset to evaluate (repeatable; "
@@ -499,10 +552,29 @@ def sweep_cmd(
         "--child-lost-after", help="With --deployment: seconds without a heartbeat after which a running child "
                                    "counts as lost with its worker: marked Crashed and reported failed (default: "
                                    "3 × PREFECT_FLOWS_HEARTBEAT_FREQUENCY, 180 s unless set).")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", "-s", help="Dotted override key=value for every cell, "
+                                                   "applied after the cell's own (repeatable).")] = None,
+    cells: Annotated[list[str] | None, typer.Option("--cells", help="Run only these cells (comma-separated or "
+                                                    "repeated), e.g. --cells aepo,grpo.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="List the runs (cell, seed, run name, overrides) and "
+                                          "exit: nothing is started or created.")] = False,
 ) -> None:
     """Run a grid of training runs (cells × seeds) nested under one MLflow run, then compare them."""
     if not config.is_file():
         fail(f"sweep file not found: {config}")
+    from flows.sweep_spec import load_sweep, shard_runs
+
+    only = [c.strip() for item in cells for c in item.split(",") if c.strip()] if cells else None
+    try:
+        spec = load_sweep(config, list(set_ or []), only)
+        selected = shard_runs(spec.runs, shard)
+        for run in selected:
+            check_datasets(run.config)
+    except ConfigError as exc:
+        fail(str(exc))
+    if dry_run:
+        _out().print(_sweep_plan(spec, selected))
+        return
     runs = _sweep_runs_dir(runs_dir, config)
     if deployment is not None:
         api_url = os.environ.get("PREFECT_API_URL")
@@ -512,16 +584,9 @@ def sweep_cmd(
         if not _healthy(api_url):
             fail(f"--deployment: no Prefect server at PREFECT_API_URL={api_url}", code=1)
     prepare_environment(runs)
-    from flows.sweep import load_sweep, shard_runs, sweep
+    from flows.sweep import sweep
     from tasks.retry import USER_ERRORS
 
-    try:
-        spec = load_sweep(config)
-        selected = shard_runs(spec.runs, shard)
-        for run in selected:
-            check_datasets(run.config)
-    except ConfigError as exc:
-        fail(str(exc))
     check_tracking_server(spec.base.tracking.tracking_uri)
     start_prefect_api()  # after every check: bad input exits without starting a server
 
@@ -533,7 +598,7 @@ def sweep_cmd(
         with flow_progress(f"sweep {spec.name}", len(selected), on_event) as progress:
             result = sweep(sweep_config=str(config.resolve()), runs_dir=str(runs), shard=shard,
                            deployment=deployment, max_parallel=max_parallel, child_timeout_s=child_timeout,
-                           child_lost_after_s=child_lost_after)
+                           child_lost_after_s=child_lost_after, overrides=list(set_ or []) or None, cells=only)
             progress.update(progress.task_ids[0], completed=len(selected), description=f"sweep {result.name} done")
     except USER_ERRORS as exc:  # the user's input (a bad row, a bad config), found by the flow: as before it
         fail(str(exc))
@@ -553,6 +618,24 @@ def sweep_cmd(
         out.print(f"already FINISHED in MLflow, not run again: {', '.join(result.reused)}")
     out.print(_where_table([(k, v) for k, v in result.files.items()]))
     out.print(escape(_ui_hint(result.tracking_uri, runs)))
+
+
+def _sweep_plan(spec: Any, selected: Sequence[Any]) -> Table:
+    """``aepo sweep --dry-run``: the runs a sweep (a ``SweepSpec``) would start, each with its cell's overrides;
+    the ones every cell shares in the caption."""
+    def joined(overrides: dict[str, Any]) -> str:
+        return ", ".join(f"{k}={v}" for k, v in overrides.items()) or "–"
+
+    table = Table(title=f"aepo sweep {spec.name}: {len(selected)} run(s), nothing started", title_justify="left",
+                  caption=f"every cell (base {spec.base_source}): {joined(spec.overrides)}", caption_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("cell", "seed", "run name", "cell overrides"):
+        table.add_column(col, overflow="fold")
+    for run in selected:
+        own = {k: v for k, v in run.overrides.items()
+               if k != "seed" and (k not in spec.overrides or k in spec.forced or spec.overrides[k] != v)}
+        table.add_row(run.cell, str(run.seed), run.run_name, joined(own))
+    return table
 
 
 # ---------------------------------------------------------------------------------------------- serve
@@ -964,10 +1047,15 @@ def ui(
 
 
 @config_app.command("show")
-def config_show(config: ConfigOpt, set_: SetOpt = None) -> None:
+def config_show(config: Annotated[Path | None, typer.Option("--config", "-c", help="Experiment config YAML "
+                                                            "(default: the built-in defaults).")] = None,
+                set_: SetOpt = None,
+                describe: Annotated[bool, typer.Option("--describe", help="Each key preceded by its description "
+                                                       "(a comment; the output still loads as the config).")
+                                    ] = False) -> None:
     """Print the resolved config (defaults + file + overrides) as YAML."""
     cfg = load_checked_config(config, set_)
-    typer.echo(cfg.to_yaml(), nl=False)
+    typer.echo(cfg.to_yaml(describe=describe), nl=False)
 
 
 def main() -> None:  # pragma: no cover - console entry point alternative

@@ -57,7 +57,6 @@ ablation fails the sweep at once with the cell and key in the message.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import re
@@ -70,22 +69,20 @@ from typing import Any
 from uuid import UUID
 
 import pandas as pd
-import yaml
 from matplotlib.figure import Figure
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from aepo_core.config import ConfigError, ExperimentConfig, build_config, parse_override
+from aepo_core.config import ConfigError, ExperimentConfig
 from flows.common import flow_run_id
+from flows.sweep_spec import SweepRun, SweepSpec, load_sweep, parse_shard, shard_runs
 from flows.train import train
-from infra.config_files import load_config, read_config_text
 from infra.plots import save_png
 from infra.tracking import Tracker
 from tasks.progress import Progress, report
 
 log = logging.getLogger(__name__)
 
-SPEC_KEYS = frozenset({"name", "base", "overrides", "seeds", "grid", "cells", "runs_dir", "description"})
 TAG_SWEEP = "sweep_name"
 TAG_CELL = "sweep_cell"
 TAG_PREVIOUS_PARENT = "sweep_previous_parent_run_id"  # set on a child re-parented by a re-run of its sweep
@@ -96,153 +93,7 @@ HEARTBEAT_EVENT = "prefect.flow-run.heartbeat"
 RUN_COLUMNS = ["cell", "seed", "run_name", "run_id", "status", "dataset", "pass@1", "pass@1_ci_low",
                "pass@1_ci_high", "k", "pass@k", "tool_calls_per_question", "answered_rate", "reward_mean",
                "branch_samples", "max_branches_per_path"]
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _PASS1_RE = re.compile(r"^metrics\.eval/(?P<ds>.+)/pass_at_1$")
-
-
-@dataclass(frozen=True)
-class SweepRun:
-    """One child training run: a cell of the grid at one seed, with its fully resolved config."""
-
-    cell: str
-    seed: int
-    run_name: str
-    overrides: dict[str, Any]
-    config: ExperimentConfig = field(repr=False)
-
-
-@dataclass(frozen=True)
-class SweepSpec:
-    """A parsed, validated sweep file (see the module docstring)."""
-
-    name: str
-    base: ExperimentConfig = field(repr=False)
-    base_source: str
-    overrides: dict[str, Any]
-    seeds: list[int]
-    cells: dict[str, dict[str, Any]]
-    runs_dir: str | None = None
-    runs: list[SweepRun] = field(default_factory=list, repr=False)
-
-    def as_dict(self) -> dict[str, Any]:
-        """The sweep as plain data (logged to the parent run)."""
-        return {"name": self.name, "base": self.base_source, "overrides": self.overrides, "seeds": self.seeds,
-                "cells": self.cells, "runs": [r.run_name for r in self.runs]}
-
-
-def _override_map(value: Any, where: str) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if isinstance(value, Mapping):
-        return {str(k): v for k, v in value.items()}
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return dict(parse_override(v) for v in value)
-    raise ConfigError(f"sweep {where}: expected a mapping of dotted keys or a list of 'key=value'; got {value!r}")
-
-
-def _check_name(name: str, what: str) -> str:
-    if not _NAME_RE.match(name):
-        raise ConfigError(f"sweep {what} {name!r}: use letters, digits, '.', '_' or '-' (it names runs and files)")
-    return name
-
-
-def _grid_cells(grid: Any) -> dict[str, dict[str, Any]]:
-    if grid is None:
-        return {}
-    if not isinstance(grid, Mapping) or not grid:
-        raise ConfigError(f"sweep grid: expected a mapping axis → {{level: overrides}}; got {grid!r}")
-    axes = []
-    for axis, levels in grid.items():
-        if not isinstance(levels, Mapping) or not levels:
-            raise ConfigError(f"sweep grid.{axis}: expected a non-empty mapping level → overrides; got {levels!r}")
-        axes.append([(_check_name(str(lv), f"grid.{axis} level"), _override_map(ov, f"grid.{axis}.{lv}"))
-                     for lv, ov in levels.items()])
-    cells: dict[str, dict[str, Any]] = {}
-    for combo in itertools.product(*axes):
-        merged: dict[str, Any] = {}
-        for _, ov in combo:
-            merged.update(ov)
-        cells["-".join(lv for lv, _ in combo)] = merged
-    return cells
-
-
-def load_sweep(source: str | Path | Mapping[str, Any]) -> SweepSpec:
-    """Parse and validate a sweep (a YAML path or the same data as a dict); every cell × seed config is built,
-    so any bad key fails here with the cell named (:class:`ConfigError`)."""
-    if isinstance(source, Mapping):
-        raw, here, label = dict(source), Path.cwd(), "sweep parameters"
-    else:
-        path = Path(source).expanduser()
-        text = read_config_text(path, "sweep file")
-        try:
-            raw = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"sweep file {path}: invalid YAML: {exc}") from None
-        here, label = path.resolve().parent, str(path)
-        if not isinstance(raw, dict):
-            raise ConfigError(f"sweep file {path}: expected a mapping at the top level")
-    unknown = sorted(set(raw) - SPEC_KEYS)
-    if unknown:
-        raise ConfigError(f"{label}: unknown sweep key(s) {unknown}; known: {sorted(SPEC_KEYS)}")
-    name = _check_name(str(raw.get("name") or "sweep"), "name")
-    base_ref = raw.get("base")
-    if base_ref is None:
-        base, base_source = load_config(None), "defaults"
-    else:
-        base_path = Path(str(base_ref)).expanduser()
-        base_path = base_path if base_path.is_absolute() else here / base_path
-        base, base_source = load_config(base_path), str(base_path.resolve())
-    common = _override_map(raw.get("overrides"), "overrides")
-    if common:  # the parent run too: it logs where the children do (e.g. tracking.tracking_uri of a server)
-        base = build_config(base.to_dict(), common, source=f"{label}, overrides")
-    seeds_raw = raw.get("seeds")
-    seeds = [base.seed] if seeds_raw is None else seeds_raw
-    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool)
-                                                             for s in seeds):
-        raise ConfigError(f"{label}: seeds must be a non-empty list of integers; got {seeds_raw!r}")
-    cells = _grid_cells(raw.get("grid"))
-    extra = raw.get("cells") or {}
-    if not isinstance(extra, Mapping):
-        raise ConfigError(f"{label}: cells must be a mapping name → overrides; got {extra!r}")
-    for cell, ov in extra.items():
-        cell = _check_name(str(cell), "cell")
-        if cell in cells:
-            raise ConfigError(f"{label}: cell {cell!r} is defined twice (grid and cells)")
-        cells[cell] = _override_map(ov, f"cells.{cell}")
-    if not cells:
-        cells = {"base": {}}
-    runs = []
-    for cell, ov in cells.items():
-        for seed in seeds:
-            cfg = build_config(base.to_dict(), {**common, **ov, "seed": seed}, source=f"{label}, cell {cell}")
-            if (cfg.tracking.tracking_uri, cfg.tracking.experiment) != (base.tracking.tracking_uri,
-                                                                        base.tracking.experiment):
-                raise ConfigError(f"{label}, cell {cell}: tracking.* must match the base config (the children are "
-                                  "nested under one parent run in one MLflow experiment)")
-            runs.append(SweepRun(cell, seed, f"{name}-{cell}-s{seed}", {**common, **ov, "seed": seed}, cfg))
-    runs_dir = raw.get("runs_dir")
-    if runs_dir is not None and not Path(str(runs_dir)).expanduser().is_absolute():
-        runs_dir = str(here / str(runs_dir)) if not isinstance(source, Mapping) else str(runs_dir)
-    return SweepSpec(name, base, base_source, common, list(seeds), cells, runs_dir, runs)
-
-
-_SHARD_RE = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
-
-
-def parse_shard(shard: str) -> tuple[int, int]:
-    """``"i/N"`` → (i, N), 1 ≤ i ≤ N."""
-    m = _SHARD_RE.match(shard)
-    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
-        raise ConfigError(f"shard must be 'i/N' with 1 <= i <= N (e.g. '1/2'); got {shard!r}")
-    return int(m.group(1)), int(m.group(2))
-
-
-def shard_runs(runs: Sequence[SweepRun], shard: str | None) -> list[SweepRun]:
-    """The runs of shard ``"i/N"``: every N-th run from the i-th, so that cells and seeds spread evenly."""
-    if shard is None:
-        return list(runs)
-    i, n = parse_shard(shard)
-    return list(runs)[i - 1::n]
 
 
 # ---------------------------------------------------------------------------------------------- comparison
@@ -376,9 +227,11 @@ class SweepResult:
 @flow(name="aepo-sweep", log_prints=True)
 def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None, shard: str | None = None,
           deployment: str | None = None, max_parallel: int = 4,
-          child_timeout_s: float | None = None, child_lost_after_s: float | None = None) -> SweepResult:
+          child_timeout_s: float | None = None, child_lost_after_s: float | None = None,
+          overrides: list[str] | None = None, cells: list[str] | None = None) -> SweepResult:
     """Run every (cell, seed) of the sweep — or of one shard ``"i/N"`` — as a nested training run, then compare
-    them; returns the tables' paths.
+    them; returns the tables' paths. ``overrides`` (``"key=value"``) apply to every cell after its own;
+    ``cells`` keeps only those cells.
 
     ``deployment`` (e.g. ``"aepo-train/train"``) submits each child as a flow run of that deployment, at most
     ``max_parallel`` in flight, and waits for them (a child still unfinished ``child_timeout_s`` after its
@@ -388,7 +241,7 @@ def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None, shard
     one after another.
     Children that already FINISHED in MLflow with the same run name, sweep name and config are not run again."""
     logger = get_run_logger()
-    spec = load_sweep(sweep_config)
+    spec = load_sweep(sweep_config, overrides or (), cells)
     if shard is not None:
         i, n = parse_shard(shard)
         spec = replace(spec, name=f"{spec.name}-shard{i}of{n}", runs=shard_runs(spec.runs, shard))

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 from mlflow.entities import Metric, Param, RunTag, ViewType
@@ -36,8 +36,10 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from aepo_core.config import ExperimentConfig
-from aepo_core.rollout.tree import RolloutTree
-from aepo_core.scoring import LeafScore, check_aligned
+
+if TYPE_CHECKING:  # aepo_core.scoring imports torch (~1.5 s): `aepo runs` and the other readers never need it
+    from aepo_core.rollout.tree import RolloutTree
+    from aepo_core.scoring import LeafScore
 
 log = logging.getLogger(__name__)
 
@@ -435,6 +437,8 @@ class Tracker:
         if max_rows < 1:
             raise ValueError(f"max_rows must be ≥ 1; got {max_rows}")
         if scores is not None:
+            from aepo_core.scoring import check_aligned
+
             check_aligned(trees, scores)
         rows: list[dict[str, Any]] = []
         depth = max((len(t.leaves) for t in trees), default=0)
@@ -481,7 +485,9 @@ class Tracker:
         # experiment, "Default", and its ./mlruns artifact root).
         logged = self.client.create_logged_model(self.client.get_run(run_id).info.experiment_id, name=name,
                                                  source_run_id=run_id)
-        with self._fluent_uri():
+        with self._fluent_uri(), _quieter("mlflow.transformers", logging.ERROR):
+            # Its two warnings are about the Hugging Face Hub (no model card for a local path, no license found):
+            # every local checkpoint gets both.
             info = mlflow.transformers.log_model(
                 transformers_model={"model": model, "tokenizer": tokenizer}, name=name, task=task,
                 run_id=run_id, model_id=logged.model_id, pip_requirements=reqs,  # explicit reqs: no slow inference
@@ -530,6 +536,19 @@ class Tracker:
 
 _SAMPLE_COLUMNS = ("step", "question_id", "question", "leaf_id", "sample_kind", "status", "reward", "advantage",
                    "num_tool_calls", "tools", "response")
+
+
+@contextlib.contextmanager
+def _quieter(logger: str, level: int) -> Iterator[None]:
+    """``logger`` at ``level`` or above while inside (unless it is configured to show more: DEBUG stays)."""
+    lg = logging.getLogger(logger)
+    before = lg.level
+    if before == logging.NOTSET or before > logging.DEBUG:
+        lg.setLevel(max(level, before))
+    try:
+        yield
+    finally:
+        lg.setLevel(before)
 
 
 def _finite_or_none(x: float | None) -> float | None:

@@ -38,6 +38,10 @@ from aepo_core.config import SearchToolConfig
 from aepo_core.interfaces import ToolResult
 from infra.atomic import atomic_dir
 
+# bm25s sets its own logger to DEBUG at import ("Building index from tokens" on every index build, past the
+# application's WARNING); NOTSET hands the decision back to the logging configuration (``aepo -v``).
+logging.getLogger("bm25s").setLevel(logging.NOTSET)
+
 logger = logging.getLogger(__name__)
 
 # Bump when tokenization or the on-disk layout changes: it is part of the index cache key.

@@ -1,0 +1,180 @@
+"""A sweep file, parsed and validated without Prefect or MLflow (``aepo sweep --dry-run`` lists its runs from here
+before anything starts): cells × seeds, each with its fully resolved config. The file format is in
+:mod:`flows.sweep`."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from aepo_core.config import ConfigError, ExperimentConfig, build_config, parse_override
+from infra.config_files import load_config, read_config_text
+
+SPEC_KEYS = frozenset({"name", "base", "overrides", "seeds", "grid", "cells", "runs_dir", "description"})
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass(frozen=True)
+class SweepRun:
+    """One child training run: a cell of the grid at one seed, with its fully resolved config."""
+
+    cell: str
+    seed: int
+    run_name: str
+    overrides: dict[str, Any]
+    config: ExperimentConfig = field(repr=False)
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """A parsed, validated sweep file (see the module docstring)."""
+
+    name: str
+    base: ExperimentConfig = field(repr=False)
+    base_source: str
+    overrides: dict[str, Any]
+    seeds: list[int]
+    cells: dict[str, dict[str, Any]]
+    runs_dir: str | None = None
+    runs: list[SweepRun] = field(default_factory=list, repr=False)
+    forced: dict[str, Any] = field(default_factory=dict)
+    """Overrides given with the sweep (``aepo sweep --set``): applied to every cell, after the cell's own."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The sweep as plain data (logged to the parent run)."""
+        return {"name": self.name, "base": self.base_source, "overrides": self.overrides, "seeds": self.seeds,
+                "cells": self.cells, "set": self.forced, "runs": [r.run_name for r in self.runs]}
+
+
+def _override_map(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        return {str(k): v for k, v in value.items()}
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return dict(parse_override(v) for v in value)
+    raise ConfigError(f"sweep {where}: expected a mapping of dotted keys or a list of 'key=value'; got {value!r}")
+
+
+def _check_name(name: str, what: str) -> str:
+    if not _NAME_RE.match(name):
+        raise ConfigError(f"sweep {what} {name!r}: use letters, digits, '.', '_' or '-' (it names runs and files)")
+    return name
+
+
+def _grid_cells(grid: Any) -> dict[str, dict[str, Any]]:
+    if grid is None:
+        return {}
+    if not isinstance(grid, Mapping) or not grid:
+        raise ConfigError(f"sweep grid: expected a mapping axis → {{level: overrides}}; got {grid!r}")
+    axes = []
+    for axis, levels in grid.items():
+        if not isinstance(levels, Mapping) or not levels:
+            raise ConfigError(f"sweep grid.{axis}: expected a non-empty mapping level → overrides; got {levels!r}")
+        axes.append([(_check_name(str(lv), f"grid.{axis} level"), _override_map(ov, f"grid.{axis}.{lv}"))
+                     for lv, ov in levels.items()])
+    cells: dict[str, dict[str, Any]] = {}
+    for combo in itertools.product(*axes):
+        merged: dict[str, Any] = {}
+        for _, ov in combo:
+            merged.update(ov)
+        cells["-".join(lv for lv, _ in combo)] = merged
+    return cells
+
+
+def load_sweep(source: str | Path | Mapping[str, Any], overrides: Sequence[str] = (),
+               only_cells: Sequence[str] | None = None) -> SweepSpec:
+    """Parse and validate a sweep (a YAML path or the same data as a dict); every cell × seed config is built,
+    so any bad key fails here with the cell named (:class:`ConfigError`).
+
+    ``overrides`` (``"key=value"``, ``aepo sweep --set``) apply to every cell after its own overrides (and to the
+    parent's config); ``only_cells`` keeps those cells (``aepo sweep --cells``), in the file's order."""
+    if isinstance(source, Mapping):
+        raw, here, label = dict(source), Path.cwd(), "sweep parameters"
+    else:
+        path = Path(source).expanduser()
+        text = read_config_text(path, "sweep file")
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"sweep file {path}: invalid YAML: {exc}") from None
+        here, label = path.resolve().parent, str(path)
+        if not isinstance(raw, dict):
+            raise ConfigError(f"sweep file {path}: expected a mapping at the top level")
+    unknown = sorted(set(raw) - SPEC_KEYS)
+    if unknown:
+        raise ConfigError(f"{label}: unknown sweep key(s) {unknown}; known: {sorted(SPEC_KEYS)}")
+    name = _check_name(str(raw.get("name") or "sweep"), "name")
+    base_ref = raw.get("base")
+    if base_ref is None:
+        base, base_source = load_config(None), "defaults"
+    else:
+        base_path = Path(str(base_ref)).expanduser()
+        base_path = base_path if base_path.is_absolute() else here / base_path
+        base, base_source = load_config(base_path), str(base_path.resolve())
+    forced = _override_map(list(overrides), "--set")
+    common = {**_override_map(raw.get("overrides"), "overrides"), **forced}
+    if common:  # the parent run too: it logs where the children do (e.g. tracking.tracking_uri of a server)
+        base = build_config(base.to_dict(), common, source=f"{label}, overrides")
+    seeds_raw = raw.get("seeds")
+    seeds = [base.seed] if seeds_raw is None else seeds_raw
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool)
+                                                             for s in seeds):
+        raise ConfigError(f"{label}: seeds must be a non-empty list of integers; got {seeds_raw!r}")
+    cells = _grid_cells(raw.get("grid"))
+    extra = raw.get("cells") or {}
+    if not isinstance(extra, Mapping):
+        raise ConfigError(f"{label}: cells must be a mapping name → overrides; got {extra!r}")
+    for cell, ov in extra.items():
+        cell = _check_name(str(cell), "cell")
+        if cell in cells:
+            raise ConfigError(f"{label}: cell {cell!r} is defined twice (grid and cells)")
+        cells[cell] = _override_map(ov, f"cells.{cell}")
+    if not cells:
+        cells = {"base": {}}
+    if only_cells is not None:
+        unknown_cells = [c for c in only_cells if c not in cells]
+        if unknown_cells or not only_cells:
+            raise ConfigError(f"{label}: no cell(s) {unknown_cells or list(only_cells)}; the cells are "
+                              f"{', '.join(cells)}")
+        cells = {c: ov for c, ov in cells.items() if c in only_cells}
+    runs = []
+    for cell, ov in cells.items():
+        for seed in seeds:
+            cfg = build_config(base.to_dict(), {**common, **ov, "seed": seed, **forced},
+                               source=f"{label}, cell {cell}")
+            if (cfg.tracking.tracking_uri, cfg.tracking.experiment) != (base.tracking.tracking_uri,
+                                                                        base.tracking.experiment):
+                raise ConfigError(f"{label}, cell {cell}: tracking.* must match the base config (the children are "
+                                  "nested under one parent run in one MLflow experiment)")
+            runs.append(SweepRun(cell, seed, f"{name}-{cell}-s{seed}", {**common, **ov, "seed": seed, **forced},
+                                 cfg))
+    runs_dir = raw.get("runs_dir")
+    if runs_dir is not None and not Path(str(runs_dir)).expanduser().is_absolute():
+        runs_dir = str(here / str(runs_dir)) if not isinstance(source, Mapping) else str(runs_dir)
+    return SweepSpec(name, base, base_source, common, list(seeds), cells, runs_dir, runs, forced)
+
+
+_SHARD_RE = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
+
+
+def parse_shard(shard: str) -> tuple[int, int]:
+    """``"i/N"`` → (i, N), 1 ≤ i ≤ N."""
+    m = _SHARD_RE.match(shard)
+    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+        raise ConfigError(f"shard must be 'i/N' with 1 <= i <= N (e.g. '1/2'); got {shard!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def shard_runs(runs: Sequence[SweepRun], shard: str | None) -> list[SweepRun]:
+    """The runs of shard ``"i/N"``: every N-th run from the i-th, so that cells and seeds spread evenly."""
+    if shard is None:
+        return list(runs)
+    i, n = parse_shard(shard)
+    return list(runs)[i - 1::n]

@@ -1,0 +1,110 @@
+"""What a researcher sees in the terminal: a quiet `aepo train` whose final table fits 100 columns, `--version`,
+`config show --describe`, `sweep --dry-run/--cells/--set`, and `aepo eval` of the configured model (no checkpoint)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from typer.testing import CliRunner
+
+from flows.cli import QUIET_ENV, app, quiet_environment
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "configs" / "tiny.yaml")
+SWEEP = str(REPO / "configs" / "sweeps" / "tiny.yaml")
+FAST = ["rollout.k=2", "rollout.initial_rollouts=1", "rollout.max_response_tokens=48", "rollout.max_segment_tokens=16",
+        "rollout.entropy_window=16", "eval.max_questions=2", "eval.top_p=1.0"]
+
+# Lines the libraries print at their default levels, each seen in a plain `aepo train` before the terminal was
+# made quiet: Prefect's telemetry banner and per-task states, MLflow's store creation and system-metrics monitor,
+# bm25s's DEBUG, DeepSpeed's accelerator auto-detection, mlflow.transformers' Hub warnings.
+NOISE = ["Prefect collects anonymous usage data", "Finished in state", "Creating initial MLflow database tables",
+         "system_metrics", "bm25s", "Setting accelerator to CPU", "model card could not be retrieved",
+         "Unable to find license information"]
+
+
+def sets(*items: str) -> list[str]:
+    return [a for item in items for a in ("--set", item)]
+
+
+def invoke(*args: str) -> Any:
+    return CliRunner().invoke(app, list(args), env={"COLUMNS": "100"}, catch_exceptions=False)
+
+
+def test_train_prints_no_library_noise_and_a_table_that_fits_100_columns(tmp_path: Path, model_cache: Path) -> None:
+    """A real `aepo train` process (its own temporary Prefect API, a fresh MLflow store, the model logged): stderr
+    holds the progress bar only, stdout the tables within 100 columns."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "DS_"))}
+    env.update({"PYTHONPATH": str(REPO), "AEPO_MODEL_CACHE": str(model_cache), "OMP_NUM_THREADS": "1",
+                "COLUMNS": "100"})
+    env.pop("DO_NOT_TRACK", None)
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "train", "-c", TINY, "--runs-dir", str(tmp_path / "runs"),
+                           *sets("train.steps=1", "tracking.log_model=true", "tracking.system_metrics=true", *FAST)],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    noise = [n for n in NOISE if n in proc.stderr + proc.stdout]
+    assert not noise, f"{noise} in:\n{proc.stderr[-3000:]}"
+    assert "evaluations (1 RL steps)" in proc.stdout
+    too_wide = [line for line in proc.stdout.splitlines() if len(line) > 100]
+    assert not too_wide, too_wide
+    numbers = [line for line in proc.stdout.splitlines() if "synthetic_test" in line]
+    assert numbers and all("–" in line or "." in line for line in numbers)  # the table rows are whole, not folded
+
+
+def test_verbose_leaves_the_libraries_at_their_own_levels() -> None:
+    quiet, verbose = quiet_environment(0), quiet_environment(1)
+    assert QUIET_ENV.items() <= quiet.items()
+    assert not set(QUIET_ENV) & set(verbose) and "DS_ACCELERATOR" not in verbose
+    assert verbose["DO_NOT_TRACK"] == "1"  # telemetry stays off either way
+
+
+def test_version() -> None:
+    from importlib.metadata import version
+
+    result = invoke("--version")
+    assert result.exit_code == 0 and result.stdout.strip() == f"aepo {version('aepo')}"
+
+
+def test_config_show_describe_comments_every_field_and_still_loads() -> None:
+    from aepo_core.config import ExperimentConfig
+
+    plain, described = invoke("config", "show", "-c", TINY), invoke("config", "show", "-c", TINY, "--describe")
+    assert plain.exit_code == described.exit_code == 0
+    assert yaml.safe_load(described.stdout) == yaml.safe_load(plain.stdout)
+    lines = described.stdout.splitlines()
+    described_keys = sum(1 for a, b in zip(lines, lines[1:], strict=False)
+                         if a.lstrip().startswith("#") and not b.lstrip().startswith("#"))
+    assert described_keys >= len(ExperimentConfig.model_fields)
+    desc = ExperimentConfig.model_fields["seed"].description
+    assert f"# {desc.split()[0]}" in described.stdout
+
+
+def test_sweep_dry_run_lists_the_selected_cells_with_the_overrides_and_creates_nothing(tmp_path: Path) -> None:
+    from flows.sweep_spec import load_sweep
+
+    cells = list(load_sweep(SWEEP).cells)
+    assert len(cells) >= 2
+    runs = tmp_path / "runs"
+    result = invoke("sweep", "-c", SWEEP, "--runs-dir", str(runs), "--dry-run", "--cells", cells[-1],
+                    "--set", "train.steps=7")
+    assert result.exit_code == 0, result.stderr
+    assert f"-{cells[-1]}-s" in result.stdout and f"-{cells[0]}-s" not in result.stdout
+    assert "train.steps=7" in result.stdout and "nothing started" in result.stdout
+    assert not runs.exists()
+    spec = load_sweep(SWEEP, ["train.steps=7"], [cells[-1]])
+    assert {r.cell for r in spec.runs} == {cells[-1]} and all(r.config.train.steps == 7 for r in spec.runs)
+    bad = invoke("sweep", "-c", SWEEP, "--dry-run", "--cells", "no-such-cell")
+    assert bad.exit_code == 2 and "no-such-cell" in bad.stderr and cells[0] in bad.stderr
+
+
+def test_eval_without_checkpoint_evaluates_the_configured_model(prefect_harness: Any, tmp_path: Path) -> None:
+    import flows.evaluate  # noqa: F401  (Prefect's console handler binds to pytest's stderr, see test_cli)
+
+    result = invoke("eval", "-c", TINY, "--runs-dir", str(tmp_path / "runs"), *sets(*FAST))
+    assert result.exit_code == 0, result.stderr
+    assert "synthetic_test" in result.stdout and "(step 0)" in result.stdout
