@@ -2,7 +2,8 @@
 
 Each RL step: rollout → score → update → store → track, with a checkpoint every ``checkpoint.every`` steps and
 an evaluation every ``eval.every`` steps.  Killing the flow and re-running it with ``resume=True`` continues
-from the last complete checkpoint, in the same MLflow run, with the same data order and rollout seeds.
+from the last complete checkpoint (from step 0 when none committed), in the same MLflow run, with the same data
+order and rollout seeds; a step's metrics are logged once, its trajectory parts replaced.
 """
 
 from __future__ import annotations

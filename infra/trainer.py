@@ -88,8 +88,10 @@ def latest_point(checkpoints: str | os.PathLike[str] | CheckpointStore, cfg: Exp
     root (``s3://…``) is read through a verified local copy (``ResumePoint.path``)."""
     store = _store(checkpoints)
     path = store.latest()
-    if path is None:
-        return None
+    return _checked_point(path, store, cfg, force) if path is not None else None
+
+
+def _checked_point(path: Path, store: CheckpointStore, cfg: ExperimentConfig, force: bool) -> ResumePoint:
     state = read_checkpoint_state(path)
     check_compatible(state, cfg, force=force)
     return ResumePoint(state.run_id or "", state.step, path, store.uri)
@@ -98,9 +100,13 @@ def latest_point(checkpoints: str | os.PathLike[str] | CheckpointStore, cfg: Exp
 def _unkeyed_point(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], name: str, run_id: str,
                    force: bool) -> ResumePoint | None:
     """A checkpoint of the layout before run ids (``<root>/<run name>/step-NNNNNN``) if it is this run's: a run
-    started before the change resumes from it (and saves under its run id from then on) instead of from step 0."""
-    point = latest_point(open_checkpoints(cfg, runs_dir, checkpoint_root(cfg, runs_dir, name)), cfg, force)
-    return point if point is not None and point.run_id == run_id else None
+    started before the change resumes from it (and saves under its run id from then on) instead of from step 0.
+    Another run's is none of this run's business (not even its compatibility)."""
+    store = open_checkpoints(cfg, runs_dir, checkpoint_root(cfg, runs_dir, name))
+    path = store.latest()
+    if path is None or read_checkpoint_state(path).run_id != run_id:
+        return None
+    return _checked_point(path, store, cfg, force)
 
 
 def find_resume_point(tracker: Tracker, cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], name: str,
