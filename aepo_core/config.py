@@ -541,8 +541,8 @@ class CheckpointConfig(Section):
     every: int = Field(10, ge=1, description="Save a checkpoint every N RL steps (and at the end).")
     keep: int = Field(3, ge=1, description="Newest checkpoints kept; older ones are deleted.")
     dir: str | None = Field(
-        None, description="This run's checkpoint folder (local or s3://bucket/prefix). Default: "
-        "<storage.checkpoints_uri or runs_dir/checkpoints>/<run name>.",
+        None, description="This run name's checkpoint folder (local or s3://bucket/prefix), one subfolder per MLflow "
+        "run id under it. Default: <storage.checkpoints_uri or runs_dir/checkpoints>/<run name>.",
     )
 
 
@@ -676,9 +676,9 @@ class StorageConfig(Section):
     )
     trajectories_uri: str | None = Field(None, description="Default: <runs_dir>/trajectories; s3://bucket/prefix ok.")
     checkpoints_uri: str | None = Field(
-        None, description="Root of the checkpoints, one folder per run name under it (checkpoint.dir, when set, "
-        "wins). Default: <runs_dir>/checkpoints; s3://bucket/prefix ok: committed by uploading manifest.json last, "
-        "read back through a verified local copy under <runs_dir>/cache/checkpoints.",
+        None, description="Root of the checkpoints, <root>/<run name>/<MLflow run id>/ (checkpoint.dir, when set, "
+        "replaces <root>/<run name>). Default: <runs_dir>/checkpoints; s3://bucket/prefix ok: committed by uploading "
+        "manifest.json last, read back through a verified local copy under <runs_dir>/cache/checkpoints.",
     )
     evaluations_uri: str | None = Field(
         None, description="Root of the per-question evaluation Parquet of `aepo eval`, <root>/<eval run name>/"

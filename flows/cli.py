@@ -6,7 +6,8 @@ All state lives under one runs directory (``--runs-dir``, else ``$AEPO_RUNS_DIR`
     runs/mlflow.db  runs/mlartifacts/   MLflow tracking store and artifacts
     runs/prefect/                       PREFECT_HOME (the ephemeral API's SQLite database, results, profiles)
     runs/trajectories/                  Parquet trajectory store (trajectories/ and nodes/ tables)
-    runs/checkpoints/<run name>/        checkpoints (storage.checkpoints_uri: elsewhere, s3:// too)
+    runs/checkpoints/<run name>/<run id>/   checkpoints, one folder per MLflow run (storage.checkpoints_uri:
+                                        elsewhere, s3:// too)
     runs/eval/<run name>/<dataset>.parquet   per-question evaluation results (storage.evaluations_uri: elsewhere)
     runs/cache/checkpoints/             verified local copies of remote checkpoints, staging of remote saves
     runs/sweeps/<sweep name>/           sweep comparison tables and plot
@@ -203,21 +204,37 @@ def load_checked_config(path: Path | None, sets: Sequence[str] | None, training:
     return cfg
 
 
-def check_storage(cfg: ExperimentConfig, runs: Path, run_name: str, resume: bool = False) -> None:
-    """Every remote store the run writes (``s3://`` trajectories, checkpoints) must be reachable, and a ``--resume``
-    from a remote checkpoint root must find a committed checkpoint there: exits 2 naming the location."""
+def check_storage(cfg: ExperimentConfig, runs: Path, run_name: str) -> None:
+    """Every remote store the run writes (``s3://`` trajectories, checkpoints) must be reachable: exits 2 naming the
+    location."""
     from infra.fs import StorageError, probe, storage_options
-    from infra.runtime import checkpoint_store
+    from infra.runtime import checkpoint_root
 
-    checkpoints = checkpoint_store(cfg, runs, run_name)
     try:
-        for uri in (cfg.storage.trajectories_uri, checkpoints.uri):
+        for uri in (cfg.storage.trajectories_uri, checkpoint_root(cfg, runs, run_name)):
             if uri:
                 probe(uri, storage_options(cfg.storage, uri))
-        if resume and checkpoints.remote and not checkpoints.steps():
-            fail(f"--resume: {checkpoints.uri} holds no complete checkpoint (nothing to resume from)")
     except StorageError as exc:
         fail(str(exc))
+
+
+def check_resume(cfg: ExperimentConfig, runs: Path, run_name: str) -> None:
+    """``--resume`` needs a run of that name in the tracking store (then it continues that run, from its newest
+    complete checkpoint or, without one, from step 0): exits 2 when there is none, local and remote checkpoints
+    alike, before anything is created. Rank 0 alone asks (the others follow its choice)."""
+    from infra.ranks import Ranks
+    from infra.tracking import Tracker, resolve_tracking
+    from infra.trainer import NothingToResumeError, nothing_to_resume, run_to_resume
+
+    if not Ranks.current().is_main:
+        return
+    uri, _ = resolve_tracking(cfg, runs)
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        fail(f"--resume: {nothing_to_resume(run_name, cfg.tracking.experiment, uri)}")  # not even a store yet
+    try:
+        run_to_resume(Tracker.from_config(cfg, runs), cfg, run_name)
+    except NothingToResumeError as exc:
+        fail(f"--resume: {exc}")
 
 
 def _with_runs_dir(cfg: ExperimentConfig, runs: Path) -> ExperimentConfig:
@@ -393,7 +410,10 @@ def _tracking_uri(runs: Path, tracking_uri: str | None, required: bool = True) -
 def train(
     config: ConfigOpt,
     set_: SetOpt = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's last checkpoint.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help=(
+        "Continue the newest MLflow run of this name (of those with this model and algorithm: else the newest) in "
+        "the same run, from its last complete checkpoint, or from step 0 when it has none. No run of this name: "
+        "exits 2, nothing started."))] = False,
     runs_dir: RunsOpt = None,
     run_name: Annotated[str | None, typer.Option("--run-name", help="Run name (default: the config's).")] = None,
     force_resume: Annotated[bool, typer.Option("--force-resume", help="Resume despite config changes.")] = False,
@@ -407,7 +427,9 @@ def train(
     check_tracking_server(cfg.tracking.tracking_uri)
     runs = resolve_runs_dir(runs_dir, cfg)
     cfg = _with_runs_dir(cfg, runs)
-    check_storage(cfg, runs, run_name or cfg.tracking.run_name or cfg.name, resume=resume)
+    check_storage(cfg, runs, run_name or cfg.tracking.run_name or cfg.name)
+    if resume:
+        check_resume(cfg, runs, run_name or cfg.tracking.run_name or cfg.name)
     from infra.ranks import Ranks
 
     prepare_environment(runs, rank=Ranks.current().rank)

@@ -125,20 +125,27 @@ def eval_storage(config: ExperimentConfig | dict[str, Any] | str | None, overrid
 
 def resolve_checkpoint(path: str | os.PathLike[str] | None, storage: StorageConfig | None = None,
                        runs_dir: str | os.PathLike[str] | None = None) -> Path | None:
-    """A checkpoint directory (``step-NNNNNN``) or a run's checkpoint root (its newest complete checkpoint), local
-    or remote (``s3://…``, read through a verified copy under ``<runs_dir>/cache/checkpoints``): a local directory."""
+    """A checkpoint directory (``step-NNNNNN``), a run's checkpoint folder or a run name's holding one run (its
+    newest complete checkpoint), local or remote (``s3://…``, read through a verified copy under
+    ``<runs_dir>/cache/checkpoints``): a local directory."""
     return find_checkpoint(path, storage, runs_dir) if path is not None else None
 
 
 def checkpoint_source(location: str | None, local: Path | None) -> str | None:
     """What an evaluation records as its checkpoint: the local directory, or for a remote location the remote
-    checkpoint itself (``…/step-NNNNNN``, also when ``location`` named its run's root)."""
+    checkpoint itself (``…/step-NNNNNN``, also when ``location`` named its run's folder or its run name's). The
+    verified copy mirrors the remote path (``…/<run id>/step-NNNNNN``), so its last two names complete ``location``."""
     if location is None or local is None:
         return None
     if not is_remote(location):
         return str(local)
     text = location.rstrip("/")
-    return text if text.rsplit("/", 1)[-1] == local.name else f"{text}/{local.name}"
+    last = text.rsplit("/", 1)[-1]
+    if last == local.name:
+        return text
+    if last == local.parent.name:  # one run's folder
+        return f"{text}/{local.name}"
+    return f"{text}/{local.parent.name}/{local.name}"  # a run name's folder: its one run's
 
 
 def read_question_results(path: str | os.PathLike[str], storage: StorageConfig | None = None

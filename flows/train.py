@@ -2,7 +2,8 @@
 
 Each RL step: rollout → score → update → store → track, with a checkpoint every ``checkpoint.every`` steps and
 an evaluation every ``eval.every`` steps.  Killing the flow and re-running it with ``resume=True`` continues
-from the last complete checkpoint, in the same MLflow run, with the same data order and rollout seeds.
+from the last complete checkpoint (from step 0 when none committed), in the same MLflow run, with the same data
+order and rollout seeds; a step's metrics are logged once, its trajectory parts replaced.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,10 +29,17 @@ from flows.common import check_eval_datasets, flow_run_id, resolve_config
 from infra.evaluation import EvalReport
 from infra.plots import curves_figure, rollout_tree_figure
 from infra.ranks import Ranks
-from infra.runtime import PolicyRuntime, build_runtime, checkpoint_store
+from infra.runtime import (
+    CheckpointError,
+    CheckpointStore,
+    PolicyRuntime,
+    build_runtime,
+    checkpoint_store,
+    open_checkpoints,
+)
 from infra.store import TrajectoryStore
 from infra.tracking import RankTracker, Tracker
-from infra.trainer import Trainer, find_resume_point
+from infra.trainer import ResumePoint, Trainer, find_resume_point
 from tasks.data import prepare_data, source_fingerprint
 from tasks.progress import Progress, report
 from tasks.rl import checkpoint, evaluate, rollout, score, sft, store, update
@@ -107,27 +116,31 @@ def train(
     runs.mkdir(parents=True, exist_ok=True)
     cfg.check_trainable()
     name = run_name or cfg.tracking.run_name or cfg.name
-    checkpoints = checkpoint_store(cfg, runs, name)
     rows = prepare_data(cfg.data.train, cfg.data, source_fingerprint(cfg.data.train, cfg.data.data_root))
-    point = find_resume_point(checkpoints, cfg, force=force_resume) if resume else None
+    ranks = Ranks.current()  # the launcher's (the process group itself starts with the DeepSpeed backend)
+    tracker: Tracker | RankTracker = Tracker.from_config(cfg, runs) if ranks.is_main else RankTracker(ranks.rank)
+    # Rank 0 picks the run to continue from MLflow before the model loads: a wrong name or config fails fast.
+    point = (find_resume_point(tracker, cfg, runs, name, force=force_resume)
+             if resume and isinstance(tracker, Tracker) else None)
     runtime = build_runtime(cfg, runs, name)
     with runtime:  # stops a managed vLLM server however the flow ends
         check_eval_datasets(runtime)
         trajectories = (TrajectoryStore.from_config(cfg.storage) if cfg.storage.trajectories_uri
                         else TrajectoryStore(runs / "trajectories"))
-        ranks = Ranks.current()  # the launcher's (the process group itself starts with the DeepSpeed backend)
-        tracker: Tracker | RankTracker = Tracker.from_config(cfg, runs) if ranks.is_main else RankTracker(ranks.rank)
         run_id = tracker.start(cfg, run_name=name, resume_run_id=point.run_id if point else None,
                                parent_run_id=parent_run_id, flow_run_id=flow_run_id(),
                                tags={"runs_dir": str(runs), "clip_active": str(cfg.clip_active()).lower(),
                                      **(tags or {})})
+        checkpoints = checkpoint_store(cfg, runs, name, run_id)
         with tracker:
             tracker.log_config(cfg)
             trainer = Trainer(runtime, rows, checkpoint_dir=checkpoints, run_id=run_id)
-            if point is not None:
-                trainer.resume(point, force=force_resume)
+            if resume:
+                point = _restore(trainer, point, trajectories, functools.partial(open_checkpoints, cfg, runs),
+                                 force_resume)
             evals = _Evaluations(runtime, tracker, cfg.train.eval_timeout_s)
-            _train_loop(trainer, name, tracker, trajectories, evals, resumed=point is not None, logger=logger)
+            _train_loop(trainer, name, tracker, trajectories, evals, resumed=point is not None and point.step > 0,
+                        logger=logger)
             comparisons = _paired_vs_earlier(evals.per_question, cfg)
             if ranks.is_main:
                 for cmp_name, by_ds in comparisons.items():
@@ -142,6 +155,24 @@ def train(
                          str(trajectories.uri), evals.summaries, comparisons)
     create_markdown_artifact(key=None, markdown=summary_markdown(result, cfg), description=f"summary of {name}")
     return result
+
+
+def _restore(trainer: Trainer, point: ResumePoint | None, trajectories: TrajectoryStore,
+             checkpoints_at: Callable[[str], CheckpointStore], force: bool) -> ResumePoint:
+    """Rank 0's resume point (its ``point``; None on the others) made every rank's: the run's trajectory parts past
+    the point are deleted (those steps run again), and every rank reads the checkpoint itself (a remote one through
+    its own verified copy from ``checkpoints_at`` the point's store). Step 0: the run starts over, same run id."""
+    shared: ResumePoint | None = trainer.ranks.broadcast(point)  # a collective: every rank calls it
+    if shared is None:
+        raise CheckpointError("resume: rank 0 found no run to resume")
+    if trainer.ranks.is_main:
+        trajectories.delete_steps_after(shared.run_id, shared.step)
+    if shared.step == 0:
+        return shared
+    path = shared.path if trainer.ranks.is_main else None
+    path = path or checkpoints_at(shared.where).fetch(shared.step)
+    trainer.resume(path, force=force)
+    return shared
 
 
 def _sample_round(trainer: Trainer, step: int, rounds: list[RolloutResult], attempt: int

@@ -54,7 +54,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["CheckpointError", "CheckpointStore", "PolicyRuntime", "StorageError", "build_runtime", "checkpoint_config",
-           "checkpoint_store", "find_checkpoint", "seed_everything"]
+           "checkpoint_root", "checkpoint_store", "find_checkpoint", "open_checkpoints",
+           "seed_everything"]
 
 
 GENERATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -190,15 +191,27 @@ def _checkpoint_cache(runs_dir: str | os.PathLike[str] | None) -> Path | None:
     return Path(runs_dir) / (CHECKPOINT_CACHE if rank == 0 else Path(f"{CHECKPOINT_CACHE}-rank{rank}"))
 
 
-def checkpoint_store(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], run_name: str) -> CheckpointStore:
-    """The run's checkpoints: ``checkpoint.dir``, else ``<storage.checkpoints_uri>/<run name>``, else
-    ``<runs_dir>/checkpoints/<run name>``; local or remote (``s3://``, the endpoint of ``storage.s3_endpoint_url``)."""
+def checkpoint_root(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], run_name: str) -> str:
+    """The folder of a run name's checkpoints: ``checkpoint.dir``, else ``<storage.checkpoints_uri>/<run name>``, else
+    ``<runs_dir>/checkpoints/<run name>``; local or remote (``s3://``). One subfolder per MLflow run id under it."""
     if cfg.checkpoint.dir:
-        location = cfg.checkpoint.dir
-    elif cfg.storage.checkpoints_uri:
-        location = f"{cfg.storage.checkpoints_uri.rstrip('/')}/{run_name}"
-    else:
-        location = str(Path(runs_dir) / "checkpoints" / run_name)
+        return cfg.checkpoint.dir
+    if cfg.storage.checkpoints_uri:
+        return f"{cfg.storage.checkpoints_uri.rstrip('/')}/{run_name}"
+    return str(Path(runs_dir) / "checkpoints" / run_name)
+
+
+def checkpoint_store(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], run_name: str,
+                     run_id: str) -> CheckpointStore:
+    """One run's checkpoints: ``<checkpoint_root>/<MLflow run id>``. Keyed by the id, not the name (a label that the
+    common "same config, ``--set algorithm.loss=…``" pattern shares between runs), so that a new run never replaces
+    another run's checkpoints. The endpoint of an ``s3://`` root comes from ``storage.s3_endpoint_url``."""
+    return open_checkpoints(cfg, runs_dir, f"{checkpoint_root(cfg, runs_dir, run_name).rstrip('/')}/{run_id}")
+
+
+def open_checkpoints(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], location: str) -> CheckpointStore:
+    """The checkpoints at ``location``, local or remote (the endpoint of ``storage.s3_endpoint_url``; verified copies
+    under ``<runs_dir>/cache/checkpoints``)."""
     return CheckpointStore(location, storage_options(cfg.storage, location), cache_dir=_checkpoint_cache(runs_dir))
 
 

@@ -472,6 +472,28 @@ class TrajectoryStore:
         return [p for p in self.fs.glob(f"{root}/run_id={run_glob}/step=*/{PART_NAME}")
                 if p.rsplit("/step=", 1)[1].split("/", 1)[0].isdigit()]
 
+    def delete_steps_after(self, run_id: str, step: int) -> list[int]:
+        """Remove a run's parts of the steps after ``step`` (both tables; trajectories first, so a crash midway
+        leaves at worst an orphan nodes part, never a step that looks complete); returns the steps removed.
+
+        A resume from the checkpoint of ``step`` repeats the later steps: their parts from before the kill would
+        otherwise stay next to (or, should the resumed run stop earlier, instead of) the repeated ones."""
+        check_run_id(run_id)
+        removed = set()
+        for table in ("trajectories", "nodes"):
+            run_root = f"{self.table_root(table)}/run_id={run_id}"
+            if not self.local:
+                self.fs.invalidate_cache(run_root)
+            for path in self.fs.glob(f"{run_root}/step=*"):
+                name = path.rstrip("/").rsplit("/step=", 1)[1]
+                if name.isdigit() and int(name) > step:
+                    self.fs.rm(path, recursive=True)
+                    removed.add(int(name))
+        if removed:
+            log.info("deleted run %s steps %s from %s (after step %d, which a resume repeats)", run_id,
+                     sorted(removed), self.uri, step)
+        return sorted(removed)
+
     def delete_run(self, run_id: str) -> None:
         """Remove every part of a run (both tables)."""
         for table in TABLES:

@@ -27,6 +27,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +69,15 @@ _model_lock = threading.Lock()  # guards the process-global tracking URI during 
 
 class TrackingError(RuntimeError):
     """A tracking problem the caller can act on (unknown run to resume, tracker not started, bad status)."""
+
+
+@dataclass(frozen=True)
+class NamedRun:
+    """A run found by its name: its id, status and the params it started with (the config, flattened)."""
+
+    run_id: str
+    status: str
+    params: Mapping[str, str]
 
 
 def tracking_uri_for(runs_dir: str | os.PathLike[str]) -> str:
@@ -192,6 +202,7 @@ class Tracker:
         self._experiment_id: str | None = None
         self._monitor: Any = None
         self._renamed_keys: set[str] = set()
+        self._logged_before: frozenset[tuple[str, int]] = frozenset()
 
     @classmethod
     def from_config(cls, cfg: ExperimentConfig, runs_dir: str | os.PathLike[str] | None = None,
@@ -289,9 +300,26 @@ class Tracker:
         tags[TAG_RESUMES] = str(int(run.data.tags.get(TAG_RESUMES, "0")) + 1)
         self._log_params(run_id, {k: v for k, v in new.items() if k not in old})
         self._set_tags(run_id, tags)
+        self._logged_before = self._logged_steps(run_id)
         self.client.update_run(run_id, status="RUNNING")
         log.info("MLflow run %s resumed (resume #%s)", run_id, tags[TAG_RESUMES])
         return run_id
+
+    def _logged_steps(self, run_id: str) -> frozenset[tuple[str, int]]:
+        """Every (metric key, step) the run already has: a resumed run repeats the steps after its checkpoint (or all
+        of them, without one), and MLflow can neither replace nor delete a logged point, only add a second one."""
+        keys = self.client.get_run(run_id).data.metrics
+        return frozenset((key, m.step) for key in keys for m in self.client.get_metric_history(run_id, key))
+
+    def runs_named(self, name: str) -> list[NamedRun]:
+        """The experiment's (not deleted) runs called ``name``, newest first."""
+        exp = self.client.get_experiment_by_name(self.experiment)
+        if exp is None:
+            return []
+        quoted = name.replace("'", "\\'")
+        found = self.client.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{quoted}'",
+                                        run_view_type=ViewType.ACTIVE_ONLY, order_by=["attributes.start_time DESC"])
+        return [NamedRun(r.info.run_id, r.info.status, dict(r.data.params)) for r in found]
 
     def _standard_tags(self, cfg: ExperimentConfig, flow_run_id: str | None) -> dict[str, str]:
         tags = {TAG_ALGORITHM: cfg.algorithm.loss, TAG_MODE: cfg.rollout.mode, TAG_SEED: str(cfg.seed),
@@ -376,6 +404,8 @@ class Tracker:
                 log.debug("metric %s at step %d is %s; skipped", name, step, x)
                 continue
             key = metric_key(name)
+            if (key, int(step)) in self._logged_before:  # logged before the resume: a step's metrics go in once
+                continue
             if key != name and name not in self._renamed_keys:
                 self._renamed_keys.add(name)
                 log.info("metric %r is logged as %r (MLflow name rules)", name, key)

@@ -71,6 +71,7 @@ class CheckpointStore:
     def __init__(self, uri: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None,
                  cache_dir: str | os.PathLike[str] | None = None) -> None:
         self.remote = is_remote(uri)
+        self.storage_options = storage_options
         self.cache_dir = Path(cache_dir) if cache_dir is not None else Path(tempfile.gettempdir()) / "aepo-checkpoints"
         if self.remote:
             self.fs, self.root = open_fs(uri, storage_options)
@@ -169,6 +170,21 @@ class CheckpointStore:
             self.fs.invalidate_cache(self.root)
             found = self.fs.glob(f"{self.root}/step-*/{MANIFEST}")
         return sorted(step_of(p.rsplit("/", 1)[0]) for p in found if is_step_name(p.rsplit("/", 2)[-2]))
+
+    def run_folders(self) -> list[str]:
+        """Names of the subfolders holding committed checkpoints: under a run name's root, one per MLflow run id."""
+        if not self.remote:
+            root = Path(self.uri)
+            return sorted(d.name for d in root.iterdir() if d.is_dir() and list_checkpoints(d)) if root.is_dir() else []
+        with storage_errors(self.uri, "cannot list checkpoints under"):
+            self.fs.invalidate_cache(self.root)
+            found = self.fs.glob(f"{self.root}/*/step-*/{MANIFEST}")
+        return sorted({p.rsplit("/", 3)[-3] for p in found if is_step_name(p.rsplit("/", 2)[-2])})
+
+    def child(self, name: str) -> CheckpointStore:
+        """The store of the subfolder ``name`` (a run id under a run name's root), same options and cache."""
+        location = f"{self.uri.rstrip('/')}/{name}"
+        return CheckpointStore(location, self.storage_options, self.cache_dir)
 
     def _all_steps(self) -> list[int]:
         """Steps of every ``step-*`` prefix, committed or not."""
@@ -280,9 +296,10 @@ class CheckpointStore:
 
 def open_checkpoint(location: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None,
                     cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """A checkpoint as a verified local directory: ``location`` is one checkpoint (``…/step-NNNNNN``) or a run's
-    checkpoint root (its newest complete checkpoint), local or remote. Raises :class:`CheckpointError` (or
-    :class:`~infra.fs.StorageError` for an unreachable store) naming ``location``."""
+    """A checkpoint as a verified local directory: ``location`` is one checkpoint (``…/step-NNNNNN``), one run's
+    checkpoint folder (its newest complete checkpoint), or a run name's folder holding exactly one run's (that run's
+    newest), local or remote. Raises :class:`CheckpointError` (or :class:`~infra.fs.StorageError` for an unreachable
+    store) naming ``location``."""
     text = str(location).rstrip("/")
     if not is_remote(text):
         p = Path(text).expanduser()
@@ -290,15 +307,24 @@ def open_checkpoint(location: str | os.PathLike[str], storage_options: Mapping[s
             raise CheckpointError(f"checkpoint {p} does not exist")
         if (p / MANIFEST).is_file():
             return p
-        latest = latest_checkpoint(p)
-        if latest is None:
-            raise CheckpointError(f"{p} is neither a checkpoint nor a directory holding complete checkpoints")
-        return latest
+        return _newest(CheckpointStore(p, storage_options, cache_dir))
     parent, _, name = text.rpartition("/")
     if is_step_name(name) and "://" in parent:
         return CheckpointStore(parent, storage_options, cache_dir).fetch(step_of(name))
-    store = CheckpointStore(text, storage_options, cache_dir)
+    return _newest(CheckpointStore(text, storage_options, cache_dir))
+
+
+def _newest(store: CheckpointStore) -> Path:
+    """The newest complete checkpoint of ``store`` or, when it is a run name's folder, of its only run's; a name that
+    several runs share is ambiguous (which run is meant is not the newest file's business): name the run's folder."""
     latest = store.latest()
+    if latest is not None:
+        return latest
+    runs = store.run_folders()
+    if len(runs) > 1:
+        raise CheckpointError(f"{store.uri} holds the checkpoints of {len(runs)} runs ({', '.join(runs)}): pass one "
+                              f"run's folder, {store.uri.rstrip('/')}/<run id>")
+    latest = store.child(runs[0]).latest() if runs else None
     if latest is None:
         raise CheckpointError(f"{store.uri} holds no complete checkpoint")
     return latest

@@ -58,13 +58,14 @@ def test_train_leaves_mlflow_run_parquet_and_checkpoint(trained: tuple[Any, Path
     store = TrajectoryStore(runs / "trajectories")
     assert store.steps(run["run_id"]) == [1]
     assert (runs / "trajectories" / "nodes" / f"run_id={run['run_id']}" / "step=1" / "part-00000.parquet").is_file()
-    assert (runs / "checkpoints" / "tiny" / "step-000001" / "manifest.json").is_file()
+    assert (runs / "checkpoints" / "tiny" / run["run_id"] / "step-000001" / "manifest.json").is_file()
     out = result.stdout
     assert "evaluations (1 RL steps)" in out and "synthetic_test" in out and "95% CI" in out
     stages = [line.split()[0] for line in out.splitlines() if line.split()[1:2] == ["synthetic_test"]]
     assert stages == ["start", "final"], out
     assert "final minus start on synthetic_test: pass@1" in out and "(paired over 2 questions)" in out
-    assert run["run_id"] in out and str(runs / "checkpoints" / "tiny") in out and "aepo ui --runs-dir" in out
+    assert run["run_id"] in out and "aepo ui --runs-dir" in out
+    assert str(runs / "checkpoints" / "tiny" / run["run_id"]) in out
 
 
 @pytest.mark.parametrize(("override", "needle"), [

@@ -42,8 +42,8 @@ def _reward_of_the_text(response_text: str, golds: Any, tool_names: Any = (), *,
     return RewardResult(zlib.crc32(response_text.encode()) % 1000 / 1000, "crc32 of the text")
 
 
-def _weights(endpoint: str, cache: Path, run: str, step: int) -> dict[str, Any]:
-    store = CheckpointStore(f"s3://aepo/ckpt/{run}", {"client_kwargs": {"endpoint_url": endpoint}}, cache_dir=cache)
+def _weights(endpoint: str, cache: Path, checkpoints: str, step: int) -> dict[str, Any]:
+    store = CheckpointStore(checkpoints, {"client_kwargs": {"endpoint_url": endpoint}}, cache_dir=cache)
     return load_file(str(store.fetch(step) / "model.safetensors"))
 
 
@@ -63,7 +63,7 @@ def test_resume_from_s3_on_a_worker_without_the_disk_is_bit_identical(
     monkeypatch.setattr("flows.train._Evaluations.run", lambda self, label, step: None)  # not what is tested here
     cfg = load_config(TINY, _overrides(moto_s3, tmp_path / "tracking" / "mlflow.db"))
     straight = train(config=cfg, runs_dir=str(tmp_path / "straight"), run_name="straight")
-    assert straight.checkpoint_dir == "s3://aepo/ckpt/straight" and straight.steps == STEPS
+    assert straight.checkpoint_dir == f"s3://aepo/ckpt/straight/{straight.run_id}" and straight.steps == STEPS
 
     # The second worker dies as the last step starts, after the previous step's checkpoint was committed.
     real_next_batch = Trainer.next_batch
@@ -76,19 +76,23 @@ def test_resume_from_s3_on_a_worker_without_the_disk_is_bit_identical(
     with monkeypatch.context() as patched, pytest.raises(RuntimeError, match="worker lost"):
         patched.setattr(Trainer, "next_batch", dies_in_last_step)
         train(config=cfg, runs_dir=str(tmp_path / "first-worker"), run_name="resumed")
-    assert CheckpointStore("s3://aepo/ckpt/resumed", {"client_kwargs": {"endpoint_url": moto_s3}}).steps() == [
-        STEPS - 1]
+    by_name = CheckpointStore("s3://aepo/ckpt/resumed", {"client_kwargs": {"endpoint_url": moto_s3}})
+    (killed_run,) = by_name.run_folders()  # checkpoints are keyed by MLflow run id under the run name
+    assert by_name.child(killed_run).steps() == [STEPS - 1]
 
     # A third worker: a fresh runs dir, nothing of the others' disks.
     fresh = tmp_path / "second-worker"
     resumed = train(config=cfg, runs_dir=str(fresh), run_name="resumed", resume=True)
-    assert resumed.steps == STEPS and resumed.checkpoint_dir == "s3://aepo/ckpt/resumed"
+    assert resumed.steps == STEPS and resumed.run_id == killed_run
+    assert resumed.checkpoint_dir == f"s3://aepo/ckpt/resumed/{killed_run}"
     assert not (fresh / "checkpoints").exists() and not (fresh / "trajectories").exists()
-    assert (fresh / "cache" / "checkpoints" / "s3" / "aepo" / "ckpt" / "resumed" / f"step-{STEPS - 1:06d}").is_dir()
+    assert (fresh / "cache" / "checkpoints" / "s3" / "aepo" / "ckpt" / "resumed" / killed_run /
+            f"step-{STEPS - 1:06d}").is_dir()
 
     cache = tmp_path / "reader"
-    before, a, b = (_weights(moto_s3, cache, "straight", STEPS - 1), _weights(moto_s3, cache, "straight", STEPS),
-                    _weights(moto_s3, cache, "resumed", STEPS))
+    before, a, b = (_weights(moto_s3, cache, straight.checkpoint_dir, STEPS - 1),
+                    _weights(moto_s3, cache, straight.checkpoint_dir, STEPS),
+                    _weights(moto_s3, cache, resumed.checkpoint_dir, STEPS))
     assert any((a[k] != before[k]).any() for k in a), "the last step did not change the weights"
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), "resumed weights differ from straight"
     # The sampler's RNG came back too: the resumed step drew the very same responses (trajectories on S3).
@@ -96,7 +100,8 @@ def test_resume_from_s3_on_a_worker_without_the_disk_is_bit_identical(
     assert store.steps(resumed.run_id) == list(range(1, STEPS + 1))
     assert _responses(store, resumed.run_id, STEPS) == _responses(store, straight.run_id, STEPS)
 
-    # aepo eval of the S3 checkpoint root (its newest), the Parquet to S3, on yet another runs dir.
+    # aepo eval of the run name's S3 folder (its one run's newest checkpoint), the Parquet to S3, on yet another
+    # runs dir.
     evals = tmp_path / "eval-worker"
     result = CliRunner().invoke(app, ["eval", "--checkpoint", "s3://aepo/ckpt/resumed", "--runs-dir", str(evals),
                                       "--set", f"storage.s3_endpoint_url={moto_s3}",
@@ -105,7 +110,7 @@ def test_resume_from_s3_on_a_worker_without_the_disk_is_bit_identical(
     assert result.exit_code == 0, result.output
     fs = store.fs
     table = pq.read_table("aepo/eval/ev/synthetic_test.parquet", filesystem=fs)
-    assert table.num_rows == 1 and table["checkpoint"][0].as_py() == f"s3://aepo/ckpt/resumed/step-{STEPS:06d}"
+    assert table.num_rows == 1 and table["checkpoint"][0].as_py() == f"{resumed.checkpoint_dir}/step-{STEPS:06d}"
     assert table["checkpoint_step"][0].as_py() == STEPS
 
 
@@ -116,8 +121,8 @@ def test_bad_s3_locations_exit_2_naming_them(s3_bucket: str, moto_s3: str, tmp_p
             args += ["--set", item]
         return CliRunner().invoke(app, args, env={"COLUMNS": "250"}, catch_exceptions=False)
 
-    empty = train("storage.checkpoints_uri=s3://aepo/nothing-here")
-    assert empty.exit_code == 2 and "s3://aepo/nothing-here/tiny holds no complete checkpoint" in empty.stderr
+    empty = train("storage.checkpoints_uri=s3://aepo/nothing-here")  # no run of that name: as for a local root
+    assert empty.exit_code == 2 and "nothing to resume: no MLflow run named 'tiny'" in empty.stderr
     assert "Traceback" not in empty.output
     missing = train("storage.checkpoints_uri=s3://no-such-bucket/ckpt")
     assert missing.exit_code == 2 and "s3://no-such-bucket/ckpt/tiny" in missing.stderr

@@ -83,7 +83,8 @@ def test_parquet_store_has_both_tables_per_step(tiny_run):
 
 
 def test_checkpoints_exist(tiny_run):
-    out, _ = tiny_run
+    out, runs = tiny_run
+    assert Path(out.checkpoint_dir) == runs / "checkpoints" / "tiny" / out.run_id  # keyed by run id, not name
     ckpts = sorted(p.name for p in Path(out.checkpoint_dir).iterdir() if p.name.startswith("step-"))
     assert ckpts == ["step-000001", "step-000002"]
     assert (Path(out.checkpoint_dir) / "step-000002" / "model.safetensors").exists()
@@ -166,8 +167,13 @@ def _tail(runs: Path, name: str = "run.log") -> str:
     return path.read_text()[-3000:] if path.exists() else ""
 
 
+def _checkpoints(runs: Path) -> Path:
+    """The run's checkpoint folder: ``checkpoints/<run name>/<MLflow run id>``."""
+    return runs / "checkpoints" / "tiny" / json.loads((runs / "result.json").read_text())["run_id"]
+
+
 def _final_params(runs: Path) -> dict:
-    ckpt = sorted((runs / "checkpoints" / "tiny").glob("step-*"))[-1]
+    ckpt = sorted(_checkpoints(runs).glob("step-*"))[-1]
     return load_file(str(ckpt / "model.safetensors"))
 
 
@@ -198,9 +204,8 @@ def test_kill_after_checkpoint_and_resume_is_bit_identical(tmp_path, model_cache
     procs = [_run(straight, False, 6, model_cache), _run(killed, False, 6, model_cache)]
     p_straight, p_killed = procs
     try:
-        boundary = killed / "checkpoints" / "tiny" / "step-000004"
         deadline = time.time() + 1500
-        while not (boundary / "manifest.json").exists():
+        while not list(killed.glob("checkpoints/tiny/*/step-000004/manifest.json")):
             assert p_killed.poll() is None, _tail(killed)
             assert time.time() < deadline
             time.sleep(0.2)
@@ -215,7 +220,7 @@ def test_kill_after_checkpoint_and_resume_is_bit_identical(tmp_path, model_cache
 
     # The comparison is not vacuous: rewards differed (some gradient), and the weights still moved after the kill.
     assert any(g > 0 for g in _grad_norms(straight)), _grad_norms(straight)
-    at_kill = load_file(str(straight / "checkpoints" / "tiny" / "step-000004" / "model.safetensors"))
+    at_kill = load_file(str(_checkpoints(straight) / "step-000004" / "model.safetensors"))
     a, b = _final_params(straight), _final_params(killed)
     assert any((a[k] != at_kill[k]).any() for k in a), "steps 5-6 did not change the weights"
     assert a.keys() == b.keys()

@@ -162,3 +162,19 @@ def test_bad_locations_name_the_uri(moto_s3: str, s3_bucket: str, tmp_path: Path
     with pytest.raises(CheckpointError, match="s3://aepo/empty holds no complete checkpoint"):
         open_checkpoint("s3://aepo/empty", opts(moto_s3), tmp_path)
     assert store(f"{s3_bucket}/empty", moto_s3, tmp_path).latest() is None
+
+
+def test_open_checkpoint_of_a_run_name_folder_takes_its_one_run(tmp_path: Path, tokenizer: Any) -> None:
+    """Checkpoints live under ``<run name>/<run id>/``: the name's folder opens as its one run's newest checkpoint;
+    a name that several runs share names them instead of guessing."""
+    model = make_model(0)
+    name = tmp_path / "tiny"
+    save(CheckpointStore(name / "run-a"), 1, model, tokenizer)
+    save(CheckpointStore(name / "run-a"), 2, model, tokenizer)
+    assert CheckpointStore(name).run_folders() == ["run-a"] and CheckpointStore(name).steps() == []
+    assert open_checkpoint(name) == name / "run-a" / "step-000002"
+    assert open_checkpoint(name / "run-a" / "step-000001") == name / "run-a" / "step-000001"
+    save(CheckpointStore(name / "run-b"), 1, model, tokenizer)
+    with pytest.raises(CheckpointError, match=r"holds the checkpoints of 2 runs \(run-a, run-b\)"):
+        open_checkpoint(name)
+    assert open_checkpoint(name / "run-b") == name / "run-b" / "step-000001"

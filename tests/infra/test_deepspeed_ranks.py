@@ -136,9 +136,10 @@ def test_aepo_train_on_two_ranks_logs_once_and_resumes(tmp_path):
     assert len(found) == 1, [r.info.run_name for r in found]
     run = found[0]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [1, 2]
-    checkpoints = sorted(p.name for p in (runs / "checkpoints" / "tiny").iterdir())
+    folder = runs / "checkpoints" / "tiny" / run.info.run_id  # keyed by the run id; both ranks resumed from it
+    checkpoints = sorted(p.name for p in folder.iterdir())
     assert checkpoints == ["step-000001", "step-000002"]
-    saved = torch.load(runs / "checkpoints" / "tiny" / "step-000002" / "optimizer.pt", weights_only=True)
+    saved = torch.load(folder / "step-000002" / "optimizer.pt", weights_only=True)
     assert saved["world_size"] == 2 and len(saved["ranks"]) == 2
     parts = sorted(p.relative_to(runs) for p in (runs / "trajectories").rglob("*.parquet"))
     assert {p.parts[2] for p in parts} == {f"run_id={run.info.run_id}"}

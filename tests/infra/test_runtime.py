@@ -8,7 +8,7 @@ import torch
 
 from infra.config_files import load_config
 from infra.runtime import PolicyRuntime, build_runtime
-from infra.trainer import Trainer, find_resume_point
+from infra.trainer import Trainer, latest_point
 from infra.training.sft import run_sft
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,9 +45,9 @@ def test_bf16_generation_copy_is_refreshed_after_sft_update_and_resume(model_cac
 
     for p in runtime.model.parameters():  # scribble over the live weights; resume must bring both back
         torch.nn.init.normal_(p.data)
-    point = find_resume_point(tmp_path / "ckpt", cfg)
-    assert point is not None and point.run_id == "run-1" and point.step == 1
-    assert trainer.resume(point) == 1
+    point = latest_point(tmp_path / "ckpt", cfg)
+    assert point is not None and point.run_id == "run-1" and point.step == 1 and point.path is not None
+    assert trainer.resume(point.path) == 1
     assert _copy_matches(runtime)
 
 

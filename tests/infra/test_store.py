@@ -157,6 +157,18 @@ def test_rewriting_a_step_replaces_it(tmp_path: Path, trees: list[RolloutTree],
     assert store.steps("r1") == [3]
 
 
+def test_delete_steps_after_removes_the_later_steps_of_that_run_only(tmp_path: Path, trees: list[RolloutTree],
+                                                                     scores: list[list[LeafScore]]) -> None:
+    store = TrajectoryStore(str(tmp_path))
+    for run, step in (("r1", 1), ("r1", 2), ("r1", 3), ("r2", 3)):
+        store.write_step(run, step, trees, scores)
+    assert store.delete_steps_after("r1", 1) == [2, 3]  # a resume from the checkpoint of step 1
+    assert store.steps("r1") == [1] and store.steps("r2") == [3]
+    assert sorted(set(store.read_nodes(run_id="r1")["step"])) == [1]
+    assert store.delete_steps_after("r1", 0) == [1] and store.steps("r1") == []  # no checkpoint: step 0
+    assert store.delete_steps_after("r3", 0) == []
+
+
 def test_crash_mid_write_leaves_no_visible_part(tmp_path: Path, trees: list[RolloutTree],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     store = TrajectoryStore(tmp_path)

@@ -166,9 +166,13 @@ def test_resume_continues_the_same_run(runs_dir: Path, caplog: pytest.LogCapture
     run = second.client.get_run(rid)
     assert run.info.status == "RUNNING" and run.data.tags["resumes"] == "1"
     assert run.data.tags["resume_changed_params"] == "train.steps" and run.data.params["train.steps"] == "4"
+    # The kill came after step 1's metrics, before its checkpoint: the repeated step 1 is not logged a second time.
+    assert second.log_metrics({"train/loss": 0.9, "train/grad_norm": 2.0}, step=1) == 1
     second.log_metrics({"train/loss": 0.8}, step=2)
     second.finish()
     assert second.metric_history(["train/loss"], run_id=rid) == {"train/loss": [(0, 1.0), (1, 0.9), (2, 0.8)]}
+    assert second.metric_history(["train/grad_norm"], run_id=rid) == {"train/grad_norm": [(1, 2.0)]}
+    assert [r.run_id for r in second.runs_named("resumable")] == [rid] and second.runs_named("nope") == []
     assert second.client.get_run(rid).info.status == "FINISHED"
     assert len(second.search_runs(filter_string="attributes.run_name = 'resumable'")) == 1
 
