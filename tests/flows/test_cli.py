@@ -57,7 +57,7 @@ def test_train_leaves_mlflow_run_parquet_and_checkpoint(trained: tuple[Any, Path
     assert run["params.storage.runs_dir"] == str(runs)
     store = TrajectoryStore(runs / "trajectories")
     assert store.steps(run["run_id"]) == [1]
-    assert (runs / "trajectories" / "nodes" / f"run_id={run['run_id']}" / "step=1" / "part-00000.parquet").is_file()
+    assert (runs / "trajectories" / "nodes" / run["run_id"] / "step-000001.parquet").is_file()
     assert (runs / "checkpoints" / "tiny" / "step-000001" / "manifest.json").is_file()
     out = result.stdout
     assert "evaluations (1 RL steps)" in out and "synthetic_test" in out and "pass@1 [95% CI]" in out
