@@ -183,8 +183,9 @@ def describe(table: TableName) -> dict[str, str]:
 # ``run_id=…`` directories of the previous layout).
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _INT32_MAX = 2**31 - 1
-_PART_RE = re.compile(r"/(?P<run>[A-Za-z0-9][A-Za-z0-9._-]*)/step-(?P<step>[0-9]+)\.parquet$")
-_LEGACY_PART_RE = re.compile(r"/run_id=(?P<run>[^/]+)/step=(?P<step>[0-9]+)/part-00000\.parquet$")
+# A part's path under its table root, in the current layout and in the previous (hive) one.
+_PART_RE = re.compile(r"^(?P<run>[A-Za-z0-9][A-Za-z0-9._-]*)/step-(?P<step>[0-9]+)\.parquet$")
+_LEGACY_PART_RE = re.compile(r"^run_id=(?P<run>[^/]+)/step=(?P<step>[0-9]+)/part-00000\.parquet$")
 
 
 class StoreError(ValueError):
@@ -376,17 +377,19 @@ class TrajectoryStore:
         """The part files of ``table`` (of one run, or all), by (run, step); where a step has a part in both
         layouts (a run resumed across the layout change), the current one."""
         root = self.table_root(table)
-        run_glob = check_run_id(run_id) if run_id is not None else "*"
         if not self.local:
             self.fs.invalidate_cache(root)
+        # One recursive listing per prefix (on S3 a paginated LIST, where a glob per layout would list twice).
+        prefixes = [root] if run_id is None else [f"{root}/{check_run_id(run_id)}", f"{root}/run_id={run_id}"]
+        listed = [path[len(root) + 1:] for prefix in prefixes for path in self.fs.find(prefix)
+                  if path.startswith(root + "/")]
         found: dict[tuple[str, int], StoredPart] = {}
-        legacy = self.fs.glob(f"{root}/run_id={run_glob}/step=*/part-00000.parquet")
-        current = self.fs.glob(f"{root}/{run_glob}/step-*.parquet")
-        for paths, pattern, is_legacy in ((legacy, _LEGACY_PART_RE, True), (current, _PART_RE, False)):
-            for path in paths:
-                m = pattern.search(path)
+        for is_legacy in (True, False):  # the current part of a step, listed last, wins
+            for rel in listed:
+                m = (_LEGACY_PART_RE if is_legacy else _PART_RE).match(rel)
                 if m is not None:
-                    found[(m["run"], int(m["step"]))] = StoredPart(m["run"], int(m["step"]), path, is_legacy)
+                    key = (m["run"], int(m["step"]))
+                    found[key] = StoredPart(key[0], key[1], f"{root}/{rel}", is_legacy)
         return [found[k] for k in sorted(found)]
 
     # ---- writing -----------------------------------------------------------------------------------------
