@@ -765,20 +765,28 @@ def _resolve_store_run(store: Any, run: str, uri: str | None, experiment: str) -
 def trajectories(
     run: Annotated[str, typer.Argument(help="MLflow run id (or a unique prefix) or run name.")],
     step: Annotated[int | None, typer.Option("--step", help="Per-question detail of one step.")] = None,
+    show: Annotated[str | None, typer.Option("--show", help="With --step: the transcript of <question> (its tree) "
+                                             "or <question>/<leaf> (one trajectory, in full).")] = None,
     runs_dir: RunsOpt = None,
     store_uri: Annotated[str | None, typer.Option("--store", help="Trajectory store (default: <runs>/trajectories;"
                                                   " s3://… works).")] = None,
     experiment: Annotated[str, typer.Option("--experiment", "-e")] = "aepo",
     tracking_uri: TrackingOpt = None,
 ) -> None:
-    """Summary of a run's stored rollout trees: per step, or per question with --step. A run name is resolved
-    through MLflow (--tracking-uri, else the runs dir's SQLite store where there is one)."""
+    """Summary of a run's stored rollout trees: per step, or per question with --step; with --show, a question's
+    tree or one trajectory's transcript (segments, tool results, entropies, branch points, reward). A run name is
+    resolved through MLflow (--tracking-uri, else the runs dir's SQLite store where there is one)."""
     from infra.store import TrajectoryStore
 
+    if show is not None and step is None:
+        fail("--show needs --step N (the step whose tree to show)")
     rdir = resolve_runs_dir(runs_dir)
     uri = _tracking_uri(rdir, tracking_uri, required=False)
     store = TrajectoryStore(store_uri or rdir / "trajectories")
     run_id = _resolve_store_run(store, run, uri, experiment)
+    if show is not None and step is not None:
+        _show(store, run_id, step, show)
+        return
     cols = ["step", "question_id", "leaf_id", "sample_kind", "reward", "status", "num_tool_calls", "tool_errors",
             "global_budget", "h_root"]
     traj = store.read_trajectories(run_id, step=step, columns=cols)
@@ -805,6 +813,20 @@ def trajectories(
                       _fmt(float(g["reward"].mean())), _fmt(float(g["num_tool_calls"].mean()), 2),
                       str(int(g["tool_errors"].sum())), ", ".join(f"{s}:{n}" for s, n in statuses.items()))
     _out().print(table)
+
+
+def _show(store: Any, run_id: str, step: int, value: str) -> None:
+    """``--show``: one question's tree or one leaf's transcript at ``step``."""
+    from flows.transcript import ShowError, render_show
+
+    traj = store.read_trajectories(run_id, step=step)
+    if traj.empty:
+        fail(f"run {run_id} has no stored trajectories at step {step} (steps: {store.steps(run_id)})", code=1)
+    try:
+        view = render_show(run_id, step, value, traj, store.read_nodes(run_id, step=step))
+    except ShowError as exc:
+        fail(str(exc), code=1)
+    _out().print(view)
 
 
 # ---------------------------------------------------------------------------------------------- ui

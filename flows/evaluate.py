@@ -11,7 +11,8 @@ Outputs:
   ``eval/<dataset key>/…`` at the checkpoint's step, the per-question files and a JSON summary as artifacts;
 - per-question results as Parquet, ``<runs_dir>/eval/<run name>/<dataset key>.parquet`` (written atomically), or
   under ``storage.evaluations_uri`` (``s3://…``: written locally under ``<runs_dir>/cache/eval/``, then one PUT), with
-  the columns of :data:`QUESTION_SCHEMA`; a later evaluation's ``compare_to`` points at this file or directory;
+  the columns of :data:`~infra.evaluation.QUESTION_SCHEMA` (evaluations during training write the same files,
+  see :mod:`flows.train`); a later evaluation's ``compare_to`` points at this file or directory;
 - a Prefect table artifact with one row per dataset and per (dataset, family).
 """
 
@@ -25,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
@@ -33,62 +33,17 @@ from prefect.cache_policies import NO_CACHE
 
 from aepo_core.config import ExperimentConfig, StorageConfig, build_config
 from aepo_core.evaluation import paired_comparison
-from aepo_core.metrics import pass_at_k
 from flows.common import check_eval_datasets, flow_run_id
 from infra.config_files import load_config
-from infra.data.rows import QuestionRow
-from infra.evaluation import EvalReport
-from infra.fs import is_remote, open_fs, put_file, storage_errors, storage_options
-from infra.judge import LLMJudge
+from infra.evaluation import EvalReport, EvalSource, ResultsDir
+from infra.fs import is_remote, open_fs, storage_errors, storage_options
+from infra.judge import LLMJudge, Verdict
 from infra.runtime import build_runtime, checkpoint_config, find_checkpoint
 from infra.tracking import Tracker
 from tasks.rl import evaluate as evaluate_task
+from tasks.rl import write_eval_results
 
 log = logging.getLogger(__name__)
-
-EVAL_STAGING = Path("cache") / "eval"
-"""Under the runs dir: the local copy of results bound for a remote ``storage.evaluations_uri``."""
-
-QUESTION_SCHEMA = pa.schema(
-    [
-        pa.field("eval_run_id", pa.string(), nullable=False),
-        pa.field("eval_run_name", pa.string(), nullable=False),
-        pa.field("checkpoint", pa.string()),
-        pa.field("checkpoint_step", pa.int64(), nullable=False),
-        pa.field("dataset", pa.string(), nullable=False),
-        pa.field("question_id", pa.string(), nullable=False),
-        pa.field("family", pa.string(), nullable=False),
-        pa.field("question", pa.string(), nullable=False),
-        pa.field("golds", pa.list_(pa.string()), nullable=False),
-        pa.field("n", pa.int32(), nullable=False),
-        pa.field("correct", pa.int32(), nullable=False),
-        pa.field("k", pa.int32(), nullable=False),
-        pa.field("pass_at_1", pa.float64(), nullable=False),
-        pa.field("pass_at_k", pa.float64(), nullable=False),
-        pa.field("em", pa.float64(), nullable=False),
-        pa.field("f1", pa.float64(), nullable=False),
-        pa.field("tool_calls_mean", pa.float64(), nullable=False),
-        pa.field("tool_error_rate", pa.float64(), nullable=False),
-        pa.field("answered_rate", pa.float64(), nullable=False),
-        pa.field("answers", pa.list_(pa.string())),
-        pa.field("judge_verdicts", pa.list_(pa.string())),
-        pa.field("judge_raw", pa.list_(pa.string())),
-        pa.field("judge_correct", pa.int32()),
-        pa.field("judge_pass_at_1", pa.float64()),
-    ],
-    metadata={"aepo.table": "eval_questions", "aepo.schema_version": "1"},
-)
-"""One row per question of one dataset.
-
-- ``eval_run_id`` / ``eval_run_name``: the evaluation's MLflow run; ``checkpoint`` / ``checkpoint_step``: what
-  was evaluated (null checkpoint and step 0: the configured model as loaded).
-- ``dataset``, ``question_id``, ``family``, ``question``, ``golds``: the question.
-- ``n`` samples, ``correct`` of them; ``k``; ``pass_at_1`` and ``pass_at_k`` (unbiased estimators).
-- ``em``, ``f1``, ``tool_calls_mean``, ``tool_error_rate``, ``answered_rate``: means over the samples.
-- ``answers``: each sample's final answer (null when it gave none).
-- ``judge_verdicts`` / ``judge_raw`` (per sample: ``correct`` / ``incorrect`` / ``no_answer`` / ``unparsed`` /
-  ``error`` and the judge's reply), ``judge_correct`` (count) and ``judge_pass_at_1``: null without a judge.
-"""
 
 # ---------------------------------------------------------------------------------------------- parameters
 
@@ -175,50 +130,18 @@ def read_question_results(path: str | os.PathLike[str], storage: StorageConfig |
 
 @task(name="judge", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
 def judge_answers(url: str, model: str | None, dataset: str,
-                  items: list[tuple[str, list[str], str | None]]) -> list[dict[str, Any]]:
-    """Every final answer through the LLM judge (verdict dicts in input order)."""
+                  items: list[tuple[str, list[str], str | None]]) -> list[Verdict]:
+    """Every final answer through the LLM judge (verdicts in input order)."""
     judge = LLMJudge(url, model)
-    verdicts = [v.as_dict() for v in judge.judge_many(items)]
+    verdicts = judge.judge_many(items)
     counts: dict[str, int] = {}
     for v in verdicts:
-        counts[v["verdict"]] = counts.get(v["verdict"], 0) + 1
+        counts[v.verdict] = counts.get(v.verdict, 0) + 1
     get_run_logger().info("judge %s on %s: %d answers, %s", judge.url, dataset, len(items), counts)
     return verdicts
 
 
-@task(name="write_results", cache_policy=NO_CACHE, retries=1)
-def write_results(rows: list[dict[str, Any]], path: str) -> str:
-    """The per-question Parquet, atomically (temporary name in the same directory, fsync, rename)."""
-    from infra.atomic import atomic_file
-
-    table = pa.Table.from_pylist(rows, schema=QUESTION_SCHEMA)
-    out = Path(path)
-    with atomic_file(out) as fh:
-        pq.write_table(table, fh, compression="zstd")
-    get_run_logger().info("wrote %d question rows to %s", table.num_rows, out)
-    return str(out)
-
-
 # ---------------------------------------------------------------------------------------------- helpers
-
-
-def _question_rows(report: EvalReport, rows_by_id: dict[str, QuestionRow], k: int,
-                   verdicts: dict[str, list[dict[str, Any]]] | None, base: dict[str, Any]) -> list[dict[str, Any]]:
-    out = []
-    for o in report.outcomes:
-        row = rows_by_id[o.question_id]
-        v = verdicts.get(o.question_id) if verdicts is not None else None
-        judged = sum(x["correct"] for x in v) if v is not None else None
-        out.append({**base, "dataset": report.dataset, "question_id": o.question_id, "family": o.family,
-                    "question": row.question, "golds": list(row.golds), "n": o.n, "correct": o.correct, "k": k,
-                    "pass_at_1": pass_at_k(o.n, o.correct, 1), "pass_at_k": pass_at_k(o.n, o.correct, min(k, o.n)),
-                    "em": o.em_mean, "f1": o.f1_mean, "tool_calls_mean": o.tool_calls_mean,
-                    "tool_error_rate": o.tool_error_rate, "answered_rate": o.answered_rate,
-                    "answers": report.answers.get(o.question_id),
-                    "judge_verdicts": [x["verdict"] for x in v] if v is not None else None,
-                    "judge_raw": [x["raw"] for x in v] if v is not None else None,
-                    "judge_correct": judged, "judge_pass_at_1": judged / o.n if v is not None else None})
-    return out
 
 
 def _table_rows(report: EvalReport, k: int, judge_acc: float | None) -> list[dict[str, Any]]:
@@ -292,32 +215,23 @@ def evaluate(
         tags = {"kind": "eval", "checkpoint": source or "", "checkpoint_step": step,
                 "source_run_id": (state.run_id if state else None) or "", "compare_to": compare_to or ""}
         run_id = tracker.start(cfg, run_name=name, tags=tags, flow_run_id=flow_run_id())
-        results = f"{(cfg.storage.evaluations_uri or str(runs / 'eval')).rstrip('/')}/{name}"
-        # A remote destination gets each file once written; the local copy is what MLflow logs.
-        out_dir = runs / EVAL_STAGING / name if is_remote(results) else Path(results)
+        results = ResultsDir.of(cfg.storage, runs, name)  # the local copy is what MLflow logs
         logger.info("evaluating %s (step %d) on %s → MLflow run %s, results in %s", source or cfg.model.name, step,
-                    ", ".join(eval_sets), run_id, results)
-        result = EvalResult(run_id, name, source, step, str(runs), results,
+                    ", ".join(eval_sets), run_id, results.uri)
+        result = EvalResult(run_id, name, source, step, str(runs), results.uri,
                             tracker.tracking_uri, cfg.eval.pass_k)
         table: list[dict[str, Any]] = []
         with tracker:
             for ds in eval_sets:
                 report = evaluate_task.with_options(timeout_seconds=cfg.train.eval_timeout_s)(runtime, ds, "eval")
                 metrics = report.metrics()
-                rows_by_id = {r.id: r for r in runtime.load_rows(ds)}
                 verdicts = None
                 if cfg.eval.judge_url:
-                    verdicts = _judge(cfg.eval.judge_url, cfg.eval.judge_model, report, rows_by_id)
+                    verdicts = _judge(cfg.eval.judge_url, cfg.eval.judge_model, report)
                     result.judge[report.key] = _judge_pass1(verdicts)
                     metrics[f"eval/{report.key}/judge_pass@1"] = result.judge[report.key]
-                base = {"eval_run_id": run_id, "eval_run_name": name, "checkpoint": result.checkpoint,
-                        "checkpoint_step": step}
-                rows = _question_rows(report, rows_by_id, cfg.eval.pass_k, verdicts, base)
-                written = write_results(rows, str(out_dir / f"{report.key}.parquet"))
-                if is_remote(results):
-                    written = put_file(written, f"{results}/{report.key}.parquet",
-                                       storage_options(cfg.storage, results))
-                result.files[report.key] = written
+                source_info = EvalSource(run_id, name, result.checkpoint, step)
+                result.files[report.key] = write_eval_results(runtime, report, source_info, results, verdicts)
                 if previous is not None and ds in previous:
                     cmp = paired_comparison(report.per_question_pass1, previous[ds],
                                             n_resamples=cfg.eval.bootstrap_samples, seed=cfg.seed)
@@ -328,18 +242,17 @@ def evaluate(
                 tracker.log_metrics(metrics, step)
                 result.summary[report.key], result.by_family[report.key] = report.summary, report.by_family
                 table.extend(_table_rows(report, cfg.eval.pass_k, result.judge.get(report.key)))
-            tracker.log_artifact(out_dir, "eval")
+            tracker.log_artifact(results.local, "eval")
             tracker.log_dict({"summary": result.summary, "by_family": result.by_family, "judge_pass@1": result.judge,
                               "compare": result.compare, "compare_to": compare_to}, "eval/summary.json")
     create_table_artifact(table=table, key=None, description=f"evaluation {name} of {source or cfg.model.name}")
     return result
 
 
-def _judge(url: str, model: str | None, report: EvalReport, rows_by_id: dict[str, QuestionRow]
-           ) -> dict[str, list[dict[str, Any]]]:
-    """Every sample's final answer through the LLM judge: per question, one verdict dict per sample."""
-    answers = report.answers
-    items = [(rows_by_id[q].question, list(rows_by_id[q].golds), a) for q in answers for a in answers[q]]
+def _judge(url: str, model: str | None, report: EvalReport) -> dict[str, list[Verdict]]:
+    """Every sample's final answer through the LLM judge: per question, one verdict per sample."""
+    answers, questions = report.answers, report.questions
+    items = [(questions[q].question, list(questions[q].golds), a) for q in answers for a in answers[q]]
     flat = judge_answers(url, model, report.key, items)
     verdicts, pos = {}, 0
     for q, samples in answers.items():
@@ -348,6 +261,6 @@ def _judge(url: str, model: str | None, report: EvalReport, rows_by_id: dict[str
     return verdicts
 
 
-def _judge_pass1(verdicts: dict[str, list[dict[str, Any]]]) -> float:
+def _judge_pass1(verdicts: dict[str, list[Verdict]]) -> float:
     """Mean over questions of the share of samples the judge called correct."""
-    return sum(sum(v["correct"] for v in vs) / len(vs) for vs in verdicts.values()) / len(verdicts)
+    return sum(sum(v.correct for v in vs) / len(vs) for vs in verdicts.values()) / len(verdicts)

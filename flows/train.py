@@ -26,7 +26,7 @@ from aepo_core.rollout.scheduler import RolloutResult, merge_results
 from aepo_core.rollout.tree import RolloutTree
 from aepo_core.scoring import StepScores, fill_informative
 from flows.common import check_eval_datasets, flow_run_id, resolve_config
-from infra.evaluation import EvalReport
+from infra.evaluation import EvalReport, EvalSource, ResultsDir
 from infra.plots import curves_figure, rollout_tree_figure
 from infra.ranks import Ranks
 from infra.runtime import (
@@ -42,7 +42,7 @@ from infra.tracking import RankTracker, Tracker
 from infra.trainer import ResumePoint, Trainer, find_resume_point
 from tasks.data import prepare_data, source_fingerprint
 from tasks.progress import Progress, report
-from tasks.rl import checkpoint, evaluate, rollout, score, sft, store, update
+from tasks.rl import checkpoint, evaluate, rollout, score, sft, store, update, write_eval_results
 
 log = logging.getLogger(__name__)
 
@@ -80,17 +80,24 @@ def _log_eval(tracker: Tracker, report_: EvalReport, step: int, label: str) -> N
 
 
 class _Evaluations:
-    """The run's evaluations by stage: summaries for the result, per-question Pass@1 for paired comparisons."""
+    """The run's evaluations by stage: summaries for the result, per-question Pass@1 for paired comparisons, and
+    per stage the per-question Parquet files ``aepo eval`` writes, under ``<eval results>/<run name>/<stage>/``."""
 
-    def __init__(self, runtime: PolicyRuntime, tracker: Tracker, timeout_s: float | None) -> None:
+    def __init__(self, runtime: PolicyRuntime, tracker: Tracker, timeout_s: float | None, runs: Path,
+                 run_name: str) -> None:
         self.runtime, self.tracker, self.timeout_s = runtime, tracker, timeout_s
+        self.runs, self.run_name = runs, run_name
         self.summaries: Summaries = {}
         self.per_question: Summaries = {}
 
     def run(self, label: str, step: int) -> None:
+        where = ResultsDir.of(self.runtime.cfg.storage, self.runs, f"{self.run_name}/{label}")
+        source = EvalSource(self.tracker.run_id, self.run_name, None, step)
         for ds in self.runtime.eval_datasets():
             result = evaluate.with_options(timeout_seconds=self.timeout_s)(self.runtime, ds, label)
             _log_eval(self.tracker, result, step, label)
+            write_eval_results(self.runtime, result, source, where)
+            self.tracker.log_artifact(where.local_file(result.key), f"eval/{label}")
             self.summaries.setdefault(label, {})[result.key] = result.summary
             self.per_question.setdefault(label, {})[result.key] = result.per_question_pass1
 
@@ -138,7 +145,7 @@ def train(
             if resume:
                 point = _restore(trainer, point, trajectories, functools.partial(open_checkpoints, cfg, runs),
                                  force_resume)
-            evals = _Evaluations(runtime, tracker, cfg.train.eval_timeout_s)
+            evals = _Evaluations(runtime, tracker, cfg.train.eval_timeout_s, runs, name)
             _train_loop(trainer, name, tracker, trajectories, evals, resumed=point is not None and point.step > 0,
                         logger=logger)
             comparisons = _paired_vs_earlier(evals.per_question, cfg)
@@ -209,6 +216,7 @@ def _train_loop(trainer: Trainer, name: str, tracker: Tracker, trajectories: Tra
             if cfg.eval.at_start:
                 evals.run("sft", 0)
     last = None
+    questions = {r.id: r for r in trainer.rows}  # the stored trajectories carry their question, golds, dataset
     while trainer.step < total:
         step = trainer.step + 1
         t0 = time.perf_counter()
@@ -220,7 +228,7 @@ def _train_loop(trainer: Trainer, name: str, tracker: Tracker, trajectories: Tra
             trainer, dataclasses.replace(rounds[0], trees=filled.trees), scores, step)
         result = dataclasses.replace(rounds[0], trees=filled.sampled_trees)
         if trainer.ranks.is_main:
-            store(trajectories, trainer.run_id, step, result, filled.sampled_scores)
+            store(trajectories, trainer.run_id, step, result, filled.sampled_scores, questions)
         tracker.log_metrics({**rounds[0].metrics(), **scores.metrics, **train_metrics,
                              "step/wall_s": time.perf_counter() - t0}, step)
         last = (result, filled.sampled_scores)

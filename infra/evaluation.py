@@ -1,24 +1,79 @@
-"""Evaluating the policy on one dataset: n samples per question → unbiased Pass@1 / Pass@k with bootstrap CIs.
+"""Evaluating the policy on one dataset: n samples per question → unbiased Pass@1 / Pass@k with bootstrap CIs,
+and the per-question Parquet file of an evaluation.
 
-A plain function of a :class:`~infra.runtime.PolicyRuntime`: it needs no training data and no trainer, so the
-train flow's in-run evaluations and ``aepo eval`` of a checkpoint run the same code.
+Plain functions of a :class:`~infra.runtime.PolicyRuntime`: they need no training data and no trainer, so the
+train flow's in-run evaluations and ``aepo eval`` of a checkpoint run the same code and write the same files.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
-from aepo_core.config import EvalConfig, RolloutConfig
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from aepo_core.config import EvalConfig, RolloutConfig, StorageConfig
 from aepo_core.evaluation import QuestionOutcome, is_correct, summarize, summarize_by
 from aepo_core.interfaces import RewardFn, SamplingParams
+from aepo_core.metrics import pass_at_k
 from aepo_core.rewards import predicted_answer
 from aepo_core.rollout.scheduler import derive_seed
 from aepo_core.rollout.tree import RolloutTree
 from aepo_core.scoring import model_text
+from infra.atomic import atomic_file
 from infra.data.loaders import dataset_key
 from infra.data.rows import QuestionRow
+from infra.fs import is_remote, put_file, storage_options
+from infra.judge import Verdict
 from infra.runtime import PolicyRuntime
+
+EVAL_STAGING = Path("cache") / "eval"
+"""Under the runs dir: the local copy of results bound for a remote ``storage.evaluations_uri``."""
+
+QUESTION_SCHEMA = pa.schema(
+    [
+        pa.field("eval_run_id", pa.string(), nullable=False),
+        pa.field("eval_run_name", pa.string(), nullable=False),
+        pa.field("checkpoint", pa.string()),
+        pa.field("checkpoint_step", pa.int64(), nullable=False),
+        pa.field("dataset", pa.string(), nullable=False),
+        pa.field("question_id", pa.string(), nullable=False),
+        pa.field("family", pa.string(), nullable=False),
+        pa.field("question", pa.string(), nullable=False),
+        pa.field("golds", pa.list_(pa.string()), nullable=False),
+        pa.field("n", pa.int32(), nullable=False),
+        pa.field("correct", pa.int32(), nullable=False),
+        pa.field("k", pa.int32(), nullable=False),
+        pa.field("pass_at_1", pa.float64(), nullable=False),
+        pa.field("pass_at_k", pa.float64(), nullable=False),
+        pa.field("em", pa.float64(), nullable=False),
+        pa.field("f1", pa.float64(), nullable=False),
+        pa.field("tool_calls_mean", pa.float64(), nullable=False),
+        pa.field("tool_error_rate", pa.float64(), nullable=False),
+        pa.field("answered_rate", pa.float64(), nullable=False),
+        pa.field("answers", pa.list_(pa.string())),
+        pa.field("judge_verdicts", pa.list_(pa.string())),
+        pa.field("judge_raw", pa.list_(pa.string())),
+        pa.field("judge_correct", pa.int32()),
+        pa.field("judge_pass_at_1", pa.float64()),
+    ],
+    metadata={"aepo.table": "eval_questions", "aepo.schema_version": "1"},
+)
+"""One row per question of one dataset.
+
+- ``eval_run_id`` / ``eval_run_name``: the MLflow run that evaluated (``aepo eval``'s own run; for an evaluation
+  during training, the training run); ``checkpoint`` / ``checkpoint_step``: what was evaluated (null checkpoint and
+  step 0: the configured model as loaded; during training, null checkpoint and the RL step of the live policy).
+- ``dataset``, ``question_id``, ``family``, ``question``, ``golds``: the question.
+- ``n`` samples, ``correct`` of them; ``k``; ``pass_at_1`` and ``pass_at_k`` (unbiased estimators).
+- ``em``, ``f1``, ``tool_calls_mean``, ``tool_error_rate``, ``answered_rate``: means over the samples.
+- ``answers``: each sample's final answer (null when it gave none).
+- ``judge_verdicts`` / ``judge_raw`` (per sample: ``correct`` / ``incorrect`` / ``no_answer`` / ``unparsed`` /
+  ``error`` and the judge's reply), ``judge_correct`` (count) and ``judge_pass_at_1``: null without a judge.
+"""
 
 
 @dataclass(frozen=True)
@@ -27,8 +82,8 @@ class EvalReport:
 
     ``dataset`` is the spec as configured and ``key`` its name in metrics, files and tables
     (:func:`~infra.data.loaders.dataset_key`); ``summary`` holds Pass@1 / Pass@k with CIs, EM, F1 and tool use
-    over questions, ``by_family`` the same per question family; ``per_question_pass1`` and ``answers`` (each
-    sample's final answer, None when it gave none) are keyed by question id.
+    over questions, ``by_family`` the same per question family; ``per_question_pass1``, ``answers`` (each
+    sample's final answer, None when it gave none) and ``questions`` (the rows evaluated) are keyed by question id.
     """
 
     dataset: str
@@ -38,6 +93,7 @@ class EvalReport:
     outcomes: list[QuestionOutcome]
     per_question_pass1: dict[str, float] = field(default_factory=dict)
     answers: dict[str, list[str | None]] = field(default_factory=dict)
+    questions: dict[str, QuestionRow] = field(default_factory=dict)
 
     def metrics(self) -> dict[str, float]:
         """``eval/<key>/<summary name>``: the names under which MLflow records this report."""
@@ -73,7 +129,7 @@ def evaluate_dataset(runtime: PolicyRuntime, dataset: str, rows: Sequence[Questi
     by_family = summarize_by(outcomes, "family", ev.pass_k, n_resamples=ev.bootstrap_samples, seed=seed)
     pass1 = {o.question_id: o.correct / o.n for o in outcomes}
     key = dataset_key(dataset, among=runtime.eval_datasets())  # unique among the datasets evaluated together
-    return EvalReport(dataset, key, summary, by_family, outcomes, pass1, answers)
+    return EvalReport(dataset, key, summary, by_family, outcomes, pass1, answers, {r.id: r for r in rows})
 
 
 def question_outcome(dataset: str, row: QuestionRow, tree: RolloutTree, reward_fn: RewardFn) -> QuestionOutcome:
@@ -94,3 +150,70 @@ def question_outcome(dataset: str, row: QuestionRow, tree: RolloutTree, reward_f
     n = len(tree.leaves)
     return QuestionOutcome(row.id, dataset, row.family, n, int(correct), em / n, f1 / n, calls / n,
                            errors / n_calls if n_calls else 0.0, answered / n)
+
+
+@dataclass(frozen=True)
+class ResultsDir:
+    """Where one evaluation's per-question files go: ``uri`` (a local directory or ``s3://…``) and ``local``, the
+    directory each file is written to first (``uri`` itself, or for a remote ``uri`` its staging copy under
+    ``<runs_dir>/cache/eval/``: a remote file is sent as one PUT once whole)."""
+
+    uri: str
+    local: Path
+
+    @classmethod
+    def of(cls, storage: StorageConfig, runs: Path, name: str) -> ResultsDir:
+        """``<storage.evaluations_uri or runs_dir/eval>/<name>``."""
+        uri = f"{(storage.evaluations_uri or str(runs / 'eval')).rstrip('/')}/{name}"
+        return cls(uri, runs / EVAL_STAGING / name if is_remote(uri) else Path(uri))
+
+    def local_file(self, key: str) -> Path:
+        """The local per-question file of dataset ``key`` (what MLflow logs)."""
+        return self.local / f"{key}.parquet"
+
+
+@dataclass(frozen=True)
+class EvalSource:
+    """What an evaluation's rows say about its origin: the MLflow run that evaluated and what it evaluated
+    (the ``eval_run_id``, ``eval_run_name``, ``checkpoint`` and ``checkpoint_step`` columns)."""
+
+    eval_run_id: str
+    eval_run_name: str
+    checkpoint: str | None
+    checkpoint_step: int
+
+
+def question_rows(report: EvalReport, k: int, source: EvalSource,
+                  verdicts: Mapping[str, Sequence[Verdict]] | None = None) -> list[dict[str, Any]]:
+    """The rows of :data:`QUESTION_SCHEMA` for one report (``verdicts``: the judge's, per question and sample)."""
+    base = asdict(source)
+    out = []
+    for o in report.outcomes:
+        row = report.questions[o.question_id]
+        v = verdicts.get(o.question_id) if verdicts is not None else None
+        judged = sum(x.correct for x in v) if v is not None else None
+        out.append({**base, "dataset": report.dataset, "question_id": o.question_id, "family": o.family,
+                    "question": row.question, "golds": list(row.golds), "n": o.n, "correct": o.correct, "k": k,
+                    "pass_at_1": pass_at_k(o.n, o.correct, 1), "pass_at_k": pass_at_k(o.n, o.correct, min(k, o.n)),
+                    "em": o.em_mean, "f1": o.f1_mean, "tool_calls_mean": o.tool_calls_mean,
+                    "tool_error_rate": o.tool_error_rate, "answered_rate": o.answered_rate,
+                    "answers": report.answers.get(o.question_id),
+                    "judge_verdicts": [x.verdict for x in v] if v is not None else None,
+                    "judge_raw": [x.raw for x in v] if v is not None else None,
+                    "judge_correct": judged, "judge_pass_at_1": judged / o.n if v is not None else None})
+    return out
+
+
+def write_question_results(report: EvalReport, k: int, source: EvalSource, where: ResultsDir,
+                           storage: StorageConfig, verdicts: Mapping[str, Sequence[Verdict]] | None = None) -> str:
+    """``<where>/<report.key>.parquet`` with one :data:`QUESTION_SCHEMA` row per question, written atomically
+    (temporary name in the same directory, fsync, rename), then for a remote ``where`` sent as one PUT; returns
+    the file's location."""
+    table = pa.Table.from_pylist(question_rows(report, k, source, verdicts), schema=QUESTION_SCHEMA)
+    local = where.local_file(report.key)
+    with atomic_file(local) as fh:
+        pq.write_table(table, fh, compression="zstd")
+    if not is_remote(where.uri):
+        return str(local)
+    uri = f"{where.uri}/{report.key}.parquet"
+    return put_file(local, uri, storage_options(storage, uri))

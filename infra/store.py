@@ -2,21 +2,31 @@
 
 Layout under the store URI (a local path, ``file://…`` or ``s3://bucket/prefix``)::
 
-    trajectories/run_id=<run>/step=<step>/part-00000.parquet   one row per leaf (a trajectory)
-    nodes/run_id=<run>/step=<step>/part-00000.parquet          one row per tree node (a segment)
+    trajectories/<run_id>/step-000003.parquet   one row per leaf (a trajectory)
+    nodes/<run_id>/step-000003.parquet          one row per tree node (a segment)
 
-Hive partitioning, so plain ``pyarrow.dataset.dataset(root + "/trajectories", partitioning="hive")``,
-pandas, polars or DuckDB (``read_parquet('…/trajectories/**/*.parquet', hive_partitioning=true)``) read it
-without this package.  Each part file also carries ``run_id`` and ``step`` as columns (the same types hive
-inference gives: string and int32), so a single file is self-describing.
+Every part carries ``run_id`` and ``step`` as columns and the directories are not hive keys (no ``key=value``),
+so the files alone define the columns and every reader sees the same ones, with the types written:
+``pandas.read_parquet(root + "/trajectories")``, ``polars.read_parquet(root + "/trajectories/**/*.parquet")``,
+``pyarrow.dataset.dataset(root + "/trajectories", partitioning="hive")`` and DuckDB's
+``read_parquet('…/trajectories/**/*.parquet', hive_partitioning=true)``.  The previous layout had
+``run_id=<run>/step=<step>/`` directories *and* those columns, which hive readers could not merge
+(``Field run_id has incompatible types: string vs dictionary``) and polars' glob reader ignored.  To read one run
+or one step, name its directory or file; the step is in the file name, so "the parts of run R after step S"
+need only a listing.  Each field's meaning is in its Arrow field metadata (``description``, read back by
+pyarrow, ``pq.read_schema``) and, for readers that only see file metadata (DuckDB ``parquet_kv_metadata``), as
+JSON under the file's ``aepo.columns`` key.
+
+Parts of the previous layout (``run_id=<run>/step=<step>/part-00000.parquet``, schema versions 1–2) are still read
+by this class (``aepo trajectories``), their newer columns null; plain readers need the current layout.
 
 Why these choices:
 
 - Deterministic part names: re-writing a step (a resumed run repeating a step) replaces it, never duplicates.
 - Atomic parts: locally the file is written under a hidden temporary name in the same directory, fsynced and
   renamed over the final name (:mod:`infra.atomic`); on S3 the part is serialized in memory and sent as one PUT
-  (an object is either fully visible or absent).  Readers ignore names starting with ``.`` or ``_``, so a crash
-  mid-write never shows a partial part.
+  (an object is either fully visible or absent).  Temporaries start with ``.`` and end in ``.tmp``, so neither
+  hidden-file rules (pyarrow, pandas) nor ``*.parquet`` globs (polars, DuckDB) pick up a partial part.
 - ``nodes`` is written before ``trajectories``: a step is complete when its trajectories part exists, which is
   what :meth:`TrajectoryStore.steps` lists.
 - Scalar floats that are NaN (not measured) or absent (a step written without its scores) are stored as
@@ -26,11 +36,13 @@ Why these choices:
 from __future__ import annotations
 
 import io
+import json
 import logging
 import math
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -44,6 +56,7 @@ from aepo_core.config import StorageConfig
 from aepo_core.rollout.tree import Leaf, RolloutTree
 from aepo_core.scoring import LeafScore, check_aligned
 from infra.atomic import atomic_file, leftover_temps
+from infra.data.rows import QuestionRow
 from infra.fs import StorageError, open_fs
 from infra.fs import storage_options as fs_options
 
@@ -51,135 +64,142 @@ log = logging.getLogger(__name__)
 
 TableName = Literal["trajectories", "nodes"]
 TABLES: tuple[TableName, ...] = ("trajectories", "nodes")
-PART_NAME = "part-00000.parquet"
 COMPRESSION = "zstd"
+SCHEMA_VERSION = "3"
 
 _STRING_LIST = pa.list_(pa.string())
 
-TRAJECTORY_SCHEMA = pa.schema(
-    [
-        pa.field("run_id", pa.string(), nullable=False),
-        pa.field("step", pa.int32(), nullable=False),
-        pa.field("question_id", pa.string(), nullable=False),
-        pa.field("leaf_id", pa.int64(), nullable=False),
-        pa.field("sample_kind", pa.string(), nullable=False),
-        pa.field("path", pa.list_(pa.int64()), nullable=False),
-        pa.field("prompt_tokens", pa.list_(pa.int32()), nullable=False),
-        pa.field("response_tokens", pa.list_(pa.int32()), nullable=False),
-        pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
-        pa.field("logprobs", pa.list_(pa.float32()), nullable=False),
-        pa.field("entropies", pa.list_(pa.float32()), nullable=False),
-        pa.field("reward", pa.float64()),
-        pa.field("reward_reason", pa.string(), nullable=False),
-        pa.field("advantage", pa.float64()),
-        pa.field("status", pa.string(), nullable=False),
-        pa.field("num_tool_calls", pa.int32(), nullable=False),
-        pa.field("tool_names", _STRING_LIST, nullable=False),
-        pa.field("tool_errors", pa.int32(), nullable=False),
-        pa.field("branch_steps", pa.int32(), nullable=False),
-        pa.field("wall_ms", pa.float64(), nullable=False),
-        pa.field("response_text", pa.string(), nullable=False),
-        pa.field("global_budget", pa.int32(), nullable=False),
-        pa.field("h_root", pa.float64()),
-        pa.field("h_tool", pa.float64()),
-        pa.field("weight_version", pa.string()),
-    ],
-    metadata={"aepo.table": "trajectories", "aepo.schema_version": "2"},
-)
-"""One row per leaf (trajectory) of a rollout tree.
 
-- ``run_id`` (string): the run (also the hive partition ``run_id=…``).
-- ``step`` (int32): the global RL step (also the hive partition ``step=…``).
-- ``question_id`` (string): the question the tree answers.
-- ``leaf_id`` (int64): the leaf's id within its tree.
-- ``sample_kind`` (string): ``global`` / ``branch`` / ``fill`` — how the trajectory was sampled.
-- ``path`` (list<int64>): node ids from the prompt (node 0) to the last segment; join with ``nodes.node_id``.
-- ``prompt_tokens`` (list<int32>): the prompt's token ids (chat template applied).
-- ``response_tokens`` (list<int32>): every token after the prompt, model and tool-result tokens alike.
-- ``loss_mask`` (list<int8>): 1 on model tokens, 0 on tool-result tokens; aligned with ``response_tokens``.
-- ``logprobs`` (list<float32>): sampling log-probabilities per response token (0 on tool tokens).
-- ``entropies`` (list<float32>): token entropies per response token (0 on tool tokens).
-- ``reward`` (float64, null until scored) and ``reward_reason`` (string, "" until scored).
-- ``advantage`` (float64, null until computed): the trajectory-level advantage.
-- ``status`` (string): ``answered`` / ``truncated`` / ``tool_limit`` / ``tool_error`` / ``engine_error``.
-- ``num_tool_calls`` (int32), ``tool_names`` (list<string>, in call order), ``tool_errors`` (int32: calls not ok).
-- ``branch_steps`` (int32): tool steps on this path at which a branch was created.
-- ``wall_ms`` (float64): wall time spent generating this trajectory.
-- ``response_text`` (string): the decoded response (model text and tool results).
-- ``global_budget`` (int32), ``h_root`` / ``h_tool`` (float64, null if unmeasured): the tree's pre-monitoring
-  figures (m, H_root, mean tool-step entropy), repeated on each of its leaves.
-- ``weight_version`` (string, null when the engine does not track versions): the weights that sampled the
-  trajectory's model segments, as the server reported them (the RL step of the last weight sync); segments that
-  disagree are listed in path order, comma-separated ("3,4": the trajectory straddled a sync).  Added in schema
-  version 2; null in older parts.
-"""
+def _field(name: str, type_: pa.DataType, description: str, nullable: bool = True) -> pa.Field:
+    """A schema field whose meaning travels with it (Arrow field metadata ``description``)."""
+    return pa.field(name, type_, nullable=nullable, metadata={"description": description})
 
-NODE_SCHEMA = pa.schema(
-    [
-        pa.field("run_id", pa.string(), nullable=False),
-        pa.field("step", pa.int32(), nullable=False),
-        pa.field("question_id", pa.string(), nullable=False),
-        pa.field("node_id", pa.int64(), nullable=False),
-        pa.field("parent_id", pa.int64()),
-        pa.field("depth", pa.int32(), nullable=False),
-        pa.field("kind", pa.string(), nullable=False),
-        pa.field("num_tokens", pa.int32(), nullable=False),
-        pa.field("token_start", pa.int32(), nullable=False),
-        pa.field("token_end", pa.int32(), nullable=False),
-        pa.field("finish_reason", pa.string(), nullable=False),
-        pa.field("segment_entropy", pa.float64()),
-        pa.field("delta_entropy", pa.float64()),
-        pa.field("entropy_is_estimate", pa.bool_(), nullable=False),
-        pa.field("consecutive_branches", pa.int32(), nullable=False),
-        pa.field("branched", pa.bool_(), nullable=False),
-        pa.field("branch_reason", pa.string(), nullable=False),
-        pa.field("branch_score", pa.float64()),
-        pa.field("tool_name", pa.string()),
-        pa.field("tool_argument", pa.string()),
-        pa.field("tool_ok", pa.bool_()),
-        pa.field("tool_error", pa.string()),
-        pa.field("tool_latency_ms", pa.float64()),
-        pa.field("tool_cache_hit", pa.bool_()),
-        pa.field("tool_result_chars", pa.int32()),
-        pa.field("text", pa.string(), nullable=False),
-        pa.field("weight_version", pa.string()),
-    ],
-    metadata={"aepo.table": "nodes", "aepo.schema_version": "2"},
-)
-"""One row per node (segment) of a rollout tree.
 
-- ``run_id`` (string), ``step`` (int32), ``question_id`` (string): as in ``trajectories``.
-- ``node_id`` (int64): id within the tree (0 is the prompt); ``parent_id`` (int64, null for the prompt).
-- ``depth`` (int32): 0 for the prompt, +1 per segment.
-- ``kind`` (string): ``prompt`` / ``model`` / ``tool`` (a tool-result segment).
-- ``num_tokens`` (int32); ``token_start`` / ``token_end`` (int32): the segment's token span in the transcript.
-- ``finish_reason`` (string): why generation of a model segment stopped ("" otherwise).
-- ``segment_entropy`` (float64, null if unmeasured): mean entropy of the first W tokens of a model segment.
-- ``delta_entropy`` (float64, null if unmeasured): ΔH of the segment against the tree's H_root.
-- ``entropy_is_estimate`` (bool): the entropies are a top-k estimate (remote engines).
-- ``consecutive_branches`` (int32): l, consecutive branched steps before this one (the penalty's input).
-- ``branched`` (bool): this step created a branch.
-- ``branch_reason`` (string): ``branch`` / ``below_tau`` / ``penalized`` / ``budget_full`` for a decision,
-  ``fork`` for a branch's first segment, "" otherwise.
-- ``branch_score`` (float64, null without a decision): the score compared to τ.
-- ``tool_name``, ``tool_argument``, ``tool_ok``, ``tool_error``, ``tool_latency_ms``, ``tool_cache_hit``,
-  ``tool_result_chars``: the tool call whose result this segment is (nulls on other nodes).
-- ``text`` (string): the segment's text.
-- ``weight_version`` (string, null on prompt/tool nodes and for engines that do not track versions): the weights
-  that sampled a model segment, as the server reported them (schema version 2).
-"""
+def _schema(table: TableName, fields: list[pa.Field]) -> pa.Schema:
+    """A table schema; its metadata repeats the field descriptions as JSON (``aepo.columns``) for readers that see
+    only the file's key-value metadata (DuckDB ``parquet_kv_metadata``, ``pq.read_metadata``)."""
+    columns = {f.name: f.metadata[b"description"].decode() for f in fields}
+    return pa.schema(fields, metadata={"aepo.table": table, "aepo.schema_version": SCHEMA_VERSION,
+                                       "aepo.columns": json.dumps(columns, ensure_ascii=False)})
+
+
+_RUN_ID = _field("run_id", pa.string(), "The run (the MLflow run id); also the part's directory name.", False)
+_STEP = _field("step", pa.int32(), "The global RL step; also in the part's file name (step-000003.parquet).", False)
+_QUESTION_ID = _field("question_id", pa.string(), "The question the tree answers.", False)
+
+TRAJECTORY_SCHEMA = _schema("trajectories", [
+    _RUN_ID, _STEP, _QUESTION_ID,
+    _field("dataset", pa.string(), "The question's dataset: its row's data_source (verl's data_source field, else "
+           "the file or benchmark name). Null when written without the questions or before schema version 3."),
+    _field("question", pa.string(), "The question text as the dataset gives it (before the chat template). Null "
+           "when written without the questions or before schema version 3."),
+    _field("golds", _STRING_LIST, "The gold answers the reward compares with. Null when written without the "
+           "questions or before schema version 3."),
+    _field("family", pa.string(), "The question family of per-family tables (synthetic: single_hop / two_hop / "
+           "compute; verl: ability). Null when written without the questions or before schema version 3."),
+    _field("leaf_id", pa.int64(), "The leaf's id within its tree.", False),
+    _field("sample_kind", pa.string(), "How the trajectory was sampled: global / branch / fill.", False),
+    _field("path", pa.list_(pa.int64()), "Node ids from the prompt (node 0) to the last segment; join with "
+           "nodes.node_id (same run_id, step, question_id).", False),
+    _field("prompt_tokens", pa.list_(pa.int32()), "The prompt's token ids (chat template applied).", False),
+    _field("response_tokens", pa.list_(pa.int32()), "Every token after the prompt, model and tool-result tokens "
+           "alike; nodes.token_start/token_end index into it.", False),
+    _field("loss_mask", pa.list_(pa.int8()), "1 on model tokens, 0 on tool-result tokens; aligned with "
+           "response_tokens.", False),
+    _field("logprobs", pa.list_(pa.float32()), "Sampling log-probabilities per response token (0 on tool "
+           "tokens).", False),
+    _field("entropies", pa.list_(pa.float32()), "Token entropies (nats) per response token (0 on tool tokens).",
+           False),
+    _field("reward", pa.float64(), "The trajectory's reward; null until scored or when not measured."),
+    _field("reward_reason", pa.string(), "Why the reward is what it is (e.g. f1=0.5, no_answer); \"\" until "
+           "scored.", False),
+    _field("advantage", pa.float64(), "The trajectory-level advantage; null until computed."),
+    _field("status", pa.string(), "How the trajectory ended: answered / truncated / tool_limit / tool_error / "
+           "engine_error.", False),
+    _field("num_tool_calls", pa.int32(), "Tool calls on the path.", False),
+    _field("tool_names", _STRING_LIST, "The tools called, in call order.", False),
+    _field("tool_errors", pa.int32(), "Tool calls on the path that did not succeed.", False),
+    _field("branch_steps", pa.int32(), "Tool steps on this path at which a branch was created.", False),
+    _field("wall_ms", pa.float64(), "Wall time spent generating this trajectory (ms).", False),
+    _field("response_text", pa.string(), "The decoded response (model text and tool results).", False),
+    _field("global_budget", pa.int32(), "m, the tree's global sampling budget from pre-monitoring (repeated on "
+           "each leaf).", False),
+    _field("h_root", pa.float64(), "H_root, the tree's initial-segment entropy (null if unmeasured)."),
+    _field("h_tool", pa.float64(), "The tree's mean tool-step entropy from pre-monitoring (null if unmeasured)."),
+    _field("weight_version", pa.string(), "The weights that sampled the trajectory's model segments as the server "
+           "reported them (the RL step of the last weight sync); several, comma-separated in path order, when the "
+           "trajectory straddled a sync (\"3,4\"); null when the engine does not track versions or before schema "
+           "version 2."),
+])
+"""One row per leaf (trajectory) of a rollout tree; each field's meaning is its ``description`` metadata
+(:func:`describe` lists them)."""
+
+NODE_SCHEMA = _schema("nodes", [
+    _RUN_ID, _STEP, _QUESTION_ID,
+    _field("node_id", pa.int64(), "Id within the tree (0 is the prompt).", False),
+    _field("parent_id", pa.int64(), "The parent node's id; null for the prompt."),
+    _field("depth", pa.int32(), "0 for the prompt, +1 per segment.", False),
+    _field("kind", pa.string(), "prompt / model / tool (a tool-result segment).", False),
+    _field("num_tokens", pa.int32(), "Tokens of the segment.", False),
+    _field("token_start", pa.int32(), "Start of the segment's token span [token_start, token_end): for model and "
+           "tool nodes an index into response_tokens (and loss_mask, logprobs, entropies) of every trajectory "
+           "whose path holds the node, i.e. counted from the first token after the prompt; for the prompt node 0, "
+           "an index into prompt_tokens.", False),
+    _field("token_end", pa.int32(), "End (exclusive) of the segment's token span; relative as token_start.", False),
+    _field("finish_reason", pa.string(), "Why generation of a model segment stopped (\"\" otherwise).", False),
+    _field("segment_entropy", pa.float64(), "Mean entropy of the first W tokens of a model segment (null if "
+           "unmeasured)."),
+    _field("delta_entropy", pa.float64(), "ΔH: the segment's entropy against the tree's H_root (null if "
+           "unmeasured)."),
+    _field("entropy_is_estimate", pa.bool_(), "The entropies are a top-k estimate (remote engines).", False),
+    _field("consecutive_branches", pa.int32(), "l, consecutive branched steps before this one (the penalty's "
+           "input).", False),
+    _field("branched", pa.bool_(), "This step created a branch.", False),
+    _field("branch_reason", pa.string(), "The branch decision: branch / below_tau / penalized / budget_full; fork "
+           "for a branch's first segment; \"\" where no decision was taken.", False),
+    _field("branch_score", pa.float64(), "The score compared to τ (null without a decision)."),
+    _field("tool_name", pa.string(), "The tool whose result this segment is (null on other nodes)."),
+    _field("tool_argument", pa.string(), "The tool call's argument (null on other nodes)."),
+    _field("tool_ok", pa.bool_(), "The tool call succeeded (null on other nodes)."),
+    _field("tool_error", pa.string(), "The tool call's error (null when it succeeded and on other nodes)."),
+    _field("tool_latency_ms", pa.float64(), "The tool call's latency in ms (null on other nodes)."),
+    _field("tool_cache_hit", pa.bool_(), "The tool result came from the cache (null on other nodes)."),
+    _field("tool_result_chars", pa.int32(), "Characters of the tool's result (null on other nodes)."),
+    _field("text", pa.string(), "The segment's text.", False),
+    _field("weight_version", pa.string(), "The weights that sampled a model segment, as the server reported them; "
+           "null on prompt and tool nodes, for engines that do not track versions and before schema version 2."),
+])
+"""One row per node (segment) of a rollout tree; each field's meaning is its ``description`` metadata."""
 
 SCHEMAS: dict[TableName, pa.Schema] = {"trajectories": TRAJECTORY_SCHEMA, "nodes": NODE_SCHEMA}
-PARTITION_SCHEMA = pa.schema([pa.field("run_id", pa.string()), pa.field("step", pa.int32())])
 
-# Run ids become directory names and hive partition values: keep them to safe characters, and not all digits
-# (hive type inference would read them back as integers, clashing with the string column).
+
+def describe(table: TableName) -> dict[str, str]:
+    """Column name → meaning, from the schema's field metadata."""
+    return {f.name: f.metadata[b"description"].decode() for f in SCHEMAS[table]}
+
+
+# Run ids become directory names: safe characters only ('=' excluded, which also keeps them apart from the
+# ``run_id=…`` directories of the previous layout).
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _INT32_MAX = 2**31 - 1
+# A part's path under its table root, in the current layout and in the previous (hive) one.
+_PART_RE = re.compile(r"^(?P<run>[A-Za-z0-9][A-Za-z0-9._-]*)/step-(?P<step>[0-9]+)\.parquet$")
+_LEGACY_PART_RE = re.compile(r"^run_id=(?P<run>[^/]+)/step=(?P<step>[0-9]+)/part-00000\.parquet$")
 
 
 class StoreError(ValueError):
     """A bad input to the store (run id, step, trees) or an unreadable store; the message says which."""
+
+
+@dataclass(frozen=True)
+class StoredPart:
+    """One part file: its run, step and path (fsspec path: no scheme on S3); ``legacy``: the previous layout."""
+
+    run_id: str
+    step: int
+    path: str
+    legacy: bool = False
 
 
 def _null_nan(x: float | None) -> float | None:
@@ -187,14 +207,12 @@ def _null_nan(x: float | None) -> float | None:
 
 
 def check_run_id(run_id: object) -> str:
-    """Validate a run id: it becomes a directory name and a hive partition value."""
+    """Validate a run id: it becomes a directory name."""
     if not isinstance(run_id, str) or not _RUN_ID_RE.match(run_id):
         raise StoreError(
             f"run_id must be 1–128 characters of letters, digits, '.', '_' or '-' starting with a letter or digit; "
             f"got {run_id!r}"
         )
-    if run_id.isdigit():
-        raise StoreError(f"run_id {run_id!r} is all digits: hive readers would infer an integer partition")
     return run_id
 
 
@@ -206,11 +224,14 @@ def check_step(step: object) -> int:
 
 
 def trees_to_tables(run_id: str, step: int, trees: Sequence[RolloutTree],
-                    scores: Sequence[Sequence[LeafScore]] | None = None) -> dict[TableName, pa.Table]:
+                    scores: Sequence[Sequence[LeafScore]] | None = None,
+                    questions: Mapping[str, QuestionRow] | None = None) -> dict[TableName, pa.Table]:
     """Flatten rollout trees into the two tables (pure: no I/O), validating the trees on the way.
 
     ``scores[i][j]`` is the score of leaf ``j`` of ``trees[i]`` (``StepScores.leaves``); without scores the
-    ``reward`` and ``advantage`` columns are null and ``reward_reason`` is empty.
+    ``reward`` and ``advantage`` columns are null and ``reward_reason`` is empty.  ``questions`` (question id →
+    row) fills ``dataset``, ``question``, ``golds`` and ``family``; every tree's question must be there.  Without
+    it those columns are null.
     """
     check_run_id(run_id)
     check_step(step)
@@ -223,6 +244,9 @@ def trees_to_tables(run_id: str, step: int, trees: Sequence[RolloutTree],
             raise StoreError(f"trees[{ti}] is a {type(tree).__name__}, not a RolloutTree")
         if not isinstance(tree.question_id, str):
             raise StoreError(f"trees[{ti}].question_id must be a string; got {tree.question_id!r}")
+        if questions is not None and tree.question_id not in questions:
+            raise StoreError(f"run {run_id} step {step}: trees[{ti}] answers question {tree.question_id!r}, "
+                             f"which is not among the {len(questions)} questions given")
     if scores is not None:
         try:
             check_aligned(trees, scores)
@@ -230,7 +254,8 @@ def trees_to_tables(run_id: str, step: int, trees: Sequence[RolloutTree],
             raise StoreError(f"run {run_id} step {step}: {exc}") from exc
     for ti, tree in enumerate(trees):
         _add_nodes(nodes, run_id, step, tree)
-        _add_leaves(traj, run_id, step, tree, None if scores is None else scores[ti])
+        _add_leaves(traj, run_id, step, tree, None if scores is None else scores[ti],
+                    None if questions is None else questions[tree.question_id])
     try:
         return {
             "trajectories": pa.Table.from_pydict(traj, schema=TRAJECTORY_SCHEMA),
@@ -263,7 +288,7 @@ def _add_nodes(cols: dict[str, list[Any]], run_id: str, step: int, tree: Rollout
 
 
 def _add_leaves(cols: dict[str, list[Any]], run_id: str, step: int, tree: RolloutTree,
-                scores: Sequence[LeafScore] | None) -> None:
+                scores: Sequence[LeafScore] | None, question: QuestionRow | None) -> None:
     n_nodes = len(tree.nodes)
     for j, leaf in enumerate(tree.leaves):
         where = f"question {tree.question_id} leaf {leaf.leaf_id}"
@@ -281,7 +306,10 @@ def _add_leaves(cols: dict[str, list[Any]], run_id: str, step: int, tree: Rollou
         score = None if scores is None else scores[j]
         reward, reason, advantage = (score.reward, score.reason, score.advantage) if score else (None, "", None)
         row = {
-            "run_id": run_id, "step": step, "question_id": tree.question_id, "leaf_id": leaf.leaf_id,
+            "run_id": run_id, "step": step, "question_id": tree.question_id,
+            "dataset": question.data_source if question else None, "question": question.question if question else None,
+            "golds": list(question.golds) if question else None, "family": question.family if question else None,
+            "leaf_id": leaf.leaf_id,
             "sample_kind": leaf.sample_kind, "path": list(leaf.node_ids), "prompt_tokens": list(tree.prompt_ids),
             "response_tokens": ids, "loss_mask": mask, "logprobs": lps, "entropies": ents,
             "reward": _null_nan(reward), "reward_reason": reason,
@@ -336,22 +364,42 @@ class TrajectoryStore:
     # ---- paths -------------------------------------------------------------------------------------------
 
     def table_root(self, table: TableName) -> str:
-        """Root of one table's hive-partitioned directory tree."""
+        """Root of one table: a directory per run, a file per step."""
         if table not in SCHEMAS:
             raise StoreError(f"unknown table {table!r}; expected one of {TABLES}")
         return f"{self.root}/{table}"
 
     def part_path(self, table: TableName, run_id: str, step: int) -> str:
-        """The (single, deterministic) part file of one step."""
-        return f"{self.table_root(table)}/run_id={check_run_id(run_id)}/step={check_step(step)}/{PART_NAME}"
+        """The (single, deterministic) part file of one step: ``<table>/<run_id>/step-000003.parquet``."""
+        return f"{self.table_root(table)}/{check_run_id(run_id)}/step-{check_step(step):06d}.parquet"
+
+    def parts(self, table: TableName, run_id: str | None = None) -> list[StoredPart]:
+        """The part files of ``table`` (of one run, or all), by (run, step); where a step has a part in both
+        layouts (a run resumed across the layout change), the current one."""
+        root = self.table_root(table)
+        if not self.local:
+            self.fs.invalidate_cache(root)
+        # One recursive listing per prefix (on S3 a paginated LIST, where a glob per layout would list twice).
+        prefixes = [root] if run_id is None else [f"{root}/{check_run_id(run_id)}", f"{root}/run_id={run_id}"]
+        listed = [path[len(root) + 1:] for prefix in prefixes for path in self.fs.find(prefix)
+                  if path.startswith(root + "/")]
+        found: dict[tuple[str, int], StoredPart] = {}
+        for is_legacy in (True, False):  # the current part of a step, listed last, wins
+            for rel in listed:
+                m = (_LEGACY_PART_RE if is_legacy else _PART_RE).match(rel)
+                if m is not None:
+                    key = (m["run"], int(m["step"]))
+                    found[key] = StoredPart(key[0], key[1], f"{root}/{rel}", is_legacy)
+        return [found[k] for k in sorted(found)]
 
     # ---- writing -----------------------------------------------------------------------------------------
 
     def write_step(self, run_id: str, step: int, trees: Sequence[RolloutTree],
-                   scores: Sequence[Sequence[LeafScore]] | None = None) -> list[str]:
-        """Write (or replace) one step's trees and, when given, their leaves' scores (aligned with ``trees``);
-        returns the written part paths (nodes, then trajectories)."""
-        tables = trees_to_tables(run_id, step, trees, scores)
+                   scores: Sequence[Sequence[LeafScore]] | None = None,
+                   questions: Mapping[str, QuestionRow] | None = None) -> list[str]:
+        """Write (or replace) one step's trees and, when given, their leaves' scores (aligned with ``trees``) and
+        their questions (question id → row); returns the written part paths (nodes, then trajectories)."""
+        tables = trees_to_tables(run_id, step, trees, scores, questions)
         written = []
         for name in ("nodes", "trajectories"):  # trajectories last: its part marks the step complete
             path = self.part_path(name, run_id, step)
@@ -382,22 +430,17 @@ class TrajectoryStore:
 
     # ---- reading -----------------------------------------------------------------------------------------
 
-    def dataset(self, table: TableName) -> ds.Dataset:
-        """The whole table as a hive-partitioned pyarrow Dataset with the documented schema."""
-        root = self.table_root(table)
-        if not self.local:
-            self.fs.invalidate_cache(root)
-        if not self.fs.exists(root):
+    def dataset(self, table: TableName, run_id: str | None = None,
+                step: int | Iterable[int] | None = None) -> ds.Dataset:
+        """The table (or one run's, or some steps' parts: chosen by path, no other file is opened) as a pyarrow
+        Dataset with the documented schema; columns a part lacks (older schema versions) read as nulls."""
+        steps = None if step is None else {check_step(step)} if isinstance(step, int) else {check_step(s) for s in step}
+        paths = [p.path for p in self.parts(table, run_id) if steps is None or p.step in steps]
+        if not paths:
             return ds.dataset(pa.Table.from_pylist([], schema=SCHEMAS[table]))
         try:
-            return ds.dataset(
-                root,
-                schema=SCHEMAS[table],
-                format="parquet",
-                filesystem=None if self.local else self.fs,
-                partitioning=ds.partitioning(PARTITION_SCHEMA, flavor="hive"),
-                exclude_invalid_files=False,
-            )
+            return ds.dataset(paths, schema=SCHEMAS[table], format="parquet",
+                              filesystem=None if self.local else self.fs)
         except (OSError, pa.ArrowInvalid) as exc:
             raise StoreError(f"cannot read table {table!r} under {self.uri!r}: {exc}") from exc
 
@@ -410,13 +453,14 @@ class TrajectoryStore:
         columns: Sequence[str] | None = None,
     ) -> pa.Table:
         """Rows of ``table`` filtered by run, step(s) and question(s) (None: all), as a pyarrow Table."""
-        flt = self._filter(run_id, step, question_id)
+        flt = self._question_filter(question_id)
         if columns is not None:
             unknown = sorted(set(columns) - set(SCHEMAS[table].names))
             if unknown:
                 raise StoreError(f"unknown columns {unknown} for table {table!r}")
         try:
-            result = self.dataset(table).to_table(columns=list(columns) if columns is not None else None, filter=flt)
+            result = self.dataset(table, run_id, step).to_table(
+                columns=list(columns) if columns is not None else None, filter=flt)
         except (OSError, pa.ArrowInvalid) as exc:
             raise StoreError(f"cannot read table {table!r} under {self.uri!r}: {exc}") from exc
         sort = [(k, "ascending") for k in ("run_id", "step", "question_id", "leaf_id" if table == "trajectories"
@@ -436,41 +480,21 @@ class TrajectoryStore:
         return self.read_table("nodes", run_id, step, question_id, columns).to_pandas()
 
     @staticmethod
-    def _filter(run_id: str | None, step: int | Iterable[int] | None,
-                question_id: str | Iterable[str] | None) -> ds.Expression | None:
-        parts = []
-        if run_id is not None:
-            parts.append(ds.field("run_id") == check_run_id(run_id))
-        if step is not None:
-            steps = [check_step(step)] if isinstance(step, int) else [check_step(s) for s in step]
-            parts.append(ds.field("step").isin(steps))
-        if question_id is not None:
-            qids = [question_id] if isinstance(question_id, str) else list(question_id)
-            if not all(isinstance(q, str) for q in qids):
-                raise StoreError(f"question_id must be a string or strings; got {question_id!r}")
-            parts.append(ds.field("question_id").isin(qids))
-        if not parts:
+    def _question_filter(question_id: str | Iterable[str] | None) -> ds.Expression | None:
+        if question_id is None:
             return None
-        expr = parts[0]
-        for p in parts[1:]:
-            expr = expr & p
-        return expr
+        qids = [question_id] if isinstance(question_id, str) else list(question_id)
+        if not all(isinstance(q, str) for q in qids):
+            raise StoreError(f"question_id must be a string or strings; got {question_id!r}")
+        return ds.field("question_id").isin(qids)
 
     def run_ids(self) -> list[str]:
         """Runs that have at least one complete step."""
-        return sorted({p.split("/run_id=", 1)[1].split("/", 1)[0] for p in self._complete_parts("*")})
+        return sorted({p.run_id for p in self.parts("trajectories")})
 
     def steps(self, run_id: str) -> list[int]:
         """Complete steps of a run (those whose trajectories part exists), ascending."""
-        check_run_id(run_id)
-        return sorted(int(p.rsplit("/step=", 1)[1].split("/", 1)[0]) for p in self._complete_parts(run_id))
-
-    def _complete_parts(self, run_glob: str) -> list[str]:
-        root = self.table_root("trajectories")
-        if not self.local:
-            self.fs.invalidate_cache(root)
-        return [p for p in self.fs.glob(f"{root}/run_id={run_glob}/step=*/{PART_NAME}")
-                if p.rsplit("/step=", 1)[1].split("/", 1)[0].isdigit()]
+        return [p.step for p in self.parts("trajectories", run_id)]
 
     def delete_steps_after(self, run_id: str, step: int) -> list[int]:
         """Remove a run's parts of the steps after ``step`` (both tables; trajectories first, so a crash midway
@@ -481,24 +505,22 @@ class TrajectoryStore:
         check_run_id(run_id)
         removed = set()
         for table in ("trajectories", "nodes"):
-            run_root = f"{self.table_root(table)}/run_id={run_id}"
-            if not self.local:
-                self.fs.invalidate_cache(run_root)
-            for path in self.fs.glob(f"{run_root}/step=*"):
-                name = path.rstrip("/").rsplit("/step=", 1)[1]
-                if name.isdigit() and int(name) > step:
-                    self.fs.rm(path, recursive=True)
-                    removed.add(int(name))
+            # Until none is left: a step with a part in both layouts lists only the current one the first time.
+            while later := [p for p in self.parts(table, run_id) if p.step > step]:
+                for part in later:
+                    # a previous-layout part is the only file of its step=N/ directory
+                    self.fs.rm(part.path.rsplit("/", 1)[0] if part.legacy else part.path, recursive=part.legacy)
+                    removed.add(part.step)
         if removed:
             log.info("deleted run %s steps %s from %s (after step %d, which a resume repeats)", run_id,
                      sorted(removed), self.uri, step)
         return sorted(removed)
 
     def delete_run(self, run_id: str) -> None:
-        """Remove every part of a run (both tables)."""
+        """Remove every part of a run (both tables, both layouts)."""
         for table in TABLES:
-            path = f"{self.table_root(table)}/run_id={check_run_id(run_id)}"
-            if self.fs.exists(path):
-                self.fs.rm(path, recursive=True)
+            for path in (f"{self.table_root(table)}/{check_run_id(run_id)}",
+                         f"{self.table_root(table)}/run_id={run_id}"):
+                if self.fs.exists(path):
+                    self.fs.rm(path, recursive=True)
         log.info("deleted run %s from %s", run_id, self.uri)
-

@@ -9,7 +9,7 @@ Each task logs one line for people and attaches a :class:`~tasks.progress.Progre
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -17,7 +17,8 @@ from prefect.cache_policies import NO_CACHE
 from aepo_core.rollout.scheduler import RolloutResult, derive_seed
 from aepo_core.scoring import StepScores
 from infra.data.rows import QuestionRow
-from infra.evaluation import EvalReport, evaluate_dataset
+from infra.evaluation import EvalReport, EvalSource, ResultsDir, evaluate_dataset, write_question_results
+from infra.judge import Verdict
 from infra.runtime import PolicyRuntime
 from infra.store import TrajectoryStore
 from infra.trainer import Trainer
@@ -60,9 +61,10 @@ def update(trainer: Trainer, result: RolloutResult, scores: StepScores, step: in
 
 
 @task(name="store", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
-def store(trajectories: TrajectoryStore, run_id: str, step: int, result: RolloutResult, scores: StepScores
-          ) -> list[str]:
-    paths = trajectories.write_step(run_id, step, result.trees, scores.leaves)
+def store(trajectories: TrajectoryStore, run_id: str, step: int, result: RolloutResult, scores: StepScores,
+          questions: Mapping[str, QuestionRow]) -> list[str]:
+    """One step's trees with their scores and questions (id → row: text, golds, dataset) into the store."""
+    paths = trajectories.write_step(run_id, step, result.trees, scores.leaves, questions)
     get_run_logger().info("step %d stored %d trajectory parts", step, len(paths))
     return paths
 
@@ -94,3 +96,14 @@ def evaluate(runtime: PolicyRuntime, dataset: str, label: str) -> EvalReport:
            "eval %s [%s]: pass@1 %.3f [%.3f, %.3f], pass@%d %.3f, %d questions", result.key, label, s["pass@1"],
            s["pass@1_ci_low"], s["pass@1_ci_high"], k, s[f"pass@{k}"], s["questions"])
     return result
+
+
+@task(name="write_eval_results", cache_policy=NO_CACHE, retries=1)
+def write_eval_results(runtime: PolicyRuntime, report: EvalReport, source: EvalSource, where: ResultsDir,
+                       verdicts: Mapping[str, Sequence[Verdict]] | None = None) -> str:
+    """The per-question Parquet of one evaluated dataset (``aepo eval`` and evaluations during training alike);
+    returns its location."""
+    cfg = runtime.cfg
+    written = write_question_results(report, cfg.eval.pass_k, source, where, cfg.storage, verdicts)
+    get_run_logger().info("wrote %d question rows of %s to %s", len(report.outcomes), report.key, written)
+    return written

@@ -57,7 +57,7 @@ def test_train_leaves_mlflow_run_parquet_and_checkpoint(trained: tuple[Any, Path
     assert run["params.storage.runs_dir"] == str(runs)
     store = TrajectoryStore(runs / "trajectories")
     assert store.steps(run["run_id"]) == [1]
-    assert (runs / "trajectories" / "nodes" / f"run_id={run['run_id']}" / "step=1" / "part-00000.parquet").is_file()
+    assert (runs / "trajectories" / "nodes" / run["run_id"] / "step-000001.parquet").is_file()
     assert (runs / "checkpoints" / "tiny" / run["run_id"] / "step-000001" / "manifest.json").is_file()
     out = result.stdout
     assert "evaluations (1 RL steps)" in out and "synthetic_test" in out and "95% CI" in out
@@ -157,6 +157,12 @@ def test_trajectories_summarize_steps_and_questions(trained: tuple[Any, Path]) -
     assert detail.exit_code == 0, detail.output
     for qid in leaves["question_id"].unique():
         assert qid in detail.stdout
+    qid = leaves["question_id"].iloc[0]  # a real run's trajectory, in full
+    shown = invoke("trajectories", run["run_id"], "--step", "1", "--show", f"{qid}/0", "--runs-dir", str(runs))
+    assert shown.exit_code == 0, shown.output
+    first = leaves[(leaves["question_id"] == qid) & (leaves["leaf_id"] == 0)].iloc[0]
+    assert first["question"] in shown.stdout and f"leaf 0 ({first['sample_kind']}) · status {first['status']}" in (
+        shown.stdout)
     missing = invoke("trajectories", "no-such-run", "--runs-dir", str(runs))
     assert missing.exit_code == 1 and "no stored trajectories" in missing.stderr
 

@@ -104,7 +104,7 @@ def first_eval(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> tu
 
 def test_eval_writes_per_question_parquet_mlflow_run_and_table(first_eval: tuple[dict[str, Any], Path],
                                                                checkpoint: Path) -> None:
-    from flows.evaluate import QUESTION_SCHEMA
+    from infra.evaluation import QUESTION_SCHEMA
     from infra.tracking import Tracker
 
     result, runs = first_eval

@@ -75,11 +75,34 @@ def test_parquet_store_has_both_tables_per_step(tiny_run):
         for field in schema:
             assert field.name in t.schema.names, (table, field.name)
         for step in (1, 2):
-            parts = list((root / table / f"run_id={out.run_id}" / f"step={step}").glob("*.parquet"))
-            assert len(parts) == 1
+            assert (root / table / out.run_id / f"step-{step:06d}.parquet").is_file()
     traj = pads.dataset(root / "trajectories", format="parquet", partitioning="hive").to_table().to_pandas()
     assert len(traj) == 2 * 2 * 4  # steps × questions × k
     assert set(traj["status"]) <= {"answered", "truncated", "tool_limit", "tool_error", "engine_error"}
+
+
+def test_trajectories_carry_their_questions_and_eval_writes_aepo_evals_parquet(tiny_run):
+    """The stored rows hold question text, golds and dataset; the final evaluation wrote the per-question Parquet
+    that `aepo eval` writes (same schema), under <runs>/eval/<run name>/final/, and logged it to MLflow."""
+    import pandas as pd
+    import pyarrow.parquet as pq
+    from mlflow.tracking import MlflowClient
+
+    from infra.evaluation import QUESTION_SCHEMA
+
+    out, runs = tiny_run
+    traj = pd.read_parquet(Path(out.trajectories) / "trajectories")
+    assert traj["question"].str.len().gt(0).all() and traj["dataset"].notna().all()
+    assert traj["golds"].map(len).gt(0).all()
+    assert traj.groupby("question_id")["question"].nunique().eq(1).all()
+    path = Path(runs) / "eval" / out.run_name / "final" / "synthetic_test.parquet"
+    table = pq.read_table(path)
+    assert table.schema.equals(QUESTION_SCHEMA, check_metadata=False) and table.num_rows > 0
+    rows = table.to_pandas()
+    assert set(rows["eval_run_id"]) == {out.run_id} and set(rows["checkpoint_step"]) == {2}
+    assert rows["checkpoint"].isna().all() and rows["question"].str.len().gt(0).all()
+    logged = {a.path for a in MlflowClient(out.tracking_uri).list_artifacts(out.run_id, "eval/final")}
+    assert "eval/final/synthetic_test.parquet" in logged
 
 
 def test_checkpoints_exist(tiny_run):
@@ -236,6 +259,6 @@ def test_kill_after_checkpoint_and_resume_is_bit_identical(tmp_path, model_cache
     # Same MLflow run, one part per step.
     ra, rb = json.loads((killed / "result.json").read_text()), None
     del rb
-    parts = list((killed / "trajectories" / "trajectories" / f"run_id={ra['run_id']}").glob("step=*/*.parquet"))
+    parts = list((killed / "trajectories" / "trajectories" / ra["run_id"]).glob("step-*.parquet"))
     assert len(parts) == 6
     assert ra["steps"] == 6

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
@@ -21,7 +23,8 @@ from aepo_core.config import RolloutConfig, StorageConfig
 from aepo_core.rollout.scheduler import Question, RolloutScheduler
 from aepo_core.rollout.tree import RolloutTree
 from aepo_core.scoring import LeafScore
-from infra.store import NODE_SCHEMA, TRAJECTORY_SCHEMA, StoreError, TrajectoryStore
+from infra.data.rows import QuestionRow
+from infra.store import NODE_SCHEMA, TRAJECTORY_SCHEMA, StoreError, TrajectoryStore, describe
 
 
 def make_trees(n_questions: int = 3, seed: int = 0) -> list[RolloutTree]:
@@ -38,6 +41,13 @@ def make_scores(trees: list[RolloutTree]) -> list[list[LeafScore]]:
     """Scores aligned with the trees; each tree's last leaf has NaN reward and advantage (stored as null)."""
     return [[LeafScore(0.25 * j, f"f1={0.25 * j}", 0.5 - 0.25 * j) for j in range(len(t.leaves) - 1)]
             + [LeafScore(math.nan, "", math.nan)] for t in trees]
+
+
+def make_questions(trees: list[RolloutTree]) -> dict[str, QuestionRow]:
+    """The questions of the trees, two datasets, one with two gold answers."""
+    return {t.question_id: QuestionRow(t.question_id, f"What is x in {t.question_id}?", ("x", f"ex-{i}"),
+                                       "hotpotqa" if i % 2 else "nq", family="two_hop")
+            for i, t in enumerate(trees)}
 
 
 @pytest.fixture(scope="module")
@@ -96,21 +106,16 @@ def check_round_trip(store: TrajectoryStore, run_id: str, step: int, trees: list
     assert nodes["branched"].any() and set(nodes["kind"]) == {"prompt", "model", "tool"}
 
 
-def types_of(schema: pa.Schema) -> list[tuple[str, pa.DataType]]:
-    """Names and types (hive-inferred partition fields are nullable, so nullability is not compared)."""
-    return [(f.name, f.type) for f in schema]
-
-
 def pd_isnull(x: object) -> bool:
     return x is None or (isinstance(x, float) and math.isnan(x))
 
 
-def test_local_round_trip_schemas_filters_and_plain_readers(tmp_path: Path, trees: list[RolloutTree],
-                                                            scores: list[list[LeafScore]]) -> None:
+def test_local_round_trip_schemas_filters(tmp_path: Path, trees: list[RolloutTree],
+                                          scores: list[list[LeafScore]]) -> None:
     store = TrajectoryStore(tmp_path / "traj")
     paths = store.write_step("run-a", 0, trees, scores)
     assert [Path(p).relative_to(tmp_path / "traj").as_posix() for p in paths] == [
-        "nodes/run_id=run-a/step=0/part-00000.parquet", "trajectories/run_id=run-a/step=0/part-00000.parquet"]
+        "nodes/run-a/step-000000.parquet", "trajectories/run-a/step-000000.parquet"]
     store.write_step("run-a", 1, trees[:2])
     store.write_step("run-b", 0, trees[:1])
 
@@ -131,14 +136,6 @@ def test_local_round_trip_schemas_filters_and_plain_readers(tmp_path: Path, tree
         len(t.nodes) for t in trees[:2])
     sub = store.read_trajectories(run_id="run-b", columns=["question_id", "reward"])
     assert list(sub.columns) == ["question_id", "reward"]
-
-    # Readable without this package: plain hive discovery infers the same partition types as the file columns.
-    for table, schema in (("trajectories", TRAJECTORY_SCHEMA), ("nodes", NODE_SCHEMA)):
-        plain = ds.dataset(str(tmp_path / "traj" / table), partitioning="hive")
-        assert types_of(plain.schema) == types_of(schema)
-    plain_rows = ds.dataset(str(tmp_path / "traj" / "trajectories"), partitioning="hive").to_table(
-        filter=(ds.field("run_id") == "run-a") & (ds.field("step") == 1))
-    assert plain_rows.num_rows == 8
     single = pq.read_table(paths[1]).to_pandas()  # one part alone is self-describing
     assert set(single["run_id"]) == {"run-a"} and set(single["step"]) == {0}
 
@@ -152,8 +149,7 @@ def test_rewriting_a_step_replaces_it(tmp_path: Path, trees: list[RolloutTree],
     df = store.read_trajectories(run_id="r1", step=3)
     assert len(df) == 8 and (df["reward"] == 1.0).all()
     assert len(store.read_nodes(run_id="r1")) == sum(len(t.nodes) for t in trees[:2])
-    part_dir = tmp_path / "trajectories" / "run_id=r1" / "step=3"
-    assert sorted(p.name for p in part_dir.iterdir()) == ["part-00000.parquet"]
+    assert sorted(p.name for p in (tmp_path / "trajectories" / "r1").iterdir()) == ["step-000003.parquet"]
     assert store.steps("r1") == [3]
 
 
@@ -187,18 +183,18 @@ def test_crash_mid_write_leaves_no_visible_part(tmp_path: Path, trees: list[Roll
         store.write_step("r1", 1, trees)
     monkeypatch.setattr(store_mod, "_serialize", real)
 
-    assert not (tmp_path / "nodes" / "run_id=r1" / "step=2").exists() or not any(
-        (tmp_path / "nodes" / "run_id=r1" / "step=2").iterdir())
-    assert not (tmp_path / "trajectories" / "run_id=r1" / "step=2").exists()
+    for table in ("nodes", "trajectories"):  # no step 2, and step 1 is the old one alone
+        assert sorted(p.name for p in (tmp_path / table / "r1").iterdir()) == [
+            "step-000000.parquet", "step-000001.parquet"]
     assert store.steps("r1") == [0, 1]
     assert len(store.read_trajectories(run_id="r1", step=1)) == 4  # the old step 1 is intact
-    assert sorted(p.name for p in (tmp_path / "nodes" / "run_id=r1" / "step=1").iterdir()) == ["part-00000.parquet"]
 
     # A hard kill leaves a hidden temp file: readers skip it and the next write of that step removes it.
-    leftover = tmp_path / "trajectories" / "run_id=r1" / "step=0" / ".part-00000.parquet.x.tmp"
+    leftover = tmp_path / "trajectories" / "r1" / ".step-000000.parquet.x.tmp"
     leftover.write_bytes(b"garbage")
     assert len(store.read_trajectories(run_id="r1", step=0)) == 12
     assert ds.dataset(str(tmp_path / "trajectories"), partitioning="hive").count_rows() == 16
+    assert len(pd.read_parquet(tmp_path / "trajectories")) == 16
     store.write_step("r1", 0, trees)
     assert not leftover.exists()
 
@@ -207,8 +203,10 @@ def test_bad_inputs_give_clear_errors(tmp_path: Path, trees: list[RolloutTree]) 
     store = TrajectoryStore(tmp_path)
     with pytest.raises(StoreError, match="run_id"):
         store.write_step("a/b", 0, trees)
-    with pytest.raises(StoreError, match="all digits"):
-        store.write_step("123", 0, trees)
+    with pytest.raises(StoreError, match="run_id"):
+        store.write_step("run_id=x", 0, trees)
+    with pytest.raises(StoreError, match="question 'q2', which is not among the 2 questions given"):
+        store.write_step("r", 0, trees, questions=make_questions(trees[:2]))
     with pytest.raises(StoreError, match="step must be"):
         store.write_step("r", -1, trees)
     with pytest.raises(StoreError, match="step must be"):
@@ -245,15 +243,16 @@ def test_s3_round_trip_through_moto(moto_s3: str, trees: list[RolloutTree], scor
     paths = store.write_step("run-s3", 0, trees, scores)
     store.write_step("run-s3", 1, trees[:1])
     store.write_step("run-s3", 1, trees[:2])  # replaced, not duplicated
-    assert paths[1] == "s3://aepo-traj/exp1/trajectories/run_id=run-s3/step=0/part-00000.parquet"
+    assert paths[1] == "s3://aepo-traj/exp1/trajectories/run-s3/step-000000.parquet"
     assert store.steps("run-s3") == [0, 1]
     check_round_trip(store, "run-s3", 0, trees, scores)
     assert len(store.read_trajectories(run_id="run-s3", step=1)) == 8
-    assert sorted(fs.ls("aepo-traj/exp1/nodes/run_id=run-s3/step=1")) == [
-        "aepo-traj/exp1/nodes/run_id=run-s3/step=1/part-00000.parquet"]
-    # Plain pyarrow over s3fs, without this package.
+    assert sorted(fs.ls("aepo-traj/exp1/nodes/run-s3")) == [
+        "aepo-traj/exp1/nodes/run-s3/step-000000.parquet", "aepo-traj/exp1/nodes/run-s3/step-000001.parquet"]
+    # Plain pyarrow and pandas over s3fs, without this package.
     plain = ds.dataset("aepo-traj/exp1/trajectories", filesystem=fs, partitioning="hive")
-    assert types_of(plain.schema) == types_of(TRAJECTORY_SCHEMA) and plain.count_rows() == 20
+    assert plain.schema == TRAJECTORY_SCHEMA and plain.count_rows() == 20
+    assert len(pd.read_parquet("s3://aepo-traj/exp1/trajectories", storage_options=opts)) == 20
     # A fresh store object (another process) sees the same data; the config names the endpoint.
     assert TrajectoryStore("s3://aepo-traj/exp1", storage_options=opts).run_ids() == ["run-s3"]
     from_cfg = TrajectoryStore.from_config(StorageConfig(trajectories_uri="s3://aepo-traj/exp1",
@@ -265,5 +264,78 @@ def test_from_config_defaults_under_runs_dir(tmp_path: Path, trees: list[Rollout
     store = TrajectoryStore.from_config(StorageConfig(runs_dir=str(tmp_path / "runs")))
     store.write_step("r1", 0, trees[:1])
     root = tmp_path / "runs" / "trajectories"  # the store root; the two tables live under it
-    assert (root / "trajectories" / "run_id=r1" / "step=0" / "part-00000.parquet").is_file()
-    assert (root / "nodes" / "run_id=r1" / "step=0" / "part-00000.parquet").is_file()
+    assert (root / "trajectories" / "r1" / "step-000000.parquet").is_file()
+    assert (root / "nodes" / "r1" / "step-000000.parquet").is_file()
+
+
+def write_two_runs(root: Path, trees: list[RolloutTree], scores: list[list[LeafScore]]) -> int:
+    """Runs run-a and run-b, steps 1 and 2 each, with questions; returns the number of trajectory rows."""
+    store = TrajectoryStore(root)
+    questions = make_questions(trees)
+    for run in ("run-a", "run-b"):
+        for step in (1, 2):
+            store.write_step(run, step, trees, scores, questions)
+    return 4 * sum(len(t.leaves) for t in trees)
+
+
+def test_pandas_polars_pyarrow_duckdb_read_the_store(tmp_path: Path, trees: list[RolloutTree],
+                                                     scores: list[list[LeafScore]]) -> None:
+    """The issue's four readers, exactly as it calls them, on 2 runs x 2 steps: same rows, same columns."""
+    import duckdb
+    import polars as pl
+
+    n = write_two_runs(tmp_path, trees, scores)
+    for table, schema in (("trajectories", TRAJECTORY_SCHEMA), ("nodes", NODE_SCHEMA)):
+        root = tmp_path / table
+        frames = {
+            "pandas": pd.read_parquet(root),
+            "polars": pl.read_parquet(f"{root}/**/*.parquet").to_pandas(),
+            "pyarrow": ds.dataset(root, partitioning="hive").to_table().to_pandas(),
+            "duckdb": duckdb.sql(f"SELECT * FROM read_parquet('{root}/**/*.parquet', hive_partitioning=true)").df(),
+        }
+        for reader, df in frames.items():
+            assert list(df.columns) == schema.names, reader
+            assert len(df) == (n if table == "trajectories" else 4 * sum(len(t.nodes) for t in trees)), reader
+            assert sorted(set(zip(df["run_id"], df["step"].astype(int)))) == [
+                ("run-a", 1), ("run-a", 2), ("run-b", 1), ("run-b", 2)], reader
+    traj = pd.read_parquet(tmp_path / "trajectories")
+    first = traj[(traj["question_id"] == "q1")].iloc[0]
+    assert (first["dataset"], first["question"], list(first["golds"]), first["family"]) == (
+        "hotpotqa", "What is x in q1?", ["x", "ex-1"], "two_hop")
+    assert pd.read_parquet(tmp_path / "trajectories" / "run-b").shape[0] == n // 2  # a run is its directory
+
+
+def test_every_column_is_described_in_the_files(tmp_path: Path, trees: list[RolloutTree],
+                                                scores: list[list[LeafScore]]) -> None:
+    import duckdb
+
+    write_two_runs(tmp_path, trees, scores)
+    for table, schema in (("trajectories", TRAJECTORY_SCHEMA), ("nodes", NODE_SCHEMA)):
+        part = tmp_path / table / "run-a" / "step-000001.parquet"
+        stored = pq.read_schema(part)
+        assert stored == schema and stored.metadata == schema.metadata
+        assert [f.metadata for f in stored] == [f.metadata for f in schema]
+        assert all(len(f.metadata[b"description"]) > 10 for f in stored), table
+        kv = dict(duckdb.sql(f"SELECT decode(key), decode(value) FROM parquet_kv_metadata('{part}')").fetchall())
+        assert json.loads(kv["aepo.columns"]) == describe(table) and kv["aepo.schema_version"] == "3"
+    assert "response_tokens" in describe("nodes")["token_start"] and "prompt_tokens" in describe("nodes")["token_start"]
+
+
+def test_parts_of_the_previous_layout_are_still_read(tmp_path: Path, trees: list[RolloutTree]) -> None:
+    """A v2 part under run_id=…/step=…/ reads with null question columns; the current part of a step wins."""
+    store = TrajectoryStore(tmp_path)
+    tables = store_mod.trees_to_tables("old-run", 4, trees[:1])
+    for name, table in tables.items():
+        old = table.drop_columns(["dataset", "question", "golds", "family"]) if name == "trajectories" else table
+        legacy = tmp_path / name / "run_id=old-run" / "step=4" / "part-00000.parquet"
+        legacy.parent.mkdir(parents=True)
+        pq.write_table(old, legacy)
+    assert store.run_ids() == ["old-run"] and store.steps("old-run") == [4]
+    df = store.read_trajectories(run_id="old-run", step=4)
+    assert len(df) == 4 and df["question"].isna().all() and len(store.read_nodes(run_id="old-run")) == len(
+        trees[0].nodes)
+    store.write_step("old-run", 4, trees[:2], questions=make_questions(trees))  # the resumed run repeats step 4
+    assert [p.legacy for p in store.parts("trajectories", "old-run")] == [False]
+    assert len(store.read_trajectories(run_id="old-run")) == 8
+    store.delete_run("old-run")
+    assert store.run_ids() == [] and not any((tmp_path / "trajectories").iterdir())

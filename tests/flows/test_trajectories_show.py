@@ -1,0 +1,82 @@
+"""`aepo trajectories <run> --step N --show <question>[/<leaf>]` on a store of real scheduler trees (scripted engine):
+the tree view, one trajectory's transcript, and the errors of a bad --show."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "infra"))
+from test_store import make_questions, make_scores, make_trees
+
+from aepo_core.rollout.tree import RolloutTree
+from flows.cli import app
+from infra.store import TrajectoryStore
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[RolloutTree]]:
+    root = tmp_path_factory.mktemp("show")
+    trees = make_trees()
+    TrajectoryStore(root / "store").write_step("run-x", 3, trees, make_scores(trees), make_questions(trees))
+    return root, trees
+
+
+def show(root: Path, *args: str) -> Any:
+    return CliRunner().invoke(app, ["trajectories", "run-x", "--store", str(root / "store"), "--runs-dir",
+                                    str(root / "runs"), *args], env={"COLUMNS": "200"}, catch_exceptions=False)
+
+
+def test_show_a_question_prints_its_tree(stored: tuple[Path, list[RolloutTree]]) -> None:
+    root, trees = stored
+    out = show(root, "--step", "3", "--show", "q1")
+    assert out.exit_code == 0, out.output
+    tree = trees[1]
+    assert "What is x in q1?" in out.stdout and "x | ex-1" in out.stdout and "hotpotqa" in out.stdout
+    assert f"m = {tree.global_budget}, H_root = 1.000" in out.stdout
+    for node in tree.nodes[1:]:  # every segment once, with its decision
+        assert (f"model {node.node_id} " in out.stdout) if node.kind == "model" else "tool search(" in out.stdout
+        if node.branch_reason and node.branch_reason != "fork":
+            assert f"branch point: {node.branch_reason} (score {node.branch_score:.3f}" in out.stdout
+    for j, leaf in enumerate(tree.leaves):
+        reward = f"{0.25 * j:.3f} (f1={0.25 * j})" if j < len(tree.leaves) - 1 else "– (not scored)"
+        assert f"→ leaf {leaf.leaf_id}: reward {reward}, {leaf.status}" in out.stdout
+    assert "error: unavailable" in out.stdout  # q1's search fails
+
+
+def test_show_a_leaf_prints_its_transcript(stored: tuple[Path, list[RolloutTree]]) -> None:
+    root, trees = stored
+    tree = trees[1]
+    leaf = next(lf for lf in tree.leaves if lf.sample_kind == "branch")
+    out = show(root, "--step", "3", "--show", f"q1/{leaf.leaf_id}")
+    assert out.exit_code == 0, out.output
+    positions = []
+    for node in tree.path(leaf)[1:]:  # the path's segments in order, each with its span; model ones with entropies
+        head = f"node {node.node_id} · {'model' if node.kind == 'model' else 'tool result'} · tokens " \
+               f"[{node.token_start}, {node.token_end})"
+        positions.append(out.stdout.index(head))
+        if node.kind == "model":
+            mean = sum(node.entropies) / len(node.entropies)
+            assert f"{head} · H_W {node.segment_entropy:.3f}, mean H {mean:.3f}" in out.stdout
+    assert positions == sorted(positions)
+    assert "search failed: backend unavailable" in out.stdout and "↳ first segment of a branch" in out.stdout
+    j = tree.leaves.index(leaf)
+    assert (f"leaf {leaf.leaf_id} (branch) · status {leaf.status} · reward {0.25 * j:.3f} (f1={0.25 * j}) · "
+            f"advantage {0.5 - 0.25 * j:+.3f}") in out.stdout
+
+
+def test_bad_show_arguments_say_what_exists(stored: tuple[Path, list[RolloutTree]]) -> None:
+    root, _ = stored
+    no_step = show(root, "--show", "q1")
+    assert no_step.exit_code == 2 and "--show needs --step" in no_step.stderr
+    no_question = show(root, "--step", "3", "--show", "q9")
+    assert no_question.exit_code == 1 and "no such question at this step (questions: q0, q1, q2)" in no_question.stderr
+    no_leaf = show(root, "--step", "3", "--show", "q1/9")
+    assert no_leaf.exit_code == 1 and "question q1 has leaves [0, 1, 2, 3]" in no_leaf.stderr
+    no_step_stored = show(root, "--step", "4", "--show", "q1")
+    assert no_step_stored.exit_code == 1 and "steps: [3]" in no_step_stored.stderr
