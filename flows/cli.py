@@ -33,7 +33,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -392,7 +392,7 @@ def check_tracking_server(uri: str | None) -> None:
 def _tracking_uri(runs: Path, tracking_uri: str | None, required: bool = True) -> str | None:
     """The tracking URI a reading command uses: ``--tracking-uri`` (checked: a server must answer), else the runs
     dir's SQLite store, which must exist (``required=False``: None where it does not)."""
-    from infra.tracking import tracking_uri_for
+    from infra.run_index import tracking_uri_for
 
     check_tracking_server(tracking_uri)
     uri = tracking_uri or tracking_uri_for(runs)
@@ -698,8 +698,8 @@ def serve(
 # ---------------------------------------------------------------------------------------------- runs
 
 
-def _first_metric(row: Any, pattern: re.Pattern[str]) -> float | None:
-    for key, value in row.items():
+def _first_metric(metrics: Mapping[str, float], pattern: re.Pattern[str]) -> float | None:
+    for key, value in metrics.items():
         if pattern.match(str(key)) and value is not None and not (isinstance(value, float) and math.isnan(value)):
             return float(value)
     return None
@@ -716,26 +716,27 @@ def runs(
     rdir = resolve_runs_dir(runs_dir)
     uri = _tracking_uri(rdir, tracking_uri)
     assert uri is not None
-    from infra.tracking import Tracker
+    from infra.run_index import newest_runs
 
-    frame = Tracker(uri, experiment=experiment).search_runs(max_results=limit)
-    table = Table(title=f"MLflow runs in {experiment!r} at {uri}", title_justify="left")
+    found = newest_runs(uri, experiment, limit)
+    table = Table(title=f"MLflow runs in {experiment!r} at {uri}", title_justify="left", box=box.SIMPLE_HEAD,
+                  pad_edge=False)
     for col in ("started", "name", "run id", "kind", "status", "algorithm", "mode", "seed", "pass@1", "reward"):
-        table.add_column(col, overflow="fold")
-    pass1 = re.compile(r"^metrics\.eval/.+/pass_at_1$")
-    for _, row in frame.iterrows():
-        kind = row.get("tags.kind")
-        kind = kind if isinstance(kind, str) and kind else "train"
-        if isinstance(row.get("tags.sweep_name"), str) and kind == "train":
-            kind = f"train ({row['tags.sweep_name']})"
-        started = row["start_time"].strftime("%Y-%m-%d %H:%M") if row["start_time"] is not None else "–"
-        table.add_row(started, str(row["run_name"]), str(row["run_id"])[:12], kind, str(row["status"]),
-                      str(row.get("tags.algorithm", "–")), str(row.get("tags.mode", "–")),
-                      str(row.get("tags.seed", "–")), _fmt(_first_metric(row, pass1)),
-                      _fmt(row.get("metrics.rollout/reward_mean")))
+        wraps = col in ("name", "kind")
+        table.add_column(col, overflow="fold", no_wrap=not wraps,
+                         justify="right" if col in ("seed", "pass@1", "reward") else "left")
+    pass1 = re.compile(r"^eval/.+/pass_at_1$")
+    for run in found:
+        kind = run.tags.get("kind") or "train"
+        if run.tags.get("sweep_name") and kind == "train":
+            kind = f"train ({run.tags['sweep_name']})"
+        started = run.start_time.strftime("%m-%d %H:%M") if run.start_time is not None else "–"
+        table.add_row(started, run.run_name, run.run_id[:12], kind, run.status, run.tags.get("algorithm", "–"),
+                      run.tags.get("mode", "–"), run.tags.get("seed", "–"), _fmt(_first_metric(run.metrics, pass1)),
+                      _fmt(run.metrics.get("rollout/reward_mean")))
     out = _out()
     out.print(table)
-    if frame.empty:
+    if not found:
         out.print("no runs yet")
 
 

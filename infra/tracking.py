@@ -37,6 +37,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from aepo_core.config import ExperimentConfig
+from infra.run_index import tracking_uri_for
 
 if TYPE_CHECKING:  # aepo_core.scoring imports torch (~1.5 s): `aepo runs` and the other readers never need it
     from aepo_core.rollout.tree import RolloutTree
@@ -44,7 +45,6 @@ if TYPE_CHECKING:  # aepo_core.scoring imports torch (~1.5 s): `aepo runs` and t
 
 log = logging.getLogger(__name__)
 
-DB_NAME = "mlflow.db"
 ARTIFACTS_DIR = "mlartifacts"
 MAX_PARAM_VALUE = 6000  # MLflow's limit on a param value
 MAX_KEY = 250  # MLflow's limit on a param / metric / tag key
@@ -78,11 +78,6 @@ class NamedRun:
     run_id: str
     status: str
     params: Mapping[str, str]
-
-
-def tracking_uri_for(runs_dir: str | os.PathLike[str]) -> str:
-    """The default tracking URI: a SQLite store inside the runs dir (absolute, so the cwd does not matter)."""
-    return f"sqlite:///{Path(runs_dir).expanduser().resolve() / DB_NAME}"
 
 
 def artifact_location_for(runs_dir: str | os.PathLike[str]) -> str:

@@ -306,3 +306,41 @@ def test_two_processes_opening_a_fresh_store_at_once_both_succeed(tmp_path: Path
     for p in procs:
         p.join(timeout=60)
     assert outcomes == ["ok", "ok"], "\n---\n".join(o for o in outcomes if o != "ok")
+
+
+def test_the_run_listing_reads_sqlite_as_mlflow_does(tmp_path: Path) -> None:
+    """`aepo runs` reads a local store with sqlite3 (no MLflow import: 0.4 s of CPU instead of ~4); it must give
+    what MLflow's client gives: the newest active runs of the experiment, their tags and latest metrics (NaN kept),
+    deleted runs and other experiments left out."""
+    import math
+
+    from mlflow.tracking import MlflowClient
+
+    from infra.run_index import _from_client, _from_sqlite, newest_runs, tracking_uri_for
+
+    uri = tracking_uri_for(tmp_path)
+    client = MlflowClient(uri)
+    exp, other = client.create_experiment("aepo"), client.create_experiment("other")
+    ids = []
+    for i in range(5):
+        run = client.create_run(exp, run_name=f"r{i}", start_time=1_700_000_000_000 + i * 1000,
+                                tags={"algorithm": "aepo", "seed": str(i)})
+        for step in (1, 2):
+            client.log_metric(run.info.run_id, "eval/x/pass_at_1", 0.1 * i + step, step=step)
+        client.log_metric(run.info.run_id, "rollout/reward_mean", math.nan if i == 3 else -i, step=1)
+        ids.append(run.info.run_id)
+    client.set_terminated(ids[1], "FAILED")
+    client.delete_run(ids[2])
+    client.create_run(other, run_name="elsewhere")
+    db = tmp_path / "mlflow.db"
+    fast, reference = _from_sqlite(db, "aepo", 3), _from_client(uri, "aepo", 3)
+    assert [r.run_name for r in fast] == ["r4", "r3", "r1"]  # newest first, the deleted r2 left out
+    assert [(r.run_id, r.run_name, r.status, r.start_time, dict(r.tags)) for r in fast] == \
+        [(r.run_id, r.run_name, r.status, r.start_time, dict(r.tags)) for r in reference]
+    for a, b in zip(fast, reference, strict=True):
+        assert a.metrics.keys() == b.metrics.keys()
+        assert all(a.metrics[k] == b.metrics[k] or (math.isnan(a.metrics[k]) and math.isnan(b.metrics[k]))
+                   for k in a.metrics)
+    assert fast[0].metrics["eval/x/pass_at_1"] == 0.1 * 4 + 2  # the latest step's value
+    assert newest_runs(uri, "nope", 5) == []
+    assert [r.run_name for r in newest_runs(uri, "other", 5)] == ["elsewhere"]
