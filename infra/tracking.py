@@ -31,13 +31,16 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from mlflow.entities import Metric, Param, RunTag, ViewType
+from mlflow.entities import Metric, Param, RunTag, Trace, ViewType
 from mlflow.exceptions import MlflowException
+from mlflow.tracing.client import TracingClient
+from mlflow.tracing.constant import SpansLocation, TraceTagKey
 from mlflow.tracking import MlflowClient
 
 from aepo_core.config import ExperimentConfig
 from aepo_core.rollout.tree import RolloutTree
 from aepo_core.scoring import LeafScore, check_aligned
+from infra.traces import TraceKind, TraceTarget, rollout_traces
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,10 @@ TAG_CONFIG_HASH = "config_hash"
 TAG_FLOW_RUN = "prefect_flow_run_id"
 TAG_EXPERIMENT_NAME = "experiment_name"
 TAG_RESUMES = "resumes"
+# The experiment tag MLflow 3's UI reads to choose an experiment's landing page: without it, an experiment that
+# has traces is inferred to be a GenAI app and opens on its (empty) GenAI overview instead of the training runs.
+TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
 
 _BAD_METRIC_CHARS = re.compile(r"[^\w.\- :/]")
 _model_lock = threading.Lock()  # guards the process-global tracking URI during fluent calls
@@ -222,7 +229,8 @@ class Tracker:
         if exp is None:
             try:
                 self._experiment_id = self.client.create_experiment(self.experiment,
-                                                                    artifact_location=self.artifact_location)
+                                                                    artifact_location=self.artifact_location,
+                                                                    tags={TAG_EXPERIMENT_KIND: EXPERIMENT_KIND})
                 log.info("created MLflow experiment %r (artifacts: %s)", self.experiment,
                          self.artifact_location or "server default")
                 return self._experiment_id
@@ -233,6 +241,8 @@ class Tracker:
         if exp.lifecycle_stage == "deleted":
             log.warning("restoring deleted MLflow experiment %r", self.experiment)
             self.client.restore_experiment(exp.experiment_id)
+        if TAG_EXPERIMENT_KIND not in exp.tags:  # an older experiment: opens on runs too (a user's choice is kept)
+            self.client.set_experiment_tag(exp.experiment_id, TAG_EXPERIMENT_KIND, EXPERIMENT_KIND)
         if self.artifact_location and exp.artifact_location != self.artifact_location:
             log.debug("experiment %r keeps its artifact location %s", self.experiment, exp.artifact_location)
         self._experiment_id = exp.experiment_id
@@ -448,6 +458,36 @@ class Tracker:
         self.client.log_table(self.run_id, data=df, artifact_file=name)
         return df
 
+    def log_rollout_traces(self, trees: Sequence[RolloutTree], scores: Sequence[Sequence[LeafScore]] | None, *,
+                           step: int, kind: TraceKind, label: str, questions: Mapping[str, str]) -> list[str]:
+        """Every leaf of ``trees`` as an MLflow trace of the run at ``step`` (:mod:`infra.traces`); returns the
+        trace ids. ``kind``/``label`` say what produced them (``train``/``step3``, ``eval``/``final/gsm8k``)."""
+        if scores is not None:
+            check_aligned(trees, scores)
+        target = TraceTarget(self.experiment_id(), self.run_id, step, kind, label)
+        return self.log_traces(rollout_traces(target, trees, scores, questions, time.time_ns()))
+
+    def log_traces(self, traces: Sequence[Trace]) -> list[str]:
+        """Write finished traces to the tracking store, the way MLflow's own exporter does but synchronously
+        and with this tracker's URI: the spans first (a SQL store keeps them in its tables), then each trace's
+        info; a store that keeps no spans gets them as the trace's artifact."""
+        if not traces:
+            return []
+        tracing = TracingClient(self.tracking_uri)
+        experiment_id = traces[0].info.experiment_id
+        in_store = True
+        try:
+            tracing.log_spans(experiment_id, [s for t in traces for s in t.data.spans])
+        except NotImplementedError:
+            in_store = False
+        ids = []
+        for t in traces:
+            info = tracing.start_trace(t.info)
+            if not in_store or info.tags.get(TraceTagKey.SPANS_LOCATION) != SpansLocation.TRACKING_STORE.value:
+                tracing._upload_trace_data(info, t.data)  # the exporter's own fallback (no public equivalent)
+            ids.append(info.trace_id)
+        return ids
+
     # ---- models ------------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -618,3 +658,7 @@ class RankTracker:
     def log_trajectory_sample(self, trees: Sequence[RolloutTree], scores: Sequence[Sequence[LeafScore]] | None,
                               **_: Any) -> None:
         return None
+
+    def log_rollout_traces(self, trees: Sequence[RolloutTree], scores: Sequence[Sequence[LeafScore]] | None,
+                           **_: Any) -> list[str]:
+        return []
