@@ -191,12 +191,10 @@ def _train_loop(trainer: Trainer, name: str, tracker: Tracker, trajectories: Tra
         result = dataclasses.replace(rounds[0], trees=filled.sampled_trees)
         if trainer.ranks.is_main:
             store(trajectories, trainer.run_id, step, result, filled.sampled_scores)
-        t_traces = time.perf_counter()
         n = cfg.tracking.traces_per_step
-        tracker.log_rollout_traces(result.trees[:n], filled.sampled_scores[:n], step=step, kind="train",
-                                   label=f"step{step}", questions=trainer.questions())
+        tracker.log_rollout_traces(result.trees[:n], filled.sampled_scores.leaves[:n], step=step,
+                                   kind="train", label=f"step{step}", questions=trainer.questions())
         tracker.log_metrics({**rounds[0].metrics(), **scores.metrics, **train_metrics,
-                             "step/traces_s": time.perf_counter() - t_traces,
                              "step/wall_s": time.perf_counter() - t0}, step)
         last = (result, filled.sampled_scores)
         if step % cfg.checkpoint.every == 0 or step == total:

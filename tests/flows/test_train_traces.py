@@ -9,7 +9,7 @@ import pytest
 
 from infra.config_files import load_config
 from infra.store import TrajectoryStore
-from infra.traces import TAG_KIND, TAG_STEP, attributes
+from infra.traces import TAG_KIND, TAG_LABEL, TAG_STEP, attributes
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -32,10 +32,13 @@ def test_step_traces_match_the_parquet_rows_of_their_leaves(prefect_harness, tmp
     run = client.get_run(out.run_id)
     exp = client.get_experiment(run.info.experiment_id)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # the UI opens on the runs
-    traces = [t for t in client.search_traces(locations=[exp.experiment_id], run_id=out.run_id)
-              if t.info.tags[TAG_KIND] == "train"]
+    everything = client.search_traces(locations=[exp.experiment_id], run_id=out.run_id)
+    assert all(t.info.trace_metadata["mlflow.sourceRun"] == out.run_id for t in everything)
+    traces = [t for t in everything if t.info.tags[TAG_KIND] == "train"]
     assert len(traces) == 2 and {t.info.tags[TAG_STEP] for t in traces} == {"1"}
-    assert all(t.info.trace_metadata["mlflow.sourceRun"] == out.run_id for t in traces)
+    evals = [t for t in everything if t.info.tags[TAG_KIND] == "eval"]  # the final evaluation's first question
+    assert [t.info.tags[TAG_LABEL] for t in evals] == ["final/synthetic_test"]
+    assert len([s for s in evals[0].data.spans if s.span_type == "CHAIN"]) == 2  # eval.n_samples
 
     store = TrajectoryStore(Path(out.trajectories))
     leaves = {(r["question_id"], r["leaf_id"]): r for r in store.read_table("trajectories", out.run_id, 1).to_pylist()}
@@ -66,5 +69,4 @@ def test_step_traces_match_the_parquet_rows_of_their_leaves(prefect_harness, tmp
                 else:
                     assert {"segment_entropy", "delta_entropy", "branched", "branch_reason"} <= set(seg)
     assert tool_spans >= 1
-    history = client.get_metric_history(out.run_id, "step/traces_s")
-    assert [m.step for m in history] == [1]
+    assert [m.step for m in client.get_metric_history(out.run_id, "traces/train_s")] == [1]

@@ -44,7 +44,9 @@ def test_logged_traces_carry_the_parquet_rows_of_their_leaves(
     tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", artifact_location=(tmp_path / "art").as_uri())
     run_id = tracker.start(ExperimentConfig())
     questions = {t.question_id: f"text of {t.question_id}" for t in trees}
-    ids = tracker.log_rollout_traces(trees[:2], scores[:2], step=3, kind="train", label="step3", questions=questions)
+    future = tracker.log_rollout_traces(trees[:2], scores[:2], step=3, kind="train", label="step3",
+                                        questions=questions)
+    ids = future.result()
     store = TrajectoryStore(tmp_path / "traj")
     store.write_step(run_id, 3, trees, scores)
     leaves = {(r["question_id"], r["leaf_id"]): r for r in store.read_table("trajectories").to_pylist()}
@@ -88,7 +90,21 @@ def test_logged_traces_carry_the_parquet_rows_of_their_leaves(
     assert errors  # the scripted search fails on q1: failed calls are ERROR spans
     exp = tracker.client.get_experiment(tracker.experiment_id())
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    assert [m.step for m in tracker.client.get_metric_history(run_id, "traces/train_s")] == [3]
     tracker.finish()
+
+
+def test_finish_waits_for_the_background_writes(tmp_path: Path,
+                                                scored: tuple[list[RolloutTree], list[list[LeafScore]]]) -> None:
+    trees, scores = scored
+    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", artifact_location=(tmp_path / "art").as_uri())
+    run_id = tracker.start(ExperimentConfig())
+    for step in (1, 2):
+        tracker.log_rollout_traces(trees, scores, step=step, kind="train", label=f"step{step}", questions={})
+    assert tracker.log_rollout_traces([], [], step=3, kind="train", label="step3", questions={}) is None
+    tracker.finish()
+    found = tracker.client.search_traces(locations=[tracker.experiment_id()], run_id=run_id)
+    assert sorted(t.info.tags[TAG_STEP] for t in found) == ["1"] * len(trees) + ["2"] * len(trees)
 
 
 def test_long_texts_are_cut_and_timing_is_rebuilt(scored: tuple[list[RolloutTree], list[list[LeafScore]]]) -> None:
