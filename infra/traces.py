@@ -166,7 +166,7 @@ def _start(name: str, span_type: str, parent: LiveSpan | None, start_ns: int) ->
 def _segment_span(target: TraceTarget, tree: RolloutTree, node: Node, parent: LiveSpan, start_ns: int,
                   end_ns: int) -> LiveSpan:
     """A model segment (LLM span: entropy, ΔH, branch decision) or a tool call (TOOL span: argument, result,
-    latency, cache hit, error), with its ``nodes`` row as attributes."""
+    latency, cache hit, error; GUARDRAIL for the scheduler's notices), with its ``nodes`` row as attributes."""
     row = node_row(target.run_id, target.step, tree, node)
     attrs = {k: v for k, v in row.items() if k not in _ROW_ONLY and k not in _SEGMENT_KEYS_ON_LEAF}
     if node.tool is None:
@@ -176,7 +176,8 @@ def _segment_span(target: TraceTarget, tree: RolloutTree, node: Node, parent: Li
         attrs["aepo.duration_estimated"] = True
         status = SpanStatus(SpanStatusCode.OK)
     else:
-        span = _start(node.tool.name, SpanType.TOOL, parent, start_ns)
+        # The scheduler's notices (a call past the limit, a malformed call) ran no tool: the guard said no.
+        span = _start(node.tool.name, SpanType.GUARDRAIL if node.tool.is_notice else SpanType.TOOL, parent, start_ns)
         span.set_inputs({"argument": node.tool.argument})
         status = (SpanStatus(SpanStatusCode.OK) if node.tool.ok
                   else SpanStatus(SpanStatusCode.ERROR, node.tool.error or "tool call failed"))
