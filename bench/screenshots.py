@@ -8,9 +8,12 @@ check by eye that the traces show (issue 14).
 It starts ``aepo ui`` on the runs dir (MLflow and Prefect servers on free ports; stopped at the end), picks the
 latest run that has traces (or ``--run-id``), and writes PNGs to ``bench/results/screenshots/``:
 
-- ``1-experiment.png``: the experiment as the UI opens it (the training runs: ``mlflow.experimentKind``);
+- ``1-experiment.png``: the experiment on its training runs. MLflow 3.17's UI decides GenAI vs "Model training"
+  with a global switch (URL ``?workflowType=``, else the browser's last choice, else GenAI), not with the
+  experiment's ``mlflow.experimentKind`` tag, so the links carry ``workflowType=machine_learning``;
 - ``2-run-traces.png``: the run's Traces tab (one row per traced question and step);
-- ``3-trace.png``: the trace with the most tool calls (span tree: leaves, model segments, tool calls);
+- ``3-trace.png``: the trace with the most tool calls (span tree: leaves, model segments, tool calls; the root
+  span's inputs and outputs);
 - ``4-prefect-flow-run.png``: the run's Prefect flow run (its task runs), when the Prefect database under the runs
   dir knows it.
 
@@ -30,8 +33,12 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
+
+from aepo_core.rollout.tree import NOTICE_EVENTS
 
 ROOT = Path(__file__).resolve().parents[1]
+ML_WORKFLOW = "workflowType=machine_learning"  # MLflow 3.17's UI: the "Model training" side of its GenAI switch
 OUT = ROOT / "bench" / "results" / "screenshots"
 
 
@@ -71,15 +78,21 @@ def pick_run(runs_dir: Path, experiment: str, run_id: str | None) -> tuple[str, 
     for run in runs:
         traces = client.search_traces(locations=[exp.experiment_id], run_id=run.info.run_id, max_results=50)
         if traces or run_id:
-            best = max(traces, key=lambda t: sum(s.span_type == "TOOL" for s in t.data.spans), default=None)
+            best = max(traces, key=_real_tool_calls, default=None)
             return (exp.experiment_id, run.info.run_id, best.info.trace_id if best else None,
                     run.data.tags.get(TAG_FLOW_RUN))
     sys.exit(f"no run with traces in experiment {experiment!r}")
 
 
+def _real_tool_calls(trace: Any) -> int:
+    """Tool spans of a trace that ran a tool (not the scheduler's ``limit`` / ``invalid`` notices)."""
+    return sum(s.span_type == "TOOL" and s.name not in NOTICE_EVENTS for s in trace.data.spans)
+
+
 def screenshot(chromium: str, url: str, path: Path, size: str, budget_ms: int) -> None:
     """One headless Chromium screenshot of ``url``."""
     cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
+           "--run-all-compositor-stages-before-draw",
            f"--window-size={size}", f"--virtual-time-budget={budget_ms}", f"--screenshot={path}", url]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
     print(f"{path}  ←  {url}")
@@ -111,10 +124,11 @@ def main() -> None:
         mlflow, prefect = f"http://127.0.0.1:{mport}", f"http://127.0.0.1:{pport}"
         wait_http(mlflow, 180, ui)
         wait_http(f"{prefect}/api/health", 180, ui)
-        shots = [("1-experiment.png", f"{mlflow}/#/experiments/{exp_id}"),
-                 ("2-run-traces.png", f"{mlflow}/#/experiments/{exp_id}/runs/{run_id}/traces")]
+        ml = f"?{ML_WORKFLOW}"
+        shots = [("1-experiment.png", f"{mlflow}/#/experiments/{exp_id}{ml}"),
+                 ("2-run-traces.png", f"{mlflow}/#/experiments/{exp_id}/runs/{run_id}/traces{ml}")]
         if trace_id:
-            shots.append(("3-trace.png", f"{mlflow}/#/experiments/{exp_id}/traces/{trace_id}"))
+            shots.append(("3-trace.png", f"{mlflow}/#/experiments/{exp_id}/traces{ml}&selectedEvaluationId={trace_id}"))
         if flow_run:
             shots.append(("4-prefect-flow-run.png", f"{prefect}/runs/flow-run/{flow_run}"))
         for name, url in shots:

@@ -63,8 +63,9 @@ TAG_CONFIG_HASH = "config_hash"
 TAG_FLOW_RUN = "prefect_flow_run_id"
 TAG_EXPERIMENT_NAME = "experiment_name"
 TAG_RESUMES = "resumes"
-# The experiment tag MLflow 3's UI reads to choose an experiment's landing page: without it, an experiment that
-# has traces is inferred to be a GenAI app and opens on its (empty) GenAI overview instead of the training runs.
+# The experiment's type in MLflow 3 (earlier 3.x UIs open an untagged experiment that has traces as a GenAI app,
+# on an empty GenAI overview). MLflow 3.17's UI ignores it for the landing page: a global GenAI / "Model training"
+# switch decides (the URL's ?workflowType=machine_learning, else the browser's last choice, else GenAI).
 TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 
