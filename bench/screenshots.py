@@ -116,7 +116,8 @@ def main() -> None:
 
     mport, pport = free_port(), free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    log = open(args.out / "ui.log", "wb")
+    (runs / "logs").mkdir(parents=True, exist_ok=True)
+    log = open(runs / "logs" / "screenshots-ui.log", "wb")
     ui = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", "--runs-dir", str(runs), "--mlflow-port",
                            str(mport), "--prefect-port", str(pport)], cwd=ROOT, env=env, stdout=log,
                           stderr=subprocess.STDOUT, start_new_session=True)
