@@ -667,7 +667,7 @@ class TrackingConfig(Section):
     log_model: bool = Field(True, description="Log the final policy as an MLflow transformers model.")
     traces_per_step: int = Field(
         2, ge=0, description="Questions of each RL step whose rollout trees are logged as MLflow traces (the first "
-        "ones of the step; one trace per leaf, a span per model segment and tool call); 0: none."
+        "ones of the step; one trace per question: a span per leaf, model segment and tool call); 0: none."
     )
     eval_traces: int = Field(
         2, ge=0, description="Questions of each evaluation (the first ones of each dataset) whose samples are "
