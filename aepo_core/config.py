@@ -666,6 +666,14 @@ class TrackingConfig(Section):
     run_name: str | None = Field(None, description="MLflow run name (and checkpoint folder); None: name.")
     system_metrics: bool = Field(True, description="Also log CPU, memory and GPU use (MLflow's system metrics).")
     log_model: bool = Field(True, description="Log the final policy as an MLflow transformers model.")
+    traces_per_step: int = Field(
+        2, ge=0, description="Questions of each RL step whose rollout trees are logged as MLflow traces (the first "
+        "ones of the step; one trace per question: a span per leaf, model segment and tool call); 0: none."
+    )
+    eval_traces: int = Field(
+        2, ge=0, description="Questions of each evaluation (the first ones of each dataset) whose samples are "
+        "logged as MLflow traces; 0: none."
+    )
 
 
 class StorageConfig(Section):

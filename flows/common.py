@@ -7,7 +7,9 @@ from typing import Any
 from prefect.context import FlowRunContext
 
 from aepo_core.config import ExperimentConfig, build_config
+from infra.evaluation import EvalReport
 from infra.runtime import PolicyRuntime
+from infra.tracking import RankTracker, Tracker
 
 
 def resolve_config(config: ExperimentConfig | dict[str, Any] | None, overrides: list[str] | None) -> ExperimentConfig:
@@ -27,3 +29,11 @@ def check_eval_datasets(runtime: PolicyRuntime) -> None:
     flow before any run exists, instead of leaving a FAILED run behind after the training it followed."""
     for spec in runtime.eval_datasets():
         runtime.load_rows(spec)
+
+
+def log_eval_traces(tracker: Tracker | RankTracker, report: EvalReport, step: int, label: str) -> None:
+    """The evaluation's kept samples (``tracking.eval_traces`` first questions) as MLflow traces at ``step``,
+    labelled ``<label>/<dataset key>`` (``final/synthetic_test``)."""
+    if report.traced is not None:
+        tracker.log_rollout_traces(report.traced.trees, report.traced.scores, step=step, kind="eval",
+                                   label=f"{label}/{report.key}", questions=report.traced.questions)

@@ -33,7 +33,7 @@ from prefect.cache_policies import NO_CACHE
 
 from aepo_core.config import ExperimentConfig, StorageConfig, build_config
 from aepo_core.evaluation import paired_comparison
-from flows.common import check_eval_datasets, flow_run_id
+from flows.common import check_eval_datasets, flow_run_id, log_eval_traces
 from infra.config_files import load_config
 from infra.evaluation import EvalReport, EvalSource, ResultsDir
 from infra.fs import is_remote, open_fs, storage_errors, storage_options
@@ -240,6 +240,7 @@ def evaluate(
                     logger.info("paired Pass@1 vs %s on %s: %+.4f [%.4f, %.4f] over %d questions", compare_to, ds,
                                 cmp["diff"], cmp["ci_low"], cmp["ci_high"], int(cmp["questions"]))
                 tracker.log_metrics(metrics, step)
+                log_eval_traces(tracker, report, step, "eval")
                 result.summary[report.key], result.by_family[report.key] = report.summary, report.by_family
                 table.extend(_table_rows(report, cfg.eval.pass_k, result.judge.get(report.key)))
             tracker.log_artifact(results.local, "eval")

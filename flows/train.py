@@ -25,7 +25,7 @@ from aepo_core.evaluation import paired_comparison
 from aepo_core.rollout.scheduler import RolloutResult, merge_results
 from aepo_core.rollout.tree import RolloutTree
 from aepo_core.scoring import StepScores, fill_informative
-from flows.common import check_eval_datasets, flow_run_id, resolve_config
+from flows.common import check_eval_datasets, flow_run_id, log_eval_traces, resolve_config
 from infra.evaluation import EvalReport, EvalSource, ResultsDir
 from infra.plots import curves_figure, rollout_tree_figure
 from infra.ranks import Ranks
@@ -75,6 +75,7 @@ class TrainResult:
 def _log_eval(tracker: Tracker, report_: EvalReport, step: int, label: str) -> None:
     """Log one evaluation: metrics at ``step``, the full report as JSON."""
     tracker.log_metrics(report_.metrics(), step)
+    log_eval_traces(tracker, report_, step, label)
     tracker.log_dict({"summary": report_.summary, "by_family": report_.by_family,
                       "questions": [o.as_dict() for o in report_.outcomes]}, f"eval/{label}/{report_.key}.json")
 
@@ -229,6 +230,9 @@ def _train_loop(trainer: Trainer, name: str, tracker: Tracker, trajectories: Tra
         result = dataclasses.replace(rounds[0], trees=filled.sampled_trees)
         if trainer.ranks.is_main:
             store(trajectories, trainer.run_id, step, result, filled.sampled_scores, questions)
+        n = cfg.tracking.traces_per_step
+        tracker.log_rollout_traces(result.trees[:n], filled.sampled_scores.leaves[:n], step=step,
+                                   kind="train", label=f"step{step}", questions=trainer.questions())
         tracker.log_metrics({**rounds[0].metrics(), **scores.metrics, **train_metrics,
                              "step/wall_s": time.perf_counter() - t0}, step)
         last = (result, filled.sampled_scores)
@@ -248,7 +252,7 @@ def _train_loop(trainer: Trainer, name: str, tracker: Tracker, trajectories: Tra
         tracker.log_figure(rollout_tree_figure(tree, title=f"{tree.question_id} (step {trainer.step})",
                                                scores=scores.leaves[i]), "plots/rollout_tree.png")
         tracker.log_trajectory_sample(result.trees, scores.leaves, max_rows=16, step=trainer.step,
-                                      questions={r.id: r.question for r in trainer.rows})
+                                      questions=trainer.questions())
 
 
 def _paired_vs_earlier(per_question: dict[str, dict[str, dict[str, float]]],

@@ -156,6 +156,7 @@ class Trainer:
         self.runtime = runtime
         self.run_id = run_id
         self.checkpoints = _store(checkpoint_dir)
+        self._questions: dict[str, str] | None = None
         self.order = DataOrder(len(self.rows), cfg.train.batch_size, cfg.seed, shuffle=cfg.data.shuffle)
         self.total_steps = cfg.train.steps or cfg.train.epochs * self.order.batches_per_epoch
         self.backend = build_backend(runtime, self.total_steps)
@@ -176,6 +177,12 @@ class Trainer:
     def step(self) -> int:
         """Optimizer updates done so far (RL steps; 0 before the first)."""
         return self._step
+
+    def questions(self) -> dict[str, str]:
+        """Question id → question text of the training rows (trees hold token ids only)."""
+        if self._questions is None:
+            self._questions = {r.id: r.question for r in self.rows}
+        return self._questions
 
     def next_batch(self) -> list[QuestionRow]:
         """The rows of the next step; advances the data cursor."""

@@ -89,7 +89,7 @@ def evaluate(runtime: PolicyRuntime, dataset: str, label: str) -> EvalReport:
     """Evaluate the runtime's current policy on ``dataset`` (``label``: start, sft, stepN, final, eval)."""
     cfg = runtime.cfg
     result = evaluate_dataset(runtime, dataset, runtime.load_rows(dataset), cfg.eval, cfg.seed,
-                              cfg.eval.batch_size or cfg.train.batch_size)
+                              cfg.eval.batch_size or cfg.train.batch_size, traces=cfg.tracking.eval_traces)
     k = cfg.eval.pass_k
     s = result.summary
     report(get_run_logger(), Progress("evaluate", name=result.key, label=label),

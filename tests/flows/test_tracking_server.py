@@ -66,6 +66,8 @@ def test_train_eval_runs_and_trajectories_against_the_server(server: Stack, tmp_
     keys = server.keys("mlartifacts/")
     assert any(k.endswith(f"/{run_id}/artifacts/config.yaml") for k in keys), keys[:20]
     assert _prefect_state(server, run["tags.prefect_flow_run_id"]) == "Completed"  # on the ui's Prefect server
+    traces = tracker.client.search_traces(locations=[run["experiment_id"]], run_id=run_id)
+    assert {t.info.tags["aepo.kind"] for t in traces} == {"train", "eval"}  # the step's and the final evaluation's
 
     listed = invoke("runs", "--tracking-uri", uri, "--runs-dir", str(tmp_path / "elsewhere"))
     assert listed.exit_code == 0, listed.output
@@ -84,6 +86,8 @@ def test_train_eval_runs_and_trajectories_against_the_server(server: Stack, tmp_
     assert evaluated.returncode == 0, evaluated.stderr[-4000:]
     ev = tracker.search_runs(filter_string="attributes.run_name = 'remote-eval'").iloc[0]
     assert ev["status"] == "FINISHED" and ev["tags.kind"] == "eval"
+    ev_traces = tracker.client.search_traces(locations=[ev["experiment_id"]], run_id=ev["run_id"])
+    assert ev_traces and {t.info.tags["aepo.label"] for t in ev_traces} == {"eval/synthetic_test"}
     assert any(f"/{ev['run_id']}/artifacts/" in k for k in server.keys("mlartifacts/"))
     assert not (runs / "mlflow.db").exists() and not (runs / "mlartifacts").exists()  # nothing tracked locally
 

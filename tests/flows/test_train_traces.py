@@ -1,0 +1,76 @@
+"""A tiny training run's MLflow traces: linked to the run and step, with spans whose attributes are the Parquet
+rows of the same leaf and node (real MLflow SQLite store, real Prefect engine)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from infra.config_files import load_config
+from infra.store import TrajectoryStore
+from infra.traces import TAG_KIND, TAG_LABEL, TAG_STEP, attributes
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "tiny.yaml"
+# A random tiny policy never calls a tool; a memorizing cold-start SFT on oracle transcripts (which search and
+# run Python) makes it do so from the first step (as in test_train_flow's resume test).
+TOOL_USE = ["train.sft.enabled=true", "train.sft.max_examples=8", "train.sft.epochs=30", "train.sft.lr=3e-3",
+            "rollout.max_response_tokens=160"]
+
+
+@pytest.mark.timeout(900)
+def test_step_traces_match_the_parquet_rows_of_their_leaves(prefect_harness, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from flows.train import train
+
+    overrides = ["train.steps=1", "eval.every=0", "eval.max_questions=1", "tracking.log_model=false",
+                 "tracking.traces_per_step=2", *TOOL_USE]
+    out = train(config=load_config(TINY, overrides), runs_dir=str(tmp_path))
+    client = MlflowClient(out.tracking_uri)
+    run = client.get_run(out.run_id)
+    exp = client.get_experiment(run.info.experiment_id)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # the UI opens on the runs
+    everything = client.search_traces(locations=[exp.experiment_id], run_id=out.run_id)
+    assert all(t.info.trace_metadata["mlflow.sourceRun"] == out.run_id for t in everything)
+    traces = [t for t in everything if t.info.tags[TAG_KIND] == "train"]
+    assert len(traces) == 2 and {t.info.tags[TAG_STEP] for t in traces} == {"1"}
+    evals = [t for t in everything if t.info.tags[TAG_KIND] == "eval"]  # the final evaluation's first question
+    assert [t.info.tags[TAG_LABEL] for t in evals] == ["final/synthetic_test"]
+    assert len([s for s in evals[0].data.spans if s.span_type == "CHAIN"]) == 2  # eval.n_samples
+
+    store = TrajectoryStore(Path(out.trajectories))
+    leaves = {(r["question_id"], r["leaf_id"]): r for r in store.read_table("trajectories", out.run_id, 1).to_pylist()}
+    nodes = {(r["question_id"], r["node_id"]): r for r in store.read_table("nodes", out.run_id, 1).to_pylist()}
+    tool_spans = 0
+    for trace in traces:
+        spans = trace.data.spans
+        for leaf_span in (s for s in spans if s.span_type == "CHAIN"):
+            attrs = attributes(leaf_span)
+            row = leaves[(attrs["question_id"], attrs["leaf_id"])]
+            assert attrs == {k: row[k] for k in attrs}, leaf_span.name
+            assert {"reward", "reward_reason", "advantage", "status", "wall_ms"} <= set(attrs)
+            children = sorted((s for s in spans if s.parent_id == leaf_span.span_id),
+                              key=lambda s: (s.start_time_ns, attributes(s)["node_id"]))
+            assert [attributes(s)["node_id"] for s in children] == row["path"][1:]  # the leaf's segments, in order
+            for span in children:
+                seg = attributes(span)
+                node = nodes[(attrs["question_id"], seg["node_id"])]
+                assert {k: v for k, v in seg.items() if not k.startswith("aepo.")} == {
+                    k: node[k] for k in seg if not k.startswith("aepo.")}, span.name
+                if node["kind"] == "model":
+                    assert span.span_type == "LLM"
+                    assert {"segment_entropy", "delta_entropy", "branched", "branch_reason"} <= set(seg)
+                elif span.span_type == "GUARDRAIL":  # the scheduler's notice: no tool ran
+                    assert span.name in ("limit", "invalid") and span.name == node["tool_name"]
+                else:
+                    assert span.span_type == "TOOL" and span.name == node["tool_name"]
+                    tool_spans += 1
+                    assert span.inputs == {"argument": node["tool_argument"]}
+                    assert span.outputs == node["text"] or span.outputs.startswith(node["text"][:4000])
+                    assert (span.end_time_ns - span.start_time_ns) == pytest.approx(node["tool_latency_ms"] * 1e6,
+                                                                                      abs=2)
+                    assert {"tool_latency_ms", "tool_cache_hit", "tool_error", "tool_ok"} <= set(seg)
+    assert tool_spans >= 1
+    assert [m.step for m in client.get_metric_history(out.run_id, "traces/train_s")] == [1]

@@ -1,0 +1,127 @@
+"""Rollout trees as MLflow traces, written to a real MLflow SQLite store and read back."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
+from test_store import make_scores, make_trees
+
+from aepo_core.config import ExperimentConfig
+from aepo_core.rollout.tree import RolloutTree, ToolEvent
+from aepo_core.scoring import LeafScore
+from infra.store import TrajectoryStore
+from infra.traces import (
+    TAG_KIND,
+    TAG_LABEL,
+    TAG_QUESTION,
+    TAG_STEP,
+    TEXT_CHARS,
+    TraceTarget,
+    attributes,
+    cut,
+    tree_trace,
+)
+from infra.tracking import Tracker
+
+
+@pytest.fixture(scope="module")
+def scored() -> tuple[list[RolloutTree], list[list[LeafScore]]]:
+    """Real scheduler trees (branches, fills, a failing search) and their scores, as the store tests use."""
+    trees = make_trees()
+    return trees, make_scores(trees)
+
+
+def test_logged_traces_carry_the_parquet_rows_of_their_leaves(
+        tmp_path: Path, scored: tuple[list[RolloutTree], list[list[LeafScore]]]) -> None:
+    trees, scores = scored
+    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", artifact_location=(tmp_path / "art").as_uri())
+    run_id = tracker.start(ExperimentConfig())
+    questions = {t.question_id: f"text of {t.question_id}" for t in trees}
+    future = tracker.log_rollout_traces(trees[:2], scores[:2], step=3, kind="train", label="step3",
+                                        questions=questions)
+    ids = future.result()
+    store = TrajectoryStore(tmp_path / "traj")
+    store.write_step(run_id, 3, trees, scores)
+    leaves = {(r["question_id"], r["leaf_id"]): r for r in store.read_table("trajectories").to_pylist()}
+    nodes = {(r["question_id"], r["node_id"]): r for r in store.read_table("nodes").to_pylist()}
+
+    found = tracker.client.search_traces(locations=[tracker.experiment_id()], run_id=run_id)
+    assert sorted(t.info.trace_id for t in found) == sorted(ids) and len(ids) == 2
+    errors = 0
+    for trace, tree in zip(sorted(found, key=lambda t: t.info.tags[TAG_QUESTION]), trees[:2], strict=True):
+        info = trace.info
+        assert info.trace_metadata["mlflow.sourceRun"] == run_id
+        assert (info.tags[TAG_KIND], info.tags[TAG_STEP], info.tags[TAG_LABEL]) == ("train", "3", "step3")
+        assert info.request_preview == questions[tree.question_id]
+        root = trace.data.spans[0]
+        assert root.parent_id is None and root.span_type == "AGENT"
+        assert root.inputs == {"question_id": tree.question_id, "question": questions[tree.question_id]}
+        leaf_spans = sorted((s for s in trace.data.spans if s.parent_id == root.span_id),
+                            key=lambda s: attributes(s)["leaf_id"])  # the store lists spans by start time
+        assert [attributes(s)["leaf_id"] for s in leaf_spans] == [leaf.leaf_id for leaf in tree.leaves]
+        for span, leaf in zip(leaf_spans, tree.leaves, strict=True):
+            row = leaves[(tree.question_id, leaf.leaf_id)]
+            attrs = attributes(span)
+            assert attrs == {k: row[k] for k in attrs}
+            assert span.outputs == row["response_text"]  # short texts are whole
+            assert span.end_time_ns == root.end_time_ns
+            segs = sorted((s for s in trace.data.spans if s.parent_id == span.span_id),
+                          key=lambda s: (s.start_time_ns, attributes(s)["node_id"]))  # laid end to end in path order
+            assert [attributes(s)["node_id"] for s in segs] == row["path"][1:]
+            for seg in segs:
+                node = nodes[(tree.question_id, attributes(seg)["node_id"])]
+                assert {k: v for k, v in attributes(seg).items() if k != "aepo.duration_estimated"} == {
+                    k: node[k] for k in attributes(seg) if k != "aepo.duration_estimated"}
+                assert seg.outputs == node["text"]
+                if node["kind"] == "tool":
+                    assert seg.span_type == "TOOL" and seg.name == node["tool_name"] == "search"
+                    assert seg.end_time_ns - seg.start_time_ns == pytest.approx(node["tool_latency_ms"] * 1e6, abs=2)
+                    assert (seg.status.status_code == "ERROR") == (not node["tool_ok"])
+                    errors += not node["tool_ok"]
+                else:
+                    assert seg.span_type == "LLM" and attributes(seg)["aepo.duration_estimated"] is True
+    assert errors  # the scripted search fails on q1: failed calls are ERROR spans
+    exp = tracker.client.get_experiment(tracker.experiment_id())
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    assert [m.step for m in tracker.client.get_metric_history(run_id, "traces/train_s")] == [3]
+    tracker.finish()
+
+
+def test_finish_waits_for_the_background_writes(tmp_path: Path,
+                                                scored: tuple[list[RolloutTree], list[list[LeafScore]]]) -> None:
+    trees, scores = scored
+    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", artifact_location=(tmp_path / "art").as_uri())
+    run_id = tracker.start(ExperimentConfig())
+    for step in (1, 2):
+        tracker.log_rollout_traces(trees, scores, step=step, kind="train", label=f"step{step}", questions={})
+    assert tracker.log_rollout_traces([], [], step=3, kind="train", label="step3", questions={}) is None
+    tracker.finish()
+    found = tracker.client.search_traces(locations=[tracker.experiment_id()], run_id=run_id)
+    assert sorted(t.info.tags[TAG_STEP] for t in found) == ["1"] * len(trees) + ["2"] * len(trees)
+
+
+def test_long_texts_are_cut_and_timing_is_rebuilt(scored: tuple[list[RolloutTree], list[list[LeafScore]]]) -> None:
+    tree = scored[0][0]
+    tool = next(n for n in tree.nodes if n.tool is not None)
+    long = "x" * (TEXT_CHARS + 10)
+    nodes = [replace(n, text=long, tool=ToolEvent(n.tool.name, n.tool.argument, True, None, 0.5, True, len(long)))
+             if n.node_id == tool.node_id else n for n in tree.nodes]
+    leaves = [replace(leaf, wall_s=2.0) for leaf in tree.leaves]
+    tree = replace(tree, nodes=nodes, leaves=leaves)
+    end = time.time_ns()
+    trace = tree_trace(TraceTarget("0", "r", 1, "eval", "final/x"), tree, None, "q?", end)
+    spans = trace.data.spans
+    seg = next(s for s in spans if s.span_type == "TOOL" and attributes(s)["node_id"] == tool.node_id)
+    assert seg.outputs == cut(long) and seg.outputs.endswith(f"[{len(long)} characters]")
+    assert seg.end_time_ns - seg.start_time_ns == 500_000_000 and attributes(seg)["tool_cache_hit"] is True
+    for leaf_span in (s for s in spans if s.span_type == "CHAIN"):
+        assert leaf_span.end_time_ns == end and leaf_span.end_time_ns - leaf_span.start_time_ns == 2_000_000_000
+        assert attributes(leaf_span)["reward"] is None and attributes(leaf_span)["reward_reason"] == ""
+    assert trace.info.tags[TAG_KIND] == "eval" and math.isclose(trace.info.execution_duration, 2000)
