@@ -63,6 +63,8 @@ QUIET_ENV = {
     "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING",
     # MLflow's INFO lines: table creation on a new store, system-metrics monitor start/stop.
     "MLFLOW_LOGGING_LEVEL": "WARNING",
+    # transformers' "Loading weights" bar at every model load (transformers reads it from huggingface_hub at import).
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
 }
 """Settings of a quiet terminal (the default; ``-v`` leaves every library at its own level). Set before Prefect and
 MLflow are imported, which read them once."""

@@ -22,10 +22,11 @@ FAST = ["rollout.k=2", "rollout.initial_rollouts=1", "rollout.max_response_token
 
 # Lines the libraries print at their default levels, each seen in a plain `aepo train` before the terminal was
 # made quiet: Prefect's telemetry banner and per-task states, MLflow's store creation and system-metrics monitor,
-# bm25s's DEBUG, DeepSpeed's accelerator auto-detection, mlflow.transformers' Hub warnings.
+# bm25s's DEBUG, DeepSpeed's accelerator auto-detection, mlflow.transformers' Hub warnings, transformers' weight
+# loading bar.
 NOISE = ["Prefect collects anonymous usage data", "Finished in state", "Creating initial MLflow database tables",
          "system_metrics", "bm25s", "Setting accelerator to CPU", "model card could not be retrieved",
-         "Unable to find license information"]
+         "Unable to find license information", "Loading weights"]
 
 
 def sets(*items: str) -> list[str]:
@@ -39,7 +40,7 @@ def invoke(*args: str) -> Any:
 def test_train_prints_no_library_noise_and_a_table_that_fits_100_columns(tmp_path: Path, model_cache: Path) -> None:
     """A real `aepo train` process (its own temporary Prefect API, a fresh MLflow store, the model logged): stderr
     holds the progress bar only, stdout the tables within 100 columns."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "DS_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "DS_", "HF_HUB_"))}
     env.update({"PYTHONPATH": str(REPO), "AEPO_MODEL_CACHE": str(model_cache), "OMP_NUM_THREADS": "1",
                 "COLUMNS": "100"})
     env.pop("DO_NOT_TRACK", None)
