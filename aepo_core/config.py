@@ -756,6 +756,11 @@ class ExperimentConfig(Section):
             raise ConfigError(f"train.sft.enabled needs data.train=synthetic (oracle transcripts); got "
                               f"data.train={self.data.train!r}: run SFT beforehand and point model.name at it")
 
+    def run_name_for(self, given: str | None = None) -> str:
+        """The run's name — its MLflow run name, Prefect flow run name and checkpoint folder: the given one (the
+        CLI's ``--run-name``, the flow's ``run_name``), else ``tracking.run_name``, else ``name``."""
+        return given or self.tracking.run_name or self.name
+
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 

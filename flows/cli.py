@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 RUNS_ENV = "AEPO_RUNS_DIR"
 DEFAULT_RUNS_DIR = "runs"
 EXIT_USAGE = 2
+CLI_TAGS = ("aepo", "cli")
+"""Prefect tags of the flow runs the CLI starts (deployments' runs carry ``aepo`` alone)."""
 PREFECT_ENV = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
 
 app = typer.Typer(name="aepo", help="Agentic entropy-balanced policy optimization: experiments on Prefect + MLflow.",
@@ -222,8 +224,12 @@ def flow_progress(label: str, total: int | None,
     """A rich progress bar fed by the progress events of the Prefect run loggers while a flow runs
     (``on_event(bar, task, event)``).
 
-    SIGTERM (``kill``, a scheduler's stop) unwinds like Ctrl-C while it runs (:func:`sigterm_unwinds`).
+    SIGTERM (``kill``, a scheduler's stop) unwinds like Ctrl-C while it runs (:func:`sigterm_unwinds`). The flow
+    run (and every run it starts) is tagged :data:`CLI_TAGS`, so the Prefect UI tells runs started from a shell
+    from those of deployments and schedules.
     """
+    from prefect import tags
+
     progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=_err(), transient=False)
     task = progress.add_task(label, total=total)
@@ -232,7 +238,7 @@ def flow_progress(label: str, total: int | None,
     for lg in loggers:
         lg.addHandler(handler)
     try:
-        with sigterm_unwinds(), progress:
+        with sigterm_unwinds(), progress, tags(*CLI_TAGS):
             yield progress
     finally:
         for lg in loggers:
@@ -354,7 +360,7 @@ def train(
     check_tracking_server(cfg.tracking.tracking_uri)
     runs = resolve_runs_dir(runs_dir, cfg)
     cfg = _with_runs_dir(cfg, runs)
-    check_storage(cfg, runs, run_name or cfg.tracking.run_name or cfg.name, resume=resume)
+    check_storage(cfg, runs, cfg.run_name_for(run_name), resume=resume)
     from infra.ranks import Ranks
 
     prepare_environment(runs, rank=Ranks.current().rank)
@@ -363,7 +369,7 @@ def train(
     from tasks.retry import USER_ERRORS
 
     try:
-        with flow_progress(f"{run_name or cfg.tracking.run_name or cfg.name}: starting", cfg.train.steps,
+        with flow_progress(f"{cfg.run_name_for(run_name)}: starting", cfg.train.steps,
                            _train_progress):
             result = train_flow(config=cfg, resume=resume, runs_dir=str(runs), run_name=run_name,
                                 force_resume=force_resume)
@@ -863,7 +869,7 @@ def ui(
                                       "only) or 0.0.0.0 (workers on other machines can log to them).")
                     ] = "127.0.0.1",
     prefect_port: Annotated[int, typer.Option("--prefect-port", min=1, max=65535)] = 4200,
-    mlflow_port: Annotated[int, typer.Option("--mlflow-port", min=1, max=65535)] = 5000,
+    mlflow_port: Annotated[int, typer.Option("--mlflow-port", min=1, max=65535)] = 5000,  # tracking.UI_MLFLOW_PORT
     backend_store_uri: Annotated[str | None, typer.Option(
         "--backend-store-uri", help="MLflow's database: sqlite:///path/mlflow.db or postgresql://user:password@host"
                                     ":5432/db (default: <runs dir>/mlflow.db).")] = None,

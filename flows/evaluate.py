@@ -34,7 +34,7 @@ from prefect.cache_policies import NO_CACHE
 from aepo_core.config import ExperimentConfig, StorageConfig, build_config
 from aepo_core.evaluation import paired_comparison
 from aepo_core.metrics import pass_at_k
-from flows.common import check_eval_datasets, flow_run_id
+from flows.common import check_eval_datasets, rename_flow_run, run_origin
 from infra.config_files import load_config
 from infra.data.rows import QuestionRow
 from infra.evaluation import EvalReport
@@ -279,12 +279,15 @@ def evaluate(
             raise ValueError("nothing to evaluate: set eval.datasets (or data.validation)")
         if previous is not None and not set(previous) & set(eval_sets):
             raise ValueError(f"compare_to {compare_to} holds datasets {sorted(previous)}, none of {eval_sets}")
-        check_eval_datasets(runtime)
+        datasets = check_eval_datasets(runtime)
+        rename_flow_run(name)
 
         tracker = Tracker.from_config(cfg, runs, system_metrics=False)
         tags = {"kind": "eval", "checkpoint": source or "", "checkpoint_step": step,
                 "source_run_id": (state.run_id if state else None) or "", "compare_to": compare_to or ""}
-        run_id = tracker.start(cfg, run_name=name, tags=tags, flow_run_id=flow_run_id())
+        what = source or cfg.model.name
+        run_id = tracker.start(cfg, run_name=name, tags=tags, origin=run_origin(
+            "flows/evaluate.py:evaluate", f"AEPO evaluation of {what} (step {step}) on {', '.join(eval_sets)}."))
         results = f"{(cfg.storage.evaluations_uri or str(runs / 'eval')).rstrip('/')}/{name}"
         # A remote destination gets each file once written; the local copy is what MLflow logs.
         out_dir = runs / EVAL_STAGING / name if is_remote(results) else Path(results)
@@ -294,6 +297,7 @@ def evaluate(
                             tracker.tracking_uri, cfg.eval.pass_k)
         table: list[dict[str, Any]] = []
         with tracker:
+            tracker.log_datasets(datasets)
             for ds in eval_sets:
                 report = evaluate_task.with_options(timeout_seconds=cfg.train.eval_timeout_s)(runtime, ds, "eval")
                 metrics = report.metrics()

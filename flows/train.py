@@ -23,7 +23,7 @@ from aepo_core.evaluation import paired_comparison
 from aepo_core.rollout.scheduler import RolloutResult, merge_results
 from aepo_core.rollout.tree import RolloutTree
 from aepo_core.scoring import StepScores, fill_informative
-from flows.common import check_eval_datasets, flow_run_id, resolve_config
+from flows.common import check_eval_datasets, dataset_record, resolve_config, run_origin, train_flow_run_name
 from infra.evaluation import EvalReport
 from infra.plots import curves_figure, rollout_tree_figure
 from infra.ranks import Ranks
@@ -55,6 +55,8 @@ class TrainResult:
     checkpoint_dir: str
     tracking_uri: str
     trajectories: str
+    run_url: str | None = None
+    """The MLflow run's page: on the tracking server, or (SQLite store) where ``aepo ui`` shows it."""
     evals: Summaries = field(default_factory=dict)
     comparisons: Summaries = field(default_factory=dict)
 
@@ -86,7 +88,7 @@ class _Evaluations:
             self.per_question.setdefault(label, {})[result.key] = result.per_question_pass1
 
 
-@flow(name="aepo-train", log_prints=True)
+@flow(name="aepo-train", flow_run_name=train_flow_run_name, log_prints=True)
 def train(
     config: ExperimentConfig | None = None,
     overrides: list[str] | None = None,
@@ -106,23 +108,26 @@ def train(
     runs = Path(runs_dir or cfg.storage.runs_dir)
     runs.mkdir(parents=True, exist_ok=True)
     cfg.check_trainable()
-    name = run_name or cfg.tracking.run_name or cfg.name
+    name = cfg.run_name_for(run_name)
     checkpoints = checkpoint_store(cfg, runs, name)
     rows = prepare_data(cfg.data.train, cfg.data, source_fingerprint(cfg.data.train, cfg.data.data_root))
     point = find_resume_point(checkpoints, cfg, force=force_resume) if resume else None
     runtime = build_runtime(cfg, runs, name)
     with runtime:  # stops a managed vLLM server however the flow ends
-        check_eval_datasets(runtime)
+        datasets = [dataset_record(cfg.data.train, rows, "training"), *check_eval_datasets(runtime)]
         trajectories = (TrajectoryStore.from_config(cfg.storage) if cfg.storage.trajectories_uri
                         else TrajectoryStore(runs / "trajectories"))
         ranks = Ranks.current()  # the launcher's (the process group itself starts with the DeepSpeed backend)
         tracker: Tracker | RankTracker = Tracker.from_config(cfg, runs) if ranks.is_main else RankTracker(ranks.rank)
         run_id = tracker.start(cfg, run_name=name, resume_run_id=point.run_id if point else None,
-                               parent_run_id=parent_run_id, flow_run_id=flow_run_id(),
+                               parent_run_id=parent_run_id,
+                               origin=run_origin("flows/train.py:train", run_description(cfg)),
                                tags={"runs_dir": str(runs), "clip_active": str(cfg.clip_active()).lower(),
                                      **(tags or {})})
+        run_url = tracker.run_url()
         with tracker:
             tracker.log_config(cfg)
+            tracker.log_datasets(datasets)
             trainer = Trainer(runtime, rows, checkpoint_dir=checkpoints, run_id=run_id)
             if point is not None:
                 trainer.resume(point, force=force_resume)
@@ -139,7 +144,7 @@ def train(
                 if cfg.tracking.log_model:
                     tracker.log_model(runtime.model, runtime.tokenizer, name="policy")
     result = TrainResult(run_id, name, trainer.step, str(runs), checkpoints.uri, tracker.tracking_uri,
-                         str(trajectories.uri), evals.summaries, comparisons)
+                         str(trajectories.uri), run_url, evals.summaries, comparisons)
     create_markdown_artifact(key=None, markdown=summary_markdown(result, cfg), description=f"summary of {name}")
     return result
 
@@ -225,14 +230,31 @@ def _paired_vs_earlier(per_question: dict[str, dict[str, dict[str, float]]],
     return out
 
 
+def run_description(cfg: ExperimentConfig) -> str:
+    """The MLflow run's description: what was trained, how, on what."""
+    return (f"AEPO training run: {cfg.model.name} trained with the {cfg.algorithm.loss} loss on {cfg.rollout.mode} "
+            f"rollouts of {cfg.data.train}, {cfg.train.steps} RL steps of {cfg.train.batch_size} questions, "
+            f"seed {cfg.seed}.")
+
+
+def mlflow_link(info: TrainResult) -> str:
+    """The summary's line on the MLflow run: a link to its page on the tracking server, or for a SQLite store its
+    id and where ``aepo ui`` will show it."""
+    if info.run_url is None:
+        return f"- MLflow run: `{info.run_id}` at `{info.tracking_uri}`"
+    if info.tracking_uri.startswith(("http://", "https://")):
+        return f"- MLflow run: [{info.run_name}]({info.run_url}) (`{info.run_id}`)"
+    return (f"- MLflow run: `{info.run_id}` in `{info.tracking_uri}`; with `aepo ui --runs-dir {info.runs_dir}` "
+            f"running: [{info.run_name}]({info.run_url})")
+
+
 def summary_markdown(info: TrainResult, cfg: ExperimentConfig) -> str:
     lines = [
         f"# {info.run_name}",
         "",
         f"- algorithm: `{cfg.algorithm.loss}`, rollout mode `{cfg.rollout.mode}`, seed {cfg.seed}",
         f"- RL steps: {info.steps}",
-        f"- MLflow run: `{info.run_id}` at `{info.tracking_uri}` "
-        f"(`mlflow ui --backend-store-uri {info.tracking_uri}`)",
+        mlflow_link(info),
         f"- checkpoints: `{info.checkpoint_dir}`",
         f"- trajectories: `{info.trajectories}`",
         "",

@@ -27,11 +27,12 @@ import re
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from mlflow.entities import Metric, Param, RunTag, ViewType
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag, ViewType
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
@@ -59,9 +60,52 @@ TAG_CONFIG_HASH = "config_hash"
 TAG_FLOW_RUN = "prefect_flow_run_id"
 TAG_EXPERIMENT_NAME = "experiment_name"
 TAG_RESUMES = "resumes"
+TAG_FLOW_RUN_URL = "prefect_flow_run_url"
+TAG_DESCRIPTION = "mlflow.note.content"  # what the MLflow UI shows as the run's description
+TAG_SOURCE_NAME = "mlflow.source.name"
+TAG_SOURCE_TYPE = "mlflow.source.type"
 
 _BAD_METRIC_CHARS = re.compile(r"[^\w.\- :/]")
 _model_lock = threading.Lock()  # guards the process-global tracking URI during fluent calls
+
+
+@dataclass(frozen=True)
+class RunOrigin:
+    """Where a run comes from, recorded as its tags: the code that ran it (``mlflow.source.name``, e.g.
+    ``flows/train.py:train``), a description (the MLflow UI's), and the Prefect flow run it ran in (id and UI URL,
+    None outside a flow or without a Prefect UI)."""
+
+    source_name: str
+    description: str
+    flow_run_id: str | None = None
+    flow_run_url: str | None = None
+
+    def tags(self) -> dict[str, str]:
+        """The MLflow tags of this origin."""
+        tags = {TAG_SOURCE_NAME: self.source_name, TAG_SOURCE_TYPE: "JOB", TAG_DESCRIPTION: self.description}
+        if self.flow_run_id:
+            tags[TAG_FLOW_RUN] = self.flow_run_id
+        if self.flow_run_url:
+            tags[TAG_FLOW_RUN_URL] = self.flow_run_url
+        return tags
+
+
+@dataclass(frozen=True)
+class DatasetRecord:
+    """A dataset a run read, as MLflow records it (``log_inputs``): its key, a digest of its rows, where it came
+    from, how many rows, and the context (``training`` / ``evaluation``)."""
+
+    name: str
+    digest: str
+    source: str
+    rows: int
+    context: str
+
+    def as_input(self) -> DatasetInput:
+        source_type = "synthetic" if self.source.startswith("synthetic") else "local"
+        dataset = Dataset(self.name, self.digest, source_type, json.dumps({"uri": self.source}),
+                          profile=json.dumps({"num_rows": self.rows}))
+        return DatasetInput(dataset, tags=[InputTag("mlflow.data.context", self.context)])
 
 
 class TrackingError(RuntimeError):
@@ -89,6 +133,20 @@ def resolve_tracking(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str] | N
     elif "://" not in art:
         art = Path(art).expanduser().resolve().as_uri()
     return uri, art
+
+
+UI_MLFLOW_PORT = 5000
+"""The port of the MLflow server ``aepo ui`` starts by default (its ``--mlflow-port``)."""
+
+
+def run_page(server_url: str, experiment_id: str, run_id: str) -> str:
+    """The URL of a run's page in the MLflow UI at ``server_url``."""
+    return f"{server_url.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def ui_run_url(experiment_id: str, run_id: str) -> str:
+    """Where ``aepo ui`` (default ports, this machine) shows a run of the runs dir's own SQLite store."""
+    return run_page(f"http://127.0.0.1:{UI_MLFLOW_PORT}", experiment_id, run_id)
 
 
 def open_store(tracking_uri: str) -> MlflowClient:
@@ -240,15 +298,18 @@ class Tracker:
 
     def start(self, cfg: ExperimentConfig, run_name: str | None = None, tags: Mapping[str, Any] | None = None,
               resume_run_id: str | None = None, parent_run_id: str | None = None,
-              flow_run_id: str | None = None) -> str:
+              origin: RunOrigin | None = None, group: bool = False) -> str:
         """Create (or, with ``resume_run_id``, reopen) the run; log the config as params and the standard tags.
 
-        ``parent_run_id`` makes it a nested child run (sweeps).  Returns the MLflow run id.
+        ``parent_run_id`` makes it a nested child run (sweeps); ``origin`` tags where it comes from; a ``group``
+        run (a sweep's parent) stands for runs of several configs: it gets neither the config's params nor its
+        algorithm / mode / seed tags.  Returns the MLflow run id.
         """
         with self._lock:
             if self._run_id is not None:
                 raise TrackingError(f"the tracker already has run {self._run_id}: finish() it first")
-            all_tags = self._standard_tags(cfg, flow_run_id)
+            all_tags = self._standard_tags(cfg, group)
+            all_tags.update(origin.tags() if origin is not None else {})
             all_tags.update({str(k): str(v) for k, v in (tags or {}).items()})
             if parent_run_id:
                 self._check_run(parent_run_id, "parent")
@@ -256,10 +317,11 @@ class Tracker:
             if resume_run_id:
                 run_id = self._resume(resume_run_id, cfg, all_tags)
             else:
-                name = run_name or cfg.tracking.run_name or cfg.name
+                name = cfg.run_name_for(run_name)
                 run = self.client.create_run(self.experiment_id(), run_name=name, tags=all_tags)
                 run_id = run.info.run_id
-                self._log_params(run_id, {k: param_value(v) for k, v in cfg.flat().items()})
+                if not group:
+                    self._log_params(run_id, {k: param_value(v) for k, v in cfg.flat().items()})
                 log.info("MLflow run %s (%s) started in experiment %r at %s", run_id, name, self.experiment,
                          self.tracking_uri)
             self._run_id = run_id
@@ -291,15 +353,16 @@ class Tracker:
         log.info("MLflow run %s resumed (resume #%s)", run_id, tags[TAG_RESUMES])
         return run_id
 
-    def _standard_tags(self, cfg: ExperimentConfig, flow_run_id: str | None) -> dict[str, str]:
-        tags = {TAG_ALGORITHM: cfg.algorithm.loss, TAG_MODE: cfg.rollout.mode, TAG_SEED: str(cfg.seed),
-                TAG_CONFIG_HASH: cfg.config_hash(), TAG_EXPERIMENT_NAME: cfg.name}
+    def _standard_tags(self, cfg: ExperimentConfig, group: bool) -> dict[str, str]:
+        """The config's tags (algorithm, mode, seed, hash: none for a ``group`` run) and the code's commit."""
+        tags = {TAG_EXPERIMENT_NAME: cfg.name}
+        if not group:
+            tags.update({TAG_ALGORITHM: cfg.algorithm.loss, TAG_MODE: cfg.rollout.mode, TAG_SEED: str(cfg.seed),
+                         TAG_CONFIG_HASH: cfg.config_hash()})
         sha = git_sha() or git_sha(Path(__file__).parent)
         if sha:
             tags[TAG_GIT_SHA] = sha
             tags["mlflow.source.git.commit"] = sha
-        if flow_run_id:
-            tags[TAG_FLOW_RUN] = str(flow_run_id)
         return tags
 
     def _start_system_metrics(self, resume: bool) -> None:
@@ -357,6 +420,23 @@ class Tracker:
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         self._set_tags(self.run_id, {k: str(v) for k, v in tags.items()})
+
+    def log_datasets(self, datasets: Sequence[DatasetRecord]) -> None:
+        """The datasets the run read, as MLflow dataset inputs (the run page's "Datasets used")."""
+        if datasets:
+            self.client.log_inputs(self.run_id, datasets=[d.as_input() for d in datasets])
+
+    def run_url(self, run_id: str | None = None) -> str | None:
+        """The run's page in the MLflow UI: on the ``http(s)://`` tracking server, else (a SQLite store no UI is
+        known to serve) where ``aepo ui`` shows it with its default ports (:func:`ui_run_url`)."""
+        rid = run_id or self.run_id
+        if not self.served():
+            return ui_run_url(self.experiment_id(), rid)
+        return run_page(self.tracking_uri, self.experiment_id(), rid)
+
+    def served(self) -> bool:
+        """Whether the tracking URI is an MLflow server (whose UI shows the runs at that URL)."""
+        return self.tracking_uri.startswith(("http://", "https://"))
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> int:
         """Log metrics at ``step`` (names made MLflow-legal); NaN/inf and non-numbers are skipped. Returns count."""
@@ -563,6 +643,8 @@ def _run_row(run: Any) -> dict[str, Any]:
 
 
 __all__ = [
+    "DatasetRecord",
+    "RunOrigin",
     "Tracker",
     "TrackingError",
     "artifact_location_for",
@@ -605,6 +687,15 @@ class RankTracker:
 
     def log_dict(self, data: Mapping[str, Any], artifact_file: str) -> None:
         return None
+
+    def log_datasets(self, datasets: Sequence[DatasetRecord]) -> None:
+        return None
+
+    def run_url(self, run_id: str | None = None) -> str | None:
+        return None
+
+    def served(self) -> bool:
+        return False
 
     def log_figure(self, figure: Any, artifact_file: str) -> None:
         return None

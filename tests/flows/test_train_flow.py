@@ -91,7 +91,7 @@ def test_checkpoints_exist(tiny_run):
 
 def test_prefect_api_shows_the_completed_runs(tiny_run):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.client.schemas.filters import FlowRunFilter
 
     out, _ = tiny_run
 
@@ -104,12 +104,43 @@ def test_prefect_api_shows_the_completed_runs(tiny_run):
             tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [mine[0].id]}))
             return mine, tasks
 
-    del FlowRunFilterName
     flows, tasks = asyncio.run(read())
     assert len(flows) == 1
-    names = {t.name.rsplit("-", 1)[0] for t in tasks}
-    assert {"prepare_data", "rollout", "score", "update", "store", "checkpoint", "evaluate"} <= names
+    names = {t.name for t in tasks}
+    # Task runs are named with their step (the evaluation with its stage), so the UI's list reads as the run went.
+    assert {f"{verb}-step-{i}" for verb in ("rollout", "score", "update", "store", "checkpoint")
+            for i in (1, 2)} <= names, sorted(names)
+    assert "evaluate-final" in names and any(n.startswith("prepare_data") for n in names)
     assert all(t.state.is_completed() for t in tasks)
+
+
+def test_prefect_and_mlflow_runs_link_each_other(tiny_run):
+    """The flow run bears the MLflow run's name; the MLflow run names the flow run, its source, a description and
+    its datasets; the Prefect summary artifact links to the MLflow run's page."""
+    from mlflow.tracking import MlflowClient
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    out, runs = tiny_run
+    run = MlflowClient(out.tracking_uri).get_run(out.run_id)
+    tags = run.data.tags
+    with get_client(sync_client=True) as client:
+        flow_run = client.read_flow_run(tags["prefect_flow_run_id"])
+        arts = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id])))
+    assert flow_run.name == run.info.run_name == out.run_name == "tiny"
+    assert tags["mlflow.source.name"] == "flows/train.py:train"
+    assert tags["prefect_flow_run_url"].endswith(f"/flow-runs/flow-run/{flow_run.id}")
+    assert "aepo loss" in tags["mlflow.note.content"] and "2 RL steps" in tags["mlflow.note.content"]
+    inputs = {(d.dataset.name, [t.value for t in d.tags][0]): d.dataset for d in run.inputs.dataset_inputs}
+    assert set(inputs) == {("synthetic", "training"), ("synthetic_test", "evaluation")}
+    train_ds = inputs[("synthetic", "training")]
+    assert json.loads(train_ds.profile)["num_rows"] > 0 and len(train_ds.digest) == 16
+    summary = [a for a in arts if a.type == "markdown"]
+    assert len(summary) == 1
+    exp = run.info.experiment_id
+    assert out.run_url == f"http://127.0.0.1:5000/#/experiments/{exp}/runs/{out.run_id}"
+    assert f"[tiny]({out.run_url})" in summary[0].data and f"aepo ui --runs-dir {runs}" in summary[0].data
 
 
 def test_transient_rollout_failure_is_retried(prefect_harness, tmp_path, monkeypatch):
