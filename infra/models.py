@@ -36,6 +36,7 @@ import torch
 
 from aepo_core.config import ModelConfig
 from aepo_core.protocol import SYSTEM_PROMPT, chat_messages
+from infra.training.checkpoint import model_dir
 from infra.atomic import atomic_dir
 
 log = logging.getLogger(__name__)
@@ -162,6 +163,8 @@ def resolve_model_dir(cfg: ModelConfig) -> Path | str:
         if not path.is_file():
             raise ModelLoadError(f"GGUF file {path} does not exist")
         return ensure_gguf_converted(path, cache_root(cfg), path.stem.lower())
+    if Path(name).expanduser().is_dir():  # an HF model directory, or a training checkpoint's model/ in it
+        return model_dir(Path(name).expanduser())
     return name
 
 

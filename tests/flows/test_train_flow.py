@@ -86,7 +86,7 @@ def test_checkpoints_exist(tiny_run):
     out, _ = tiny_run
     ckpts = sorted(p.name for p in Path(out.checkpoint_dir).iterdir() if p.name.startswith("step-"))
     assert ckpts == ["step-000001", "step-000002"]
-    assert (Path(out.checkpoint_dir) / "step-000002" / "model.safetensors").exists()
+    assert (Path(out.checkpoint_dir) / "step-000002" / "model" / "model.safetensors").exists()
 
 
 def test_prefect_api_shows_the_completed_runs(tiny_run):
@@ -199,7 +199,7 @@ def _tail(runs: Path, name: str = "run.log") -> str:
 
 def _final_params(runs: Path) -> dict:
     ckpt = sorted((runs / "checkpoints" / "tiny").glob("step-*"))[-1]
-    return load_file(str(ckpt / "model.safetensors"))
+    return load_file(str(ckpt / "model" / "model.safetensors"))
 
 
 def _trajectories(runs: Path) -> Any:
@@ -246,7 +246,7 @@ def test_kill_after_checkpoint_and_resume_is_bit_identical(tmp_path, model_cache
 
     # The comparison is not vacuous: rewards differed (some gradient), and the weights still moved after the kill.
     assert any(g > 0 for g in _grad_norms(straight)), _grad_norms(straight)
-    at_kill = load_file(str(straight / "checkpoints" / "tiny" / "step-000004" / "model.safetensors"))
+    at_kill = load_file(str(straight / "checkpoints" / "tiny" / "step-000004" / "model" / "model.safetensors"))
     a, b = _final_params(straight), _final_params(killed)
     assert any((a[k] != at_kill[k]).any() for k in a), "steps 5-6 did not change the weights"
     assert a.keys() == b.keys()
