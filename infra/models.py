@@ -36,8 +36,8 @@ import torch
 
 from aepo_core.config import ModelConfig
 from aepo_core.protocol import SYSTEM_PROMPT, chat_messages
-from infra.training.checkpoint import model_dir
 from infra.atomic import atomic_dir
+from infra.training.checkpoint import model_dir
 
 log = logging.getLogger(__name__)
 

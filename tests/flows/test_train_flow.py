@@ -132,7 +132,7 @@ def test_prefect_and_mlflow_runs_link_each_other(tiny_run):
     assert tags["mlflow.source.name"] == "flows/train.py:train"
     assert tags["prefect_flow_run_url"].endswith(f"/flow-runs/flow-run/{flow_run.id}")
     assert "aepo loss" in tags["mlflow.note.content"] and "2 RL steps" in tags["mlflow.note.content"]
-    inputs = {(d.dataset.name, [t.value for t in d.tags][0]): d.dataset for d in run.inputs.dataset_inputs}
+    inputs = {(d.dataset.name, next(t.value for t in d.tags)): d.dataset for d in run.inputs.dataset_inputs}
     assert set(inputs) == {("synthetic", "training"), ("synthetic_test", "evaluation")}
     train_ds = inputs[("synthetic", "training")]
     assert json.loads(train_ds.profile)["num_rows"] > 0 and len(train_ds.digest) == 16
