@@ -665,6 +665,17 @@ class TrackingConfig(Section):
     run_name: str | None = Field(None, description="MLflow run name (and checkpoint folder); None: name.")
     system_metrics: bool = Field(True, description="Also log CPU, memory and GPU use (MLflow's system metrics).")
     log_model: bool = Field(True, description="Log the final policy as an MLflow transformers model.")
+    registered_model: str | None = Field(
+        "aepo-policy", description="Model-registry name of the final policy (logged with tracking.log_model): every "
+        "completed training run adds a version, tagged with its final evaluation metrics and carrying the agent's "
+        "system prompt and tag protocol; `aepo eval --checkpoint models:/<name>/<version>` evaluates it. None: not "
+        "registered.",
+    )
+
+
+RUNS_DIR_ENV = "AEPO_RUNS_DIR"
+"""The environment variable naming the runs dir where no ``--runs-dir`` / ``runs_dir`` parameter does (it beats
+``storage.runs_dir``): the CLI's, and a deployed flow run's, so its outputs land in the store ``aepo ui`` shows."""
 
 
 class StorageConfig(Section):

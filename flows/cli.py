@@ -44,13 +44,13 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from aepo_core.config import ConfigError, ExperimentConfig, build_config
+from aepo_core.config import RUNS_DIR_ENV, ConfigError, ExperimentConfig, build_config
 from tasks.progress import Progress as ProgressEvent
 from tasks.progress import progress_of
 
 log = logging.getLogger(__name__)
 
-RUNS_ENV = "AEPO_RUNS_DIR"
+RUNS_ENV = RUNS_DIR_ENV
 DEFAULT_RUNS_DIR = "runs"
 EXIT_USAGE = 2
 CLI_TAGS = ("aepo", "cli")
@@ -387,6 +387,7 @@ def train(
                       f"{c['ci_high']:+.3f}] (paired over {c['questions']:.0f} questions)")
     out.print(_where_table([
         ("MLflow run", f"{result.run_id}  ({result.tracking_uri})"),
+        *([("registered policy", result.model_version)] if result.model_version else []),
         ("checkpoints", result.checkpoint_dir),
         ("trajectories", result.trajectories),
         ("runs dir", result.runs_dir),
@@ -401,7 +402,9 @@ def train(
 def eval_(
     checkpoint: Annotated[str | None, typer.Option("--checkpoint", help="Checkpoint dir (step-NNNNNN) or a run's "
                                                    "checkpoint root (its newest), local or s3://… (the endpoint from "
-                                                   "--config / --set storage.s3_endpoint_url); omit for the "
+                                                   "--config / --set storage.s3_endpoint_url), or a registered "
+                                                   "policy models:/<name>/<version> (the registry of --set "
+                                                   "tracking.tracking_uri, default the runs dir's); omit for the "
                                                    "configured model.")],
     config: Annotated[Path | None, typer.Option("--config", "-c", help="Config YAML (default: the checkpoint's).")
                       ] = None,
@@ -421,24 +424,34 @@ def eval_(
     if compare_to is not None and not is_remote(compare_to) and not Path(compare_to).exists():
         fail(f"--compare-to {compare_to}: no such file or directory")
     prepare_environment(runs)
-    from flows.evaluate import checkpoint_source, eval_storage, evaluate, resolve_checkpoint, resolve_eval_config
+    from flows.evaluate import (
+        checkpoint_source,
+        eval_storage,
+        evaluate,
+        fetch_registered_policy,
+        resolve_checkpoint,
+        resolve_eval_config,
+    )
     from infra.runtime import CheckpointError
+    from infra.tracking import RegistryError, is_registered_model
     from tasks.retry import USER_ERRORS
 
     try:
-        ckpt = resolve_checkpoint(checkpoint, eval_storage(base, set_), runs)
-        cfg = resolve_eval_config(base, ckpt, set_, dataset)
+        registered = fetch_registered_policy(checkpoint, base, set_, runs) if is_registered_model(checkpoint) else None
+        ckpt = resolve_checkpoint(checkpoint if registered is None else None, eval_storage(base, set_), runs)
+        cfg = resolve_eval_config(base, ckpt, set_, dataset, registered)
         check_datasets(cfg, training=False)
         if cfg.storage.evaluations_uri:
             probe(cfg.storage.evaluations_uri, storage_options(cfg.storage, cfg.storage.evaluations_uri))
-    except (ConfigError, CheckpointError, StorageError) as exc:
+    except (ConfigError, CheckpointError, StorageError, RegistryError) as exc:
         fail(str(exc))
     check_tracking_server(cfg.tracking.tracking_uri)
     start_prefect_api()  # after every check: bad input exits without starting a server
     cfg = _with_runs_dir(cfg, runs)
+    source = checkpoint if registered is not None else checkpoint_source(checkpoint, ckpt)
     try:
         with flow_progress("evaluating", len(cfg.eval.datasets) or None, _eval_progress):
-            result = evaluate(config=cfg, checkpoint=checkpoint_source(checkpoint, ckpt), runs_dir=str(runs),
+            result = evaluate(config=cfg, checkpoint=source, runs_dir=str(runs),
                               compare_to=compare_to, run_name=run_name)
     except USER_ERRORS as exc:  # the user's input (a bad row, a bad config), found by the flow: as before it
         fail(str(exc))
@@ -592,7 +605,7 @@ def serve(
 
     deployments = build_deployments(runs, config, sweep_file, cron or None)
     _out().print(f"serving {', '.join(d.name for d in deployments)} against {api_url}; runs dir {runs}; "
-                 "trigger them from the UI or `prefect deployment run 'aepo-train/train'`")
+                 f"trigger them from the UI or `prefect deployment run 'aepo-train/{deployments[0].name}'`")
     prefect_serve(*deployments)
 
 

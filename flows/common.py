@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext
 from prefect.runtime import flow_run
 
-from aepo_core.config import ConfigError, ExperimentConfig, build_config
+from aepo_core.config import RUNS_DIR_ENV, ConfigError, ExperimentConfig, build_config
 from infra.data.loaders import dataset_key
 from infra.data.rows import QuestionRow
 from infra.runtime import PolicyRuntime
@@ -23,6 +25,12 @@ def resolve_config(config: ExperimentConfig | dict[str, Any] | None, overrides: 
     """The flow's pydantic parameter plus dotted overrides (the same path as the CLI's --set)."""
     tree = config.to_dict() if isinstance(config, ExperimentConfig) else dict(config or {})
     return build_config(tree, overrides or [], source="flow parameters")
+
+
+def flow_runs_dir(given: str | None, configured: str) -> Path:
+    """A flow's runs dir: its ``runs_dir`` parameter, else ``$AEPO_RUNS_DIR`` (as for the CLI: a deployment's run
+    then lands where the worker or ``aepo serve`` process says), else the configured one."""
+    return Path(given or os.environ.get(RUNS_DIR_ENV) or configured).expanduser()
 
 
 def flow_run_id() -> str | None:

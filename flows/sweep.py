@@ -77,7 +77,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
 from aepo_core.config import ConfigError, ExperimentConfig, build_config, parse_override
-from flows.common import run_origin
+from flows.common import flow_runs_dir, run_origin
 from flows.train import train
 from infra.config_files import load_config, read_config_text
 from infra.plots import save_png
@@ -415,7 +415,7 @@ def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None, shard
         raise ConfigError(f"sweep child_timeout_s must be > 0 (or None); got {child_timeout_s}")
     if child_lost_after_s is not None and child_lost_after_s <= 0:
         raise ConfigError(f"sweep child_lost_after_s must be > 0 (or None); got {child_lost_after_s}")
-    runs = Path(runs_dir or spec.runs_dir or spec.base.storage.runs_dir).expanduser().resolve()
+    runs = flow_runs_dir(runs_dir, spec.runs_dir or spec.base.storage.runs_dir).resolve()
     runs.mkdir(parents=True, exist_ok=True)
     tracker = Tracker.from_config(spec.base, runs, system_metrics=False)
     configs = {r.run_name: child_config(r.config, tracker) for r in spec.runs}

@@ -12,7 +12,6 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -23,7 +22,14 @@ from aepo_core.evaluation import paired_comparison
 from aepo_core.rollout.scheduler import RolloutResult, merge_results
 from aepo_core.rollout.tree import RolloutTree
 from aepo_core.scoring import StepScores, fill_informative
-from flows.common import check_eval_datasets, dataset_record, resolve_config, run_origin, train_flow_run_name
+from flows.common import (
+    check_eval_datasets,
+    dataset_record,
+    flow_runs_dir,
+    resolve_config,
+    run_origin,
+    train_flow_run_name,
+)
 from infra.evaluation import EvalReport
 from infra.plots import curves_figure, rollout_tree_figure
 from infra.ranks import Ranks
@@ -57,6 +63,8 @@ class TrainResult:
     trajectories: str
     run_url: str | None = None
     """The MLflow run's page: on the tracking server, or (SQLite store) where ``aepo ui`` shows it."""
+    model_version: str | None = None
+    """The registered policy, ``models:/<tracking.registered_model>/<version>`` (None: not registered)."""
     evals: Summaries = field(default_factory=dict)
     comparisons: Summaries = field(default_factory=dict)
 
@@ -105,7 +113,7 @@ def train(
     set when the run is created (a sweep's ``sweep_name`` / ``sweep_cell``, by which a re-run finds it)."""
     logger = get_run_logger()
     cfg = resolve_config(config, overrides)
-    runs = Path(runs_dir or cfg.storage.runs_dir)
+    runs = flow_runs_dir(runs_dir, cfg.storage.runs_dir)
     runs.mkdir(parents=True, exist_ok=True)
     cfg.check_trainable()
     name = cfg.run_name_for(run_name)
@@ -132,6 +140,7 @@ def train(
             if point is not None:
                 trainer.resume(point, force=force_resume)
             evals = _Evaluations(runtime, tracker, cfg.train.eval_timeout_s)
+            model_version: str | None = None
             _train_loop(trainer, name, tracker, trajectories, evals, resumed=point is not None, logger=logger)
             comparisons = _paired_vs_earlier(evals.per_question, cfg)
             if ranks.is_main:
@@ -142,11 +151,23 @@ def train(
                 tracker.log_figure(curves_figure({k: v for k, v in history.items() if v}, title=name),
                                    "plots/curves.png")
                 if cfg.tracking.log_model:
-                    tracker.log_model(runtime.model, runtime.tokenizer, name="policy")
+                    model_version = _log_policy(tracker, runtime, cfg, evals.summaries.get("final", {}),
+                                                trainer.step)
     result = TrainResult(run_id, name, trainer.step, str(runs), checkpoints.uri, tracker.tracking_uri,
-                         str(trajectories.uri), run_url, evals.summaries, comparisons)
+                         str(trajectories.uri), run_url, model_version, evals.summaries, comparisons)
     create_markdown_artifact(key=None, markdown=summary_markdown(result, cfg), description=f"summary of {name}")
     return result
+
+
+def _log_policy(tracker: Tracker, runtime: PolicyRuntime, cfg: ExperimentConfig,
+                final: dict[str, dict[str, float]], step: int) -> str | None:
+    """Log the final policy with its agent protocol; register it under ``tracking.registered_model`` (with the
+    final evaluation metrics as version tags). Returns the registered version's URI, None when not registered."""
+    logged = tracker.log_model(runtime.model, runtime.tokenizer, name="policy", protocol=runtime.protocol)
+    if not cfg.tracking.registered_model:
+        return None
+    metrics = {f"eval/{ds}/{key}": value for ds, summary in final.items() for key, value in summary.items()}
+    return tracker.register_model(logged, cfg.tracking.registered_model, metrics, step, run_description(cfg))
 
 
 def _sample_round(trainer: Trainer, step: int, rounds: list[RolloutResult], attempt: int
@@ -255,6 +276,8 @@ def summary_markdown(info: TrainResult, cfg: ExperimentConfig) -> str:
         f"- algorithm: `{cfg.algorithm.loss}`, rollout mode `{cfg.rollout.mode}`, seed {cfg.seed}",
         f"- RL steps: {info.steps}",
         mlflow_link(info),
+        *([f"- registered policy: `{info.model_version}` (`aepo eval --checkpoint {info.model_version}`)"]
+          if info.model_version else []),
         f"- checkpoints: `{info.checkpoint_dir}`",
         f"- trajectories: `{info.trajectories}`",
         "",

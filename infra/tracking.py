@@ -32,11 +32,13 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import yaml
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag, ViewType
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from aepo_core.config import ExperimentConfig
+from aepo_core.protocol import AgentProtocol
 from aepo_core.rollout.tree import RolloutTree
 from aepo_core.scoring import LeafScore, check_aligned
 
@@ -110,6 +112,44 @@ class DatasetRecord:
 
 class TrackingError(RuntimeError):
     """A tracking problem the caller can act on (unknown run to resume, tracker not started, bad status)."""
+
+
+class RegistryError(TrackingError):
+    """A registered model that cannot be evaluated as asked (unknown name or version, not an AEPO policy)."""
+
+
+PROTOCOL_METADATA = "aepo_protocol"
+"""The MLmodel metadata key under which a logged policy carries its :class:`AgentProtocol`."""
+REGISTRY_SCHEME = "models:/"
+
+
+@dataclass(frozen=True)
+class LoggedPolicy:
+    """A policy logged by :meth:`Tracker.log_model`: its model URI (``models:/m-…``) and MLflow LoggedModel id."""
+
+    uri: str
+    model_id: str
+
+
+@dataclass(frozen=True)
+class RegisteredPolicy:
+    """A registered policy version fetched for evaluation: where it lies locally (the MLflow model directory, HF
+    weights in ``model/``), its protocol, the training run that logged it and that run's resolved config."""
+
+    uri: str
+    name: str
+    version: str
+    local_dir: Path
+    protocol: AgentProtocol
+    run_id: str | None
+    model_id: str | None
+    step: int
+    config: dict[str, object]
+
+
+def is_registered_model(location: str | None) -> bool:
+    """Whether ``location`` names a registered model version (``models:/<name>/<version>``)."""
+    return location is not None and location.startswith(REGISTRY_SCHEME)
 
 
 def tracking_uri_for(runs_dir: str | os.PathLike[str]) -> str:
@@ -548,12 +588,16 @@ class Tracker:
                 else:
                     os.environ["MLFLOW_TRACKING_URI"] = env_before
 
-    def log_model(self, model: Any, tokenizer: Any, name: str = "model",
-                  task: str = "text-generation") -> str:
-        """Log a transformers model + tokenizer with ``mlflow.transformers``; returns its model URI."""
+    def log_model(self, model: Any, tokenizer: Any, name: str = "model", task: str = "text-generation",
+                  protocol: AgentProtocol | None = None) -> LoggedPolicy:
+        """Log a transformers model + tokenizer with ``mlflow.transformers``; with a ``protocol``, the model carries
+        it (metadata :data:`PROTOCOL_METADATA`) and its prompt template is the rollout prompt, so a served model
+        answers from the system prompt it was trained with."""
         import mlflow.transformers
         import torch
         import transformers
+
+        from infra.models import chat_prompt_template
 
         reqs = [f"transformers=={transformers.__version__}", f"torch=={torch.__version__.split('+')[0]}"]
         run_id = self.run_id
@@ -561,13 +605,79 @@ class Tracker:
         # experiment, "Default", and its ./mlruns artifact root).
         logged = self.client.create_logged_model(self.client.get_run(run_id).info.experiment_id, name=name,
                                                  source_run_id=run_id)
+        extra: dict[str, Any] = {}
+        if protocol is not None:
+            extra = {"metadata": {PROTOCOL_METADATA: protocol.as_dict()},
+                     "prompt_template": chat_prompt_template(tokenizer, protocol.system_prompt)}
         with self._fluent_uri():
             info = mlflow.transformers.log_model(
                 transformers_model={"model": model, "tokenizer": tokenizer}, name=name, task=task,
                 run_id=run_id, model_id=logged.model_id, pip_requirements=reqs,  # explicit reqs: no slow inference
+                **extra,
             )
         log.info("logged model %s of run %s", info.model_uri, run_id)
-        return info.model_uri
+        return LoggedPolicy(info.model_uri, logged.model_id)
+
+    def register_model(self, logged: LoggedPolicy, name: str, metrics: Mapping[str, float], step: int,
+                       description: str) -> str:
+        """Register ``logged`` as a new version of ``name`` (created when absent), tagged with ``metrics`` (MLflow
+        names) and its training ``step``; returns ``models:/<name>/<version>``."""
+        try:
+            self.client.create_registered_model(name, description="AEPO policies: each version the final policy "
+                                                "of a training run, with its evaluation metrics as tags.")
+        except MlflowException as exc:  # another run registered the name first: add a version to it
+            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        tags = {metric_key(k): f"{v:.6g}" for k, v in metrics.items() if math.isfinite(v)}
+        tags["step"] = str(step)
+        # The source is the model's artifact location, not its models:/m-… URI: MLflow's SQL registry resolves
+        # the latter through the process-global tracking URI (its own TODO), not this client's.
+        source = self.client.get_logged_model(logged.model_id).artifact_location
+        version = self.client.create_model_version(name, source=source, run_id=self.run_id, tags=tags,
+                                                   description=description, model_id=logged.model_id)
+        uri = f"{REGISTRY_SCHEME}{name}/{version.version}"
+        self.set_tags({"registered_model": uri})
+        log.info("registered %s (run %s)", uri, self.run_id)
+        return uri
+
+    def fetch_registered(self, uri: str, cache_dir: str | os.PathLike[str]) -> RegisteredPolicy:
+        """A registered policy version (``models:/<name>/<version>``) downloaded under ``cache_dir/<name>/<version>``
+        (reused when already there), with its protocol and its training run's config; :class:`RegistryError` when
+        the version does not exist or is not an AEPO policy."""
+        from mlflow.models import Model
+
+        name, _, version = uri.removeprefix(REGISTRY_SCHEME).rpartition("/")
+        if not name or not version.isdigit():
+            raise RegistryError(f"{uri}: expected models:/<name>/<version> (a version number)")
+        try:
+            mv = self.client.get_model_version(name, version)
+        except MlflowException as exc:
+            raise RegistryError(f"{uri}: no such registered model version at {self.tracking_uri} "
+                                f"({exc.message})") from None
+        local = Path(cache_dir) / name / version
+        if not (local / "MLmodel").is_file():
+            self.download_artifacts(uri, local)
+        metadata = Model.load(str(local / "MLmodel")).metadata or {}
+        if PROTOCOL_METADATA not in metadata:
+            raise RegistryError(f"{uri}: not an AEPO policy (its MLmodel carries no {PROTOCOL_METADATA})")
+        try:
+            protocol = AgentProtocol.from_dict(metadata[PROTOCOL_METADATA], source=uri)
+        except ValueError as exc:
+            raise RegistryError(str(exc)) from None
+        config: dict[str, object] = {}
+        if mv.run_id:
+            text = self.client.download_artifacts(mv.run_id, "config.yaml", str(local))
+            config = yaml.safe_load(Path(text).read_text()) or {}
+        return RegisteredPolicy(uri, name, version, local, protocol, mv.run_id, mv.model_id,
+                                int(mv.tags.get("step", "0")), config)
+
+    def link_model(self, policy: RegisteredPolicy) -> None:
+        """Record on the run that it used ``policy``: a model input (MLflow 3's run ↔ logged-model link) and tags."""
+        from mlflow.entities import LoggedModelInput
+
+        if policy.model_id:
+            self.client.log_inputs(self.run_id, models=[LoggedModelInput(policy.model_id)])
+        self.set_tags({"registered_model": policy.uri, "source_run_id": policy.run_id or ""})
 
     def load_model(self, model_uri: str, return_type: str = "components") -> Any:
         """Load a model logged by :meth:`log_model` (a dict of components, or a pipeline)."""
@@ -644,6 +754,9 @@ def _run_row(run: Any) -> dict[str, Any]:
 
 __all__ = [
     "DatasetRecord",
+    "LoggedPolicy",
+    "RegisteredPolicy",
+    "RegistryError",
     "RunOrigin",
     "Tracker",
     "TrackingError",
@@ -703,7 +816,8 @@ class RankTracker:
     def metric_history(self, keys: Sequence[str] | None = None) -> dict[str, list[tuple[int, float]]]:
         return {}
 
-    def log_model(self, model: Any, tokenizer: Any, name: str = "model") -> None:
+    def log_model(self, model: Any, tokenizer: Any, name: str = "model", protocol: AgentProtocol | None = None
+                  ) -> None:
         return None
 
     def log_trajectory_sample(self, trees: Sequence[RolloutTree], scores: Sequence[Sequence[LeafScore]] | None,
