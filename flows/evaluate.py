@@ -305,7 +305,7 @@ def evaluate(
             raise ValueError("nothing to evaluate: set eval.datasets (or data.validation)")
         if previous is not None and not set(previous) & set(eval_sets):
             raise ValueError(f"compare_to {compare_to} holds datasets {sorted(previous)}, none of {eval_sets}")
-        datasets = check_eval_datasets(runtime)
+        inputs = check_eval_datasets(runtime)
         rename_flow_run(name)
 
         tracker = Tracker.from_config(cfg, runs, system_metrics=False)
@@ -323,7 +323,7 @@ def evaluate(
                             tracker.tracking_uri, cfg.eval.pass_k)
         table: list[dict[str, Any]] = []
         with tracker:
-            tracker.log_datasets(datasets)
+            tracker.log_datasets(inputs)
             if registered is not None:
                 tracker.link_model(registered)
             for ds in eval_sets:

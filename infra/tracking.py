@@ -63,6 +63,7 @@ TAG_FLOW_RUN = "prefect_flow_run_id"
 TAG_EXPERIMENT_NAME = "experiment_name"
 TAG_RESUMES = "resumes"
 TAG_FLOW_RUN_URL = "prefect_flow_run_url"
+TAG_REGISTERED_MODEL = "registered_model"  # models:/<name>/<version> a run registered (training) or used (eval)
 TAG_DESCRIPTION = "mlflow.note.content"  # what the MLflow UI shows as the run's description
 TAG_SOURCE_NAME = "mlflow.source.name"
 TAG_SOURCE_TYPE = "mlflow.source.type"
@@ -121,6 +122,8 @@ class RegistryError(TrackingError):
 PROTOCOL_METADATA = "aepo_protocol"
 """The MLmodel metadata key under which a logged policy carries its :class:`AgentProtocol`."""
 REGISTRY_SCHEME = "models:/"
+VERSION_TAG_MODEL_ID = "model_id"
+"""The model version tag naming its MLflow LoggedModel (by which an evaluation run is linked to it)."""
 
 
 @dataclass(frozen=True)
@@ -630,13 +633,14 @@ class Tracker:
                 raise
         tags = {metric_key(k): f"{v:.6g}" for k, v in metrics.items() if math.isfinite(v)}
         tags["step"] = str(step)
+        tags[VERSION_TAG_MODEL_ID] = logged.model_id  # the SQL registry stores no model_id of its own (3.17)
         # The source is the model's artifact location, not its models:/m-… URI: MLflow's SQL registry resolves
         # the latter through the process-global tracking URI (its own TODO), not this client's.
         source = self.client.get_logged_model(logged.model_id).artifact_location
         version = self.client.create_model_version(name, source=source, run_id=self.run_id, tags=tags,
                                                    description=description, model_id=logged.model_id)
         uri = f"{REGISTRY_SCHEME}{name}/{version.version}"
-        self.set_tags({"registered_model": uri})
+        self.set_tags({TAG_REGISTERED_MODEL: uri})
         log.info("registered %s (run %s)", uri, self.run_id)
         return uri
 
@@ -668,16 +672,17 @@ class Tracker:
         if mv.run_id:
             text = self.client.download_artifacts(mv.run_id, "config.yaml", str(local))
             config = yaml.safe_load(Path(text).read_text()) or {}
-        return RegisteredPolicy(uri, name, version, local, protocol, mv.run_id, mv.model_id,
+        return RegisteredPolicy(uri, name, version, local, protocol, mv.run_id, mv.tags.get(VERSION_TAG_MODEL_ID),
                                 int(mv.tags.get("step", "0")), config)
 
     def link_model(self, policy: RegisteredPolicy) -> None:
-        """Record on the run that it used ``policy``: a model input (MLflow 3's run ↔ logged-model link) and tags."""
+        """Record on the run that it used ``policy``: a model input (MLflow 3's run ↔ logged-model link) and the
+        ``registered_model`` tag (as on the training run that registered it)."""
         from mlflow.entities import LoggedModelInput
 
         if policy.model_id:
             self.client.log_inputs(self.run_id, models=[LoggedModelInput(policy.model_id)])
-        self.set_tags({"registered_model": policy.uri, "source_run_id": policy.run_id or ""})
+        self.set_tags({TAG_REGISTERED_MODEL: policy.uri})
 
     def load_model(self, model_uri: str, return_type: str = "components") -> Any:
         """Load a model logged by :meth:`log_model` (a dict of components, or a pipeline)."""

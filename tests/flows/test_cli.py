@@ -363,7 +363,9 @@ def test_registered_policy_loads_in_mlflow_and_through_aepo_eval(trained: tuple[
     [eval_run] = client.search_runs([train_run.info.experiment_id], "attributes.run_name = 'registry-eval'")
     assert eval_run.data.tags["checkpoint"] == "models:/aepo-policy/1"
     assert eval_run.data.tags["source_run_id"] == version.run_id
-    assert [m.model_id for m in eval_run.inputs.model_inputs] == [version.model_id]
+    linked = client.get_run(eval_run.info.run_id).inputs.model_inputs  # (search_runs leaves model inputs out)
+    assert [m.model_id for m in linked] == [version.tags["model_id"]]
+    assert client.get_logged_model(version.tags["model_id"]).source_run_id == version.run_id
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as prefect:  # renamed once its name was known (after reading the model)
@@ -371,3 +373,14 @@ def test_registered_policy_loads_in_mlflow_and_through_aepo_eval(trained: tuple[
     assert flow_run.name == "registry-eval" and {"aepo", "cli"} <= set(flow_run.tags)
     missing = invoke("eval", "--checkpoint", "models:/aepo-policy/9", "--runs-dir", str(runs))
     assert missing.exit_code == 2 and "no such registered model version" in missing.stderr
+
+
+def test_flow_runs_dir_is_the_parameter_then_aepo_runs_dir_then_the_config(monkeypatch: pytest.MonkeyPatch,
+                                                                           tmp_path: Path) -> None:
+    from flows.common import flow_runs_dir
+
+    monkeypatch.delenv("AEPO_RUNS_DIR", raising=False)
+    assert flow_runs_dir(None, "runs") == Path("runs")
+    monkeypatch.setenv("AEPO_RUNS_DIR", str(tmp_path / "ui-runs"))  # a deployed run: the worker's environment
+    assert flow_runs_dir(None, "runs") == tmp_path / "ui-runs"
+    assert flow_runs_dir(str(tmp_path / "given"), "runs") == tmp_path / "given"

@@ -85,7 +85,7 @@ def test_serve_after_deploy_keeps_both_and_a_served_run_completes(server: Stack,
         assert declared.parameters["runs_dir"] is None  # deployed runs use $AEPO_RUNS_DIR (aepo ui's store)
         assert dep.parameters["runs_dir"] == str(runs.resolve())
         flow_run = client.create_flow_run_from_deployment(
-            dep.id, parameters={"overrides": ["eval.max_questions=1", "eval.n_samples=1"]})
+            dep.id, parameters={"overrides": ["eval.max_questions=1"]})
         deadline = time.monotonic() + 420
         while True:
             state = client.read_flow_run(flow_run.id).state
