@@ -93,5 +93,7 @@ def test_serve_after_deploy_keeps_both_and_a_served_run_completes(server: Stack,
                 break
             assert time.monotonic() < deadline, f"flow run still {state}:\n{server.log_tail('serve', 80)}"
             time.sleep(2)
+        name = client.read_flow_run(flow_run.id).name
     assert state.is_completed(), f"{state}:\n{server.log_tail('serve', 80)}"
+    assert name.startswith("tiny-eval-step0-")  # renamed after its MLflow run once that was named
     assert list((runs / "eval").glob("*/synthetic_test.parquet")) and (runs / "mlflow.db").is_file()
