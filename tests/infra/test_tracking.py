@@ -19,7 +19,7 @@ from aepo_core.protocol import AgentProtocol
 from aepo_core.rollout.scheduler import Question, RolloutScheduler
 from aepo_core.rollout.tree import RolloutTree
 from aepo_core.scoring import LeafScore
-from infra.models import chat_prompt_text
+from infra.models import chat_prompt_text, prepare_tokenizer
 from infra.plots import curves_figure
 from infra.tracking import (
     MAX_PARAM_VALUE,
@@ -250,8 +250,8 @@ def test_log_model_is_loadable(runs_dir: Path, tmp_path: Path, monkeypatch: pyte
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(997)}}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
-                                        eos_token="</s>", pad_token="</s>")
+    tokenizer = prepare_tokenizer(PreTrainedTokenizerFast(  # a chat template, as every policy's tokenizer has
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="</s>"))
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
