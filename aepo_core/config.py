@@ -674,6 +674,17 @@ class TrackingConfig(Section):
         2, ge=0, description="Questions of each evaluation (the first ones of each dataset) whose samples are "
         "logged as MLflow traces; 0: none."
     )
+    registered_model: str | None = Field(
+        "aepo-policy", description="Model-registry name of the final policy (logged with tracking.log_model): every "
+        "completed training run adds a version, tagged with its final evaluation metrics and carrying the agent's "
+        "system prompt and tag protocol; `aepo eval --checkpoint models:/<name>/<version>` evaluates it. None: not "
+        "registered.",
+    )
+
+
+RUNS_DIR_ENV = "AEPO_RUNS_DIR"
+"""The environment variable naming the runs dir where no ``--runs-dir`` / ``runs_dir`` parameter does (it beats
+``storage.runs_dir``): the CLI's, and a deployed flow run's, so its outputs land in the store ``aepo ui`` shows."""
 
 
 class StorageConfig(Section):
@@ -764,6 +775,11 @@ class ExperimentConfig(Section):
         if self.train.sft.enabled and not is_synthetic(self.data.train):
             raise ConfigError(f"train.sft.enabled needs data.train=synthetic (oracle transcripts); got "
                               f"data.train={self.data.train!r}: run SFT beforehand and point model.name at it")
+
+    def run_name_for(self, given: str | None = None) -> str:
+        """The run's name — its MLflow run name, Prefect flow run name and checkpoint folder: the given one (the
+        CLI's ``--run-name``, the flow's ``run_name``), else ``tracking.run_name``, else ``name``."""
+        return given or self.tracking.run_name or self.name
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -10,6 +10,7 @@ Everything here works on text only; token bookkeeping lives in the rollout sched
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 THINK_OPEN = "<think>"
@@ -287,6 +288,44 @@ SYSTEM_PROMPT = (
     "Call tools as often as needed, then give the final answer as "
     "<answer>The answer is \\boxed{ANSWER}.</answer>"
 )
+
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class AgentProtocol:
+    """What makes a policy an agent of this protocol beyond its weights: the system prompt its rollouts start with,
+    the tools it may call and the strings that end a generated segment. A logged policy carries it (MLflow model
+    metadata) so that evaluating or serving it starts from the prompt it was trained on."""
+
+    system_prompt: str | None = SYSTEM_PROMPT
+    tools: tuple[str, ...] = TOOL_NAMES
+    stop_strings: tuple[str, ...] = STOP_STRINGS
+    version: int = PROTOCOL_VERSION
+
+    def as_dict(self) -> dict[str, object]:
+        return {"version": self.version, "system_prompt": self.system_prompt, "tools": list(self.tools),
+                "stop_strings": list(self.stop_strings)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object], source: str) -> AgentProtocol:
+        """The protocol :meth:`as_dict` wrote; a ``ValueError`` naming ``source`` and the field when it is not one
+        this code runs (another version, other tools or stop strings: the rollout loop would not match it)."""
+        try:
+            prompt, tools, stops, version = (data["system_prompt"], data["tools"], data["stop_strings"],
+                                             data["version"])
+        except KeyError as exc:
+            raise ValueError(f"{source}: the agent protocol has no {exc.args[0]!r}") from None
+        if prompt is not None and not isinstance(prompt, str):
+            raise ValueError(f"{source}: agent protocol system_prompt must be a string or null")
+        found = cls(prompt, tuple(map(str, tools)) if isinstance(tools, list) else (),
+                    tuple(map(str, stops)) if isinstance(stops, list) else (), int(str(version)))
+        for name, theirs, ours in (("version", found.version, PROTOCOL_VERSION), ("tools", found.tools, TOOL_NAMES),
+                                   ("stop_strings", found.stop_strings, STOP_STRINGS)):
+            if theirs != ours:
+                raise ValueError(f"{source}: agent protocol {name} {theirs!r} differs from this code's {ours!r}")
+        return found
 
 
 def chat_messages(question: str, system_prompt: str | None = SYSTEM_PROMPT) -> list[dict[str, str]]:

@@ -46,15 +46,17 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from aepo_core.config import ConfigError, ExperimentConfig, build_config
+from aepo_core.config import RUNS_DIR_ENV, ConfigError, ExperimentConfig, build_config
 from tasks.progress import Progress as ProgressEvent
 from tasks.progress import progress_of
 
 log = logging.getLogger(__name__)
 
-RUNS_ENV = "AEPO_RUNS_DIR"
+RUNS_ENV = RUNS_DIR_ENV
 DEFAULT_RUNS_DIR = "runs"
 EXIT_USAGE = 2
+CLI_TAGS = ("aepo", "cli")
+"""Prefect tags of the flow runs the CLI starts (deployments' runs carry ``aepo`` alone)."""
 PREFECT_ENV = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                "DO_NOT_TRACK": "1"}  # the client's telemetry banner too ("Prefect collects anonymous usage data")
 QUIET_ENV = {
@@ -290,8 +292,12 @@ def flow_progress(label: str, total: int | None,
     """A rich progress bar fed by the progress events of the Prefect run loggers while a flow runs
     (``on_event(bar, task, event)``).
 
-    SIGTERM (``kill``, a scheduler's stop) unwinds like Ctrl-C while it runs (:func:`sigterm_unwinds`).
+    SIGTERM (``kill``, a scheduler's stop) unwinds like Ctrl-C while it runs (:func:`sigterm_unwinds`). The flow
+    run (and every run it starts) is tagged :data:`CLI_TAGS`, so the Prefect UI tells runs started from a shell
+    from those of deployments and schedules.
     """
+    from prefect import tags
+
     # -v: the libraries' log lines instead of a bar (their console handlers write to the stderr they saw at import,
     # past rich's redirection, and would tear a live bar).
     progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -302,7 +308,7 @@ def flow_progress(label: str, total: int | None,
     for lg in loggers:
         lg.addHandler(handler)
     try:
-        with sigterm_unwinds(), progress:
+        with sigterm_unwinds(), progress, tags(*CLI_TAGS):
             yield progress
     finally:
         for lg in loggers:
@@ -429,9 +435,9 @@ def train(
     check_tracking_server(cfg.tracking.tracking_uri)
     runs = resolve_runs_dir(runs_dir, cfg)
     cfg = _with_runs_dir(cfg, runs)
-    check_storage(cfg, runs, run_name or cfg.tracking.run_name or cfg.name)
+    check_storage(cfg, runs, cfg.run_name_for(run_name))
     if resume:
-        check_resume(cfg, runs, run_name or cfg.tracking.run_name or cfg.name)
+        check_resume(cfg, runs, cfg.run_name_for(run_name))
     from infra.ranks import Ranks
 
     prepare_environment(runs, rank=Ranks.current().rank)
@@ -440,7 +446,7 @@ def train(
     from tasks.retry import USER_ERRORS
 
     try:
-        with flow_progress(f"{run_name or cfg.tracking.run_name or cfg.name}: starting", cfg.train.steps,
+        with flow_progress(f"{cfg.run_name_for(run_name)}: starting", cfg.train.steps,
                            _train_progress):
             result = train_flow(config=cfg, resume=resume, runs_dir=str(runs), run_name=run_name,
                                 force_resume=force_resume)
@@ -458,6 +464,7 @@ def train(
                       f"{c['ci_high']:+.3f}] (paired over {c['questions']:.0f} questions)")
     out.print(_where_table([
         ("MLflow run", f"{result.run_id}  ({result.tracking_uri})"),
+        *([("registered policy", result.model_version)] if result.model_version else []),
         ("checkpoints", result.checkpoint_dir),
         ("trajectories", result.trajectories),
         ("runs dir", result.runs_dir),
@@ -472,7 +479,9 @@ def train(
 def eval_(
     checkpoint: Annotated[str | None, typer.Option("--checkpoint", help="Checkpoint dir (step-NNNNNN) or a run's "
                                                    "checkpoint root (its newest), local or s3://… (the endpoint from "
-                                                   "--config / --set storage.s3_endpoint_url); omit for the "
+                                                   "--config / --set storage.s3_endpoint_url), or a registered "
+                                                   "policy models:/<name>/<version> (the registry of --set "
+                                                   "tracking.tracking_uri, default the runs dir's); omit for the "
                                                    "configured model.")] = None,
     config: Annotated[Path | None, typer.Option("--config", "-c", help="Config YAML (default: the checkpoint's).")
                       ] = None,
@@ -492,24 +501,34 @@ def eval_(
     if compare_to is not None and not is_remote(compare_to) and not Path(compare_to).exists():
         fail(f"--compare-to {compare_to}: no such file or directory")
     prepare_environment(runs)
-    from flows.evaluate import checkpoint_source, eval_storage, evaluate, resolve_checkpoint, resolve_eval_config
+    from flows.evaluate import (
+        checkpoint_source,
+        eval_storage,
+        evaluate,
+        fetch_registered_policy,
+        resolve_checkpoint,
+        resolve_eval_config,
+    )
     from infra.runtime import CheckpointError
+    from infra.tracking import RegistryError, is_registered_model
     from tasks.retry import USER_ERRORS
 
     try:
-        ckpt = resolve_checkpoint(checkpoint, eval_storage(base, set_), runs)
-        cfg = resolve_eval_config(base, ckpt, set_, dataset)
+        registered = fetch_registered_policy(checkpoint, base, set_, runs) if is_registered_model(checkpoint) else None
+        ckpt = resolve_checkpoint(checkpoint if registered is None else None, eval_storage(base, set_), runs)
+        cfg = resolve_eval_config(base, ckpt, set_, dataset, registered)
         check_datasets(cfg, training=False)
         if cfg.storage.evaluations_uri:
             probe(cfg.storage.evaluations_uri, storage_options(cfg.storage, cfg.storage.evaluations_uri))
-    except (ConfigError, CheckpointError, StorageError) as exc:
+    except (ConfigError, CheckpointError, StorageError, RegistryError) as exc:
         fail(str(exc))
     check_tracking_server(cfg.tracking.tracking_uri)
     start_prefect_api()  # after every check: bad input exits without starting a server
     cfg = _with_runs_dir(cfg, runs)
+    source = checkpoint if registered is not None else checkpoint_source(checkpoint, ckpt)
     try:
         with flow_progress("evaluating", len(cfg.eval.datasets) or None, _eval_progress):
-            result = evaluate(config=cfg, checkpoint=checkpoint_source(checkpoint, ckpt), runs_dir=str(runs),
+            result = evaluate(config=cfg, checkpoint=source, runs_dir=str(runs),
                               compare_to=compare_to, run_name=run_name)
     except USER_ERRORS as exc:  # the user's input (a bad row, a bad config), found by the flow: as before it
         fail(str(exc))
@@ -693,7 +712,7 @@ def serve(
 
     deployments = build_deployments(runs, config, sweep_file, cron or None)
     _out().print(f"serving {', '.join(d.name for d in deployments)} against {api_url}; runs dir {runs}; "
-                 "trigger them from the UI or `prefect deployment run 'aepo-train/train'`")
+                 f"trigger them from the UI or `prefect deployment run 'aepo-train/{deployments[0].name}'`")
     prefect_serve(*deployments)
 
 
@@ -993,7 +1012,7 @@ def ui(
                                       "only) or 0.0.0.0 (workers on other machines can log to them).")
                     ] = "127.0.0.1",
     prefect_port: Annotated[int, typer.Option("--prefect-port", min=1, max=65535)] = 4200,
-    mlflow_port: Annotated[int, typer.Option("--mlflow-port", min=1, max=65535)] = 5000,
+    mlflow_port: Annotated[int, typer.Option("--mlflow-port", min=1, max=65535)] = 5000,  # tracking.UI_MLFLOW_PORT
     backend_store_uri: Annotated[str | None, typer.Option(
         "--backend-store-uri", help="MLflow's database: sqlite:///path/mlflow.db or postgresql://user:password@host"
                                     ":5432/db (default: <runs dir>/mlflow.db).")] = None,

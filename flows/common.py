@@ -1,15 +1,25 @@
-"""What every flow shares: its config parameter resolved with overrides, and the flow run it runs in."""
+"""What every flow shares: its config parameter resolved with overrides, the flow run it runs in (the origin its
+MLflow run records), and the datasets it read."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext
+from prefect.runtime import flow_run
 
-from aepo_core.config import ExperimentConfig, build_config
+from aepo_core.config import RUNS_DIR_ENV, ConfigError, ExperimentConfig, build_config
+from infra.data.loaders import dataset_key
+from infra.data.rows import QuestionRow
 from infra.evaluation import EvalReport
 from infra.runtime import PolicyRuntime
-from infra.tracking import RankTracker, Tracker
+from infra.tracking import DatasetRecord, RankTracker, RunOrigin, Tracker
 
 
 def resolve_config(config: ExperimentConfig | dict[str, Any] | None, overrides: list[str] | None) -> ExperimentConfig:
@@ -18,17 +28,64 @@ def resolve_config(config: ExperimentConfig | dict[str, Any] | None, overrides: 
     return build_config(tree, overrides or [], source="flow parameters")
 
 
+def flow_runs_dir(given: str | None, configured: str) -> Path:
+    """A flow's runs dir: its ``runs_dir`` parameter, else ``$AEPO_RUNS_DIR`` (as for the CLI: a deployment's run
+    then lands where the worker or ``aepo serve`` process says), else the configured one."""
+    return Path(given or os.environ.get(RUNS_DIR_ENV) or configured).expanduser()
+
+
 def flow_run_id() -> str | None:
     """The Prefect flow run this code runs in (tagged on the MLflow run); None outside a flow."""
     ctx = FlowRunContext.get()
     return str(ctx.flow_run.id) if ctx is not None and ctx.flow_run is not None else None
 
 
-def check_eval_datasets(runtime: PolicyRuntime) -> None:
+def run_origin(source_name: str, description: str) -> RunOrigin:
+    """The origin an MLflow run records: ``source_name`` (the flow's entrypoint), ``description``, and the Prefect
+    flow run this code runs in, with its UI URL (None where Prefect has no UI, e.g. its temporary API server)."""
+    from prefect.settings import PREFECT_UI_URL
+
+    run_id = flow_run_id()
+    has_ui = run_id is not None and PREFECT_UI_URL.value() is not None  # else Prefect's URL starts "None/…"
+    return RunOrigin(source_name, description, run_id, flow_run.ui_url if has_ui else None)
+
+
+def train_flow_run_name() -> str:
+    """The name of an ``aepo-train`` flow run: its MLflow run's (:meth:`ExperimentConfig.run_name_for` of the
+    flow's parameters), so both UIs list the run under one name. A config that does not build names the flow
+    run ``aepo-train``: the flow itself then fails with the config error."""
+    params = flow_run.parameters
+    try:
+        cfg = resolve_config(params.get("config"), params.get("overrides"))
+    except ConfigError:
+        return "aepo-train"
+    return cfg.run_name_for(params.get("run_name"))
+
+
+def rename_flow_run(name: str) -> None:
+    """Give the current flow run ``name`` (an evaluation's MLflow run name is known only once its checkpoint is
+    read, after the flow run started); nothing outside a flow."""
+    run_id = flow_run_id()
+    if run_id is not None:
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(run_id, name=name)
+
+
+def dataset_record(spec: str, rows: Sequence[QuestionRow], context: str, among: Sequence[str] = ()) -> DatasetRecord:
+    """What MLflow records of a dataset a run read: its key, a digest of its rows' content (ids, questions, gold
+    answers: the same rows give the same digest wherever the file lies), its spec and its row count."""
+    h = hashlib.sha256()
+    for r in rows:
+        h.update(json.dumps([r.id, r.question, list(r.golds)], ensure_ascii=False).encode())
+    return DatasetRecord(dataset_key(spec, among), h.hexdigest()[:16], spec, len(rows), context)
+
+
+def check_eval_datasets(runtime: PolicyRuntime) -> list[DatasetRecord]:
     """Read every evaluation dataset once before the MLflow run is created: a bad row (a user error) then fails the
-    flow before any run exists, instead of leaving a FAILED run behind after the training it followed."""
-    for spec in runtime.eval_datasets():
-        runtime.load_rows(spec)
+    flow before any run exists, instead of leaving a FAILED run behind after the training it followed. Returns
+    their records (:func:`dataset_record`, context ``evaluation``)."""
+    specs = runtime.eval_datasets()
+    return [dataset_record(spec, runtime.load_rows(spec), "evaluation", specs) for spec in specs]
 
 
 def log_eval_traces(tracker: Tracker | RankTracker, report: EvalReport, step: int, label: str) -> None:

@@ -33,26 +33,32 @@ from prefect.cache_policies import NO_CACHE
 
 from aepo_core.config import ExperimentConfig, StorageConfig, build_config
 from aepo_core.evaluation import paired_comparison
-from flows.common import check_eval_datasets, flow_run_id, log_eval_traces
+from flows.common import check_eval_datasets, flow_runs_dir, log_eval_traces, rename_flow_run, run_origin
 from infra.config_files import load_config
 from infra.evaluation import EvalReport, EvalSource, ResultsDir
 from infra.fs import is_remote, open_fs, storage_errors, storage_options
 from infra.judge import LLMJudge, Verdict
 from infra.runtime import build_runtime, checkpoint_config, find_checkpoint
-from infra.tracking import Tracker
+from infra.tracking import RegisteredPolicy, Tracker, is_registered_model
 from tasks.rl import evaluate as evaluate_task
 from tasks.rl import write_eval_results
 
 log = logging.getLogger(__name__)
 
+MODEL_CACHE = Path("cache") / "models"
+"""Under the runs dir: the downloaded copies of registered policies, ``<name>/<version>/``."""
+
 # ---------------------------------------------------------------------------------------------- parameters
 
 
 def resolve_eval_config(config: ExperimentConfig | dict[str, Any] | str | None, checkpoint: Path | None,
-                        overrides: Sequence[str] | None, datasets: Sequence[str] | None) -> ExperimentConfig:
-    """The config to evaluate with: the given one (object, dict or YAML path), else the checkpoint's own, else
-    the defaults; then the dotted overrides and the dataset list."""
+                        overrides: Sequence[str] | None, datasets: Sequence[str] | None,
+                        registered: RegisteredPolicy | None = None) -> ExperimentConfig:
+    """The config to evaluate with: the given one (object, dict or YAML path), else the checkpoint's own (a
+    registered policy's: its training run's), else the defaults; then the dotted overrides and the dataset list."""
     tree = _given_tree(config)
+    if tree is None and registered is not None:
+        tree = dict(registered.config)
     if tree is None:
         tree = checkpoint_config(checkpoint) if checkpoint is not None else {}
     cfg = build_config(tree, list(overrides or []), source="evaluate parameters")
@@ -70,12 +76,26 @@ def _given_tree(config: ExperimentConfig | dict[str, Any] | str | None) -> dict[
     return dict(config) if config is not None else None
 
 
+def _locating_config(config: ExperimentConfig | dict[str, Any] | str | None, overrides: Sequence[str] | None
+                     ) -> ExperimentConfig:
+    """The config a checkpoint or registered policy is found with, before its own config is known: the given
+    config (the defaults without one) with the ``storage.…`` and ``tracking.…`` overrides."""
+    sets = [o for o in overrides or [] if o.startswith(("storage.", "tracking."))]
+    return build_config(_given_tree(config) or {}, sets, source="evaluate storage")
+
+
 def eval_storage(config: ExperimentConfig | dict[str, Any] | str | None, overrides: Sequence[str] | None
                  ) -> StorageConfig:
-    """The storage a checkpoint is read with, before its own config is known: the given config's storage section
-    (the defaults without one) with the ``storage.…`` overrides (e.g. ``storage.s3_endpoint_url``)."""
-    sets = [o for o in overrides or [] if o.startswith("storage.")]
-    return build_config(_given_tree(config) or {}, sets, source="evaluate storage").storage
+    """The storage a checkpoint is read with (e.g. ``storage.s3_endpoint_url``): :func:`_locating_config`'s."""
+    return _locating_config(config, overrides).storage
+
+
+def fetch_registered_policy(uri: str, config: ExperimentConfig | dict[str, Any] | str | None,
+                            overrides: Sequence[str] | None, runs_dir: str | os.PathLike[str]) -> RegisteredPolicy:
+    """A registered policy version (``models:/<name>/<version>``) from the registry of the given config's tracking
+    URI (default: the runs dir's store), downloaded under ``<runs_dir>/cache/models``."""
+    tracker = Tracker.from_config(_locating_config(config, overrides), runs_dir, system_metrics=False)
+    return tracker.fetch_registered(uri, Path(runs_dir) / MODEL_CACHE)
 
 
 def resolve_checkpoint(path: str | os.PathLike[str] | None, storage: StorageConfig | None = None,
@@ -189,32 +209,42 @@ def evaluate(
     compare_to: str | None = None,
     run_name: str | None = None,
 ) -> EvalResult:
-    """Evaluate a checkpoint (None: the configured model) on every dataset; returns summaries and file paths."""
+    """Evaluate a checkpoint (None: the configured model; ``models:/<name>/<version>``: a registered policy, with
+    the system prompt it carries) on every dataset; returns summaries and file paths."""
     logger = get_run_logger()
     given = eval_storage(config, overrides)
-    ckpt = resolve_checkpoint(checkpoint, given, runs_dir or given.runs_dir)
-    source = checkpoint_source(checkpoint, ckpt)
-    cfg = resolve_eval_config(config, ckpt, overrides, datasets)
+    located = flow_runs_dir(runs_dir, given.runs_dir)
+    registered = (fetch_registered_policy(checkpoint, config, overrides, located)
+                  if checkpoint is not None and is_registered_model(checkpoint) else None)
+    ckpt = resolve_checkpoint(checkpoint if registered is None else None, given, located)
+    source = checkpoint if registered is not None else checkpoint_source(checkpoint, ckpt)
+    cfg = resolve_eval_config(config, ckpt, overrides, datasets, registered)
     previous = read_question_results(compare_to, cfg.storage) if compare_to else None
-    runs = Path(runs_dir or cfg.storage.runs_dir)
+    runs = flow_runs_dir(runs_dir, cfg.storage.runs_dir)
     runs.mkdir(parents=True, exist_ok=True)
 
     runtime = build_runtime(cfg, runs, run_name)
     with runtime:  # stops a managed vLLM server however the flow ends
         state = runtime.load_checkpoint_weights(ckpt) if ckpt is not None else None
-        step = state.step if state is not None else 0
+        if registered is not None:
+            runtime.load_policy_weights(registered.local_dir, registered.step, registered.protocol)
+        step = state.step if state is not None else registered.step if registered is not None else 0
+        trained_by = state.run_id if state is not None else registered.run_id if registered is not None else None
         name = run_name or f"{cfg.name}-eval-step{step}-{uuid.uuid4().hex[:6]}"
         eval_sets = runtime.eval_datasets()
         if not eval_sets:
             raise ValueError("nothing to evaluate: set eval.datasets (or data.validation)")
         if previous is not None and not set(previous) & set(eval_sets):
             raise ValueError(f"compare_to {compare_to} holds datasets {sorted(previous)}, none of {eval_sets}")
-        check_eval_datasets(runtime)
+        inputs = check_eval_datasets(runtime)
+        rename_flow_run(name)
 
         tracker = Tracker.from_config(cfg, runs, system_metrics=False)
         tags = {"kind": "eval", "checkpoint": source or "", "checkpoint_step": step,
-                "source_run_id": (state.run_id if state else None) or "", "compare_to": compare_to or ""}
-        run_id = tracker.start(cfg, run_name=name, tags=tags, flow_run_id=flow_run_id())
+                "source_run_id": trained_by or "", "compare_to": compare_to or ""}
+        what = source or cfg.model.name
+        run_id = tracker.start(cfg, run_name=name, tags=tags, origin=run_origin(
+            "flows/evaluate.py:evaluate", f"AEPO evaluation of {what} (step {step}) on {', '.join(eval_sets)}."))
         results = ResultsDir.of(cfg.storage, runs, name)  # the local copy is what MLflow logs
         logger.info("evaluating %s (step %d) on %s → MLflow run %s, results in %s", source or cfg.model.name, step,
                     ", ".join(eval_sets), run_id, results.uri)
@@ -222,6 +252,9 @@ def evaluate(
                             tracker.tracking_uri, cfg.eval.pass_k)
         table: list[dict[str, Any]] = []
         with tracker:
+            tracker.log_datasets(inputs)
+            if registered is not None:
+                tracker.link_model(registered)
             for ds in eval_sets:
                 report = evaluate_task.with_options(timeout_seconds=cfg.train.eval_timeout_s)(runtime, ds, "eval")
                 metrics = report.metrics()

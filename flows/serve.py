@@ -1,8 +1,14 @@
 """Deployments of the train / evaluate / sweep flows for ``prefect.serve`` (``aepo serve``).
 
 For users without a work pool: one long-running process polls the Prefect API for runs of these deployments
-and executes them in subprocesses.  With a process work pool, ``prefect.yaml`` declares the same deployments
-(``prefect deploy --all`` then ``prefect worker start --pool aepo-process``).
+and executes them in subprocesses.  With a process work pool, ``prefect.yaml`` declares the same flows as
+deployments ``train``, ``evaluate``, ``sweep`` (``prefect deploy --all`` then ``prefect worker start --pool
+aepo-process``).
+
+The served deployments are named apart (``train-served``, …): a deployment is keyed by flow and name on the
+server, so serving ``aepo-train/train`` after ``prefect deploy`` replaced the declared deployment with one that
+has no pull steps and no pool, and its next run crashed (``Downloading flow code from storage at None …
+FileNotFoundError``). Both sets now coexist on one server.
 """
 
 from __future__ import annotations
@@ -18,11 +24,14 @@ from infra.config_files import load_config
 DEFAULT_CONFIG = "configs/tiny.yaml"
 DEFAULT_SWEEP = "configs/sweeps/tiny.yaml"
 DEFAULT_SWEEP_CRON = "0 3 * * 1"  # Mondays 03:00
+SERVED_SUFFIX = "-served"
+"""Appended to the names of served deployments (see the module docstring)."""
 
 
 def build_deployments(runs_dir: str | Path = "runs", config: str | Path = DEFAULT_CONFIG,
                       sweep_file: str | Path = DEFAULT_SWEEP, sweep_cron: str | None = DEFAULT_SWEEP_CRON) -> list[Any]:
-    """RunnerDeployments named ``train``, ``evaluate`` and ``sweep`` (the last on ``sweep_cron``; None: no schedule).
+    """RunnerDeployments named ``train-served``, ``evaluate-served`` and ``sweep-served`` (the last on ``sweep_cron``;
+    None: no schedule), their runs in ``runs_dir``.
 
     The train deployment's ``config`` parameter is the resolved config (the UI renders it as a form); the
     evaluate and sweep deployments take file paths, resolved to absolute paths here so runs do not depend on
@@ -31,14 +40,14 @@ def build_deployments(runs_dir: str | Path = "runs", config: str | Path = DEFAUL
     cfg = load_config(config)
     runs = str(Path(runs_dir).expanduser().resolve())
     return [
-        train.to_deployment(name="train", parameters={"config": cfg.to_dict(), "runs_dir": runs},
+        train.to_deployment(name=f"train{SERVED_SUFFIX}", parameters={"config": cfg.to_dict(), "runs_dir": runs},
                             description="RL training run (edit the config form; overrides as dotted key=value)",
                             tags=["aepo"]),
-        evaluate.to_deployment(name="evaluate",
+        evaluate.to_deployment(name=f"evaluate{SERVED_SUFFIX}",
                                parameters={"config": str(Path(config).resolve()), "checkpoint": None,
                                            "runs_dir": runs},
                                description="Evaluate a checkpoint (None: the configured model)", tags=["aepo"]),
-        sweep.to_deployment(name="sweep", cron=sweep_cron,
+        sweep.to_deployment(name=f"sweep{SERVED_SUFFIX}", cron=sweep_cron,
                             parameters={"sweep_config": str(Path(sweep_file).resolve()), "runs_dir": runs},
                             description="Scheduled sweep of training runs with a comparison table", tags=["aepo"]),
     ]

@@ -72,9 +72,10 @@ import pandas as pd
 from matplotlib.figure import Figure
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
+from prefect.runtime import flow_run
 
 from aepo_core.config import ConfigError, ExperimentConfig
-from flows.common import flow_run_id
+from flows.common import flow_runs_dir, run_origin
 from flows.sweep_spec import SweepRun, SweepSpec, load_sweep, parse_shard, shard_runs
 from flows.train import train
 from infra.plots import save_png
@@ -224,7 +225,29 @@ class SweepResult:
     """Run names of the children that had already FINISHED in MLflow and were not run again."""
 
 
-@flow(name="aepo-sweep", log_prints=True)
+def sweep_spec(sweep_config: str | dict[str, Any], shard: str | None, overrides: Sequence[str] | None = None,
+               cells: Sequence[str] | None = None) -> SweepSpec:
+    """The sweep a flow run runs: the file's (or mapping's) with ``overrides`` on every cell, only ``cells`` (None:
+    all), cut to one shard ``"i/N"`` (named ``…-shardIofN``)."""
+    spec = load_sweep(sweep_config, overrides or (), cells)
+    if shard is None:
+        return spec
+    i, n = parse_shard(shard)
+    return replace(spec, name=f"{spec.name}-shard{i}of{n}", runs=shard_runs(spec.runs, shard))
+
+
+def sweep_flow_run_name() -> str:
+    """The name of an ``aepo-sweep`` flow run: its MLflow parent run's, the sweep's name (``aepo-sweep`` when the
+    sweep file does not load: the flow itself then fails with the error)."""
+    params = flow_run.parameters
+    try:
+        return sweep_spec(params["sweep_config"], params.get("shard"), params.get("overrides"),
+                          params.get("cells")).name
+    except (ConfigError, OSError):
+        return "aepo-sweep"
+
+
+@flow(name="aepo-sweep", flow_run_name=sweep_flow_run_name, log_prints=True)
 def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None, shard: str | None = None,
           deployment: str | None = None, max_parallel: int = 4,
           child_timeout_s: float | None = None, child_lost_after_s: float | None = None,
@@ -241,23 +264,22 @@ def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None, shard
     one after another.
     Children that already FINISHED in MLflow with the same run name, sweep name and config are not run again."""
     logger = get_run_logger()
-    spec = load_sweep(sweep_config, overrides or (), cells)
-    if shard is not None:
-        i, n = parse_shard(shard)
-        spec = replace(spec, name=f"{spec.name}-shard{i}of{n}", runs=shard_runs(spec.runs, shard))
+    spec = sweep_spec(sweep_config, shard, overrides, cells)
     if max_parallel < 1:
         raise ConfigError(f"sweep max_parallel must be >= 1; got {max_parallel}")
     if child_timeout_s is not None and child_timeout_s <= 0:
         raise ConfigError(f"sweep child_timeout_s must be > 0 (or None); got {child_timeout_s}")
     if child_lost_after_s is not None and child_lost_after_s <= 0:
         raise ConfigError(f"sweep child_lost_after_s must be > 0 (or None); got {child_lost_after_s}")
-    runs = Path(runs_dir or spec.runs_dir or spec.base.storage.runs_dir).expanduser().resolve()
+    runs = flow_runs_dir(runs_dir, spec.runs_dir or spec.base.storage.runs_dir).resolve()
     runs.mkdir(parents=True, exist_ok=True)
     tracker = Tracker.from_config(spec.base, runs, system_metrics=False)
     configs = {r.run_name: child_config(r.config, tracker) for r in spec.runs}
     if deployment is not None:
         check_deployment(deployment, tracker.tracking_uri, logger)
-    parent = tracker.start(spec.base, run_name=spec.name, flow_run_id=flow_run_id(),
+    parent = tracker.start(spec.base, run_name=spec.name, group=True, origin=run_origin(
+                               "flows/sweep.py:sweep", f"AEPO sweep {spec.name}: {len(spec.cells)} cells × "
+                               f"{len(spec.seeds)} seeds, one nested training run each."),
                            tags={"kind": "sweep", TAG_SWEEP: spec.name, "sweep_cells": len(spec.cells),
                                  "sweep_seeds": ",".join(map(str, spec.seeds)),
                                  "sweep_deployment": deployment or "in-process"})

@@ -25,7 +25,15 @@ from aepo_core.evaluation import paired_comparison
 from aepo_core.rollout.scheduler import RolloutResult, merge_results
 from aepo_core.rollout.tree import RolloutTree
 from aepo_core.scoring import StepScores, fill_informative
-from flows.common import check_eval_datasets, flow_run_id, log_eval_traces, resolve_config
+from flows.common import (
+    check_eval_datasets,
+    dataset_record,
+    flow_runs_dir,
+    log_eval_traces,
+    resolve_config,
+    run_origin,
+    train_flow_run_name,
+)
 from infra.evaluation import EvalReport, EvalSource, ResultsDir
 from infra.plots import curves_figure, rollout_tree_figure
 from infra.ranks import Ranks
@@ -64,6 +72,10 @@ class TrainResult:
     checkpoint_dir: str
     tracking_uri: str
     trajectories: str
+    run_url: str | None = None
+    """The MLflow run's page: on the tracking server, or (SQLite store) where ``aepo ui`` shows it."""
+    model_version: str | None = None
+    """The registered policy, ``models:/<tracking.registered_model>/<version>`` (None: not registered)."""
     evals: Summaries = field(default_factory=dict)
     comparisons: Summaries = field(default_factory=dict)
 
@@ -103,7 +115,7 @@ class _Evaluations:
             self.per_question.setdefault(label, {})[result.key] = result.per_question_pass1
 
 
-@flow(name="aepo-train", log_prints=True)
+@flow(name="aepo-train", flow_run_name=train_flow_run_name, log_prints=True)
 def train(
     config: ExperimentConfig | None = None,
     overrides: list[str] | None = None,
@@ -120,10 +132,10 @@ def train(
     set when the run is created (a sweep's ``sweep_name`` / ``sweep_cell``, by which a re-run finds it)."""
     logger = get_run_logger()
     cfg = resolve_config(config, overrides)
-    runs = Path(runs_dir or cfg.storage.runs_dir)
+    runs = flow_runs_dir(runs_dir, cfg.storage.runs_dir)
     runs.mkdir(parents=True, exist_ok=True)
     cfg.check_trainable()
-    name = run_name or cfg.tracking.run_name or cfg.name
+    name = cfg.run_name_for(run_name)
     rows = prepare_data(cfg.data.train, cfg.data, source_fingerprint(cfg.data.train, cfg.data.data_root))
     ranks = Ranks.current()  # the launcher's (the process group itself starts with the DeepSpeed backend)
     tracker: Tracker | RankTracker = Tracker.from_config(cfg, runs) if ranks.is_main else RankTracker(ranks.rank)
@@ -132,21 +144,25 @@ def train(
              if resume and isinstance(tracker, Tracker) else None)
     runtime = build_runtime(cfg, runs, name)
     with runtime:  # stops a managed vLLM server however the flow ends
-        check_eval_datasets(runtime)
+        datasets = [dataset_record(cfg.data.train, rows, "training"), *check_eval_datasets(runtime)]
         trajectories = (TrajectoryStore.from_config(cfg.storage) if cfg.storage.trajectories_uri
                         else TrajectoryStore(runs / "trajectories"))
         run_id = tracker.start(cfg, run_name=name, resume_run_id=point.run_id if point else None,
-                               parent_run_id=parent_run_id, flow_run_id=flow_run_id(),
+                               parent_run_id=parent_run_id,
+                               origin=run_origin("flows/train.py:train", run_description(cfg)),
                                tags={"runs_dir": str(runs), "clip_active": str(cfg.clip_active()).lower(),
                                      **(tags or {})})
         checkpoints = checkpoint_store(cfg, runs, name, run_id)
+        run_url = tracker.run_url()
         with tracker:
             tracker.log_config(cfg)
+            tracker.log_datasets(datasets)
             trainer = Trainer(runtime, rows, checkpoint_dir=checkpoints, run_id=run_id)
             if resume:
                 point = _restore(trainer, point, trajectories, functools.partial(open_checkpoints, cfg, runs),
                                  force_resume)
             evals = _Evaluations(runtime, tracker, cfg.train.eval_timeout_s, runs, name)
+            model_version: str | None = None
             _train_loop(trainer, name, tracker, trajectories, evals, resumed=point is not None and point.step > 0,
                         logger=logger)
             comparisons = _paired_vs_earlier(evals.per_question, cfg)
@@ -158,9 +174,10 @@ def train(
                 tracker.log_figure(curves_figure({k: v for k, v in history.items() if v}, title=name),
                                    "plots/curves.png")
                 if cfg.tracking.log_model:
-                    tracker.log_model(runtime.model, runtime.tokenizer, name="policy")
+                    model_version = _log_policy(tracker, runtime, cfg, evals.summaries.get("final", {}),
+                                                trainer.step)
     result = TrainResult(run_id, name, trainer.step, str(runs), checkpoints.uri, tracker.tracking_uri,
-                         str(trajectories.uri), evals.summaries, comparisons)
+                         str(trajectories.uri), run_url, model_version, evals.summaries, comparisons)
     create_markdown_artifact(key=None, markdown=summary_markdown(result, cfg), description=f"summary of {name}")
     return result
 
@@ -181,6 +198,17 @@ def _restore(trainer: Trainer, point: ResumePoint | None, trajectories: Trajecto
     path = path or checkpoints_at(shared.where).fetch(shared.step)
     trainer.resume(path, force=force)
     return shared
+
+
+def _log_policy(tracker: Tracker, runtime: PolicyRuntime, cfg: ExperimentConfig,
+                final: dict[str, dict[str, float]], step: int) -> str | None:
+    """Log the final policy with its agent protocol; register it under ``tracking.registered_model`` (with the
+    final evaluation metrics as version tags). Returns the registered version's URI, None when not registered."""
+    logged = tracker.log_model(runtime.model, runtime.tokenizer, name="policy", protocol=runtime.protocol)
+    if not cfg.tracking.registered_model:
+        return None
+    metrics = {f"eval/{ds}/{key}": value for ds, summary in final.items() for key, value in summary.items()}
+    return tracker.register_model(logged, cfg.tracking.registered_model, metrics, step, run_description(cfg))
 
 
 def _sample_round(trainer: Trainer, step: int, rounds: list[RolloutResult], attempt: int
@@ -268,14 +296,33 @@ def _paired_vs_earlier(per_question: dict[str, dict[str, dict[str, float]]],
     return out
 
 
+def run_description(cfg: ExperimentConfig) -> str:
+    """The MLflow run's description: what was trained, how, on what."""
+    return (f"AEPO training run: {cfg.model.name} trained with the {cfg.algorithm.loss} loss on {cfg.rollout.mode} "
+            f"rollouts of {cfg.data.train}, {cfg.train.steps} RL steps of {cfg.train.batch_size} questions, "
+            f"seed {cfg.seed}.")
+
+
+def mlflow_link(info: TrainResult) -> str:
+    """The summary's line on the MLflow run: a link to its page on the tracking server, or for a SQLite store its
+    id and where ``aepo ui`` will show it."""
+    if info.run_url is None:
+        return f"- MLflow run: `{info.run_id}` at `{info.tracking_uri}`"
+    if info.tracking_uri.startswith(("http://", "https://")):
+        return f"- MLflow run: [{info.run_name}]({info.run_url}) (`{info.run_id}`)"
+    return (f"- MLflow run: `{info.run_id}` in `{info.tracking_uri}`; with `aepo ui --runs-dir {info.runs_dir}` "
+            f"running: [{info.run_name}]({info.run_url})")
+
+
 def summary_markdown(info: TrainResult, cfg: ExperimentConfig) -> str:
     lines = [
         f"# {info.run_name}",
         "",
         f"- algorithm: `{cfg.algorithm.loss}`, rollout mode `{cfg.rollout.mode}`, seed {cfg.seed}",
         f"- RL steps: {info.steps}",
-        f"- MLflow run: `{info.run_id}` at `{info.tracking_uri}` "
-        f"(`mlflow ui --backend-store-uri {info.tracking_uri}`)",
+        mlflow_link(info),
+        *([f"- registered policy: `{info.model_version}` (`aepo eval --checkpoint {info.model_version}`)"]
+          if info.model_version else []),
         f"- checkpoints: `{info.checkpoint_dir}`",
         f"- trajectories: `{info.trajectories}`",
         "",

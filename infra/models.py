@@ -37,6 +37,7 @@ import torch
 from aepo_core.config import ModelConfig
 from aepo_core.protocol import SYSTEM_PROMPT, chat_messages
 from infra.atomic import atomic_dir
+from infra.training.checkpoint import model_dir
 
 log = logging.getLogger(__name__)
 
@@ -102,12 +103,25 @@ def load_policy(cfg: ModelConfig) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+def chat_prompt_text(tokenizer: Any, question: str, system_prompt: str | None = SYSTEM_PROMPT) -> str:
+    """The text of one rollout prompt: :func:`aepo_core.protocol.chat_messages` through the chat template, ending
+    with the assistant header."""
+    return str(tokenizer.apply_chat_template(chat_messages(question, system_prompt), tokenize=False,
+                                             add_generation_prompt=True))
+
+
 def chat_prompt_ids(tokenizer: Any, question: str, system_prompt: str | None = SYSTEM_PROMPT) -> list[int]:
-    """Token ids of one rollout prompt: :func:`aepo_core.protocol.chat_messages` through the chat template, ending
-    with the assistant header.  The transcript then grows only by token ids (no re-templating mid-rollout)."""
-    text = tokenizer.apply_chat_template(chat_messages(question, system_prompt), tokenize=False,
-                                         add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    """Token ids of one rollout prompt (:func:`chat_prompt_text`).  The transcript then grows only by token ids (no
+    re-templating mid-rollout)."""
+    return list(tokenizer(chat_prompt_text(tokenizer, question, system_prompt), add_special_tokens=False)["input_ids"])
+
+
+def chat_prompt_template(tokenizer: Any, system_prompt: str | None = SYSTEM_PROMPT) -> str:
+    """The rollout prompt as a ``str.format`` template with one ``{prompt}`` field for the question (MLflow's
+    ``prompt_template``: a served text-generation model then starts where a rollout starts)."""
+    marker = "\x00question\x00"
+    text = chat_prompt_text(tokenizer, marker, system_prompt)
+    return text.replace("{", "{{").replace("}", "}}").replace(marker, "{prompt}")
 
 
 def load_tokenizer(cfg: ModelConfig) -> Any:
@@ -162,6 +176,8 @@ def resolve_model_dir(cfg: ModelConfig) -> Path | str:
         if not path.is_file():
             raise ModelLoadError(f"GGUF file {path} does not exist")
         return ensure_gguf_converted(path, cache_root(cfg), path.stem.lower())
+    if Path(name).expanduser().is_dir():  # an HF model directory, or a training checkpoint's model/ in it
+        return model_dir(Path(name).expanduser())
     return name
 
 

@@ -26,6 +26,7 @@ import torch
 
 from aepo_core.config import ExperimentConfig, RolloutConfig, StorageConfig
 from aepo_core.interfaces import RewardFn, SamplingParams, Tool
+from aepo_core.protocol import AgentProtocol
 from aepo_core.rewards import make_reward_fn
 from aepo_core.rollout.scheduler import Question, RolloutResult, RolloutScheduler
 from aepo_core.scoring import StepScores, score_trees
@@ -42,6 +43,7 @@ from infra.training.checkpoint import (
     CheckpointError,
     CheckpointState,
     load_checkpoint,
+    load_model_weights,
     read_checkpoint_state,
 )
 from infra.training.checkpoint_store import CheckpointStore, open_checkpoint
@@ -89,6 +91,7 @@ class PolicyRuntime:
     reward_fn: RewardFn
     task: SyntheticTask | None
     server: VLLMServer | None = None
+    protocol: AgentProtocol = field(default_factory=AgentProtocol)
     _prompts: dict[str, list[int]] = field(default_factory=dict, repr=False)
 
     def close(self) -> None:
@@ -106,7 +109,7 @@ class PolicyRuntime:
         """The rollout prompt of ``question``: the chat template is applied once per question; the transcript then
         only grows by token ids."""
         if question not in self._prompts:
-            self._prompts[question] = chat_prompt_ids(self.tokenizer, question)
+            self._prompts[question] = chat_prompt_ids(self.tokenizer, question, self.protocol.system_prompt)
         return self._prompts[question]
 
     def encode(self, text: str) -> list[int]:
@@ -177,6 +180,14 @@ class PolicyRuntime:
         state = load_checkpoint(path, model=self.model, restore_rng=False)
         self.weights_changed(PolicyWeights(self.model, state.step))
         return state
+
+    def load_policy_weights(self, model_dir: Path, step: int, protocol: AgentProtocol) -> None:
+        """The weights of an HF model directory (a registered policy's ``model/``), also into the engine, and the
+        agent protocol it was trained with (its system prompt starts every rollout from now on)."""
+        load_model_weights(self.model, model_dir)
+        self.weights_changed(PolicyWeights(self.model, step))
+        self.protocol = protocol
+        self._prompts.clear()
 
 
 CHECKPOINT_CACHE = Path("cache") / "checkpoints"

@@ -33,13 +33,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
-from mlflow.entities import Metric, Param, RunTag, Trace, ViewType
+import yaml
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag, Trace, ViewType
 from mlflow.exceptions import MlflowException
 from mlflow.tracing.client import TracingClient
 from mlflow.tracing.constant import SpansLocation, TraceTagKey
 from mlflow.tracking import MlflowClient
 
 from aepo_core.config import ExperimentConfig
+from aepo_core.protocol import AgentProtocol
 from infra.run_index import tracking_uri_for
 from infra.traces import TraceKind, TraceTarget, rollout_traces
 
@@ -71,9 +73,53 @@ TAG_RESUMES = "resumes"
 # switch decides (the URL's ?workflowType=machine_learning, else the browser's last choice, else GenAI).
 TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
+TAG_FLOW_RUN_URL = "prefect_flow_run_url"
+TAG_REGISTERED_MODEL = "registered_model"  # models:/<name>/<version> a run registered (training) or used (eval)
+TAG_DESCRIPTION = "mlflow.note.content"  # what the MLflow UI shows as the run's description
+TAG_SOURCE_NAME = "mlflow.source.name"
+TAG_SOURCE_TYPE = "mlflow.source.type"
 
 _BAD_METRIC_CHARS = re.compile(r"[^\w.\- :/]")
 _model_lock = threading.Lock()  # guards the process-global tracking URI during fluent calls
+
+
+@dataclass(frozen=True)
+class RunOrigin:
+    """Where a run comes from, recorded as its tags: the code that ran it (``mlflow.source.name``, e.g.
+    ``flows/train.py:train``), a description (the MLflow UI's), and the Prefect flow run it ran in (id and UI URL,
+    None outside a flow or without a Prefect UI)."""
+
+    source_name: str
+    description: str
+    flow_run_id: str | None = None
+    flow_run_url: str | None = None
+
+    def tags(self) -> dict[str, str]:
+        """The MLflow tags of this origin."""
+        tags = {TAG_SOURCE_NAME: self.source_name, TAG_SOURCE_TYPE: "JOB", TAG_DESCRIPTION: self.description}
+        if self.flow_run_id:
+            tags[TAG_FLOW_RUN] = self.flow_run_id
+        if self.flow_run_url:
+            tags[TAG_FLOW_RUN_URL] = self.flow_run_url
+        return tags
+
+
+@dataclass(frozen=True)
+class DatasetRecord:
+    """A dataset a run read, as MLflow records it (``log_inputs``): its key, a digest of its rows, where it came
+    from, how many rows, and the context (``training`` / ``evaluation``)."""
+
+    name: str
+    digest: str
+    source: str
+    rows: int
+    context: str
+
+    def as_input(self) -> DatasetInput:
+        source_type = "synthetic" if self.source.startswith("synthetic") else "local"
+        dataset = Dataset(self.name, self.digest, source_type, json.dumps({"uri": self.source}),
+                          profile=json.dumps({"num_rows": self.rows}))
+        return DatasetInput(dataset, tags=[InputTag("mlflow.data.context", self.context)])
 
 
 class TrackingError(RuntimeError):
@@ -87,6 +133,46 @@ class NamedRun:
     run_id: str
     status: str
     params: Mapping[str, str]
+
+
+class RegistryError(TrackingError):
+    """A registered model that cannot be evaluated as asked (unknown name or version, not an AEPO policy)."""
+
+
+PROTOCOL_METADATA = "aepo_protocol"
+"""The MLmodel metadata key under which a logged policy carries its :class:`AgentProtocol`."""
+REGISTRY_SCHEME = "models:/"
+VERSION_TAG_MODEL_ID = "model_id"
+"""The model version tag naming its MLflow LoggedModel (by which an evaluation run is linked to it)."""
+
+
+@dataclass(frozen=True)
+class LoggedPolicy:
+    """A policy logged by :meth:`Tracker.log_model`: its model URI (``models:/m-…``) and MLflow LoggedModel id."""
+
+    uri: str
+    model_id: str
+
+
+@dataclass(frozen=True)
+class RegisteredPolicy:
+    """A registered policy version fetched for evaluation: where it lies locally (the MLflow model directory, HF
+    weights in ``model/``), its protocol, the training run that logged it and that run's resolved config."""
+
+    uri: str
+    name: str
+    version: str
+    local_dir: Path
+    protocol: AgentProtocol
+    run_id: str | None
+    model_id: str | None
+    step: int
+    config: dict[str, object]
+
+
+def is_registered_model(location: str | None) -> bool:
+    """Whether ``location`` names a registered model version (``models:/<name>/<version>``)."""
+    return location is not None and location.startswith(REGISTRY_SCHEME)
 
 
 def artifact_location_for(runs_dir: str | os.PathLike[str]) -> str:
@@ -105,6 +191,20 @@ def resolve_tracking(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str] | N
     elif "://" not in art:
         art = Path(art).expanduser().resolve().as_uri()
     return uri, art
+
+
+UI_MLFLOW_PORT = 5000
+"""The port of the MLflow server ``aepo ui`` starts by default (its ``--mlflow-port``)."""
+
+
+def run_page(server_url: str, experiment_id: str, run_id: str) -> str:
+    """The URL of a run's page in the MLflow UI at ``server_url``."""
+    return f"{server_url.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def ui_run_url(experiment_id: str, run_id: str) -> str:
+    """Where ``aepo ui`` (default ports, this machine) shows a run of the runs dir's own SQLite store."""
+    return run_page(f"http://127.0.0.1:{UI_MLFLOW_PORT}", experiment_id, run_id)
 
 
 def open_store(tracking_uri: str) -> MlflowClient:
@@ -262,15 +362,18 @@ class Tracker:
 
     def start(self, cfg: ExperimentConfig, run_name: str | None = None, tags: Mapping[str, Any] | None = None,
               resume_run_id: str | None = None, parent_run_id: str | None = None,
-              flow_run_id: str | None = None) -> str:
+              origin: RunOrigin | None = None, group: bool = False) -> str:
         """Create (or, with ``resume_run_id``, reopen) the run; log the config as params and the standard tags.
 
-        ``parent_run_id`` makes it a nested child run (sweeps).  Returns the MLflow run id.
+        ``parent_run_id`` makes it a nested child run (sweeps); ``origin`` tags where it comes from; a ``group``
+        run (a sweep's parent) stands for runs of several configs: it gets neither the config's params nor its
+        algorithm / mode / seed tags.  Returns the MLflow run id.
         """
         with self._lock:
             if self._run_id is not None:
                 raise TrackingError(f"the tracker already has run {self._run_id}: finish() it first")
-            all_tags = self._standard_tags(cfg, flow_run_id)
+            all_tags = self._standard_tags(cfg, group)
+            all_tags.update(origin.tags() if origin is not None else {})
             all_tags.update({str(k): str(v) for k, v in (tags or {}).items()})
             if parent_run_id:
                 self._check_run(parent_run_id, "parent")
@@ -278,10 +381,11 @@ class Tracker:
             if resume_run_id:
                 run_id = self._resume(resume_run_id, cfg, all_tags)
             else:
-                name = run_name or cfg.tracking.run_name or cfg.name
+                name = cfg.run_name_for(run_name)
                 run = self.client.create_run(self.experiment_id(), run_name=name, tags=all_tags)
                 run_id = run.info.run_id
-                self._log_params(run_id, {k: param_value(v) for k, v in cfg.flat().items()})
+                if not group:
+                    self._log_params(run_id, {k: param_value(v) for k, v in cfg.flat().items()})
                 log.info("MLflow run %s (%s) started in experiment %r at %s", run_id, name, self.experiment,
                          self.tracking_uri)
             self._run_id = run_id
@@ -330,15 +434,16 @@ class Tracker:
                                         run_view_type=ViewType.ACTIVE_ONLY, order_by=["attributes.start_time DESC"])
         return [NamedRun(r.info.run_id, r.info.status, dict(r.data.params)) for r in found]
 
-    def _standard_tags(self, cfg: ExperimentConfig, flow_run_id: str | None) -> dict[str, str]:
-        tags = {TAG_ALGORITHM: cfg.algorithm.loss, TAG_MODE: cfg.rollout.mode, TAG_SEED: str(cfg.seed),
-                TAG_CONFIG_HASH: cfg.config_hash(), TAG_EXPERIMENT_NAME: cfg.name}
+    def _standard_tags(self, cfg: ExperimentConfig, group: bool) -> dict[str, str]:
+        """The config's tags (algorithm, mode, seed, hash: none for a ``group`` run) and the code's commit."""
+        tags = {TAG_EXPERIMENT_NAME: cfg.name}
+        if not group:
+            tags.update({TAG_ALGORITHM: cfg.algorithm.loss, TAG_MODE: cfg.rollout.mode, TAG_SEED: str(cfg.seed),
+                         TAG_CONFIG_HASH: cfg.config_hash()})
         sha = git_sha() or git_sha(Path(__file__).parent)
         if sha:
             tags[TAG_GIT_SHA] = sha
             tags["mlflow.source.git.commit"] = sha
-        if flow_run_id:
-            tags[TAG_FLOW_RUN] = str(flow_run_id)
         return tags
 
     def _start_system_metrics(self, resume: bool) -> None:
@@ -397,6 +502,23 @@ class Tracker:
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         self._set_tags(self.run_id, {k: str(v) for k, v in tags.items()})
+
+    def log_datasets(self, datasets: Sequence[DatasetRecord]) -> None:
+        """The datasets the run read, as MLflow dataset inputs (the run page's "Datasets used")."""
+        if datasets:
+            self.client.log_inputs(self.run_id, datasets=[d.as_input() for d in datasets])
+
+    def run_url(self, run_id: str | None = None) -> str | None:
+        """The run's page in the MLflow UI: on the ``http(s)://`` tracking server, else (a SQLite store no UI is
+        known to serve) where ``aepo ui`` shows it with its default ports (:func:`ui_run_url`)."""
+        rid = run_id or self.run_id
+        if not self.served():
+            return ui_run_url(self.experiment_id(), rid)
+        return run_page(self.tracking_uri, self.experiment_id(), rid)
+
+    def served(self) -> bool:
+        """Whether the tracking URI is an MLflow server (whose UI shows the runs at that URL)."""
+        return self.tracking_uri.startswith(("http://", "https://"))
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> int:
         """Log metrics at ``step`` (names made MLflow-legal); NaN/inf and non-numbers are skipped. Returns count."""
@@ -572,12 +694,16 @@ class Tracker:
                 else:
                     os.environ["MLFLOW_TRACKING_URI"] = env_before
 
-    def log_model(self, model: Any, tokenizer: Any, name: str = "model",
-                  task: str = "text-generation") -> str:
-        """Log a transformers model + tokenizer with ``mlflow.transformers``; returns its model URI."""
+    def log_model(self, model: Any, tokenizer: Any, name: str = "model", task: str = "text-generation",
+                  protocol: AgentProtocol | None = None) -> LoggedPolicy:
+        """Log a transformers model + tokenizer with ``mlflow.transformers``; with a ``protocol``, the model carries
+        it (metadata :data:`PROTOCOL_METADATA`) and its prompt template is the rollout prompt, so a served model
+        answers from the system prompt it was trained with."""
         import mlflow.transformers
         import torch
         import transformers
+
+        from infra.models import chat_prompt_template
 
         reqs = [f"transformers=={transformers.__version__}", f"torch=={torch.__version__.split('+')[0]}"]
         run_id = self.run_id
@@ -585,15 +711,83 @@ class Tracker:
         # experiment, "Default", and its ./mlruns artifact root).
         logged = self.client.create_logged_model(self.client.get_run(run_id).info.experiment_id, name=name,
                                                  source_run_id=run_id)
+        extra: dict[str, Any] = {}
+        if protocol is not None:
+            extra = {"metadata": {PROTOCOL_METADATA: protocol.as_dict()},
+                     "prompt_template": chat_prompt_template(tokenizer, protocol.system_prompt)}
         with self._fluent_uri(), _quieter("mlflow.transformers", logging.ERROR):
             # Its two warnings are about the Hugging Face Hub (no model card for a local path, no license found):
             # every local checkpoint gets both.
             info = mlflow.transformers.log_model(
                 transformers_model={"model": model, "tokenizer": tokenizer}, name=name, task=task,
                 run_id=run_id, model_id=logged.model_id, pip_requirements=reqs,  # explicit reqs: no slow inference
+                **extra,
             )
         log.info("logged model %s of run %s", info.model_uri, run_id)
-        return info.model_uri
+        return LoggedPolicy(info.model_uri, logged.model_id)
+
+    def register_model(self, logged: LoggedPolicy, name: str, metrics: Mapping[str, float], step: int,
+                       description: str) -> str:
+        """Register ``logged`` as a new version of ``name`` (created when absent), tagged with ``metrics`` (MLflow
+        names) and its training ``step``; returns ``models:/<name>/<version>``."""
+        try:
+            self.client.create_registered_model(name, description="AEPO policies: each version the final policy "
+                                                "of a training run, with its evaluation metrics as tags.")
+        except MlflowException as exc:  # another run registered the name first: add a version to it
+            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        tags = {metric_key(k): f"{v:.6g}" for k, v in metrics.items() if math.isfinite(v)}
+        tags["step"] = str(step)
+        tags[VERSION_TAG_MODEL_ID] = logged.model_id  # the SQL registry stores no model_id of its own (3.17)
+        # The source is the model's artifact location, not its models:/m-… URI: MLflow's SQL registry resolves
+        # the latter through the process-global tracking URI (its own TODO), not this client's.
+        source = self.client.get_logged_model(logged.model_id).artifact_location
+        version = self.client.create_model_version(name, source=source, run_id=self.run_id, tags=tags,
+                                                   description=description, model_id=logged.model_id)
+        uri = f"{REGISTRY_SCHEME}{name}/{version.version}"
+        self.set_tags({TAG_REGISTERED_MODEL: uri})
+        log.info("registered %s (run %s)", uri, self.run_id)
+        return uri
+
+    def fetch_registered(self, uri: str, cache_dir: str | os.PathLike[str]) -> RegisteredPolicy:
+        """A registered policy version (``models:/<name>/<version>``) downloaded under ``cache_dir/<name>/<version>``
+        (reused when already there), with its protocol and its training run's config; :class:`RegistryError` when
+        the version does not exist or is not an AEPO policy."""
+        from mlflow.models import Model
+
+        name, _, version = uri.removeprefix(REGISTRY_SCHEME).rpartition("/")
+        if not name or not version.isdigit():
+            raise RegistryError(f"{uri}: expected models:/<name>/<version> (a version number)")
+        try:
+            mv = self.client.get_model_version(name, version)
+        except MlflowException as exc:
+            raise RegistryError(f"{uri}: no such registered model version at {self.tracking_uri} "
+                                f"({exc.message})") from None
+        local = Path(cache_dir) / name / version
+        if not (local / "MLmodel").is_file():
+            self.download_artifacts(uri, local)
+        metadata = Model.load(str(local / "MLmodel")).metadata or {}
+        if PROTOCOL_METADATA not in metadata:
+            raise RegistryError(f"{uri}: not an AEPO policy (its MLmodel carries no {PROTOCOL_METADATA})")
+        try:
+            protocol = AgentProtocol.from_dict(metadata[PROTOCOL_METADATA], source=uri)
+        except ValueError as exc:
+            raise RegistryError(str(exc)) from None
+        config: dict[str, object] = {}
+        if mv.run_id:
+            text = self.client.download_artifacts(mv.run_id, "config.yaml", str(local))
+            config = yaml.safe_load(Path(text).read_text()) or {}
+        return RegisteredPolicy(uri, name, version, local, protocol, mv.run_id, mv.tags.get(VERSION_TAG_MODEL_ID),
+                                int(mv.tags.get("step", "0")), config)
+
+    def link_model(self, policy: RegisteredPolicy) -> None:
+        """Record on the run that it used ``policy``: a model input (MLflow 3's run ↔ logged-model link) and the
+        ``registered_model`` tag (as on the training run that registered it)."""
+        from mlflow.entities import LoggedModelInput
+
+        if policy.model_id:
+            self.client.log_inputs(self.run_id, models=[LoggedModelInput(policy.model_id)])
+        self.set_tags({TAG_REGISTERED_MODEL: policy.uri})
 
     def load_model(self, model_uri: str, return_type: str = "components") -> Any:
         """Load a model logged by :meth:`log_model` (a dict of components, or a pipeline)."""
@@ -682,6 +876,11 @@ def _run_row(run: Any) -> dict[str, Any]:
 
 
 __all__ = [
+    "DatasetRecord",
+    "LoggedPolicy",
+    "RegisteredPolicy",
+    "RegistryError",
+    "RunOrigin",
     "Tracker",
     "TrackingError",
     "artifact_location_for",
@@ -725,13 +924,23 @@ class RankTracker:
     def log_dict(self, data: Mapping[str, Any], artifact_file: str) -> None:
         return None
 
+    def log_datasets(self, datasets: Sequence[DatasetRecord]) -> None:
+        return None
+
+    def run_url(self, run_id: str | None = None) -> str | None:
+        return None
+
+    def served(self) -> bool:
+        return False
+
     def log_figure(self, figure: Any, artifact_file: str) -> None:
         return None
 
     def metric_history(self, keys: Sequence[str] | None = None) -> dict[str, list[tuple[int, float]]]:
         return {}
 
-    def log_model(self, model: Any, tokenizer: Any, name: str = "model") -> None:
+    def log_model(self, model: Any, tokenizer: Any, name: str = "model", protocol: AgentProtocol | None = None
+                  ) -> None:
         return None
 
     def log_trajectory_sample(self, trees: Sequence[RolloutTree], scores: Sequence[Sequence[LeafScore]] | None,

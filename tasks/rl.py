@@ -27,7 +27,7 @@ from tasks.progress import Progress, report
 from tasks.retry import transient_only
 
 
-@task(name="rollout", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+@task(name="rollout", task_run_name="rollout-step-{step}", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
 def rollout(runtime: PolicyRuntime, rows: Sequence[QuestionRow], step: int, attempt: int = 0, rank: int = 0
             ) -> RolloutResult:
     """Rollout trees of the step's questions (under data-parallel ranks: this ``rank``'s shard of them); the seed
@@ -43,7 +43,7 @@ def rollout(runtime: PolicyRuntime, rows: Sequence[QuestionRow], step: int, atte
     return result
 
 
-@task(name="score", cache_policy=NO_CACHE, retries=1)
+@task(name="score", task_run_name="score-step-{step}", cache_policy=NO_CACHE, retries=1)
 def score(runtime: PolicyRuntime, result: RolloutResult, rows: Sequence[QuestionRow], step: int) -> StepScores:
     scores = runtime.score(result, rows)
     get_run_logger().info("step %d score: reward %.3f, accuracy %.3f", step, scores.metrics["rollout/reward_mean"],
@@ -51,7 +51,7 @@ def score(runtime: PolicyRuntime, result: RolloutResult, rows: Sequence[Question
     return scores
 
 
-@task(name="update", cache_policy=NO_CACHE, retries=0)
+@task(name="update", task_run_name="update-step-{step}", cache_policy=NO_CACHE, retries=0)
 def update(trainer: Trainer, result: RolloutResult, scores: StepScores, step: int) -> dict[str, float]:
     metrics = trainer.update(result, scores)
     report(get_run_logger(), Progress("update", done=step, total=trainer.total_steps),
@@ -60,7 +60,7 @@ def update(trainer: Trainer, result: RolloutResult, scores: StepScores, step: in
     return metrics
 
 
-@task(name="store", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+@task(name="store", task_run_name="store-step-{step}", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
 def store(trajectories: TrajectoryStore, run_id: str, step: int, result: RolloutResult, scores: StepScores,
           questions: Mapping[str, QuestionRow]) -> list[str]:
     """One step's trees with their scores and questions (id → row: text, golds, dataset) into the store."""
@@ -69,7 +69,7 @@ def store(trajectories: TrajectoryStore, run_id: str, step: int, result: Rollout
     return paths
 
 
-@task(name="checkpoint", cache_policy=NO_CACHE, retries=1)
+@task(name="checkpoint", task_run_name="checkpoint-step-{trainer.step}", cache_policy=NO_CACHE, retries=1)
 def checkpoint(trainer: Trainer) -> str:
     path = trainer.save()
     get_run_logger().info("checkpoint %s", path)
@@ -84,7 +84,8 @@ def sft(runtime: PolicyRuntime, rows: Sequence[QuestionRow]) -> SFTReport:
     return result
 
 
-@task(name="evaluate", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1, retry_condition_fn=transient_only)
+@task(name="evaluate", task_run_name="evaluate-{label}", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1,
+      retry_condition_fn=transient_only)
 def evaluate(runtime: PolicyRuntime, dataset: str, label: str) -> EvalReport:
     """Evaluate the runtime's current policy on ``dataset`` (``label``: start, sft, stepN, final, eval)."""
     cfg = runtime.cfg

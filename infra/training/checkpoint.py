@@ -5,9 +5,11 @@ data position) or refuse loudly; a crash during a save must never leave a checkp
 
 Layout of ``<root>/step-000012/``::
 
-    config.json  generation_config.json  model.safetensors (or shards + index)   ← transformers / vLLM load as is
-    tokenizer.json  tokenizer_config.json  ...                                    ← the tokenizer, HF format
-    optimizer.pt  scheduler.pt  rng.pt                                            ← torch.save, weights_only-safe
+    model/         config.json  generation_config.json  model.safetensors (or shards + index)
+                   tokenizer.json  tokenizer_config.json  ...    ← the policy alone, HF format: transformers / vLLM
+                                                                   load it as is, ``cp -r model/`` ships it
+    optimizer.pt  scheduler.pt  rng.pt                           ← torch.save, weights_only-safe
+
     trainer_state.json   global step, data cursor, config hash, model name, algorithm section, run id, extra
     config.yaml          the resolved ExperimentConfig
     manifest.json        size and sha256 of every other file (written last)
@@ -59,7 +61,9 @@ from infra.training.data_order import DataCursor
 log = logging.getLogger(__name__)
 
 FORMAT_NAME = "aepo-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: the HF model and tokenizer in ``model/`` (1: at the top, next to the optimizer state; still read)."""
+MODEL_DIR = "model"
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 CONFIG_FILE = "config.yaml"
@@ -201,9 +205,9 @@ def save_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=root))
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is an ordinary shared directory
-        _save_model(model, tmp, state_dict)
+        _save_model(model, tmp / MODEL_DIR, state_dict)
         if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
+            tokenizer.save_pretrained(str(tmp / MODEL_DIR))
         if optimizer is not None:
             torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
         if scheduler is not None:
@@ -452,8 +456,16 @@ def load_checkpoint(
     return state
 
 
+def model_dir(path: str | os.PathLike[str]) -> Path:
+    """The HF model directory of a checkpoint (``model/``; a format-1 checkpoint holds it at its top), or of a plain
+    HF model directory (itself)."""
+    path = Path(path)
+    return path / MODEL_DIR if (path / MODEL_DIR / "config.json").is_file() else path
+
+
 def load_model_weights(model: Any, path: str | os.PathLike[str]) -> None:
-    """Copy the checkpoint's safetensors weights into ``model`` in place (no second model in memory).
+    """Copy the safetensors weights of a checkpoint (or HF model directory) into ``model`` in place (no second
+    model in memory).
 
     Tied parameters absent from the file (transformers drops the tied copy) are accepted when they share storage
     with a loaded one. If the file's keys do not match the module's (architectures that transformers renames on
@@ -461,7 +473,7 @@ def load_model_weights(model: Any, path: str | os.PathLike[str]) -> None:
     """
     from safetensors.torch import load_file
 
-    path = Path(path)
+    path = model_dir(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))

@@ -149,3 +149,15 @@ def test_result_block_neutralizes_result_tags_in_tool_output():
     assert block.count("</result>") == 1 and block.count("<result>") == 1
     transcript = "<think>t</think><search>q</search>" + block + "<answer>\\boxed{x}</answer>"
     assert check_format(transcript).ok
+
+
+def test_agent_protocol_round_trips_and_refuses_another_tool_set() -> None:
+    from aepo_core.protocol import AgentProtocol
+
+    carried = AgentProtocol(system_prompt="Be brief.")
+    assert AgentProtocol.from_dict(carried.as_dict(), source="m") == carried
+    other = {**carried.as_dict(), "tools": ["search"]}
+    with pytest.raises(ValueError, match=r"models:/p/1: agent protocol tools \('search',\) differs"):
+        AgentProtocol.from_dict(other, source="models:/p/1")
+    with pytest.raises(ValueError, match="has no 'stop_strings'"):
+        AgentProtocol.from_dict({"system_prompt": None, "tools": [], "version": 1}, source="m")

@@ -196,9 +196,10 @@ def test_served_deployments_are_built(prefect_harness: Any, tmp_path: Path) -> N
     from flows.serve import build_deployments
 
     deployments = {d.name: d for d in build_deployments(tmp_path, TINY, REPO / "configs" / "sweeps" / "tiny.yaml")}
-    assert set(deployments) == {"train", "evaluate", "sweep"}
-    assert deployments["train"].parameters["config"]["name"] == "tiny"
-    assert [s.schedule.cron for s in deployments["sweep"].schedules] == ["0 3 * * 1"]
+    assert set(deployments) == {"train-served", "evaluate-served", "sweep-served"}  # not prefect.yaml's names
+    assert deployments["train-served"].parameters["config"]["name"] == "tiny"
+    assert deployments["train-served"].parameters["runs_dir"] == str(tmp_path.resolve())
+    assert [s.schedule.cron for s in deployments["sweep-served"].schedules] == ["0 3 * * 1"]
 
 
 def test_prefect_yaml_deployments_load_and_validate(prefect_harness: Any) -> None:
@@ -211,6 +212,7 @@ def test_prefect_yaml_deployments_load_and_validate(prefect_harness: Any) -> Non
     assert set(deployments) == {"train", "evaluate", "sweep"}
     for d in deployments.values():
         assert d["work_pool"]["name"] == "aepo-process"
+        assert d["parameters"]["runs_dir"] is None  # the worker's $AEPO_RUNS_DIR, else the config's
         flow = load_flow_from_entrypoint(str(REPO / d["entrypoint"]))
         flow.validate_parameters(d.get("parameters") or {})
     params = load_flow_from_entrypoint(str(REPO / "flows/train.py:train")).validate_parameters(
@@ -324,3 +326,68 @@ def test_progress_comes_from_structured_events_not_from_the_log_text() -> None:
     finally:
         logger.removeHandler(handler)
     assert seen == [Progress("update", done=3, total=5)]
+
+
+def test_registered_policy_loads_in_mlflow_and_through_aepo_eval(trained: tuple[Any, Path]) -> None:
+    """The trained policy is registered with its final metrics and its protocol; MLflow loads it as a transformers
+    model whose prompt template is the rollout prompt; `aepo eval models:/…` evaluates exactly its weights and
+    links the evaluation run to the model."""
+    import mlflow
+    import torch
+    from mlflow import MlflowClient
+    from safetensors.torch import load_file
+
+    from aepo_core.protocol import SYSTEM_PROMPT
+    from infra.models import chat_prompt_text
+    from infra.tracking import tracking_uri_for
+
+    _, runs = trained
+    uri = tracking_uri_for(runs)
+    client = MlflowClient(uri, registry_uri=uri)
+    [version] = client.search_model_versions("name='aepo-policy'")
+    assert str(version.version) == "1" and version.tags["step"] == "1"
+    assert 0.0 <= float(version.tags["eval/synthetic_test/pass_at_1"]) <= 1.0
+    train_run = client.get_run(version.run_id)
+    assert train_run.data.tags["registered_model"] == "models:/aepo-policy/1"
+    before = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    try:
+        parts = mlflow.transformers.load_model("models:/aepo-policy/1", return_type="components")
+        info = mlflow.models.get_model_info("models:/aepo-policy/1")
+    finally:
+        mlflow.set_tracking_uri(before)
+    assert info.metadata["aepo_protocol"]["system_prompt"] == SYSTEM_PROMPT
+    template = info.metadata["prompt_template"]
+    assert template.format(prompt="What is 2+2?") == chat_prompt_text(parts["tokenizer"], "What is 2+2?")
+    checkpoint = load_file(str(runs / "checkpoints" / "tiny" / "step-000001" / "model" / "model.safetensors"))
+    registered = parts["model"].state_dict()
+    assert all(torch.equal(registered[k].float(), v.float()) for k, v in checkpoint.items())
+
+    result = invoke("eval", "--checkpoint", "models:/aepo-policy/1", "--runs-dir", str(runs),
+                    *sets("eval.max_questions=1", "eval.top_p=1.0"), "--run-name", "registry-eval")
+    assert result.exit_code == 0, result.output
+    assert "aepo eval: registry-eval (step 1)" in result.stdout
+    [eval_run] = client.search_runs([train_run.info.experiment_id], "attributes.run_name = 'registry-eval'")
+    assert eval_run.data.tags["checkpoint"] == "models:/aepo-policy/1"
+    assert eval_run.data.tags["source_run_id"] == version.run_id
+    linked = client.get_run(eval_run.info.run_id).inputs.model_inputs  # (search_runs leaves model inputs out)
+    assert [m.model_id for m in linked] == [version.tags["model_id"]]
+    assert client.get_logged_model(version.tags["model_id"]).source_run_id == version.run_id
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as prefect:  # renamed once its name was known (after reading the model)
+        flow_run = prefect.read_flow_run(eval_run.data.tags["prefect_flow_run_id"])
+    assert flow_run.name == "registry-eval" and {"aepo", "cli"} <= set(flow_run.tags)
+    missing = invoke("eval", "--checkpoint", "models:/aepo-policy/9", "--runs-dir", str(runs))
+    assert missing.exit_code == 2 and "no such registered model version" in missing.stderr
+
+
+def test_flow_runs_dir_is_the_parameter_then_aepo_runs_dir_then_the_config(monkeypatch: pytest.MonkeyPatch,
+                                                                           tmp_path: Path) -> None:
+    from flows.common import flow_runs_dir
+
+    monkeypatch.delenv("AEPO_RUNS_DIR", raising=False)
+    assert flow_runs_dir(None, "runs") == Path("runs")
+    monkeypatch.setenv("AEPO_RUNS_DIR", str(tmp_path / "ui-runs"))  # a deployed run: the worker's environment
+    assert flow_runs_dir(None, "runs") == tmp_path / "ui-runs"
+    assert flow_runs_dir(str(tmp_path / "given"), "runs") == tmp_path / "given"

@@ -44,7 +44,7 @@ def _reward_of_the_text(response_text: str, golds: Any, tool_names: Any = (), *,
 
 def _weights(endpoint: str, cache: Path, checkpoints: str, step: int) -> dict[str, Any]:
     store = CheckpointStore(checkpoints, {"client_kwargs": {"endpoint_url": endpoint}}, cache_dir=cache)
-    return load_file(str(store.fetch(step) / "model.safetensors"))
+    return load_file(str(store.fetch(step) / "model" / "model.safetensors"))
 
 
 def _responses(store: TrajectoryStore, run_id: str, step: int) -> list[tuple[str, int, list[int]]]:

@@ -27,6 +27,13 @@ def test_sweep_of_two_cells_nests_runs_and_compares(prefect_harness: Any, tmp_pa
     parent = tracker.client.get_run(result.parent_run_id)
     assert parent.info.run_name == "tiny-sweep" and parent.info.status == "FINISHED"
     assert parent.data.tags["kind"] == "sweep"
+    # The parent stands for both cells: no single algorithm, mode or seed, no params of one config.
+    assert not {"algorithm", "mode", "seed", "config_hash"} & set(parent.data.tags) and not parent.data.params
+    assert parent.data.tags["mlflow.source.name"] == "flows/sweep.py:sweep"
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(parent.data.tags["prefect_flow_run_id"]).name == "tiny-sweep"
     children = tracker.search_runs(filter_string=f"tags.mlflow.parentRunId = '{result.parent_run_id}'")
     assert sorted(children["run_name"]) == ["tiny-sweep-aepo-s0", "tiny-sweep-grpo-s0"]
     assert set(children["status"]) == {"FINISHED"}

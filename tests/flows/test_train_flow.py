@@ -110,12 +110,12 @@ def test_checkpoints_exist(tiny_run):
     assert Path(out.checkpoint_dir) == runs / "checkpoints" / "tiny" / out.run_id  # keyed by run id, not name
     ckpts = sorted(p.name for p in Path(out.checkpoint_dir).iterdir() if p.name.startswith("step-"))
     assert ckpts == ["step-000001", "step-000002"]
-    assert (Path(out.checkpoint_dir) / "step-000002" / "model.safetensors").exists()
+    assert (Path(out.checkpoint_dir) / "step-000002" / "model" / "model.safetensors").exists()
 
 
 def test_prefect_api_shows_the_completed_runs(tiny_run):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.client.schemas.filters import FlowRunFilter
 
     out, _ = tiny_run
 
@@ -128,12 +128,43 @@ def test_prefect_api_shows_the_completed_runs(tiny_run):
             tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [mine[0].id]}))
             return mine, tasks
 
-    del FlowRunFilterName
     flows, tasks = asyncio.run(read())
     assert len(flows) == 1
-    names = {t.name.rsplit("-", 1)[0] for t in tasks}
-    assert {"prepare_data", "rollout", "score", "update", "store", "checkpoint", "evaluate"} <= names
+    names = {t.name for t in tasks}
+    # Task runs are named with their step (the evaluation with its stage), so the UI's list reads as the run went.
+    assert {f"{verb}-step-{i}" for verb in ("rollout", "score", "update", "store", "checkpoint")
+            for i in (1, 2)} <= names, sorted(names)
+    assert "evaluate-final" in names and any(n.startswith("prepare_data") for n in names)
     assert all(t.state.is_completed() for t in tasks)
+
+
+def test_prefect_and_mlflow_runs_link_each_other(tiny_run):
+    """The flow run bears the MLflow run's name; the MLflow run names the flow run, its source, a description and
+    its datasets; the Prefect summary artifact links to the MLflow run's page."""
+    from mlflow.tracking import MlflowClient
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    out, runs = tiny_run
+    run = MlflowClient(out.tracking_uri).get_run(out.run_id)
+    tags = run.data.tags
+    with get_client(sync_client=True) as client:
+        flow_run = client.read_flow_run(tags["prefect_flow_run_id"])
+        arts = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id])))
+    assert flow_run.name == run.info.run_name == out.run_name == "tiny"
+    assert tags["mlflow.source.name"] == "flows/train.py:train"
+    assert tags["prefect_flow_run_url"].endswith(f"/flow-runs/flow-run/{flow_run.id}")
+    assert "aepo loss" in tags["mlflow.note.content"] and "2 RL steps" in tags["mlflow.note.content"]
+    inputs = {(d.dataset.name, next(t.value for t in d.tags)): d.dataset for d in run.inputs.dataset_inputs}
+    assert set(inputs) == {("synthetic", "training"), ("synthetic_test", "evaluation")}
+    train_ds = inputs[("synthetic", "training")]
+    assert json.loads(train_ds.profile)["num_rows"] > 0 and len(train_ds.digest) == 16
+    summary = [a for a in arts if a.type == "markdown"]
+    assert len(summary) == 1
+    exp = run.info.experiment_id
+    assert out.run_url == f"http://127.0.0.1:5000/#/experiments/{exp}/runs/{out.run_id}"
+    assert f"[tiny]({out.run_url})" in summary[0].data and f"aepo ui --runs-dir {runs}" in summary[0].data
 
 
 def test_transient_rollout_failure_is_retried(prefect_harness, tmp_path, monkeypatch):
@@ -197,7 +228,7 @@ def _checkpoints(runs: Path) -> Path:
 
 def _final_params(runs: Path) -> dict:
     ckpt = sorted(_checkpoints(runs).glob("step-*"))[-1]
-    return load_file(str(ckpt / "model.safetensors"))
+    return load_file(str(ckpt / "model" / "model.safetensors"))
 
 
 def _trajectories(runs: Path) -> Any:
@@ -243,7 +274,7 @@ def test_kill_after_checkpoint_and_resume_is_bit_identical(tmp_path, model_cache
 
     # The comparison is not vacuous: rewards differed (some gradient), and the weights still moved after the kill.
     assert any(g > 0 for g in _grad_norms(straight)), _grad_norms(straight)
-    at_kill = load_file(str(_checkpoints(straight) / "step-000004" / "model.safetensors"))
+    at_kill = load_file(str(_checkpoints(straight) / "step-000004" / "model" / "model.safetensors"))
     a, b = _final_params(straight), _final_params(killed)
     assert any((a[k] != at_kill[k]).any() for k in a), "steps 5-6 did not change the weights"
     assert a.keys() == b.keys()

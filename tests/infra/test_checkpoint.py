@@ -186,7 +186,10 @@ def test_resume_equivalence_with_data_order(tmp_path: Path, tokenizer: Any) -> N
         assert same_params(model, ref)
 
 
-def test_checkpoint_is_a_plain_hf_model_dir(tmp_path: Path, tokenizer: Any) -> None:
+def test_checkpoint_model_dir_is_a_plain_hf_model_copied_alone(tmp_path: Path, tokenizer: Any) -> None:
+    """``model/`` holds the policy in HF format and nothing else: copied alone, transformers loads it."""
+    import shutil
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = make_model(0)
@@ -194,17 +197,20 @@ def test_checkpoint_is_a_plain_hf_model_dir(tmp_path: Path, tokenizer: Any) -> N
     path = save(tmp_path, 12, model, tokenizer, config=cfg)
     assert path == tmp_path / "step-000012"
     names = {p.name for p in path.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "rng.pt", "trainer_state.json", "config.yaml",
-            "manifest.json"} <= names
-    assert "optimizer.pt" not in names and not any(n.endswith(".bin") for n in names)
-    loaded = AutoModelForCausalLM.from_pretrained(str(path))
+    assert names == {"model", "rng.pt", "trainer_state.json", "config.yaml", "manifest.json"}
+    hf = {p.name for p in (path / "model").iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= hf
+    assert not any(n.endswith((".pt", ".bin")) for n in hf)
+    alone = shutil.copytree(path / "model", tmp_path / "shipped")
+    loaded = AutoModelForCausalLM.from_pretrained(str(alone))
     ids = torch.tensor([[2, 10, 20, 30]])
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
-    tok = AutoTokenizer.from_pretrained(str(path))
+    tok = AutoTokenizer.from_pretrained(str(alone))
     assert tok("w1 w2 w3")["input_ids"] == tokenizer("w1 w2 w3")["input_ids"]
     manifest = json.loads((path / "manifest.json").read_text())
-    assert set(manifest["files"]) == names - {"manifest.json"}
+    assert manifest["format_version"] == 2
+    assert set(manifest["files"]) == ({f"model/{n}" for n in hf} | names) - {"manifest.json", "model"}
     trainer_state = json.loads((path / "trainer_state.json").read_text())
     assert trainer_state["global_step"] == 12 and trainer_state["algorithm_loss"] == "aepo"
     assert trainer_state["config_hash"] == cfg.config_hash() and trainer_state["model_name"] == "tiny-test"
@@ -212,6 +218,27 @@ def test_checkpoint_is_a_plain_hf_model_dir(tmp_path: Path, tokenizer: Any) -> N
     with pytest.raises(CheckpointError, match=r"no optimizer\.pt"):
         fresh = make_model(1)
         load_checkpoint(path, model=fresh, optimizer=make_optim(fresh)[0])
+
+
+def test_format_1_checkpoint_with_the_model_at_its_top_still_loads(tmp_path: Path, tokenizer: Any) -> None:
+    """Checkpoints written before ``model/`` (HF files next to the optimizer state) load as before."""
+    from infra.training.checkpoint import _hash_and_fsync_tree, _manifest_digest
+
+    model = make_model(0)
+    opt, sched = make_optim(model)
+    path = save(tmp_path, 3, model, tokenizer, optimizer=opt, scheduler=sched)
+    for f in (path / "model").iterdir():  # the format-1 layout, with its manifest
+        f.rename(path / f.name)
+    (path / "model").rmdir()
+    (path / "manifest.json").unlink()
+    manifest: dict[str, Any] = {"format": "aepo-checkpoint", "format_version": 1, "step": 3, "files": {
+        rel: {"size": size, "sha256": digest} for rel, size, digest in _hash_and_fsync_tree(path)}}
+    manifest["manifest_sha256"] = _manifest_digest(manifest)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    fresh = make_model(1)
+    assert latest_checkpoint(tmp_path) == path
+    assert load_checkpoint(path, model=fresh, optimizer=make_optim(fresh)[0], verify=True).step == 3
+    assert same_params(fresh, model)
 
 
 def test_keep_last_k_and_cleanup(tmp_path: Path, tokenizer: Any, caplog: pytest.LogCaptureFixture) -> None:
@@ -246,7 +273,7 @@ def test_corrupt_newest_falls_back_with_warning(tmp_path: Path, tokenizer: Any, 
     opt, sched = make_optim(model)
     save(tmp_path, 1, model, tokenizer, optimizer=opt, scheduler=sched)
     newest = save(tmp_path, 2, model, tokenizer, optimizer=opt, scheduler=sched)
-    weights = newest / "model.safetensors"
+    weights = newest / "model" / "model.safetensors"
     if damage == "truncate-weights":
         os.truncate(weights, weights.stat().st_size // 2)
     elif damage == "flip-weights":
@@ -259,7 +286,7 @@ def test_corrupt_newest_falls_back_with_warning(tmp_path: Path, tokenizer: Any, 
     elif damage == "no-manifest":
         (newest / "manifest.json").unlink()
     else:
-        (newest / "tokenizer.json").unlink()
+        (newest / "model" / "tokenizer.json").unlink()
     with caplog.at_level(logging.WARNING, logger="infra.training.checkpoint"):
         found = latest_checkpoint(tmp_path)
     assert found == tmp_path / "step-000001"
@@ -272,7 +299,7 @@ def test_corrupt_newest_falls_back_with_warning(tmp_path: Path, tokenizer: Any, 
 def test_all_corrupt_gives_none(tmp_path: Path, tokenizer: Any) -> None:
     assert latest_checkpoint(tmp_path / "absent") is None
     path = save(tmp_path, 1, model=make_model(0), tokenizer=tokenizer)
-    os.truncate(path / "model.safetensors", 10)
+    os.truncate(path / "model" / "model.safetensors", 10)
     assert latest_checkpoint(tmp_path) is None
 
 
@@ -343,7 +370,7 @@ def test_sigkill_mid_save_never_exposes_a_partial_checkpoint(tmp_path: Path, tok
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:  # catch it mid-save: a temp dir holding the weights already
                 tmps = [p for p in root.iterdir() if p.name.startswith(".tmp-step")]
-                if any((p / "model.safetensors").exists() for p in tmps):
+                if any((p / "model" / "model.safetensors").exists() for p in tmps):
                     break
         finally:
             child.send_signal(signal.SIGKILL)

@@ -54,7 +54,7 @@ def test_save_list_load_round_trip_manifest_last(s3_bucket: str, moto_s3: str, t
         assert where == f"s3://aepo/ckpt/run/step-{step:06d}"
         step_puts = [p for p in puts if f"/step-{step:06d}/" in p]
         assert step_puts[-1].endswith("/manifest.json") and sum(p.endswith("manifest.json") for p in step_puts) == 1
-        assert "model.safetensors" in {p.rsplit("/", 1)[1] for p in step_puts}
+        assert "model/model.safetensors" in {p.split(f"/step-{step:06d}/", 1)[1] for p in step_puts}
     assert writer.steps() == [2, 3]  # keep=2: step 1 pruned after step 3 was committed
     assert not writer.fs.exists(f"{writer.root}/step-000001")
     assert not any(p.name.startswith(".staging-") for p in (tmp_path / "writer-cache").iterdir())
@@ -92,7 +92,7 @@ def test_interrupted_upload_is_no_checkpoint_and_is_cleaned_up(s3_bucket: str, m
     with monkeypatch.context() as patched, pytest.raises(KeyboardInterrupt):
         patched.setattr(CheckpointStore, "_put", dies_before_the_manifest)
         save(st, 2, make_model(1), tokenizer)
-    assert "aepo/ckpt/run/step-000002/model.safetensors" in keys(st, 2)  # the files are there, the manifest not
+    assert "aepo/ckpt/run/step-000002/model/model.safetensors" in keys(st, 2)  # the files are there, the manifest not
     assert not any(k.endswith("manifest.json") for k in keys(st, 2))
     reader = store(f"{s3_bucket}/ckpt/run", moto_s3, tmp_path / "reader")
     assert reader.steps() == [1]
@@ -111,7 +111,7 @@ def test_damaged_newest_falls_back_with_warning(s3_bucket: str, moto_s3: str, tm
     st = store(f"{s3_bucket}/c", moto_s3, tmp_path / "cache")
     save(st, 1, make_model(0), tokenizer)
     save(st, 2, make_model(1), tokenizer)
-    weights = f"{st.root}/step-000002/model.safetensors"
+    weights = f"{st.root}/step-000002/model/model.safetensors"
     data = bytearray(st.fs.cat_file(weights))
     if damage == "truncate":
         data = data[: len(data) // 2]

@@ -15,12 +15,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
 from scripted_engine import EchoSearch, ScriptedEngine, tool_then_answer
 
 from aepo_core.config import ExperimentConfig, RolloutConfig, build_config, config_from_yaml
+from aepo_core.protocol import AgentProtocol
 from aepo_core.rollout.scheduler import Question, RolloutScheduler
 from aepo_core.rollout.tree import RolloutTree
 from aepo_core.scoring import LeafScore
+from infra.models import chat_prompt_text, prepare_tokenizer
 from infra.plots import curves_figure
 from infra.tracking import (
     MAX_PARAM_VALUE,
+    RunOrigin,
     Tracker,
     TrackingError,
     artifact_location_for,
@@ -92,7 +95,8 @@ def test_run_params_tags_metrics_and_artifacts(runs_dir: Path, tmp_path: Path,
     long_list = [f"/data/eval/set_{i:04d}.jsonl" for i in range(400)]  # > 6000 characters as a param
     cfg = make_cfg(runs_dir, **{"eval.datasets": long_list, "algorithm.loss": "dapo", "rollout.mode": "arpo"})
     tracker = Tracker.from_config(cfg)
-    rid = tracker.start(cfg, run_name="run-a", tags={"purpose": "test"}, flow_run_id="flow-123")
+    origin = RunOrigin("flows/x.py:f", "a test run", "flow-123", "http://prefect/flow-runs/flow-run/flow-123")
+    rid = tracker.start(cfg, run_name="run-a", tags={"purpose": "test"}, origin=origin)
     assert tracker.run_id == rid
     with pytest.raises(TrackingError, match="already has run"):
         tracker.start(cfg)
@@ -130,6 +134,8 @@ def test_run_params_tags_metrics_and_artifacts(runs_dir: Path, tmp_path: Path,
     assert tags["algorithm"] == "dapo" and tags["mode"] == "arpo" and tags["seed"] == "7"
     assert tags["config_hash"] == cfg.config_hash() and tags["git_sha"] == "0123abcd"
     assert tags["prefect_flow_run_id"] == "flow-123" and tags["purpose"] == "test"
+    assert tags["prefect_flow_run_url"] == "http://prefect/flow-runs/flow-run/flow-123"
+    assert tags["mlflow.source.name"] == "flows/x.py:f" and tags["mlflow.note.content"] == "a test run"
     assert tags["mlflow.runName"] == "run-a" and run.info.status == "FINISHED"
     assert history == {"eval/syn/pass_at_1": [(0, 0.25)], "rollout/accuracy": [(1, 0.5)],
                        "rollout/reward_mean": [(0, 0.5), (1, 0.75)]}
@@ -248,8 +254,8 @@ def test_log_model_is_loadable(runs_dir: Path, tmp_path: Path, monkeypatch: pyte
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(997)}}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
-                                        eos_token="</s>", pad_token="</s>")
+    tokenizer = prepare_tokenizer(PreTrainedTokenizerFast(  # a chat template, as every policy's tokenizer has
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="</s>"))
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
@@ -258,17 +264,21 @@ def test_log_model_is_loadable(runs_dir: Path, tmp_path: Path, monkeypatch: pyte
     cfg = make_cfg(runs_dir)
     tracker = Tracker.from_config(cfg)
     tracker.start(cfg, run_name="with-model")
-    uri = tracker.log_model(model, tokenizer, name="policy")
+    logged = tracker.log_model(model, tokenizer, name="policy", protocol=AgentProtocol(system_prompt="Be {brief}."))
+    uri = logged.uri
     tracker.finish()
 
     local = tracker.download_artifacts(uri, tmp_path / "dl")
     model_id = uri.removeprefix("models:/")
+    assert model_id == logged.model_id
     logged = tracker.client.get_logged_model(model_id)
     assert logged.experiment_id == tracker.experiment_id() and logged.status == LoggedModelStatus.READY
     assert logged.artifact_location.startswith((runs_dir / "mlartifacts").resolve().as_uri())
     assert not (tmp_path / "mlruns").exists()
     mlmodel = yaml.safe_load((local / "MLmodel").read_text())
     assert "transformers" in mlmodel["flavors"]
+    assert mlmodel["metadata"]["aepo_protocol"]["system_prompt"] == "Be {brief}."  # braces survive the template
+    assert mlmodel["metadata"]["prompt_template"].format(prompt="Q") == chat_prompt_text(tokenizer, "Q", "Be {brief}.")
     loaded = tracker.load_model(uri)
     ids = loaded["tokenizer"]("w1 w2 w3", return_tensors="pt")["input_ids"]
     assert ids.tolist() == [[4, 5, 6]]
@@ -276,6 +286,17 @@ def test_log_model_is_loadable(runs_dir: Path, tmp_path: Path, monkeypatch: pyte
         want = model(ids).logits
         got = loaded["model"].float()(ids).logits
     torch.testing.assert_close(got, want)
+
+
+def test_a_group_run_has_no_single_config(runs_dir: Path) -> None:
+    """A sweep's parent stands for several configs: no params, no algorithm / mode / seed / config hash tags."""
+    cfg = make_cfg(runs_dir)
+    tracker = Tracker.from_config(cfg, system_metrics=False)
+    rid = tracker.start(cfg, run_name="sweep", group=True, tags={"kind": "sweep"})
+    tracker.finish()
+    run = tracker.client.get_run(rid)
+    assert not run.data.params and not {"algorithm", "mode", "seed", "config_hash"} & set(run.data.tags)
+    assert run.data.tags["kind"] == "sweep" and run.data.tags["experiment_name"] == cfg.name
 
 
 def _open_fresh_store(runs: str, barrier: object, results: object) -> None:
