@@ -643,7 +643,8 @@ class Tracker:
         """Build and write the traces; their cost is the metric ``traces/<kind>_s`` at their step."""
         t0 = time.perf_counter()
         ids = self.log_traces(rollout_traces(target, trees, scores, questions, end_ns))
-        self.client.log_metric(target.run_id, f"traces/{target.kind}_s", time.perf_counter() - t0, step=target.step)
+        # through log_metrics: a resumed run that repeats the step does not log it a second time
+        self.log_metrics({f"traces/{target.kind}_s": time.perf_counter() - t0}, target.step)
         return ids
 
     def _drain_traces(self) -> None:

@@ -359,7 +359,8 @@ def test_registered_policy_loads_in_mlflow_and_through_aepo_eval(trained: tuple[
     assert info.metadata["aepo_protocol"]["system_prompt"] == SYSTEM_PROMPT
     template = info.metadata["prompt_template"]
     assert template.format(prompt="What is 2+2?") == chat_prompt_text(parts["tokenizer"], "What is 2+2?")
-    checkpoint = load_file(str(runs / "checkpoints" / "tiny" / "step-000001" / "model" / "model.safetensors"))
+    checkpoint = load_file(str(runs / "checkpoints" / "tiny" / version.run_id / "step-000001" / "model"
+                               / "model.safetensors"))
     registered = parts["model"].state_dict()
     assert all(torch.equal(registered[k].float(), v.float()) for k, v in checkpoint.items())
 
