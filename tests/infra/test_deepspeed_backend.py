@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from aepo_core.config import ExperimentConfig, TrainConfig, build_config
 from infra.training.backends import TorchBackend
 from infra.training.batching import split_mini_batches
-from infra.training.checkpoint import save_checkpoint
+from infra.training.checkpoint import model_dir, save_checkpoint
 from infra.training.deepspeed_backend import (
     DeepSpeedBackend,
     init_single_process_distributed,
@@ -125,7 +125,7 @@ def test_tied_embeddings_and_consolidated_state_dict(cfg, stage, tmp_path):
     torch.testing.assert_close(params(fresh), params(ref), rtol=1e-4, atol=2e-5)
     # The HF export of a checkpoint: full weights even though the live parameters are ZeRO-3 partitions.
     saved = save_checkpoint(tmp_path, 1, model=model, tokenizer=None, config=cfg, state_dict=full, keep=1)
-    exported = LlamaForCausalLM.from_pretrained(saved).float()
+    exported = LlamaForCausalLM.from_pretrained(model_dir(saved)).float()
     torch.testing.assert_close(params(exported), params(ref), rtol=1e-4, atol=2e-5)
 
 
