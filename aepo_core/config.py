@@ -464,7 +464,8 @@ class OptimConfig(Section):
         "at budget / (bytes per token) tokens when that is below micro_batch_tokens, with bytes per token estimated "
         "from the model as layers × (48·hidden + 12·intermediate) (SmolLM2-135M: 1.38 MB; 1.29 MB measured under "
         "bf16 autocast). 'auto': 2 GB on a CPU device (on 2 cores 1024–2048-token micro-batches train as fast as "
-        "8192-token ones at a third of the peak memory; 1.0 brings make demo from 7.3 to 6.4 GB, SFT 27% slower), "
+        "8192-token ones at a third of the peak memory; with activation_checkpointing, the default, the estimate is "
+        "0.12 MB a token and the cap rarely binds), "
         "no cap on an accelerator; null: micro_batch_tokens alone.",
     )
     activation_checkpointing: bool = Field(
