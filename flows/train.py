@@ -245,7 +245,6 @@ def _train_loop(trainer: Trainer, name: str, tracker: Tracker, trajectories: Tra
             if cfg.eval.at_start:
                 evals.run("sft", 0)
     last = None
-    questions = {r.id: r for r in trainer.rows}  # the stored trajectories carry their question, golds, dataset
     while trainer.step < total:
         step = trainer.step + 1
         t0 = time.perf_counter()
@@ -257,10 +256,11 @@ def _train_loop(trainer: Trainer, name: str, tracker: Tracker, trajectories: Tra
             trainer, dataclasses.replace(rounds[0], trees=filled.trees), scores, step)
         result = dataclasses.replace(rounds[0], trees=filled.sampled_trees)
         if trainer.ranks.is_main:
-            store(trajectories, trainer.run_id, step, result, filled.sampled_scores, questions)
+            store(trajectories, trainer.run_id, step, result, filled.sampled_scores, trainer.rows_by_id)
         n = cfg.tracking.traces_per_step
         tracker.log_rollout_traces(result.trees[:n], filled.sampled_scores.leaves[:n], step=step,
-                                   kind="train", label=f"step{step}", questions=trainer.questions())
+                                   kind="train", label=f"step{step}",
+                                   questions=trainer.question_texts(result.trees[:n]))
         tracker.log_metrics({**rounds[0].metrics(), **scores.metrics, **train_metrics,
                              "step/wall_s": time.perf_counter() - t0}, step)
         last = (result, filled.sampled_scores)
@@ -280,7 +280,7 @@ def _train_loop(trainer: Trainer, name: str, tracker: Tracker, trajectories: Tra
         tracker.log_figure(rollout_tree_figure(tree, title=f"{tree.question_id} (step {trainer.step})",
                                                scores=scores.leaves[i]), "plots/rollout_tree.png")
         tracker.log_trajectory_sample(result.trees, scores.leaves, max_rows=16, step=trainer.step,
-                                      questions=trainer.questions())
+                                      questions=trainer.question_texts(result.trees))
 
 
 def _paired_vs_earlier(per_question: dict[str, dict[str, dict[str, float]]],

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from aepo_core.config import ExperimentConfig
 from aepo_core.rollout.scheduler import RolloutResult
+from aepo_core.rollout.tree import RolloutTree
 from aepo_core.scoring import StepScores
 from infra.data.rows import QuestionRow
 from infra.engines.weights import PolicyWeights
@@ -156,7 +157,8 @@ class Trainer:
         self.runtime = runtime
         self.run_id = run_id
         self.checkpoints = _store(checkpoint_dir)
-        self._questions: dict[str, str] | None = None
+        self.rows_by_id: dict[str, QuestionRow] = {r.id: r for r in self.rows}
+        """Question id → row (text, golds, dataset): trees hold token ids only."""
         self.order = DataOrder(len(self.rows), cfg.train.batch_size, cfg.seed, shuffle=cfg.data.shuffle)
         self.total_steps = cfg.train.steps or cfg.train.epochs * self.order.batches_per_epoch
         self.backend = build_backend(runtime, self.total_steps)
@@ -178,11 +180,9 @@ class Trainer:
         """Optimizer updates done so far (RL steps; 0 before the first)."""
         return self._step
 
-    def questions(self) -> dict[str, str]:
-        """Question id → question text of the training rows (trees hold token ids only)."""
-        if self._questions is None:
-            self._questions = {r.id: r.question for r in self.rows}
-        return self._questions
+    def question_texts(self, trees: Sequence[RolloutTree]) -> dict[str, str]:
+        """Question id → text of ``trees``' questions (what a trace shows as its input)."""
+        return {t.question_id: self.rows_by_id[t.question_id].question for t in trees}
 
     def next_batch(self) -> list[QuestionRow]:
         """The rows of the next step; advances the data cursor."""
