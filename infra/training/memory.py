@@ -77,7 +77,9 @@ def _checkpointed_forward(layer: GradientCheckpointingLayer, *args: object, **kw
     """``layer``'s own forward; under autograd through ``torch.utils.checkpoint`` (non-reentrant: keyword
     arguments pass, and only the inputs are kept, the rest recomputed in the backward)."""
     forward = type(layer).forward
-    if torch.is_grad_enabled():
+    # A KV cache (a caller's forward with use_cache=True) would be filled a second time by the recompute: such a
+    # call runs plainly (transformers' own checkpointing turns the cache off instead; ours leaves the call as is).
+    if torch.is_grad_enabled() and not kwargs.get("use_cache"):
         return checkpoint(forward, layer, *args, use_reentrant=False, **kwargs)
     return forward(layer, *args, **kwargs)
 

@@ -418,3 +418,21 @@ def test_the_micro_batch_cap_follows_the_checkpointed_estimate():
     # SmolLM2-135M (30 layers, 576, 1536): 1.38 MB a token kept, 0.12 MB checkpointed.
     assert activation_bytes_per_token(30, 576, 1536) == 1_382_400
     assert activation_bytes_per_token(30, 576, 1536, checkpointed=True) == 115_200
+
+
+def test_a_checkpointed_model_still_trains_through_its_own_forward_with_a_kv_cache():
+    """A caller's forward with the model's default use_cache=True (HF's `model(ids, labels=…)`) under autograd: the
+    layers keep a KV cache that a recompute would fill twice, so they run plainly there (same loss and gradients)."""
+    from infra.training.memory import checkpoint_decoder_layers
+
+    ids = torch.randint(1, VOCAB, (2, 12))
+    grads = []
+    for on in (False, True):
+        model = tiny_model()
+        checkpoint_decoder_layers(model, on)
+        mask = torch.ones_like(ids)
+        mask[0, :3] = 0  # padded, as a batch is: the attention mask is a tensor of the keys' length
+        out = model.train()(input_ids=ids, attention_mask=mask, labels=ids)  # use_cache defaults to True
+        out.loss.backward()
+        grads.append((out.loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
