@@ -7,6 +7,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from aepo_core.metrics import distinct_sequences
+from aepo_core.rollout.study import branch_points_by_leaf, concentration
 from aepo_core.rollout.tree import RolloutTree
 
 
@@ -25,6 +26,7 @@ def rollout_stats(
     real_calls = [e for e in events if not e.is_notice]
     branches_per_q = [sum(1 for n in t.nodes if n.branched) for t in trees]
     delta_h = [n.delta_entropy for t in trees for n in t.nodes if not math.isnan(n.delta_entropy)]
+    shares = [concentration(branch_points_by_leaf(t)) for t in trees]
     statuses: dict[str, int] = defaultdict(int)
     for _, leaf in leaves:
         statuses[leaf.status] += 1
@@ -37,6 +39,10 @@ def rollout_stats(
         "global_budget_mean": _mean([float(t.global_budget) for t in trees]),
         "branches_per_question": sum(branches_per_q) / n_q,
         "max_branches_per_path": float(max((leaf.branch_steps for _, leaf in leaves), default=0)),
+        # Branch concentration (aepo_core.rollout.study): share of a question's branch points on its top-1 / top-3
+        # paths, mean over the questions that branched (NaN when none did).
+        "branch_top1_share": _mean([s[1] for s in shares]),
+        "branch_top3_share": _mean([s[2] for s in shares]),
         "distinct_tool_sequences": _mean(
             [
                 float(distinct_sequences([tuple(e.name for e in t.tool_events(leaf)) for leaf in t.leaves]))
