@@ -60,9 +60,6 @@ DEFAULT_SWEEP = REPO / "configs" / "sweeps" / "algorithms.yaml"
 BASELINE = "grpo"
 # What the shared SFT checkpoint depends on (every other key may differ between arms without invalidating it).
 SFT_KEYS = ("model", "data", "tools", "train.sft", "optim.micro_batch_tokens", "seed")
-# Two steps: the second rollout already samples from weights the arms' losses moved differently.
-# With 8 SFT transcripts every reward was −1 (zero advantages, zero gradient: every arm identical); the demo's 48
-# give rewards that differ within groups, so the arms' losses move the weights differently.
 # Issue 16's training curves: the paper claims AEPO keeps the policy entropy stable where ARPO/GRPO collapse or explode
 # it, and concentrates fewer branches on one path. Metrics a run never logged (runs from before the branch shares
 # were added) are left out of that run's curves, not drawn as zeros.
@@ -84,6 +81,9 @@ CURVES_ARTIFACT_DIR = "training_curves"
 # 1/COLLAPSE_RATIO collapsed, above COLLAPSE_RATIO exploded; between, falling or rising.
 STABLE_RATIO = 1.25
 COLLAPSE_RATIO = 2.0
+# Two steps: the second rollout already samples from weights the arms' losses moved differently.
+# With 8 SFT transcripts every reward was −1 (zero advantages, zero gradient: every arm identical); the demo's 48
+# give rewards that differ within groups, so the arms' losses move the weights differently.
 QUICK_SETS = ["train.steps=2", "train.batch_size=4", "eval.max_questions=4", "eval.n_samples=2",
               "eval.pass_k=2", "train.sft.max_examples=48", "tracking.log_model=false"]
 
