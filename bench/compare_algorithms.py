@@ -77,6 +77,8 @@ CURVE_METRICS = {  # metric → panel title
 RUN_METRICS = ("rollout/distinct_tool_sequences", "rollout/max_branches_per_path", "rollout/branch_samples",
                "rollout/reward_mean", "step/wall_s")
 CURVES_ARTIFACT_DIR = "training_curves"
+# Per-arm tables that go to the JSON's top level (keyed by arm) rather than into its arm summaries.
+PER_ARM_TABLES = ("per_question_pass@1", "per_question_pass@1_by_seed", "curves")
 # Entropy verdicts on the last/first ratio of the seed-mean curve: within ×/÷ STABLE_RATIO is stable; below
 # 1/COLLAPSE_RATIO collapsed, above COLLAPSE_RATIO exploded; between, falling or rising.
 STABLE_RATIO = 1.25
@@ -140,7 +142,8 @@ def _per_question(tracker: Any, run_id: str, dataset: str, workdir: Path) -> lis
 
 def arm_statistics(per_seed: dict[int, list[dict[str, Any]]], k: int, n_resamples: int,
                    seed: int = 0) -> dict[str, Any]:
-    """Per-question Pass@1 / Pass@k averaged over seeds, with bootstrap CIs over questions."""
+    """Per-question Pass@1 / Pass@k averaged over seeds, with bootstrap CIs over questions; each seed's Pass@1 and
+    per-question Pass@1."""
     from aepo_core.metrics import bootstrap_ci, pass_at_k
 
     questions = sorted(set.intersection(*(set(o["question_id"] for o in rows) for rows in per_seed.values())))
@@ -153,8 +156,11 @@ def arm_statistics(per_seed: dict[int, list[dict[str, Any]]], k: int, n_resample
     m1, lo1, hi1 = bootstrap_ci([p1[q] for q in questions], n_resamples=n_resamples, seed=seed)
     mk, lok, hik = bootstrap_ci([pk[q] for q in questions], n_resamples=n_resamples, seed=seed)
     by_seed = {s: sum(pass_at_k(o["n"], o["correct"], 1) for o in rows) / len(rows) for s, rows in per_seed.items()}
+    # each run's own per-question Pass@1: bench/power.py separates seed, question and arm × question variance with it
+    p1_by_seed = {s: {o["question_id"]: pass_at_k(o["n"], o["correct"], 1) for o in rows if o["question_id"] in p1}
+                  for s, rows in per_seed.items()}
     return {"questions": len(questions), "pass@1": m1, "pass@1_ci": [lo1, hi1], "pass@k": mk, "pass@k_ci": [lok, hik],
-            "pass@1_by_seed": by_seed, "per_question_pass@1": p1}
+            "pass@1_by_seed": by_seed, "per_question_pass@1": p1, "per_question_pass@1_by_seed": p1_by_seed}
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -494,10 +500,8 @@ def run(args: argparse.Namespace) -> int:
         "runs_planned": len(checked.runs),
         "sweep": {"parent_run_id": result["parent_run_id"], "tracking_uri": result["tracking_uri"],
                   "out_dir": result["out_dir"]},
-        "arms": {name: {k2: v for k2, v in a.items() if k2 not in ("per_question_pass@1", "curves")}
-                 for name, a in arms.items()},
-        "per_question_pass@1": {name: a["per_question_pass@1"] for name, a in arms.items()},
-        "curves": {name: a["curves"] for name, a in arms.items()},
+        "arms": {name: {k2: v for k2, v in a.items() if k2 not in PER_ARM_TABLES} for name, a in arms.items()},
+        **{key: {name: a[key] for name, a in arms.items()} for key in PER_ARM_TABLES},
         "figures": [str(f) for f in figures],
     })
     print(f"\nresults: {out}" + "".join(f"\nfigure: {f}" for f in figures))

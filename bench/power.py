@@ -25,9 +25,22 @@ pairs of the arms compared. σ²_seed from each arm's Pass@1 by seed: their pool
 noise), so σ̂²_seed = max(0, s²_seed − σ̂²_q / (2·n_q)). With 13 degrees of freedom and 3 RL steps that correction
 can eat it all: the uncorrected s²_seed is reported beside it as the pessimistic case.
 
-**Assumptions, said plainly.** (1) The question-level variation of a difference is run × question noise, which
-averages over seeds; a persistent arm × question effect would not (the JSON's seed-averaged per-question values
-cannot separate them), so the seed counts are then optimistic. (2) Arms are independent trainings; the sweep's
+**Per-seed results** (``per_question_pass@1_by_seed``, written by ``bench.compare_algorithms`` since issue 16)
+allow more: a two-way analysis of variance of the seed-matched differences d_{s,q} = P_{A,s,q} − P_{B,s,q}
+(seeds × questions, one value per cell) separates three components of the difference: the run × question noise
+σ²_q (residual mean square), a persistent arm × question effect σ²_aq (it does not average over seeds) and the
+seed effect on the difference, which takes the place of 2σ²_seed (and is smaller for seed-matched arms that
+share randomness):
+
+    MS_res = ΣΣ(d − d̄_s· − d̄_·q + d̄)² / ((S−1)(Q−1))   estimates σ²_q
+    MS_q   = S·Σ_q(d̄_·q − d̄)² / (Q−1)                  estimates σ²_q + S·σ²_aq
+    MS_s   = Q·Σ_s(d̄_s· − d̄)² / (S−1)                  estimates σ²_q + 2Q·σ²_seed
+
+so Var(D) = σ²_q/(n_q·n_s) + σ²_aq/n_q + 2σ²_seed/n_s; the raw (pessimistic) σ²_seed is MS_s/(2Q).
+
+**Assumptions, said plainly.** (1) Without per-seed results, the question-level variation of a difference is
+taken as run × question noise, which averages over seeds (σ²_aq = 0); a persistent arm × question effect would
+not, so the seed counts are then optimistic. (2) Arms are independent trainings; the sweep's
 arms share the SFT start and, per seed, the data order and sampling seeds, which correlates them (AEPO's ablations
 differ from AEPO far less per question than AEPO from GRPO) and makes the formula conservative for seed-matched
 pairs. (3) The number of RL steps changes the effect itself (and σ²_seed: runs diverge as they train), which a
@@ -56,6 +69,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import NormalDist
+
+import numpy as np
 
 from bench.harness import RESULTS_DIR, atomic_write_json, print_table
 
@@ -87,6 +102,8 @@ class FirstComparison:
     k: int
     eval_samples: int
     run_wall_s: float  # worker-seconds per run, evaluation and start-up included
+    # arm → seed → question id → Pass@1 of that run; empty in results from before issue 16 recorded it
+    per_seed_question: dict[str, dict[str, dict[str, float]]]
 
 
 def _field(data: Mapping[str, object], path: str, prefix: str = "") -> object:
@@ -111,6 +128,7 @@ def read_first_comparison(data: Mapping[str, object], run_wall_s: float | None =
     per_run = wall.get("per_run") if isinstance(wall, Mapping) else None
     workers = int(data.get("workers") or 1)
     measured = float(per_run) * workers if per_run else MEASURED_RUN_WALL_S
+    by_seed_question = data.get("per_question_pass@1_by_seed") or {}
     return FirstComparison(
         per_question={a: {q: float(v) for q, v in per_question[a].items()} for a in arms},  # type: ignore[index]
         by_seed={a: [float(v) for v in _field(arms, f"{a}.pass@1_by_seed", "arms.").values()] for a in arms},
@@ -120,22 +138,27 @@ def read_first_comparison(data: Mapping[str, object], run_wall_s: float | None =
         k=int(_field(data, "budget.k")),
         eval_samples=int(_field(data, "budget.eval_samples")),
         run_wall_s=run_wall_s if run_wall_s is not None else measured,
+        per_seed_question={a: {str(s): {q: float(v) for q, v in qs.items()} for s, qs in seeds.items()}
+                           for a, seeds in by_seed_question.items()},  # type: ignore[union-attr]
     )
 
 
 # ------------------------------------------------------------------------------------------------ variance
 @dataclass(frozen=True)
 class VarianceComponents:
-    """σ²_q (one question's paired difference between one run of each arm, at ``eval_samples`` samples) and
-    σ²_seed (an arm's run-level Pass@1 shift), with what they came from."""
+    """σ²_q (one question's paired difference between one run of each arm, at ``eval_samples`` samples),
+    σ²_aq (a persistent arm × question effect in it) and σ²_seed (an arm's run-level Pass@1 shift), with what
+    they came from."""
 
     sigma2_q: float
     sigma2_seed: float  # corrected for the questions' noise in each run's Pass@1, clipped at 0
-    sigma2_seed_raw: float  # pooled within-arm variance of Pass@1 across seeds (the pessimistic case)
-    seed_df: int  # degrees of freedom of the pooled seed variance
+    sigma2_seed_raw: float  # the same uncorrected (the pessimistic case)
+    seed_df: int  # degrees of freedom of the seed variance
     n_questions: int  # questions of the first comparison
     eval_samples: int
     pairs: tuple[tuple[str, str], ...]  # the arm pairs σ²_q is averaged over
+    sigma2_aq: float = 0.0  # 0: not separable (seed-averaged results)
+    method: str = "seed-averaged"  # or "two-way" (per-seed results)
 
 
 def _variance(values: Sequence[float]) -> float:
@@ -161,6 +184,33 @@ def pooled_seed_variance(by_seed: Mapping[str, Sequence[float]]) -> tuple[float,
     return sum((len(v) - 1) * _variance(v) for v in arms) / df, df
 
 
+@dataclass(frozen=True)
+class PairAnova:
+    """Variance components of one pair's seed-matched differences (module docstring), each clipped at 0."""
+
+    sigma2_q: float  # MS_res
+    sigma2_aq: float  # (MS_q − MS_res) / S
+    seed_effect: float  # (MS_s − MS_res) / Q: 2σ²_seed
+    seed_effect_raw: float  # MS_s / Q = Var_s(d̄_s·)
+    seed_df: int  # S − 1
+
+
+def paired_two_way(a: Mapping[str, Mapping[str, float]], b: Mapping[str, Mapping[str, float]]) -> PairAnova | None:
+    """Two-way ANOVA of d_{s,q} = P_{A,s,q} − P_{B,s,q} over the seeds and questions both arms have (seed →
+    question → Pass@1); None with fewer than 2 of either."""
+    seeds = sorted(set(a) & set(b))
+    questions = sorted(set.intersection(*(set(a[s]) & set(b[s]) for s in seeds))) if seeds else []
+    if len(seeds) < 2 or len(questions) < 2:
+        return None
+    d = np.array([[a[s][q] - b[s][q] for q in questions] for s in seeds])
+    n_s, n_q = d.shape
+    by_seed, by_question, grand = d.mean(axis=1), d.mean(axis=0), d.mean()
+    ms_res = float(((d - by_seed[:, None] - by_question[None, :] + grand) ** 2).sum() / ((n_s - 1) * (n_q - 1)))
+    ms_q = float(n_s * ((by_question - grand) ** 2).sum() / (n_q - 1))
+    ms_s = float(n_q * ((by_seed - grand) ** 2).sum() / (n_s - 1))
+    return PairAnova(ms_res, max(0.0, (ms_q - ms_res) / n_s), max(0.0, (ms_s - ms_res) / n_q), ms_s / n_q, n_s - 1)
+
+
 def distinct_arms(first: FirstComparison, arms: Sequence[str]) -> list[str]:
     """``arms`` less those whose per-question and per-seed Pass@1 repeat an earlier arm's exactly: the same
     training run twice (``aepo-no-clip-balance`` was ``aepo`` run for run), not two draws of the noise."""
@@ -175,7 +225,9 @@ def distinct_arms(first: FirstComparison, arms: Sequence[str]) -> list[str]:
 
 
 def estimate_components(first: FirstComparison, arms: Sequence[str]) -> VarianceComponents:
-    """σ̂²_q averaged over the distinct pairs of ``arms``; σ̂²_seed pooled over every distinct arm (module doc)."""
+    """Over the distinct pairs of ``arms``: the two-way components when every pair has per-seed results for ≥ 2
+    common seeds, else σ̂²_q from the seed-averaged per-question values and σ̂²_seed pooled over every distinct
+    arm (module docstring)."""
     unknown = [a for a in arms if a not in first.per_question]
     if unknown:
         raise InputError(f"missing field arms.{unknown[0]}")
@@ -183,6 +235,10 @@ def estimate_components(first: FirstComparison, arms: Sequence[str]) -> Variance
     pairs = tuple(itertools.combinations(chosen, 2))
     if not pairs:
         raise InputError(f"fewer than 2 distinct arms among {list(arms)}")
+    anovas = [paired_two_way(first.per_seed_question.get(a, {}), first.per_seed_question.get(b, {}))
+              for a, b in pairs]
+    if all(anovas):
+        return _two_way_components(first, pairs, anovas)  # type: ignore[arg-type]
     sigma2_q = sum(paired_question_variance(first.per_question[a], first.per_question[b], len(first.by_seed[a]),
                                             len(first.by_seed[b])) for a, b in pairs) / len(pairs)
     every = distinct_arms(first, list(first.per_question))
@@ -193,12 +249,26 @@ def estimate_components(first: FirstComparison, arms: Sequence[str]) -> Variance
                               pairs=pairs)
 
 
+def _two_way_components(first: FirstComparison, pairs: tuple[tuple[str, str], ...],
+                        anovas: Sequence[PairAnova]) -> VarianceComponents:
+    """The pairs' two-way components averaged; σ²_seed is half the seed effect on a difference."""
+    n = len(anovas)
+    n_q = round(sum(len(first.per_question[a]) for pair in pairs for a in pair) / (2 * n))
+    return VarianceComponents(sigma2_q=sum(x.sigma2_q for x in anovas) / n,
+                              sigma2_seed=sum(x.seed_effect for x in anovas) / (2 * n),
+                              sigma2_seed_raw=sum(x.seed_effect_raw for x in anovas) / (2 * n),
+                              seed_df=sum(x.seed_df for x in anovas), n_questions=n_q,
+                              eval_samples=first.eval_samples, pairs=pairs,
+                              sigma2_aq=sum(x.sigma2_aq for x in anovas) / n, method="two-way")
+
+
 # ------------------------------------------------------------------------------------------------ power
-def se_of_difference(sigma2_q: float, sigma2_seed: float, n_questions: int, n_seeds: int) -> float:
-    """SE(D) = √(σ²_q/(n_q·n_s) + 2σ²_seed/n_s) of the mean paired Pass@1 difference of two arms."""
+def se_of_difference(sigma2_q: float, sigma2_seed: float, n_questions: int, n_seeds: int,
+                     sigma2_aq: float = 0.0) -> float:
+    """SE(D) = √(σ²_q/(n_q·n_s) + σ²_aq/n_q + 2σ²_seed/n_s) of the mean paired Pass@1 difference of two arms."""
     if n_questions < 1 or n_seeds < 1:
         raise ValueError(f"a design needs ≥ 1 question and seed; got {n_questions} × {n_seeds}")
-    return math.sqrt(sigma2_q / (n_questions * n_seeds) + 2.0 * sigma2_seed / n_seeds)
+    return math.sqrt(sigma2_q / (n_questions * n_seeds) + sigma2_aq / n_questions + 2.0 * sigma2_seed / n_seeds)
 
 
 def z_power(delta: float, se: float, alpha: float = 0.05) -> float:
@@ -222,7 +292,7 @@ def design_power(comp: VarianceComponents, delta: float, n_questions: int, n_see
                  pessimistic: bool = False) -> float:
     """Power of an n_q × n_s design under ``comp`` (σ²_seed raw when ``pessimistic``)."""
     seed = comp.sigma2_seed_raw if pessimistic else comp.sigma2_seed
-    return z_power(delta, se_of_difference(comp.sigma2_q, seed, n_questions, n_seeds), alpha)
+    return z_power(delta, se_of_difference(comp.sigma2_q, seed, n_questions, n_seeds, comp.sigma2_aq), alpha)
 
 
 def min_seeds(comp: VarianceComponents, delta: float, target: float, n_questions: int, alpha: float = 0.05,
@@ -346,13 +416,16 @@ def report(args: argparse.Namespace, first: FirstComparison, comp: VarianceCompo
                 questions_per_step=args.questions_per_step or first.questions_per_step, k=args.k or first.k,
                 samples=first.eval_samples, workers=args.workers)
     cost = cost_model(first, args.arms, n0)
-    first_se = se_of_difference(comp.sigma2_q, comp.sigma2_seed, n0, s0)
-    print_table("Variance components (first comparison)", ["component", "variance", "SD", "from"], [
+    first_se = se_of_difference(comp.sigma2_q, comp.sigma2_seed, n0, s0, comp.sigma2_aq)
+    seed_from = (f"seed-matched differences over seeds ({comp.seed_df} df) / 2" if comp.method == "two-way"
+                 else f"pooled over arms ({comp.seed_df} df)") + f", less σ²_q/(2·{n0})"
+    print_table(f"Variance components (first comparison, {comp.method})", ["component", "variance", "SD", "from"], [
         ["σ²_q (question, paired, per seed)", comp.sigma2_q, math.sqrt(comp.sigma2_q),
          f"{len(comp.pairs)} pairs of {', '.join(args.arms)}; {n0} questions × {first.eval_samples} samples"],
-        ["σ²_seed (run level)", comp.sigma2_seed, math.sqrt(comp.sigma2_seed),
-         f"pooled over arms ({comp.seed_df} df), less σ²_q/(2·{n0})"],
-        ["σ²_seed raw (pessimistic)", comp.sigma2_seed_raw, math.sqrt(comp.sigma2_seed_raw), "pooled, uncorrected"],
+        ["σ²_aq (arm × question)", comp.sigma2_aq, math.sqrt(comp.sigma2_aq),
+         "two-way ANOVA" if comp.method == "two-way" else "not separable without per-seed results: 0"],
+        ["σ²_seed (run level)", comp.sigma2_seed, math.sqrt(comp.sigma2_seed), seed_from],
+        ["σ²_seed raw (pessimistic)", comp.sigma2_seed_raw, math.sqrt(comp.sigma2_seed_raw), "uncorrected"],
         ["SE(D) of the first comparison", "", first_se, f"{n0} questions × {s0} seeds: detects "
          f"|Δ| ≥ {detectable_effect(first_se, args.alpha, args.power):.3f} at {args.power:.0%} power"],
     ])

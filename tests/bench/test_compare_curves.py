@@ -94,6 +94,8 @@ def test_curves_are_seed_means_with_min_max_bands(analysed: tuple[dict, str, str
     assert TOP1 not in grpo and "rollout/tool_calls_mean" not in aepo
     # the rest of the analysis still comes from the same runs
     assert arms["aepo"]["pass@1_by_seed"] == {0: pytest.approx(5 / 8), 1: pytest.approx(5 / 8)}
+    assert arms["aepo"]["per_question_pass@1_by_seed"] == {0: {"q0": 1.0, "q1": 0.5, "q2": 0.0, "q3": 1.0},
+                                                          1: {"q0": 1.0, "q1": 1.0, "q2": 0.0, "q3": 0.5}}
     assert arms["grpo"]["train_reward_last_step"] == pytest.approx(0.0)
 
 

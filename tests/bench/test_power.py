@@ -35,20 +35,31 @@ def components(sigma2_q: float = 0.15, sigma2_seed: float = 0.001) -> VarianceCo
 
 
 def synthetic(n_arms: int, n_seeds: int, n_q: int, sigma_e: float, sigma_seed: float, seed: int = 0,
-              effect: float = 0.0) -> dict[str, object]:
-    """A compare_algorithms result drawn from the module's model: p = μ_a + u_q + w_{a,s} + e_{a,s,q}."""
+              effect: float = 0.0, sigma_aq: float = 0.0, per_seed: bool = False,
+              shared_seeds: bool = False) -> dict[str, object]:
+    """A compare_algorithms result drawn from the module's model, p = μ_a + u_q + v_{a,q} + w_{a,s} + e_{a,s,q}
+    (``shared_seeds``: w_s the same for every arm, as seed-matched arms sharing their randomness); with
+    ``per_seed`` also each run's per-question values."""
     rng = np.random.default_rng(seed)
     u = rng.normal(0.4, 0.3, n_q)
     questions = [f"q{i}" for i in range(n_q)]
-    arms, per_question = {}, {}
+    w_shared = rng.normal(0, sigma_seed, (n_seeds, 1))
+    arms, per_question, by_seed_question = {}, {}, {}
     for a in range(n_arms):
-        p = effect * (a == 0) + u + rng.normal(0, sigma_seed, (n_seeds, 1)) + rng.normal(0, sigma_e, (n_seeds, n_q))
+        w = w_shared if shared_seeds else rng.normal(0, sigma_seed, (n_seeds, 1))
+        v = rng.normal(0, sigma_aq, n_q)
+        p = effect * (a == 0) + u + v + w + rng.normal(0, sigma_e, (n_seeds, n_q))
         name = f"arm{a}"
         per_question[name] = dict(zip(questions, p.mean(axis=0).tolist(), strict=True))
+        by_seed_question[name] = {str(s): dict(zip(questions, p[s].tolist(), strict=True)) for s in range(n_seeds)}
         arms[name] = {"pass@1_by_seed": {str(s): float(p[s].mean()) for s in range(n_seeds)},
                       "rl_wall_s_per_run": 300.0 + 10 * a}
-    return {"arms": arms, "per_question_pass@1": per_question, "workers": 2, "wall_s": {"sft": 0.0, "sweep": None},
-            "budget": {"rl_steps": 3, "questions_per_step": 4, "k": 4, "eval_samples": 2}}
+    data: dict[str, object] = {
+        "arms": arms, "per_question_pass@1": per_question, "workers": 2, "wall_s": {"sft": 0.0, "sweep": None},
+        "budget": {"rl_steps": 3, "questions_per_step": 4, "k": 4, "eval_samples": 2}}
+    if per_seed:
+        data["per_question_pass@1_by_seed"] = by_seed_question
+    return data
 
 
 def first_of(data: dict[str, object], run_wall_s: float = 480.0) -> FirstComparison:
@@ -148,6 +159,42 @@ def test_a_duplicated_arm_is_one_training_not_two() -> None:
     with_copy = estimate_components(first, ["arm0", "arm1", "arm2", "copy"])
     without = estimate_components(first, ["arm0", "arm1", "arm2"])
     assert with_copy == without and ("arm0", "copy") not in with_copy.pairs
+
+
+def test_two_way_separates_the_arm_question_effect() -> None:
+    sigma_e, sigma_aq, sigma_seed = 0.25, 0.08, 0.04
+    data = synthetic(n_arms=12, n_seeds=8, n_q=300, sigma_e=sigma_e, sigma_seed=sigma_seed, sigma_aq=sigma_aq,
+                     per_seed=True)
+    first = first_of(data)
+    comp = estimate_components(first, list(first.per_question))
+    assert comp.method == "two-way" and comp.seed_df == 66 * 7
+    assert comp.sigma2_q == pytest.approx(2 * sigma_e**2, rel=0.05)
+    assert comp.sigma2_aq == pytest.approx(2 * sigma_aq**2, rel=0.25)
+    assert comp.sigma2_seed == pytest.approx(sigma_seed**2, rel=0.35)
+    # the seed-averaged estimate cannot tell the arm × question effect from noise: it lands in σ²_q, scaled by S
+    del data["per_question_pass@1_by_seed"]
+    averaged = estimate_components(first_of(data), list(first.per_question))
+    assert averaged.method == "seed-averaged" and averaged.sigma2_aq == 0.0
+    assert averaged.sigma2_q == pytest.approx(2 * sigma_e**2 + 8 * 2 * sigma_aq**2, rel=0.1)
+    # …which makes it optimistic about seeds: with σ²_aq, more seeds stop helping at σ²_aq/n_q
+    assert design_power(comp, 0.05, 50, 1000) < design_power(averaged, 0.05, 50, 1000)
+
+
+def test_two_way_credits_seed_matched_arms_with_their_shared_randomness() -> None:
+    """Arms whose seed s shares its run-level shift (same data order and sampling seeds): that shift cancels in
+    a seed-matched difference; pooling each arm's spread across seeds counts it."""
+    data = synthetic(n_arms=10, n_seeds=6, n_q=200, sigma_e=0.2, sigma_seed=0.05, per_seed=True, shared_seeds=True)
+    first = first_of(data)
+    paired = estimate_components(first, list(first.per_question))
+    assert paired.sigma2_seed == pytest.approx(0.0, abs=2e-4)
+    del data["per_question_pass@1_by_seed"]
+    assert estimate_components(first_of(data), list(first.per_question)).sigma2_seed > 0.001
+
+
+def test_two_way_needs_two_common_seeds() -> None:
+    data = synthetic(n_arms=3, n_seeds=1, n_q=30, sigma_e=0.2, sigma_seed=0.0, per_seed=True)
+    data["arms"]["arm0"]["pass@1_by_seed"]["1"] = 0.5  # type: ignore[index]
+    assert estimate_components(first_of(data), ["arm0", "arm1", "arm2"]).method == "seed-averaged"
 
 
 # ------------------------------------------------------------------------------------------------ cost
