@@ -22,7 +22,7 @@ the across-question variance of d_q = P̄_{A,q} − P̄_{B,q} is σ²_w·(1/S_A 
 the same for every question and leave the variance), so σ̂²_q = 2·Var_q(d_q) / (1/S_A + 1/S_B), averaged over the
 pairs of the arms compared. σ²_seed from each arm's Pass@1 by seed: their pooled within-arm variance s²_seed
 (Σ_a (S_a − 1)·s²_a / Σ_a (S_a − 1)) estimates σ²_seed + σ²_w/n_q (each run's Pass@1 still carries its questions'
-noise), so σ̂²_seed = max(0, s²_seed − σ̂²_q / (2·n_q)). With 13 degrees of freedom and 3 RL steps that correction
+noise), so σ̂²_seed = max(0, s²_seed − σ̂²_q / (2·n_q)). With 11 degrees of freedom and 3 RL steps that correction
 can eat it all: the uncorrected s²_seed is reported beside it as the pessimistic case.
 
 **Per-seed results** (``per_question_pass@1_by_seed``, written by ``bench.compare_algorithms`` since issue 16)

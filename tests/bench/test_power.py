@@ -35,9 +35,10 @@ def components(sigma2_q: float = 0.15, sigma2_seed: float = 0.001) -> VarianceCo
 
 
 def synthetic(n_arms: int, n_seeds: int, n_q: int, sigma_e: float, sigma_seed: float, seed: int = 0,
-              effect: float = 0.0, sigma_aq: float = 0.0, per_seed: bool = False,
+              sigma_aq: float = 0.0, per_seed: bool = False,
               shared_seeds: bool = False) -> dict[str, object]:
-    """A compare_algorithms result drawn from the module's model, p = μ_a + u_q + v_{a,q} + w_{a,s} + e_{a,s,q}
+    """A compare_algorithms result drawn from the module's model with no arm effect, p = u_q + v_{a,q} + w_{a,s} +
+    e_{a,s,q}
     (``shared_seeds``: w_s the same for every arm, as seed-matched arms sharing their randomness); with
     ``per_seed`` also each run's per-question values."""
     rng = np.random.default_rng(seed)
@@ -48,7 +49,7 @@ def synthetic(n_arms: int, n_seeds: int, n_q: int, sigma_e: float, sigma_seed: f
     for a in range(n_arms):
         w = w_shared if shared_seeds else rng.normal(0, sigma_seed, (n_seeds, 1))
         v = rng.normal(0, sigma_aq, n_q)
-        p = effect * (a == 0) + u + v + w + rng.normal(0, sigma_e, (n_seeds, n_q))
+        p = u + v + w + rng.normal(0, sigma_e, (n_seeds, n_q))
         name = f"arm{a}"
         per_question[name] = dict(zip(questions, p.mean(axis=0).tolist(), strict=True))
         by_seed_question[name] = {str(s): dict(zip(questions, p[s].tolist(), strict=True)) for s in range(n_seeds)}
