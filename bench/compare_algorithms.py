@@ -11,6 +11,12 @@
    CIs over questions; the paired difference to GRPO on the same questions (bootstrap CI); tool calls per
    question at evaluation; rollout diversity during training (distinct tool-call sequences per question group,
    mean and largest number of branches on one path); the final training reward.
+4. **Training curves** per arm and RL step (issue 16), from each run's metric histories: the mean over seeds and
+   the lowest / highest seed of the policy entropy of the update's tokens, the training reward, tool calls per
+   trajectory, branches per question and on one path, the share of a question's branches on its top-1 / top-3
+   paths, the informative groups; the entropy's last/first ratio and slope per arm (stable, collapsed, exploded).
+   Figures ``entropy_over_training.png`` and ``training_curves.png`` go to ``bench/results/<out stem>/`` and, when
+   the sweep ran here, to its parent MLflow run (``training_curves/``); the per-step numbers into the JSON.
 
 Run: ``.venv/bin/python -m bench.compare_algorithms [--seeds 0 1 2] [--set train.steps=4 ...] [--quick]
 [--workers 2]``. ``--workers N`` (N >= 1) fans the sweep out through a Prefect process work pool on this
@@ -36,6 +42,7 @@ import os
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +51,7 @@ import yaml
 from bench.harness import RESULTS_DIR, atomic_write_json, environment, print_table
 from infra.atomic import atomic_dir
 from infra.data.loaders import dataset_key
+from infra.plots import Band
 
 log = logging.getLogger("bench.compare_algorithms")
 
@@ -52,6 +60,29 @@ DEFAULT_SWEEP = REPO / "configs" / "sweeps" / "algorithms.yaml"
 BASELINE = "grpo"
 # What the shared SFT checkpoint depends on (every other key may differ between arms without invalidating it).
 SFT_KEYS = ("model", "data", "tools", "train.sft", "optim.micro_batch_tokens", "seed")
+# Issue 16's training curves: the paper claims AEPO keeps the policy entropy stable where ARPO/GRPO collapse or explode
+# it, and concentrates fewer branches on one path. Metrics a run never logged (runs from before the branch shares
+# were added) are left out of that run's curves, not drawn as zeros.
+ENTROPY = "train/entropy_mean"
+CURVE_METRICS = {  # metric → panel title
+    ENTROPY: "policy entropy of the update's tokens (nats)",
+    "rollout/reward_mean": "training reward",
+    "rollout/tool_calls_mean": "tool calls per trajectory",
+    "rollout/branches_per_question": "branches per question",
+    "rollout/max_branches_per_path": "most branches on one path",
+    "rollout/branch_top1_share": "share of branches on the top-1 path",
+    "rollout/branch_top3_share": "share of branches on the top-3 paths",
+    "rollout/informative_groups": "informative groups in the update",
+}
+RUN_METRICS = ("rollout/distinct_tool_sequences", "rollout/max_branches_per_path", "rollout/branch_samples",
+               "rollout/reward_mean", "step/wall_s")
+CURVES_ARTIFACT_DIR = "training_curves"
+# Per-arm tables that go to the JSON's top level (keyed by arm) rather than into its arm summaries.
+PER_ARM_TABLES = ("per_question_pass@1", "per_question_pass@1_by_seed", "curves")
+# Entropy verdicts on the last/first ratio of the seed-mean curve: within ×/÷ STABLE_RATIO is stable; below
+# 1/COLLAPSE_RATIO collapsed, above COLLAPSE_RATIO exploded; between, falling or rising.
+STABLE_RATIO = 1.25
+COLLAPSE_RATIO = 2.0
 # Two steps: the second rollout already samples from weights the arms' losses moved differently.
 # With 8 SFT transcripts every reward was −1 (zero advantages, zero gradient: every arm identical); the demo's 48
 # give rewards that differ within groups, so the arms' losses move the weights differently.
@@ -111,7 +142,8 @@ def _per_question(tracker: Any, run_id: str, dataset: str, workdir: Path) -> lis
 
 def arm_statistics(per_seed: dict[int, list[dict[str, Any]]], k: int, n_resamples: int,
                    seed: int = 0) -> dict[str, Any]:
-    """Per-question Pass@1 / Pass@k averaged over seeds, with bootstrap CIs over questions."""
+    """Per-question Pass@1 / Pass@k averaged over seeds, with bootstrap CIs over questions; each seed's Pass@1 and
+    per-question Pass@1."""
     from aepo_core.metrics import bootstrap_ci, pass_at_k
 
     questions = sorted(set.intersection(*(set(o["question_id"] for o in rows) for rows in per_seed.values())))
@@ -124,8 +156,11 @@ def arm_statistics(per_seed: dict[int, list[dict[str, Any]]], k: int, n_resample
     m1, lo1, hi1 = bootstrap_ci([p1[q] for q in questions], n_resamples=n_resamples, seed=seed)
     mk, lok, hik = bootstrap_ci([pk[q] for q in questions], n_resamples=n_resamples, seed=seed)
     by_seed = {s: sum(pass_at_k(o["n"], o["correct"], 1) for o in rows) / len(rows) for s, rows in per_seed.items()}
+    # each run's own per-question Pass@1: bench/power.py separates seed, question and arm × question variance with it
+    p1_by_seed = {s: {o["question_id"]: pass_at_k(o["n"], o["correct"], 1) for o in rows if o["question_id"] in p1}
+                  for s, rows in per_seed.items()}
     return {"questions": len(questions), "pass@1": m1, "pass@1_ci": [lo1, hi1], "pass@k": mk, "pass@k_ci": [lok, hik],
-            "pass@1_by_seed": by_seed, "per_question_pass@1": p1}
+            "pass@1_by_seed": by_seed, "per_question_pass@1": p1, "per_question_pass@1_by_seed": p1_by_seed}
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -147,13 +182,13 @@ def analyse(result: dict[str, Any], dataset: str, k: int, n_resamples: int, work
         tracker = trackers.get(uri) or trackers.setdefault(uri, Tracker(uri))
         cell = by_cell.setdefault(row["cell"], {"per_seed": {}, "runs": [], "tool_calls": [], "diversity": [],
                                                 "branches_max": [], "branches_mean": [], "reward_last": [],
-                                                "wall_s": []})
+                                                "wall_s": [], "histories": []})
         rid = row["run_id"]
         cell["per_seed"][int(row["seed"])] = _per_question(tracker, rid, dataset, workdir)
         cell["runs"].append(row["run_name"])
         cell["tool_calls"].append(float(row["tool_calls_per_question"]))
-        hist = tracker.metric_history(["rollout/distinct_tool_sequences", "rollout/max_branches_per_path",
-                                       "rollout/branch_samples", "rollout/reward_mean", "step/wall_s"], run_id=rid)
+        hist = tracker.metric_history(list(dict.fromkeys([*RUN_METRICS, *CURVE_METRICS])), run_id=rid)
+        cell["histories"].append(hist)
         cell["diversity"] += [v for _, v in hist["rollout/distinct_tool_sequences"]]
         cell["branches_max"] += [v for _, v in hist["rollout/max_branches_per_path"]]
         cell["branches_mean"] += [v for _, v in hist["rollout/branch_samples"]]
@@ -162,6 +197,8 @@ def analyse(result: dict[str, Any], dataset: str, k: int, n_resamples: int, work
     arms: dict[str, Any] = {}
     for name, cell in by_cell.items():
         stats = arm_statistics(cell["per_seed"], k, n_resamples)
+        curves = seed_bands(cell["histories"], CURVE_METRICS)
+        trend = entropy_trend(curves.get(ENTROPY, []))
         arms[name] = {
             **stats,
             "runs": cell["runs"],
@@ -172,6 +209,8 @@ def analyse(result: dict[str, Any], dataset: str, k: int, n_resamples: int, work
             "branch_samples_per_step": _mean(cell["branches_mean"]),
             "train_reward_last_step": _mean(cell["reward_last"]),
             "rl_wall_s_per_run": _mean(cell["wall_s"]),
+            "entropy_trend": dataclasses.asdict(trend) if trend else None,
+            "curves": curves,
         }
     if BASELINE in arms:
         base = arms[BASELINE]["per_question_pass@1"]
@@ -179,6 +218,83 @@ def analyse(result: dict[str, Any], dataset: str, k: int, n_resamples: int, work
             arm[f"vs_{BASELINE}"] = (paired_comparison(arm["per_question_pass@1"], base, n_resamples=n_resamples)
                                      if name != BASELINE else None)
     return arms
+
+
+# ------------------------------------------------------------------------------------------------ curves
+def seed_bands(histories: Sequence[dict[str, list[tuple[int, float]]]], metrics: Sequence[str]
+               ) -> dict[str, list[Band]]:
+    """Per metric and RL step, over the seeds' runs that logged it there: (step, mean, min, max). A metric no run
+    logged is absent; a step some runs lack (stopped early) averages the others."""
+    out: dict[str, list[Band]] = {}
+    for metric in metrics:
+        by_step: dict[int, list[float]] = {}
+        for hist in histories:
+            for step, value in hist.get(metric, []):
+                by_step.setdefault(int(step), []).append(float(value))
+        if by_step:
+            out[metric] = [(step, sum(v) / len(v), min(v), max(v)) for step, v in sorted(by_step.items())]
+    return out
+
+
+@dataclass(frozen=True)
+class EntropyTrend:
+    """How an arm's seed-mean policy entropy moved over training."""
+
+    first: float  # at the first RL step
+    last: float  # at the last
+    ratio: float  # last / first
+    slope: float  # least-squares slope per RL step
+    verdict: str  # stable, falling, rising, collapsed or exploded (see STABLE_RATIO, COLLAPSE_RATIO)
+
+
+def entropy_trend(band: Sequence[Band]) -> EntropyTrend | None:
+    """last/first of the mean curve, its slope Σ(x − x̄)(y − ȳ) / Σ(x − x̄)², and the verdict on the ratio; None
+    with fewer than 2 steps."""
+    if len(band) < 2:
+        return None
+    steps = [float(b[0]) for b in band]
+    means = [b[1] for b in band]
+    x_bar, y_bar = sum(steps) / len(steps), sum(means) / len(means)
+    slope = (sum((x - x_bar) * (y - y_bar) for x, y in zip(steps, means, strict=True))
+             / sum((x - x_bar) ** 2 for x in steps))
+    ratio = means[-1] / means[0] if means[0] else math.inf
+    if ratio < 1 / COLLAPSE_RATIO:
+        verdict = "collapsed"
+    elif ratio > COLLAPSE_RATIO:
+        verdict = "exploded"
+    elif 1 / STABLE_RATIO <= ratio <= STABLE_RATIO:
+        verdict = "stable"
+    else:
+        verdict = "falling" if ratio < 1 else "rising"
+    return EntropyTrend(means[0], means[-1], ratio, slope, verdict)
+
+
+def curve_figures(arms: dict[str, Any], out_dir: Path, title: str) -> list[Path]:
+    """``entropy_over_training.png`` (the policy entropy per arm) and ``training_curves.png`` (a panel per curve
+    metric any arm logged) under ``out_dir``; the paths written (none when no arm has a curve)."""
+    from infra.plots import arm_curves_figure, save_png
+
+    panels = {m: {name: a["curves"][m] for name, a in arms.items() if m in a["curves"]} for m in CURVE_METRICS}
+    panels = {f"{CURVE_METRICS[m]} ({m})": curves for m, curves in panels.items() if curves}
+    written = []
+    entropy = f"{CURVE_METRICS[ENTROPY]} ({ENTROPY})"
+    if entropy in panels:
+        written.append(save_png(arm_curves_figure({entropy: panels[entropy]},
+                                                  f"{title}: entropy over training (mean and seed range)"),
+                                out_dir / "entropy_over_training.png"))
+    if panels:
+        written.append(save_png(arm_curves_figure(panels, f"{title}: training curves per arm (mean and seed range)"),
+                                out_dir / "training_curves.png"))
+    return written
+
+
+def log_to_parent(tracking_uri: str, parent_run_id: str, paths: Sequence[Path]) -> None:
+    """The figures as artifacts of the sweep's parent MLflow run (``training_curves/``)."""
+    from infra.tracking import Tracker
+
+    client = Tracker(tracking_uri).client
+    for path in paths:
+        client.log_artifact(parent_run_id, str(path), CURVES_ARTIFACT_DIR)
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -263,6 +379,20 @@ def report(arms: dict[str, Any], k: int, dataset: str) -> None:
     print_table(f"AEPO vs baselines on {dataset} (Pass@1/Pass@{k}: per-question mean over seeds, 95% bootstrap CI)",
                 ["arm", "runs", "Pass@1 [CI]", f"Pass@{k} [CI]", f"Δ Pass@1 vs {BASELINE} [CI]", "tool calls/q",
                  "distinct tool seqs/group", "max branches/path", "train reward (last)"], rows)
+    curves = []
+    for name, a in arms.items():
+        trend = a["entropy_trend"]
+        curves.append([name, "–" if trend is None else f"{trend['first']:.3f} → {trend['last']:.3f}",
+                       math.nan if trend is None else trend["ratio"], "–" if trend is None else trend["verdict"],
+                       math.nan if trend is None else trend["slope"],
+                       *(_first_to_last(a["curves"].get(m, [])) for m in list(CURVE_METRICS)[1:])])
+    print_table("Over training (mean over seeds, first → last RL step)",
+                ["arm", "entropy", "last/first", "verdict", "slope/step", "reward", "tool calls/traj", "branches/q",
+                 "max branches/path", "top-1 share", "top-3 share", "informative groups"], curves)
+
+
+def _first_to_last(band: Sequence[Band]) -> str:
+    return f"{band[0][1]:.3g} → {band[-1][1]:.3g}" if band else "–"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -343,8 +473,11 @@ def run(args: argparse.Namespace) -> int:
         dataset = sorted({r["dataset"] for r in result["runs"]})[0]
         with tempfile.TemporaryDirectory() as tmp:
             arms = analyse(result, dataset, k, cfg0.eval.bootstrap_samples, Path(tmp))
+        out = args.out or RESULTS_DIR / f"compare_algorithms{'-quick' if args.quick else ''}.json"
+        figures = curve_figures(arms, out.with_suffix(""), checked.name)
+        if figures and result["parent_run_id"]:  # the pool's server is still up: its runs' artifacts go through it
+            log_to_parent(result["tracking_uri"], result["parent_run_id"], figures)
     report(arms, k, dataset)
-    out = args.out or RESULTS_DIR / f"compare_algorithms{'-quick' if args.quick else ''}.json"
     env["load_avg_end"] = list(os.getloadavg())
     atomic_write_json(out, {
         "benchmark": "compare_algorithms",
@@ -367,10 +500,12 @@ def run(args: argparse.Namespace) -> int:
         "runs_planned": len(checked.runs),
         "sweep": {"parent_run_id": result["parent_run_id"], "tracking_uri": result["tracking_uri"],
                   "out_dir": result["out_dir"]},
-        "arms": {name: {k2: v for k2, v in a.items() if k2 != "per_question_pass@1"} for name, a in arms.items()},
-        "per_question_pass@1": {name: a["per_question_pass@1"] for name, a in arms.items()},
+        "arms": {name: {k2: v for k2, v in a.items() if k2 not in PER_ARM_TABLES} for name, a in arms.items()},
+        **{key: {name: a[key] for name, a in arms.items()} for key in PER_ARM_TABLES},
+        "figures": [str(f) for f in figures],
     })
-    print(f"\nresults: {out}\nMLflow: {result['tracking_uri']} (parent run {result['parent_run_id']}); "
+    print(f"\nresults: {out}" + "".join(f"\nfigure: {f}" for f in figures))
+    print(f"MLflow: {result['tracking_uri']} (parent run {result['parent_run_id']}); "
           f"browse with `aepo ui --runs-dir {runs}`")
     return 0
 

@@ -1,4 +1,4 @@
-"""PNG plots for tracking: training curves and a drawn rollout tree.
+"""PNG plots for tracking: training curves, curves of several arms with their seed bands, a drawn rollout tree.
 
 Figures are built with :class:`matplotlib.figure.Figure` on an Agg canvas, never through ``pyplot``: no global
 figure registry and no GUI backend, so plotting is safe from worker threads and headless machines.  Files are
@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
@@ -26,6 +27,10 @@ from infra.atomic import atomic_file
 log = logging.getLogger(__name__)
 
 History = Mapping[str, Sequence[tuple[int, float]]]
+Band = tuple[int, float, float, float]
+"""One arm's metric at one step: (step, mean over seeds, lowest seed's value, highest seed's value)."""
+ArmCurves = Mapping[str, Sequence[Band]]
+"""arm → its curve, one :data:`Band` per step."""
 
 # (group title, substrings); the first group with a matching substring wins, so training-side names that also
 # mention entropy (train/clip_frac_high_entropy) land in "training" before "entropy" is tried.
@@ -72,22 +77,32 @@ def curves_figure(history: History, title: str | None = None) -> Figure:
     if not groups:
         raise ValueError("no finite metric values to plot (history is empty or all NaN)")
     titles = sorted(groups, key=DISPLAY_ORDER.index)
-    ncols = 1 if len(titles) == 1 else 2
-    nrows = math.ceil(len(titles) / ncols)
-    fig = Figure(figsize=(6.5 * ncols, 3.4 * nrows), layout="constrained")
-    for i, group in enumerate(titles):
-        ax = fig.add_subplot(nrows, ncols, i + 1)
+    fig, axes = _panel_grid(titles, "step", 3.4, title)
+    for ax, group in zip(axes, titles, strict=True):
         for name, pts in sorted(groups[group]):
             steps, values = zip(*pts, strict=True)
             ax.plot(steps, values, marker="o" if len(pts) <= 30 else None, markersize=3, linewidth=1.4, label=name)
-        ax.set_title(group)
-        ax.set_xlabel("step")
+        ax.legend(fontsize=7, loc="best")
+    return fig
+
+
+def _panel_grid(titles: Sequence[str], xlabel: str, row_height: float, title: str | None) -> tuple[Figure, list[Axes]]:
+    """A figure with one subplot per title, two columns unless there is one, each with integer steps on x and a
+    grid; the caller draws into the axes (in ``titles`` order)."""
+    ncols = 1 if len(titles) == 1 else 2
+    nrows = math.ceil(len(titles) / ncols)
+    fig = Figure(figsize=(6.5 * ncols, row_height * nrows), layout="constrained")
+    axes = []
+    for i, name in enumerate(titles):
+        ax = fig.add_subplot(nrows, ncols, i + 1)
+        ax.set_title(name)
+        ax.set_xlabel(xlabel)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
+        axes.append(ax)
     if title:
         fig.suptitle(title)
-    return fig
+    return fig, axes
 
 
 def plot_curves(history: History, path: str | os.PathLike[str], title: str | None = None) -> Path:
@@ -95,6 +110,27 @@ def plot_curves(history: History, path: str | os.PathLike[str], title: str | Non
     out = save_png(curves_figure(history, title), path)
     log.debug("wrote curves of %d metrics to %s", len(history), out)
     return out
+
+
+def arm_curves_figure(panels: Mapping[str, ArmCurves], title: str | None = None) -> Figure:
+    """One subplot per quantity (titled by its key), one line per arm (the mean over seeds) with a shaded band
+    from the lowest to the highest seed; an arm keeps its colour in every panel."""
+    panels = {name: curves for name, curves in panels.items() if any(curves.values())}
+    if not panels:
+        raise ValueError("no arm has a point to plot")
+    arms = list(dict.fromkeys(arm for curves in panels.values() for arm in curves))
+    colours = {arm: f"C{i % 10}" for i, arm in enumerate(arms)}
+    fig, axes = _panel_grid(list(panels), "RL step", 3.6, title)
+    for ax, curves in zip(axes, panels.values(), strict=True):
+        for arm, band in curves.items():
+            if not band:
+                continue
+            steps, mean, low, high = zip(*sorted(band), strict=True)
+            ax.plot(steps, mean, color=colours[arm], marker="o" if len(steps) <= 30 else None, markersize=3,
+                    linewidth=1.5, label=arm)
+            ax.fill_between(steps, low, high, color=colours[arm], alpha=0.18, linewidth=0)
+        ax.legend(fontsize=7, loc="best")
+    return fig
 
 
 def _layout(tree: RolloutTree) -> dict[int, tuple[float, float]]:

@@ -18,7 +18,7 @@ from aepo_core.config import RolloutConfig
 from aepo_core.rollout.scheduler import Question, RolloutScheduler
 from aepo_core.rollout.tree import RolloutTree
 from aepo_core.scoring import LeafScore
-from infra.plots import metric_group, plot_curves, plot_rollout_tree
+from infra.plots import arm_curves_figure, metric_group, plot_curves, plot_rollout_tree
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -105,3 +105,15 @@ def test_failed_render_leaves_no_file(tmp_path: Path, monkeypatch: pytest.Monkey
         plot_rollout_tree(tree, tmp_path / "tree.png")
     assert (tmp_path / "tree.png").read_bytes() == before  # the old PNG is intact
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tree.png"]
+
+
+def test_arm_curves_keep_an_arms_colour_in_every_panel_and_draw_its_seed_band() -> None:
+    a = [(1, 1.0, 0.9, 1.1), (2, 0.8, 0.7, 0.9)]
+    fig = arm_curves_figure({"entropy": {"aepo": a, "grpo": a}, "tool calls": {"grpo": a}, "empty": {"arpo": []}},
+                            title="t")
+    assert [ax.get_title() for ax in fig.axes] == ["entropy", "tool calls"]  # a panel without points is left out
+    colours = [{line.get_label(): line.get_color() for line in ax.get_lines()} for ax in fig.axes]
+    assert colours[0]["grpo"] == colours[1]["grpo"] != colours[0]["aepo"]
+    assert [len(ax.collections) for ax in fig.axes] == [2, 1]  # one band per arm
+    with pytest.raises(ValueError, match="no arm"):
+        arm_curves_figure({"entropy": {"aepo": []}})

@@ -1,0 +1,133 @@
+"""bench.compare_algorithms' training curves per arm, read back from a real MLflow store (SQLite in tmp_path) whose
+child runs are named like a sweep's and carry metric histories logged here: the --analyse-only path (stored runs →
+analysis → figures), seed bands, metrics missing from older runs, the entropy verdicts, the parent run's artifacts."""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from bench.compare_algorithms import (
+    CURVES_ARTIFACT_DIR,
+    ENTROPY,
+    analyse,
+    curve_figures,
+    entropy_trend,
+    log_to_parent,
+    report,
+    stored_runs,
+    sweep_spec,
+)
+from infra.tracking import Tracker, artifact_location_for, tracking_uri_for
+
+REPO = Path(__file__).resolve().parents[2]
+TOP1 = "rollout/branch_top1_share"
+DATASET = "synthetic_test"
+
+# run name → metric → [(step, value)]: aepo seed 1 is an "old" run without the branch shares; grpo seed 1 stopped
+# after 2 steps; grpo never branches.
+HISTORIES = {
+    "tiny-sweep-aepo-s0": {ENTROPY: [(1, 1.0), (2, 0.9), (3, 0.8)], TOP1: [(1, 0.5), (2, 0.6), (3, 0.7)],
+                           "rollout/reward_mean": [(1, -0.5), (2, 0.0), (3, 0.5)]},
+    "tiny-sweep-aepo-s1": {ENTROPY: [(1, 1.2), (2, 1.1), (3, 1.0)], "rollout/reward_mean": [(1, 0.0), (3, 0.5)]},
+    "tiny-sweep-grpo-s0": {ENTROPY: [(1, 1.0), (2, 0.4), (3, 0.2)], "rollout/reward_mean": [(1, 0.0)]},
+    "tiny-sweep-grpo-s1": {ENTROPY: [(1, 1.0), (2, 0.5)]},
+}
+CORRECT = {"tiny-sweep-aepo-s0": [2, 1, 0, 2], "tiny-sweep-aepo-s1": [2, 2, 0, 1],
+           "tiny-sweep-grpo-s0": [1, 1, 0, 2], "tiny-sweep-grpo-s1": [2, 0, 0, 2]}
+
+
+def make_store(runs: Path) -> tuple[str, str]:
+    """The sweep's four children (FINISHED, with their histories and final evaluation) and a parent run, in the
+    runs dir's SQLite store; (tracking URI, parent run id)."""
+    uri = tracking_uri_for(runs)
+    tracker = Tracker(uri, artifact_location=artifact_location_for(runs))
+    client, exp = tracker.client, tracker.experiment_id()
+    parent = client.create_run(exp, run_name="tiny-sweep").info.run_id
+    for name, history in HISTORIES.items():
+        rid = client.create_run(exp, run_name=name, tags={"mlflow.parentRunId": parent}).info.run_id
+        for metric, points in history.items():
+            for step, value in points:
+                client.log_metric(rid, metric, value, step=step)
+        correct = CORRECT[name]
+        client.log_metric(rid, f"eval/{DATASET}/pass_at_1", sum(correct) / 8, step=3)
+        client.log_metric(rid, f"eval/{DATASET}/tool_calls_per_question", 1.0, step=3)
+        client.log_dict(rid, {"questions": [{"question_id": f"q{i}", "n": 2, "correct": c}
+                                            for i, c in enumerate(correct)]}, f"eval/final/{DATASET}.json")
+        client.set_terminated(rid)
+    return uri, parent
+
+
+def bands(expected: list[tuple[float, ...]]) -> list[object]:
+    """``expected`` for ``==`` up to float rounding, band by band."""
+    return [pytest.approx(b) for b in expected]
+
+
+@pytest.fixture(scope="module")
+def analysed(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, str]:
+    from flows.sweep import load_sweep
+
+    runs = tmp_path_factory.mktemp("runs")
+    uri, parent = make_store(runs)
+    checked = load_sweep(sweep_spec(REPO / "configs" / "sweeps" / "tiny.yaml", [], [0, 1], None, None))
+    result = stored_runs(runs, checked, None)  # what --analyse-only reads
+    assert result["tracking_uri"] == uri and len(result["runs"]) == 4
+    with tempfile.TemporaryDirectory() as tmp:
+        arms = analyse(result, DATASET, 2, 200, Path(tmp))
+    return arms, uri, parent
+
+
+def test_curves_are_seed_means_with_min_max_bands(analysed: tuple[dict, str, str]) -> None:
+    arms, _, _ = analysed
+    aepo, grpo = arms["aepo"]["curves"], arms["grpo"]["curves"]
+    assert aepo[ENTROPY] == bands([(1, 1.1, 1.0, 1.2), (2, 1.0, 0.9, 1.1), (3, 0.9, 0.8, 1.0)])
+    # a step one seed did not reach averages the seeds that did
+    assert grpo[ENTROPY] == bands([(1, 1.0, 1.0, 1.0), (2, 0.45, 0.4, 0.5), (3, 0.2, 0.2, 0.2)])
+    assert aepo["rollout/reward_mean"] == bands([(1, -0.25, -0.5, 0.0), (2, 0.0, 0.0, 0.0),
+                                                         (3, 0.5, 0.5, 0.5)])
+    # the branch share only the new aepo run logged: its band is that run alone; grpo (never logged) has none
+    assert aepo[TOP1] == bands([(1, 0.5, 0.5, 0.5), (2, 0.6, 0.6, 0.6), (3, 0.7, 0.7, 0.7)])
+    assert TOP1 not in grpo and "rollout/tool_calls_mean" not in aepo
+    # the rest of the analysis still comes from the same runs
+    assert arms["aepo"]["pass@1_by_seed"] == {0: pytest.approx(5 / 8), 1: pytest.approx(5 / 8)}
+    assert arms["aepo"]["per_question_pass@1_by_seed"] == {0: {"q0": 1.0, "q1": 0.5, "q2": 0.0, "q3": 1.0},
+                                                          1: {"q0": 1.0, "q1": 1.0, "q2": 0.0, "q3": 0.5}}
+    assert arms["grpo"]["train_reward_last_step"] == pytest.approx(0.0)
+
+
+def test_entropy_verdicts(analysed: tuple[dict, str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    arms, _, _ = analysed
+    report(arms, 2, DATASET)
+    table = capsys.readouterr().out
+    assert "Over training" in table and "collapsed" in table and "stable" in table  # long cells may wrap
+    aepo, grpo = arms["aepo"]["entropy_trend"], arms["grpo"]["entropy_trend"]
+    assert aepo["verdict"] == "stable" and aepo["ratio"] == pytest.approx(0.9 / 1.1)
+    assert aepo["slope"] == pytest.approx(-0.1)
+    assert grpo["verdict"] == "collapsed" and grpo["ratio"] == pytest.approx(0.2)
+    band = [(1, 1.0, 1.0, 1.0)]
+    assert entropy_trend(band) is None  # one step: no trend
+    verdicts = {r: entropy_trend([(1, 1.0, 1.0, 1.0), (2, r, r, r)]).verdict  # type: ignore[union-attr]
+                for r in (0.3, 0.7, 1.0, 1.5, 2.5)}
+    assert verdicts == {0.3: "collapsed", 0.7: "falling", 1.0: "stable", 1.5: "rising", 2.5: "exploded"}
+    assert entropy_trend([(1, 0.0, 0.0, 0.0), (2, 0.1, 0.1, 0.1)]).ratio == math.inf  # type: ignore[union-attr]
+
+
+def test_figures_written_and_logged_to_the_parent(analysed: tuple[dict, str, str], tmp_path: Path) -> None:
+    arms, uri, parent = analysed
+    out = tmp_path / "claims"
+    written = curve_figures(arms, out, "tiny-sweep")
+    assert [p.name for p in written] == ["entropy_over_training.png", "training_curves.png"]
+    for path in written:
+        with Image.open(path) as img:
+            assert img.format == "PNG" and img.size[0] > 300
+    assert sorted(p.name for p in out.iterdir()) == ["entropy_over_training.png", "training_curves.png"]
+    log_to_parent(uri, parent, written)
+    logged = Tracker(uri).client.list_artifacts(parent, CURVES_ARTIFACT_DIR)
+    assert sorted(Path(f.path).name for f in logged) == ["entropy_over_training.png", "training_curves.png"]
+    # no curves at all (runs from before any of these metrics): no figure, no error
+    bare = {name: {**a, "curves": {}} for name, a in arms.items()}
+    assert curve_figures(bare, tmp_path / "none", "old") == []
