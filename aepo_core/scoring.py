@@ -33,6 +33,7 @@ class LeafScore:
     reward: float  # shaped reward: the reward function's score plus the soft overlong penalty (if enabled)
     reason: str  # the reward function's reason (``correct``, ``wrong``, …)
     advantage: float  # trajectory-level advantage of the leaf within its group (its question's leaves)
+    correct: bool  # the answer is right (aepo_core.evaluation.is_correct of the reward function's result)
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ def score_trees(
     for tree in trees:
         tree_scores = []
         for _ in tree.leaves:
-            tree_scores.append(LeafScore(rewards[i], reasons[i], float(adv[i])))
+            tree_scores.append(LeafScore(rewards[i], reasons[i], float(adv[i]), bool(correct[i])))
             if alg.dynamic_sampling and not bool(keep[i]):
                 uninformative.add(tree.question_id)
             i += 1

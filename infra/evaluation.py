@@ -142,7 +142,7 @@ def evaluate_dataset(runtime: PolicyRuntime, dataset: str, rows: Sequence[Questi
             answers[row.id] = [predicted_answer(model_text(tree, leaf)) for leaf in tree.leaves]
             if len(traced.trees) < traces:
                 traced.trees.append(tree)
-                traced.scores.append([LeafScore(r.score, r.reason, math.nan) for r in rewards])
+                traced.scores.append([LeafScore(r.score, r.reason, math.nan, is_correct(r)) for r in rewards])
                 traced.questions[row.id] = row.question
     summary = summarize(outcomes, ev.pass_k, n_resamples=ev.bootstrap_samples, seed=seed)
     by_family = summarize_by(outcomes, "family", ev.pass_k, n_resamples=ev.bootstrap_samples, seed=seed)

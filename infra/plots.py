@@ -20,6 +20,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
+from aepo_core.rollout.study import Estimate
 from aepo_core.rollout.tree import Node, RolloutTree
 from aepo_core.scoring import LeafScore, check_aligned
 from infra.atomic import atomic_file
@@ -243,3 +244,68 @@ def plot_rollout_tree(tree: RolloutTree, path: str | os.PathLike[str], title: st
     out = save_png(rollout_tree_figure(tree, title, scores), path)
     log.debug("wrote rollout tree of %s (%d nodes) to %s", tree.question_id, len(tree.nodes), out)
     return out
+
+
+# ------------------------------------------------------------------------------------------------ rollout study
+StudyBars = Mapping[str, Mapping[str, Estimate]]
+"""panel series → arm label → estimate (a mean with its 95% CI)."""
+
+
+def _estimate_bars(ax: Axes, arms: Sequence[str], series: Mapping[str, Mapping[str, Estimate]]) -> None:
+    """Grouped bars: one group per arm, one bar per series, 95% CI whiskers; missing or NaN values are not drawn."""
+    width = 0.8 / max(1, len(series))
+    for j, (name, by_arm) in enumerate(series.items()):
+        xs, ys, errs = [], [], [[], []]
+        for i, arm in enumerate(arms):
+            e = by_arm.get(arm)
+            if e is None or math.isnan(e.mean):
+                continue
+            xs.append(i + (j - (len(series) - 1) / 2) * width)
+            ys.append(e.mean)
+            errs[0].append(max(0.0, e.mean - e.low) if not math.isnan(e.low) else 0.0)
+            errs[1].append(max(0.0, e.high - e.mean) if not math.isnan(e.high) else 0.0)
+        ax.bar(xs, ys, width=width, yerr=errs, capsize=3, label=name)
+    ax.set_xticks(range(len(arms)), arms, rotation=30, ha="right", fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+
+
+def rollout_study_figure(panels: Mapping[str, StudyBars], arms: Sequence[str], title: str | None = None) -> Figure:
+    """One subplot per panel (e.g. "branch concentration"), grouped bars of each series per arm with 95% CIs."""
+    if not panels or not arms:
+        raise ValueError("a rollout study figure needs at least one panel and one arm")
+    ncols = 2
+    nrows = math.ceil(len(panels) / ncols)
+    fig = Figure(figsize=(6.5 * ncols, 3.6 * nrows), layout="constrained")
+    for i, (name, series) in enumerate(panels.items()):
+        ax = fig.add_subplot(nrows, ncols, i + 1)
+        ax.set_title(name)
+        _estimate_bars(ax, arms, series)
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def budget_scatter_figure(points: Mapping[str, Sequence[tuple[float, float]]],
+                          correlations: Mapping[str, Estimate], title: str | None = None) -> Figure:
+    """m (global samples) against H_root − H̄_tool, one colour per arm, its Pearson r [95% CI] in the legend."""
+    if not points:
+        raise ValueError("no budget points to plot")
+    fig = Figure(figsize=(6.5, 4.2), layout="constrained")
+    ax = fig.add_subplot(1, 1, 1)
+    for arm, pts in points.items():
+        finite = [(x, y) for x, y in pts if not (math.isnan(x) or math.isnan(y))]
+        if not finite:
+            continue
+        r = correlations.get(arm)
+        label = arm if r is None or math.isnan(r.mean) else f"{arm}: r = {r.mean:.2f} [{r.low:.2f}, {r.high:.2f}]"
+        xs, ys = zip(*finite, strict=True)
+        ax.scatter(xs, ys, s=12, alpha=0.6, label=label)
+    ax.set_xlabel("H_root − H̄_tool (nats)")
+    ax.set_ylabel("m (global samples)")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    if title:
+        ax.set_title(title)
+    return fig

@@ -35,7 +35,8 @@ def make_tree() -> RolloutTree:
 
 def make_scores(tree: RolloutTree) -> list[LeafScore]:
     """Rewards 0, 0.5, … per leaf; the last leaf's is NaN (drawn as ``r=–``)."""
-    return [LeafScore(0.5 * j, "f1", 0.0) for j in range(len(tree.leaves) - 1)] + [LeafScore(math.nan, "", 0.0)]
+    return ([LeafScore(0.5 * j, "f1", 0.0, False) for j in range(len(tree.leaves) - 1)]
+            + [LeafScore(math.nan, "", 0.0, False)])
 
 
 def assert_png(path: Path, min_size: tuple[int, int] = (200, 100)) -> None:

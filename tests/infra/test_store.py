@@ -39,8 +39,8 @@ def make_trees(n_questions: int = 3, seed: int = 0) -> list[RolloutTree]:
 
 def make_scores(trees: list[RolloutTree]) -> list[list[LeafScore]]:
     """Scores aligned with the trees; each tree's last leaf has NaN reward and advantage (stored as null)."""
-    return [[LeafScore(0.25 * j, f"f1={0.25 * j}", 0.5 - 0.25 * j) for j in range(len(t.leaves) - 1)]
-            + [LeafScore(math.nan, "", math.nan)] for t in trees]
+    return [[LeafScore(0.25 * j, f"f1={0.25 * j}", 0.5 - 0.25 * j, j == 4) for j in range(len(t.leaves) - 1)]
+            + [LeafScore(math.nan, "", math.nan, False)] for t in trees]
 
 
 def make_questions(trees: list[RolloutTree]) -> dict[str, QuestionRow]:
@@ -68,7 +68,7 @@ def check_round_trip(store: TrajectoryStore, run_id: str, step: int, trees: list
     rows = {(r.question_id, r.leaf_id): r for r in df.itertuples()}
     for ti, t in enumerate(trees):
         for j, leaf in enumerate(t.leaves):
-            score = scores[ti][j] if scores is not None else LeafScore(math.nan, "", math.nan)
+            score = scores[ti][j] if scores is not None else LeafScore(math.nan, "", math.nan, False)
             r = rows[(t.question_id, leaf.leaf_id)]
             assert r.run_id == run_id and r.step == step and r.sample_kind == leaf.sample_kind
             assert list(r.path) == leaf.node_ids and list(r.prompt_tokens) == t.prompt_ids

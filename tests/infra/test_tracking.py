@@ -114,7 +114,7 @@ def test_run_params_tags_metrics_and_artifacts(runs_dir: Path, tmp_path: Path,
     with pytest.raises(TrackingError, match="no such file"):
         tracker.log_artifact(tmp_path / "missing.txt")
     trees = make_trees()
-    scores = [[LeafScore(0.25 * j, "f1", math.nan if j == 1 else 1.0 - j) for j in range(len(t.leaves))]
+    scores = [[LeafScore(0.25 * j, "f1", math.nan if j == 1 else 1.0 - j, False) for j in range(len(t.leaves))]
               for t in trees]
     sample = tracker.log_trajectory_sample(trees, scores, max_rows=5, step=1, questions={"q0": "What is x?"})
     assert list(sample["question_id"]) == ["q0", "q1", "q2", "q0", "q1"]  # one per question first

@@ -70,7 +70,7 @@ def test_samples_from_trees_take_advantages_from_the_scores():
                              {"search": EchoSearch()}, cfg).run(
         [Question(f"q{i}", [ord(c) for c in f"Q{i}?"]) for i in range(3)], seed=0).trees
     trees[1].leaves.append(Leaf(3, [0], "global", "engine_error", 0))  # no model token: no sample
-    scores = [tuple(LeafScore(1.0, "correct", 0.5 * ti - 0.25 * j) for j in range(len(t.leaves)))
+    scores = [tuple(LeafScore(1.0, "correct", 0.5 * ti - 0.25 * j, True) for j in range(len(t.leaves)))
               for ti, t in enumerate(trees)]
     samples = samples_from_trees(trees, scores)
     assert len(samples) == 9
@@ -82,7 +82,7 @@ def test_samples_from_trees_take_advantages_from_the_scores():
     assert [(s.group, s.advantage) for s in samples_from_trees(*kept)] == [(s.group - 1, s.advantage)
                                                                           for s in samples[3:]]
     nan_scores = [list(ts) for ts in scores]
-    nan_scores[2][1] = LeafScore(0.0, "wrong", math.nan)
+    nan_scores[2][1] = LeafScore(0.0, "wrong", math.nan, False)
     with pytest.raises(ValueError, match="question q2 leaf 1 has a NaN advantage"):
         samples_from_trees(trees, nan_scores)
     with pytest.raises(ValueError, match=r"trees\[1\] \(question q1\) has 4 leaves but 3 scores"):

@@ -1,0 +1,86 @@
+"""The rollout study flow on the tiny policy: every arm sampled in chunks, the per-question Parquet, the summary that
+the Parquet alone reproduces (``--analyse-only``), the figures, the MLflow run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny.yaml"
+FAST = ["rollout.max_response_tokens=48", "rollout.max_segment_tokens=16", "rollout.entropy_window=16",
+        "tracking.system_metrics=false", "eval.bootstrap_samples=200"]
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory: pytest.TempPathFactory, prefect_harness: Any) -> tuple[Any, Path]:
+    from flows.study import rollout_study
+
+    runs = tmp_path_factory.mktemp("study-runs")
+    result = rollout_study(config=str(TINY), overrides=FAST, runs_dir=str(runs), datasets=["synthetic:train"],
+                           ks=[2, 3], max_questions=5, chunk_questions=2, seed=3, run_name="study-test")
+    return result, runs
+
+
+def test_every_arm_is_profiled_on_the_same_questions(study: tuple[Any, Path]) -> None:
+    from infra.study import Arm, read_profiles
+
+    result, runs = study
+    out = runs / "studies" / "study-test"
+    assert Path(result.out_dir) == out and result.questions == 5
+    profiles = read_profiles(out / "profiles.parquet")
+    assert list(profiles) == [Arm(k, m) for k in (2, 3) for m in ("aepo", "arpo", "independent")]
+    ids = [p.question_id for p in profiles[Arm(2, "aepo")]]
+    assert len(set(ids)) == 5
+    for arm, ps in profiles.items():
+        assert [p.question_id for p in ps] == ids  # chunks concatenated in question order, every arm alike
+        assert all(p.leaves == arm.k for p in ps), arm  # every group full: k leaves
+    # independent sampling never branches and plans k global samples
+    assert all(p.branch_points == 0 and p.global_budget == 3 for p in profiles[Arm(3, "independent")])
+
+
+def test_the_summary_is_reproduced_from_the_parquet_alone(study: tuple[Any, Path]) -> None:
+    from flows.study import write_summary
+    from infra.study import read_profiles, summarize_study
+
+    result, runs = study
+    out = runs / "studies" / "study-test"
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved == result.summary
+    again = summarize_study(read_profiles(out / "profiles.parquet"), n_resamples=200, seed=0)
+    redone = write_summary(runs / "again.json", again, {}, {})
+    for label, arm in saved["arms"].items():
+        assert arm["estimates"] == redone["arms"][label]["estimates"], label
+        assert arm["cost"]["tokens_generated"] > 0 and arm["cost"]["wall_s"] > 0
+    assert saved["paired"] == redone["paired"]
+    assert set(saved["paired"]) == {f"k{k}/{a}-{b}" for k in (2, 3)
+                                    for a, b in (("aepo", "arpo"), ("aepo", "independent"), ("arpo", "independent"))}
+    assert saved["rollout"]["k3/arpo"]["initial_rollouts"] == 1  # the paper's k/2 (rounded down), not the base's 2
+    assert (out / "rollout_study.png").stat().st_size > 10_000
+
+
+def test_the_study_is_an_mlflow_run_with_its_metrics_and_files(study: tuple[Any, Path]) -> None:
+    from mlflow.tracking import MlflowClient
+
+    result, _runs = study
+    client = MlflowClient(result.tracking_uri)
+    run = client.get_run(result.run_id)
+    assert run.data.tags["kind"] == "rollout-study" and run.info.run_name == "study-test"
+    m = run.data.metrics
+    assert m["study/k2/independent/pass_at_k"] in (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+    assert m["study/k3/aepo/tokens_generated"] > 0
+    assert "study/k2/aepo-arpo/informative" in m
+    files = {f.path for f in client.list_artifacts(result.run_id, "study")}
+    assert {"study/profiles.parquet", "study/summary.json", "study/rollout_study.png"} <= files
+
+
+def test_an_unknown_mode_fails_before_any_work(prefect_harness: Any, tmp_path: Path) -> None:
+    from flows.study import rollout_study
+
+    with pytest.raises(ValueError, match="mode"):
+        rollout_study(config=str(TINY), overrides=FAST, runs_dir=str(tmp_path), modes=["beam"], ks=[2],
+                      max_questions=1)
+    assert not (tmp_path / "studies").exists()
