@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from flows.evaluate import evaluate
+from flows.study import rollout_study
 from flows.sweep import sweep
 from flows.train import train
 from infra.config_files import load_config
@@ -30,8 +31,8 @@ SERVED_SUFFIX = "-served"
 
 def build_deployments(runs_dir: str | Path = "runs", config: str | Path = DEFAULT_CONFIG,
                       sweep_file: str | Path = DEFAULT_SWEEP, sweep_cron: str | None = DEFAULT_SWEEP_CRON) -> list[Any]:
-    """RunnerDeployments named ``train-served``, ``evaluate-served`` and ``sweep-served`` (the last on ``sweep_cron``;
-    None: no schedule), their runs in ``runs_dir``.
+    """RunnerDeployments named ``train-served``, ``evaluate-served``, ``rollout-study-served`` and ``sweep-served``
+    (the last on ``sweep_cron``; None: no schedule), their runs in ``runs_dir``.
 
     The train deployment's ``config`` parameter is the resolved config (the UI renders it as a form); the
     evaluate and sweep deployments take file paths, resolved to absolute paths here so runs do not depend on
@@ -47,6 +48,11 @@ def build_deployments(runs_dir: str | Path = "runs", config: str | Path = DEFAUL
                                parameters={"config": str(Path(config).resolve()), "checkpoint": None,
                                            "runs_dir": runs},
                                description="Evaluate a checkpoint (None: the configured model)", tags=["aepo"]),
+        rollout_study.to_deployment(name=f"rollout-study{SERVED_SUFFIX}",
+                                    parameters={"config": str(Path(config).resolve()), "checkpoint": None,
+                                                "runs_dir": runs},
+                                    description="Rollout study at a fixed policy: sampling modes × k on the same "
+                                    "questions, paired seeds, bootstrap CIs", tags=["aepo"]),
         sweep.to_deployment(name=f"sweep{SERVED_SUFFIX}", cron=sweep_cron,
                             parameters={"sweep_config": str(Path(sweep_file).resolve()), "runs_dir": runs},
                             description="Scheduled sweep of training runs with a comparison table", tags=["aepo"]),

@@ -196,7 +196,8 @@ def test_served_deployments_are_built(prefect_harness: Any, tmp_path: Path) -> N
     from flows.serve import build_deployments
 
     deployments = {d.name: d for d in build_deployments(tmp_path, TINY, REPO / "configs" / "sweeps" / "tiny.yaml")}
-    assert set(deployments) == {"train-served", "evaluate-served", "sweep-served"}  # not prefect.yaml's names
+    # not prefect.yaml's names
+    assert set(deployments) == {"train-served", "evaluate-served", "rollout-study-served", "sweep-served"}
     assert deployments["train-served"].parameters["config"]["name"] == "tiny"
     assert deployments["train-served"].parameters["runs_dir"] == str(tmp_path.resolve())
     assert [s.schedule.cron for s in deployments["sweep-served"].schedules] == ["0 3 * * 1"]
@@ -209,7 +210,7 @@ def test_prefect_yaml_deployments_load_and_validate(prefect_harness: Any) -> Non
 
     spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
     deployments = {d["name"]: d for d in spec["deployments"]}
-    assert set(deployments) == {"train", "evaluate", "sweep"}
+    assert set(deployments) == {"train", "evaluate", "rollout-study", "sweep"}
     for d in deployments.values():
         assert d["work_pool"]["name"] == "aepo-process"
         assert d["parameters"]["runs_dir"] is None  # the worker's $AEPO_RUNS_DIR, else the config's

