@@ -109,14 +109,14 @@ def score_trees(
     # DAPO filters on accuracy: a group whose shaped rewards differ but whose leaves are all wrong is uniform.
     acc = torch.tensor(correct, dtype=torch.float64)
     keep = informative_groups(acc, g) if rewards else torch.zeros(0, dtype=torch.bool)
-    uninformative: set[str] = set()
+    uninformative: set[str] = set()  # groups without a signal (dropped from the update under dynamic sampling)
     leaves: list[tuple[LeafScore, ...]] = []
     i = 0
     for tree in trees:
         tree_scores = []
         for _ in tree.leaves:
             tree_scores.append(LeafScore(rewards[i], reasons[i], float(adv[i]), bool(correct[i])))
-            if alg.dynamic_sampling and not bool(keep[i]):
+            if not bool(keep[i]):
                 uninformative.add(tree.question_id)
             i += 1
         leaves.append(tuple(tree_scores))
@@ -127,13 +127,13 @@ def score_trees(
         "rollout/accuracy": sum(correct) / n,
         "rollout/format_error_rate": sum(format_errors) / n,
         "rollout/advantage_abs_mean": float(adv.abs().mean()) if rewards else 0.0,
-        "rollout/informative_groups": float(sum(1 for t in trees if t.question_id not in uninformative))
-        if alg.dynamic_sampling else float(len(trees)),
+        # Groups whose leaves are not all right or all wrong, whether or not dynamic sampling drops the others.
+        "rollout/informative_groups": float(sum(1 for t in trees if t.question_id not in uninformative)),
         "rollout/questions_all_correct": float(
             sum(1 for ts in leaves if all(not math.isnan(s.reward) and s.reward >= 1.0 for s in ts))
         ),
     }
-    return StepScores(tuple(leaves), metrics, frozenset(uninformative))
+    return StepScores(tuple(leaves), metrics, frozenset(uninformative) if alg.dynamic_sampling else frozenset())
 
 
 @dataclass(frozen=True)

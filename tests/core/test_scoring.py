@@ -112,6 +112,17 @@ def test_kept_drops_exactly_the_uninformative_groups():
         scores.kept(trees[:2])
 
 
+def test_informative_groups_are_counted_without_dynamic_sampling_too():
+    """The metric counts the groups that carry a signal whether or not dynamic sampling drops the others (it was the
+    number of groups when dynamic sampling was off: a flat 6 → 6 curve in the training comparison)."""
+    trees = rollout(["paris", "london"], n_q=4)
+    golds = {"q0": ["Paris"], "q1": ["Rome"], "q2": ["Paris", "London"], "q3": ["London"]}
+    scores = score_trees(trees, golds, make_reward_fn(RewardConfig()), AlgorithmConfig(dynamic_sampling=False),
+                         max_response_tokens=500)
+    assert scores.uninformative_questions == frozenset()  # nothing dropped
+    assert scores.metrics["rollout/informative_groups"] == 2.0  # q0 and q3
+
+
 def test_scoring_does_not_mutate_the_trees():
     trees = rollout(["paris", "london"])
     before = [dataclasses.asdict(t) for t in trees]
