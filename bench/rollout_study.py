@@ -81,14 +81,13 @@ def policy_dir(runs: Path) -> Path:
 
 
 def analyse(study_dir: Path, n_resamples: int) -> dict[str, Any]:
-    """Re-summarize a study from its profiles.parquet; settings and costs from its summary.json when present."""
+    """Re-summarize a study from its profiles.parquet and costs.json; settings from its summary.json when present."""
     from flows.study import write_summary
-    from infra.study import Arm, ArmCost, read_profiles, summarize_study, write_study_figures
+    from infra.study import Arm, read_costs, read_profiles, summarize_study, write_study_figures
 
     profiles = read_profiles(study_dir / "profiles.parquet")
     old = json.loads((study_dir / "summary.json").read_text()) if (study_dir / "summary.json").is_file() else {}
-    costs = {arm: ArmCost(**old["arms"][arm.label]["cost"]) for arm in profiles
-             if old.get("arms", {}).get(arm.label, {}).get("cost")}
+    costs = read_costs(study_dir / "costs.json")
     meta = {k: v for k, v in old.items() if k not in ("arms", "paired")}
     meta["questions"] = len(next(iter(profiles.values())))
     summary = summarize_study(profiles, n_resamples)

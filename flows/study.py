@@ -10,8 +10,9 @@ arpo − independent.
 Outputs, under ``<runs_dir>/studies/<run name>/`` and logged to an MLflow run of its own (tag
 ``kind=rollout-study``, metrics ``study/k<k>/<mode>/<quantity>``, the folder as artifacts ``study/``):
 
-- ``profiles.parquet``: one row per (k, mode, question) (:data:`~infra.study.PROFILE_SCHEMA`), rewritten after
-  every arm, so a stopped study keeps the arms it finished;
+- ``profiles.parquet``: one row per (k, mode, question) (:data:`~infra.study.PROFILE_SCHEMA`), and ``costs.json``
+  (each arm's wall, engine and tool seconds and generated tokens), both rewritten after every arm, so a stopped
+  study keeps the arms it finished;
 - ``summary.json``: estimates, histograms of consecutive-branch counts, budget correlations, paired differences,
   and each arm's cost (wall, engine and tool seconds, generated tokens);
 - ``rollout_study.png`` and ``budget_split.png``.
@@ -36,7 +37,15 @@ from flows.evaluate import eval_storage, resolve_checkpoint, resolve_eval_config
 from infra.atomic import atomic_file
 from infra.data.rows import QuestionRow
 from infra.runtime import PolicyRuntime, build_runtime
-from infra.study import Arm, ArmCost, StudySummary, summarize_study, write_profiles, write_study_figures
+from infra.study import (
+    Arm,
+    ArmCost,
+    StudySummary,
+    summarize_study,
+    write_costs,
+    write_profiles,
+    write_study_figures,
+)
 from infra.tracking import Tracker
 from tasks.study import study_chunk
 
@@ -175,7 +184,9 @@ def rollout_study(
                           for i in range(0, len(rows), chunk_questions)]
                 profiles[arm] = [p for c in chunks for p in c.profiles]
                 costs[arm] = total_cost([c.cost for c in chunks])
-                write_profiles(out_dir / "profiles.parquet", profiles)  # a stopped study keeps its finished arms
+                # A stopped study keeps its finished arms, and what they cost.
+                write_profiles(out_dir / "profiles.parquet", profiles)
+                write_costs(out_dir / "costs.json", costs)
             summary = summarize_study(profiles, cfg.eval.bootstrap_samples, cfg.seed)
             data = write_summary(out_dir / "summary.json", summary, costs, meta)
             figures = write_study_figures(summary, profiles, out_dir, f"rollout study, {len(rows)} questions")

@@ -7,6 +7,7 @@ rollout group, plus the cost of the chunk it was sampled in. The summary is reco
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -107,6 +108,25 @@ def read_profiles(path: str | Path) -> dict[Arm, list[GroupProfile]]:
             values[name] = math.nan if values[name] is None else values[name]
         values["consecutive"] = tuple(values["consecutive"])
         out.setdefault(Arm(row["k"], row["mode"]), []).append(GroupProfile(**values))
+    return out
+
+
+def write_costs(path: str | Path, costs: Mapping[Arm, ArmCost]) -> Path:
+    """Each arm's cost as JSON (``{"k8/aepo": {"wall_s": …}}``), atomically."""
+    with atomic_file(path, "w") as fh:
+        json.dump({arm.label: asdict(c) for arm, c in costs.items()}, fh, indent=1)
+    return Path(path)
+
+
+def read_costs(path: str | Path) -> dict[Arm, ArmCost]:
+    """:func:`write_costs`'s file back; empty when there is none (a study from before it was written)."""
+    file = Path(path)
+    if not file.is_file():
+        return {}
+    out = {}
+    for label, cost in json.loads(file.read_text()).items():
+        k, mode = label.split("/", 1)
+        out[Arm(int(k.removeprefix("k")), mode)] = ArmCost(**cost)
     return out
 
 

@@ -44,16 +44,17 @@ def test_every_arm_is_profiled_on_the_same_questions(study: tuple[Any, Path]) ->
 
 def test_the_summary_is_reproduced_from_the_parquet_alone(study: tuple[Any, Path]) -> None:
     from flows.study import write_summary
-    from infra.study import read_profiles, summarize_study
+    from infra.study import read_costs, read_profiles, summarize_study
 
     result, runs = study
     out = runs / "studies" / "study-test"
     saved = json.loads((out / "summary.json").read_text())
     assert saved == result.summary
     again = summarize_study(read_profiles(out / "profiles.parquet"), n_resamples=200, seed=0)
-    redone = write_summary(runs / "again.json", again, {}, {})
+    redone = write_summary(runs / "again.json", again, read_costs(out / "costs.json"), {})
     for label, arm in saved["arms"].items():
         assert arm["estimates"] == redone["arms"][label]["estimates"], label
+        assert arm["cost"] == redone["arms"][label]["cost"], label
         assert arm["cost"]["tokens_generated"] > 0 and arm["cost"]["wall_s"] > 0
     assert saved["paired"] == redone["paired"]
     assert set(saved["paired"]) == {f"k{k}/{a}-{b}" for k in (2, 3)
