@@ -90,6 +90,7 @@ def analyse(study_dir: Path, n_resamples: int) -> dict[str, Any]:
     costs = read_costs(study_dir / "costs.json")
     meta = {k: v for k, v in old.items() if k not in ("arms", "paired")}
     meta["questions"] = len(next(iter(profiles.values())))
+    meta.setdefault("policy", "unknown (the study has no summary.json)")
     summary = summarize_study(profiles, n_resamples)
     data = write_summary(study_dir / "summary.json", summary, costs, meta)
     write_study_figures(summary, profiles, study_dir, f"rollout study, {meta['questions']} questions")
