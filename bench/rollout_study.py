@@ -101,6 +101,22 @@ def analyse(study_dir: Path, n_resamples: int) -> dict[str, Any]:
     return data
 
 
+def log_to_study_run(runs: Path, study_dir: Path) -> dict[str, str] | None:
+    """The re-analysed folder (summary, figures, costs) as artifacts ``study/`` of the study's own MLflow run in the
+    runs dir's store (the run named like the folder), when there is one; a study stopped before its end logged none."""
+    from infra.tracking import Tracker, tracking_uri_for
+
+    tracker = Tracker(tracking_uri_for(runs))
+    found = tracker.search_runs(filter_string=f"attributes.run_name = '{study_dir.name}'")
+    if found.empty:
+        log.warning("no MLflow run named %s in %s: the figures stay files", study_dir.name, tracker.tracking_uri)
+        return None
+    run_id = str(found.iloc[0]["run_id"])
+    tracker.client.log_artifacts(run_id, str(study_dir), "study")
+    log.info("logged %s to MLflow run %s", study_dir, run_id)
+    return {"run_id": run_id, "tracking_uri": tracker.tracking_uri}
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--questions", type=int, default=200)
@@ -134,6 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise SystemExit("--analyse-only needs --study-dir <runs>/studies/<name>")
             study_dir = args.study_dir.resolve()
             data = analyse(study_dir, args.bootstrap)
+            data = {**data, "mlflow": log_to_study_run(runs, study_dir)}
         else:
             from flows.study import rollout_study
 
