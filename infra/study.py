@@ -111,10 +111,15 @@ def read_profiles(path: str | Path) -> dict[Arm, list[GroupProfile]]:
     return out
 
 
+def _cost_json(cost: ArmCost) -> dict[str, float | None]:
+    """An arm's cost for JSON: unknown parts (NaN) as null."""
+    return {name: _nan_to_none(v) for name, v in asdict(cost).items()}
+
+
 def write_costs(path: str | Path, costs: Mapping[Arm, ArmCost]) -> Path:
     """Each arm's cost as JSON (``{"k8/aepo": {"wall_s": …}}``), atomically."""
     with atomic_file(path, "w") as fh:
-        json.dump({arm.label: asdict(c) for arm, c in costs.items()}, fh, indent=1)
+        json.dump({arm.label: _cost_json(c) for arm, c in costs.items()}, fh, indent=1)
     return Path(path)
 
 
@@ -126,7 +131,7 @@ def read_costs(path: str | Path) -> dict[Arm, ArmCost]:
     out = {}
     for label, cost in json.loads(file.read_text()).items():
         k, mode = label.split("/", 1)
-        out[Arm(int(k.removeprefix("k")), mode)] = ArmCost(**cost)
+        out[Arm(int(k.removeprefix("k")), mode)] = ArmCost(**{f: math.nan if v is None else v for f, v in cost.items()})
     return out
 
 
@@ -154,7 +159,7 @@ class StudySummary:
                                "consecutive_histogram": {str(l_count): n for l_count, n
                                                          in s.consecutive_histogram.items()},
                                "budget_correlation": est(s.budget_correlation),
-                               "cost": asdict(costs[arm]) if costs and arm in costs else None}
+                               "cost": _cost_json(costs[arm]) if costs and arm in costs else None}
         paired = {f"k{k}/{a}-{b}": {q: est(e) for q, e in d.items()} for (k, a, b), d in self.diffs.items()}
         return {"arms": arms, "paired": paired}
 
