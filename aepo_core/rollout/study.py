@@ -30,6 +30,7 @@ import numpy as np
 from aepo_core.metrics import bootstrap_ci, paired_bootstrap_diff
 from aepo_core.rewards import normalize_answer, predicted_answer
 from aepo_core.rollout.tree import RolloutTree
+from aepo_core.scoring import model_text
 
 TOP_PATHS = 3
 
@@ -95,7 +96,7 @@ def profile_group(tree: RolloutTree, rewards: Sequence[float], correct: Sequence
                  for leaf in tree.leaves}
     answers = set()
     for leaf in tree.leaves:
-        answer = predicted_answer("".join(n.text for n in tree.path(leaf) if n.kind == "model"))
+        answer = predicted_answer(model_text(tree, leaf))
         if answer is not None and normalize_answer(answer):
             answers.add(normalize_answer(answer))
     finite = [r for r in rewards if not math.isnan(r)]
