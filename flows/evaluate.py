@@ -243,7 +243,8 @@ def evaluate(
         tags = {"kind": "eval", "checkpoint": source or "", "checkpoint_step": step,
                 "source_run_id": trained_by or "", "compare_to": compare_to or ""}
         what = source or cfg.model.name
-        run_id = tracker.start(cfg, run_name=name, tags=tags, origin=run_origin(
+        run_id = tracker.start(cfg, run_name=name, tags={**tags, **runtime.numerics.tags()},
+                               params=runtime.numerics.params(), origin=run_origin(
             "flows/evaluate.py:evaluate", f"AEPO evaluation of {what} (step {step}) on {', '.join(eval_sets)}."))
         results = ResultsDir.of(cfg.storage, runs, name)  # the local copy is what MLflow logs
         logger.info("evaluating %s (step %d) on %s → MLflow run %s, results in %s", source or cfg.model.name, step,

@@ -162,7 +162,9 @@ def rollout_study(
         rows = study_questions(runtime, specs, max_questions)
         tracker = Tracker.from_config(cfg, runs, system_metrics=False)
         what = str(ckpt) if ckpt is not None else cfg.model.name
-        run_id = tracker.start(cfg, run_name=name, tags={"kind": "rollout-study", "checkpoint": str(ckpt or "")},
+        run_id = tracker.start(cfg, run_name=name, tags={"kind": "rollout-study", "checkpoint": str(ckpt or ""),
+                                                         **runtime.numerics.tags()},
+                               params=runtime.numerics.params(),
                                origin=run_origin("flows/study.py:rollout_study",
                                                  f"Rollout study of {what}: {', '.join(a.label for a in arms)} on "
                                                  f"{len(rows)} questions."))

@@ -143,6 +143,7 @@ def train(
     point = (find_resume_point(tracker, cfg, runs, name, force=force_resume)
              if resume and isinstance(tracker, Tracker) else None)
     runtime = build_runtime(cfg, runs, name)
+    logger.info("%s", runtime.numerics.describe())
     with runtime:  # stops a managed vLLM server however the flow ends
         datasets = [dataset_record(cfg.data.train, rows, "training"), *check_eval_datasets(runtime)]
         trajectories = (TrajectoryStore.from_config(cfg.storage) if cfg.storage.trajectories_uri
@@ -151,7 +152,8 @@ def train(
                                parent_run_id=parent_run_id,
                                origin=run_origin("flows/train.py:train", run_description(cfg)),
                                tags={"runs_dir": str(runs), "clip_active": str(cfg.clip_active()).lower(),
-                                     **(tags or {})})
+                                     **runtime.numerics.tags(), **(tags or {})},
+                               params=runtime.numerics.params())
         checkpoints = checkpoint_store(cfg, runs, name, run_id)
         run_url = tracker.run_url()
         with tracker:

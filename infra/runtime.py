@@ -36,6 +36,7 @@ from infra.data.synthetic import SyntheticTask
 from infra.engines.weights import PolicyEngine, PolicyWeights, WeightSource
 from infra.fs import StorageError, storage_options
 from infra.models import chat_prompt_ids, load_policy
+from infra.numerics import Numerics, numerics_for
 from infra.ranks import Ranks
 from infra.tools.registry import build_tools
 from infra.training.backends import autocast_dtype
@@ -90,6 +91,8 @@ class PolicyRuntime:
     tools: dict[str, Tool]
     reward_fn: RewardFn
     task: SyntheticTask | None
+    numerics: Numerics
+    """The dtypes the run computes in on this device (``cfg`` keeps what was asked, maybe ``auto``) and why."""
     server: VLLMServer | None = None
     protocol: AgentProtocol = field(default_factory=AgentProtocol)
     _prompts: dict[str, list[int]] = field(default_factory=dict, repr=False)
@@ -239,8 +242,11 @@ def build_runtime(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], run_n
                   ) -> PolicyRuntime:
     """Seed, load the policy, build its engine, tools and reward function.
 
-    ``runs_dir`` holds the tools' caches and (remote engines) the weight exports ``weights/<run name>/``.
+    ``runs_dir`` holds the tools' caches and (remote engines) the weight exports ``weights/<run name>/``. ``auto``
+    dtypes are resolved for this device (:mod:`infra.numerics`): the runtime's ``numerics``.
     """
+    numerics = numerics_for(cfg)
+    log.info("%s", numerics.describe())
     runs = Path(runs_dir)
     seed_everything(cfg.seed)
     task = SyntheticTask.from_config(cfg.data) if uses_synthetic(cfg) else None
@@ -251,9 +257,9 @@ def build_runtime(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], run_n
         server = _start_vllm(cfg, model, tokenizer, weights_dir)
         engine = _remote_engine(server.url, server.served_name, tokenizer, cfg.rollout.vllm.top_logprobs,
                                 receiver=server.control, weights_dir=weights_dir, loaded_version=INITIAL_VERSION)
-        return PolicyRuntime(cfg, model, tokenizer, engine, tools, make_reward_fn(cfg.reward), task, server)
-    engine = _build_engine(cfg, model, tokenizer, weights_dir)
-    return PolicyRuntime(cfg, model, tokenizer, engine, tools, make_reward_fn(cfg.reward), task)
+        return PolicyRuntime(cfg, model, tokenizer, engine, tools, make_reward_fn(cfg.reward), task, numerics, server)
+    engine = _build_engine(cfg, numerics, model, tokenizer, weights_dir)
+    return PolicyRuntime(cfg, model, tokenizer, engine, tools, make_reward_fn(cfg.reward), task, numerics)
 
 
 INITIAL_VERSION = "0"
@@ -284,8 +290,8 @@ def _remote_engine(url: str, model_name: str, tokenizer: object, top_logprobs: i
                         weights_dir=weights_dir, loaded_version=loaded_version)
 
 
-def _build_engine(cfg: ExperimentConfig, model: torch.nn.Module, tokenizer: object, weights_dir: Path
-                  ) -> PolicyEngine:
+def _build_engine(cfg: ExperimentConfig, numerics: Numerics, model: torch.nn.Module, tokenizer: object,
+                  weights_dir: Path) -> PolicyEngine:
     r = cfg.rollout
     if r.engine == "remote":
         from infra.engines.remote import ReloadEndpoint
@@ -302,13 +308,13 @@ def _build_engine(cfg: ExperimentConfig, model: torch.nn.Module, tokenizer: obje
                               receiver=receiver, weights_dir=weights_dir)
     from infra.engines.hf import HFEngine
 
-    gen_dtype = cfg.model.generation_dtype
+    gen_dtype = numerics.generation_dtype
     kv_mb = r.kv_reuse_max_mb if r.kv_reuse else 0.0
     if gen_dtype == "same" or cfg.train.backend == "deepspeed":
         if gen_dtype != "same":
             log.warning("model.generation_dtype=%s ignored under DeepSpeed (partitioned weights): the engine shares "
                         "the training model", gen_dtype)
-        return HFEngine(model, tokenizer, seed=cfg.seed, autocast_dtype=autocast_dtype(cfg.model.compute_dtype),
+        return HFEngine(model, tokenizer, seed=cfg.seed, autocast_dtype=autocast_dtype(numerics.compute_dtype),
                         kv_reuse_mb=kv_mb)
     generation_model = copy.deepcopy(model).to(GENERATION_DTYPES[gen_dtype]).eval()
     generation_model.requires_grad_(False)

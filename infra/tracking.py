@@ -362,8 +362,11 @@ class Tracker:
 
     def start(self, cfg: ExperimentConfig, run_name: str | None = None, tags: Mapping[str, Any] | None = None,
               resume_run_id: str | None = None, parent_run_id: str | None = None,
-              origin: RunOrigin | None = None, group: bool = False) -> str:
+              origin: RunOrigin | None = None, group: bool = False, params: Mapping[str, Any] | None = None
+              ) -> str:
         """Create (or, with ``resume_run_id``, reopen) the run; log the config as params and the standard tags.
+
+        ``params`` are logged beside the config's (the numerics the run's ``auto`` dtypes resolved to).
 
         ``parent_run_id`` makes it a nested child run (sweeps); ``origin`` tags where it comes from; a ``group``
         run (a sweep's parent) stands for runs of several configs: it gets neither the config's params nor its
@@ -378,14 +381,16 @@ class Tracker:
             if parent_run_id:
                 self._check_run(parent_run_id, "parent")
                 all_tags["mlflow.parentRunId"] = parent_run_id
+            new_params = {} if group else {**{k: param_value(v) for k, v in cfg.flat().items()},
+                                           **{str(k): param_value(v) for k, v in (params or {}).items()}}
             if resume_run_id:
-                run_id = self._resume(resume_run_id, cfg, all_tags)
+                run_id = self._resume(resume_run_id, new_params, all_tags)
             else:
                 name = cfg.run_name_for(run_name)
                 run = self.client.create_run(self.experiment_id(), run_name=name, tags=all_tags)
                 run_id = run.info.run_id
                 if not group:
-                    self._log_params(run_id, {k: param_value(v) for k, v in cfg.flat().items()})
+                    self._log_params(run_id, new_params)
                 log.info("MLflow run %s (%s) started in experiment %r at %s", run_id, name, self.experiment,
                          self.tracking_uri)
             self._run_id = run_id
@@ -399,12 +404,11 @@ class Tracker:
         except MlflowException as exc:
             raise TrackingError(f"{what} MLflow run {run_id!r} not found at {self.tracking_uri}: {exc}") from None
 
-    def _resume(self, run_id: str, cfg: ExperimentConfig, tags: dict[str, str]) -> str:
+    def _resume(self, run_id: str, new: dict[str, str], tags: dict[str, str]) -> str:
         run = self._check_run(run_id, "resumed")
         if run.info.lifecycle_stage == "deleted":
             raise TrackingError(f"cannot resume MLflow run {run_id}: it was deleted")
         old = run.data.params
-        new = {k: param_value(v) for k, v in cfg.flat().items()}
         changed = sorted(k for k in new if k in old and old[k] != new[k])
         if changed:  # MLflow params are immutable: keep the originals, record what differs
             log.warning("resumed run %s: config keys changed since it started (params keep the old values): %s",

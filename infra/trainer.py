@@ -142,7 +142,8 @@ def build_backend(runtime: PolicyRuntime, total_steps: int) -> TrainBackend:
         from infra.training.deepspeed_backend import DeepSpeedBackend
 
         return DeepSpeedBackend.from_config(runtime.model, cfg.optim, cfg.train, total_steps)
-    return TorchBackend(runtime.model, cfg.optim, total_steps, compute_dtype=autocast_dtype(cfg.model.compute_dtype))
+    return TorchBackend(runtime.model, cfg.optim, total_steps,
+                        compute_dtype=autocast_dtype(runtime.numerics.compute_dtype))
 
 
 class Trainer:
@@ -165,8 +166,9 @@ class Trainer:
         ref = None
         if cfg.algorithm.kl_coef > 0:
             ref_model, _ = load_policy(cfg.model)
-            ref = FrozenBackend(ref_model, autocast_dtype(cfg.model.compute_dtype))
-        self.updater = PolicyUpdater(self.backend, cfg, pad_id=runtime.pad_id, ref_backend=ref)
+            ref = FrozenBackend(ref_model, autocast_dtype(runtime.numerics.compute_dtype))
+        self.updater = PolicyUpdater(self.backend, cfg, pad_id=runtime.pad_id, ref_backend=ref,
+                                     generation_dtype=runtime.numerics.generation_dtype)
         if not cfg.clip_active():
             log.warning("algorithm.loss=%s runs fully on-policy (optim.ppo_epochs=1, optim.mini_batch_size=%d >= "
                         "train.batch_size=%d): every ratio is 1, nothing is clipped, and every clipping loss gives the "

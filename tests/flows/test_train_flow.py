@@ -20,6 +20,7 @@ import pytest
 from safetensors.torch import load_file
 
 from infra.config_files import load_config
+from infra.numerics import auto_dtype, device_facts
 from infra.store import NODE_SCHEMA, TRAJECTORY_SCHEMA
 from infra.tracking import tracking_uri_for
 
@@ -50,6 +51,13 @@ def test_mlflow_run_has_params_metrics_and_artifacts(tiny_run):
     assert run.info.status == "FINISHED"
     assert run.data.params["rollout.k"] == "4" and run.data.params["algorithm.loss"] == "aepo"
     assert run.data.tags["algorithm"] == "aepo" and run.data.tags["mode"] == "aepo"
+    # The numerics it computed in and the machine they were chosen for (tiny.yaml asks for float32 explicitly).
+    facts = device_facts("cpu")
+    assert run.data.params["numerics.compute_dtype"] == "float32"
+    assert run.data.params["numerics.generation_dtype"] == "same"
+    assert run.data.params["numerics.vllm_dtype"] == auto_dtype(facts)  # tiny.yaml leaves it auto
+    assert run.data.tags["system.cpu"] == facts.name and run.data.tags["system.capability"] == facts.capability
+    assert run.data.tags["system.native_bf16"] == str(facts.native_bf16).lower()
     for name in REQUIRED:
         steps = [m.step for m in client.get_metric_history(out.run_id, name)]
         assert steps == [1, 2], name

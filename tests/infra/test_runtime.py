@@ -61,3 +61,27 @@ def test_prompt_is_built_once_per_question(model_cache: Path, tmp_path: Path) ->
     assert runtime.prompt_ids("What is 2+2?") is ids
     text = runtime.tokenizer.decode(ids)  # type: ignore[attr-defined]
     assert SYSTEM_PROMPT in text and text.index(SYSTEM_PROMPT) < text.index("What is 2+2?")
+
+
+def test_the_demo_config_runs_at_the_dtypes_resolved_for_this_machine(model_cache: Path, tmp_path: Path) -> None:
+    """configs/demo.yaml leaves the numerics to ``auto``: on this CPU the engine samples and the trainer computes in
+    the resolved dtypes (bf16 only where it is native and fast), and a step runs. Shrunk to the tiny model."""
+    from infra.numerics import device_facts, resolve_numerics
+    from infra.training.backends import autocast_dtype
+
+    cfg = load_config(REPO / "configs" / "demo.yaml", [
+        f"model.cache_dir={model_cache}", "model.name=tiny-random", "train.batch_size=2", "optim.mini_batch_size=1",
+        "rollout.max_response_tokens=48", "rollout.max_segment_tokens=24"])
+    assert (cfg.model.compute_dtype, cfg.model.generation_dtype) == ("auto", "auto")
+    runtime = build_runtime(cfg, tmp_path)
+    assert runtime.numerics == resolve_numerics(cfg, device_facts("cpu"))
+    fast = device_facts("cpu").fast_bf16
+    gen = runtime.engine.model  # type: ignore[attr-defined]
+    assert (gen is not runtime.model and gen.dtype == torch.bfloat16) if fast else gen is runtime.model
+    trainer = Trainer(runtime, runtime.load_rows(cfg.data.train), checkpoint_dir=tmp_path / "ckpt", run_id="demo")
+    assert trainer.backend.compute_dtype == autocast_dtype(runtime.numerics.compute_dtype)
+    assert trainer.backend.compute_dtype == (torch.bfloat16 if fast else None)
+    batch = trainer.next_batch()
+    result = runtime.sample(batch, cfg.rollout, seed=0)
+    metrics = trainer.update(result, runtime.score(result, batch))
+    assert trainer.step == 1 and metrics["train/optimizer_steps"] == 2

@@ -51,7 +51,8 @@ def make_samples(n_groups: int = 3, per_group: int = 4, seed: int = 0) -> list[T
 
 
 def run_update(overrides, samples=None, seed=0, ref=False):
-    cfg = build_config({}, ["optim.lr=1e-2", "optim.grad_clip=100", "optim.mini_batch_size=2", *overrides])
+    cfg = build_config({}, ["optim.lr=1e-2", "optim.grad_clip=100", "optim.mini_batch_size=2",
+                            "model.generation_dtype=same", *overrides])  # the trainer samples (unless overridden)
     model = tiny_model(seed)
     backend = TorchBackend(model, cfg.optim, total_steps=10)
     ref_backend = FrozenBackend(copy.deepcopy(model)) if ref else None
@@ -290,6 +291,7 @@ def test_under_the_sweep_settings_the_clipping_loss_acts(model_cache: Path, tmp_
     at this learning rate stays inside the clip range: ratio_max 1.17, measured.)"""
     from bench.train_step import build_samples
     from infra.models import load_policy
+    from infra.numerics import numerics_for
     from infra.training.backends import autocast_dtype
 
     moved = {}
@@ -303,7 +305,8 @@ def test_under_the_sweep_settings_the_clipping_loss_acts(model_cache: Path, tmp_
         samples = [dataclasses.replace(s, input_ids=s.input_ids[: s.prompt_len + 48], loss_mask=s.loss_mask[:48],
                                        rollout_logprobs=s.rollout_logprobs[:48],
                                        rollout_entropies=s.rollout_entropies[:48]) for s in samples]
-        backend = TorchBackend(model, cfg.optim, cfg.train.steps, compute_dtype=autocast_dtype(cfg.model.compute_dtype))
+        numerics = numerics_for(cfg)  # the sweep's own dtypes, as a run on this machine resolves them
+        backend = TorchBackend(model, cfg.optim, cfg.train.steps, compute_dtype=autocast_dtype(numerics.compute_dtype))
         metrics = PolicyUpdater(backend, cfg, pad_id=int(tokenizer.pad_token_id)).update(samples)
         assert metrics["train/optimizer_steps"] == cfg.train.batch_size // cfg.optim.mini_batch_size > 1
         moved[cell] = (params(model), metrics)
