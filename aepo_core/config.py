@@ -495,8 +495,10 @@ class OptimConfig(Section):
     scoring_pass: Literal["auto", "always"] = Field(
         "auto",
         description="The no-grad forward before the update. 'auto' skips it when it cannot change the update: "
-        "one PPO epoch over one mini-batch (on-policy: π_old is the gradient pass's own detached log-prob), no KL "
-        "term, and exact rollout entropies of the unfiltered sampling distribution (top_p 1, top_k 0).",
+        "the sampler is the trainer itself (the in-process engine on the training weights, generation_dtype "
+        "same, torch backend) sampling the unfiltered distribution (top_p 1, top_k 0), so its log-probs are "
+        "π_old (on-policy: the gradient pass's own, detached) and its entropies the trainer's, for any number of "
+        "mini-batches and epochs (a KL term still runs the reference model's pass).",
     )
 
     @model_validator(mode="after")

@@ -7,7 +7,7 @@ import math
 import os
 import platform
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -72,23 +72,50 @@ def set_threads(n: int) -> None:
         pass
 
 
-def autocast_of(name: str) -> torch.dtype | None:
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name)
-
-
-def environment(threads: int, *, cpu: bool = True) -> dict[str, Any]:
-    """Versions, thread count, CPU and load average at start; ``cpu=False`` leaves out the CPU name."""
+def environment(threads: int, *, numerics: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Where and on what a benchmark ran: the commit, the machine (CPU model, torch's kernel capability, native bf16
+    and the start-up probe's bf16 speed-up, cores, any ISA restriction of the kernels), versions, threads, the
+    load average at start, and ``numerics`` (the dtypes the benchmark resolved, e.g. ``Numerics.params()``)."""
     import transformers
 
-    env: dict[str, Any] = {
+    from infra.numerics import device_facts
+    from infra.tracking import git_sha
+
+    facts = device_facts("cpu")
+    return {
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_sha(Path(__file__).parent),
+        "cpu": facts.name,
+        "capability": facts.capability,
+        "native_bf16": facts.native_bf16,
+        "bf16_speedup": facts.bf16_speedup,
+        "fast_bf16": facts.fast_bf16,
+        "isa_restrictions": {k: os.environ[k] for k in ISA_ENV if k in os.environ},
+        "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "torch_threads": threads,
-        "cpu_count": os.cpu_count(),
+        "numerics": dict(numerics or {}),
+        "load_avg_start": list(os.getloadavg()),
     }
-    if cpu:
-        env["cpu"] = platform.processor() or platform.machine()
-    env["load_avg_start"] = list(os.getloadavg())
-    return env
+
+
+ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+"""Environment variables that hold torch's kernels below the CPU's ISA (how an AMX machine imitates an AVX2 one)."""
+
+
+def machine_label(env: Mapping[str, Any]) -> str:
+    """``<cpu> (<capability>[, kernels held to …])`` for a table's title: every figure names where it came from."""
+    held = env.get("isa_restrictions") or {}
+    restriction = f", kernels held to {'/'.join(sorted(set(held.values())))}" if held else ""
+    return f"{env.get('cpu', '?')} ({env.get('capability', '?')}{restriction})"
+
+
+def default_compute(model_name: str) -> str:
+    """A benchmark's autocast dtype when ``--compute`` is not given: float32 for tiny-random (exact, and faster
+    than autocast for 3M parameters), else what ``auto`` resolves to on this CPU (bf16 only where it is fast)."""
+    from infra.models import TINY_RANDOM
+    from infra.numerics import auto_dtype, device_facts
+
+    return "float32" if model_name == TINY_RANDOM else auto_dtype(device_facts("cpu"))

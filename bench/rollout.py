@@ -61,7 +61,15 @@ from aepo_core.config import (
 from aepo_core.interfaces import GenerationRequest, GenerationResult, SamplingParams, Tool
 from aepo_core.protocol import SYSTEM_PROMPT
 from aepo_core.rollout.scheduler import Question, RolloutScheduler
-from bench.harness import RESULTS_DIR, atomic_write_json, autocast_of, environment, print_table, set_threads
+from bench.harness import (
+    RESULTS_DIR,
+    atomic_write_json,
+    default_compute,
+    environment,
+    machine_label,
+    print_table,
+    set_threads,
+)
 from infra.atomic import atomic_dir
 from infra.data.synthetic import OracleError, SyntheticTask, oracle_transcript
 from infra.engines.hf import HFEngine
@@ -69,7 +77,7 @@ from infra.models import BUILTIN_SMOLLM2, TINY_RANDOM, cache_root, chat_prompt_i
 from infra.tools.cache import CachedTool, ToolResultCache
 from infra.tools.python_sandbox import PythonSandbox
 from infra.tools.search import Bm25Backend, build_search_tool
-from infra.training.backends import TorchBackend
+from infra.training.backends import TorchBackend, autocast_dtype
 from infra.training.sft import sft_sample, train_sft
 
 log = logging.getLogger("bench.rollout")
@@ -80,9 +88,6 @@ TARGET_AEPO_OVERHEAD = 1.15
 TARGET_KV_PREFILL = 0.6
 TARGET_KV_WALL = 0.75
 KV_REUSE_MB = 1024.0  # the rollout.kv_reuse_max_mb default
-# Per-model default precision: tiny-random is faster in plain float32 (configs/tiny.yaml); SmolLM2 uses the
-# project default (float32 weights, bfloat16 autocast compute).
-DEFAULT_COMPUTE = {TINY_RANDOM: "float32", BUILTIN_SMOLLM2: "bfloat16"}
 TASK_KW: dict[str, Any] = {"n_companies": 40, "families": ("single_hop", "two_hop")}
 
 
@@ -150,7 +155,7 @@ SIZES_A = {
 def bench_scheduler_vs_generate(model: Any, tokenizer: Any, compute: str, prompts: Sequence[list[int]],
                                 sizes: Sizes, seed: int, temperature: float = 1.0) -> dict[str, Any]:
     """Tokens/s of the scheduler (independent, no tools) vs ``model.generate`` over the same rows."""
-    ac = autocast_of(compute)
+    ac = autocast_dtype(compute)
     engine = HFEngine(model, tokenizer, seed=seed, stop_token_ids=(), autocast_dtype=ac)  # no EOS: fixed length
     cfg = RolloutConfig(mode="independent", k=sizes.k, initial_rollouts=sizes.k, max_response_tokens=sizes.new_tokens,
                         temperature=temperature, top_p=1.0, top_k=0)
@@ -263,7 +268,7 @@ def sft_for_tools(model: Any, tokenizer: Any, compute: str, task: SyntheticTask,
         except OracleError:
             continue
         samples.append(sft_sample(chat_prompt_ids(tokenizer, row.question), segments, encode))
-    backend = TorchBackend(model, OptimConfig(lr=lr), steps, lr=lr, compute_dtype=autocast_of(compute))
+    backend = TorchBackend(model, OptimConfig(lr=lr), steps, lr=lr, compute_dtype=autocast_dtype(compute))
     t0 = time.perf_counter()
     history = train_sft(backend, samples, SFTConfig(epochs=1, lr=lr, batch_size=batch), int(tokenizer.pad_token_id),
                       4096, seed=seed)
@@ -295,7 +300,7 @@ def load_or_sft(name: str, cache: str | None, compute: str, task: SyntheticTask,
 def bench_aepo_vs_arpo(model: Any, tokenizer: Any, compute: str, docs: Sequence[dict[str, str]],
                        questions: Sequence[Question], sizes: SizesB, seed: int, workdir: Path) -> dict[str, Any]:
     """Wall time of aepo vs arpo at equal k, same questions and seed; fresh tool cache per run."""
-    engine = HFEngine(model, tokenizer, seed=seed, autocast_dtype=autocast_of(compute))
+    engine = HFEngine(model, tokenizer, seed=seed, autocast_dtype=autocast_dtype(compute))
     base = RolloutConfig(k=sizes.k, initial_rollouts=sizes.initial_rollouts, max_tool_calls=sizes.max_tool_calls,
                          max_response_tokens=sizes.max_response_tokens, max_result_chars=600)
     runs: dict[str, list[dict[str, float]]] = {"arpo": [], "aepo": []}
@@ -359,7 +364,7 @@ def bench_kv_reuse(model: Any, tokenizer: Any, compute: str, docs: Sequence[dict
     trees: dict[str, list[Any]] = {}
     for rep in range(sizes.reps):
         for arm in (list(arms) if rep % 2 == 0 else list(reversed(arms))):
-            engine = HFEngine(model, tokenizer, seed=seed, autocast_dtype=autocast_of(compute),
+            engine = HFEngine(model, tokenizer, seed=seed, autocast_dtype=autocast_dtype(compute),
                               kv_reuse_mb=arms[arm])
             counting = CountingEngine(engine)
             tools = build_bench_tools(docs, workdir, workdir / f"cache-kv-{arm}-{rep}.sqlite")
@@ -449,7 +454,7 @@ def bench_vllm(policy: ToolPolicy, compute: str, task: SyntheticTask, sizes_d: S
         prompts = [q.prompt_ids for q in bench_questions(task, policy.tokenizer, sizes.rows)]
         prompts = (prompts * sizes.rows)[: sizes.rows]
         hf = HFEngine(policy.model, policy.tokenizer, seed=seed, stop_token_ids=(),
-                      autocast_dtype=autocast_of(compute))
+                      autocast_dtype=autocast_dtype(compute))
         http = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=sizes.rows))
 
         def run_hf(rep: int) -> tuple[int, float]:
@@ -489,7 +494,7 @@ def bench_vllm(policy: ToolPolicy, compute: str, task: SyntheticTask, sizes_d: S
         for rep in range(sizes_d.reps):
             for arm in (("hf+kv", "vllm") if rep % 2 == 0 else ("vllm", "hf+kv")):
                 engine = remote if arm == "vllm" else HFEngine(policy.model, policy.tokenizer, seed=seed,
-                                                               autocast_dtype=autocast_of(compute),
+                                                               autocast_dtype=autocast_dtype(compute),
                                                                kv_reuse_mb=KV_REUSE_MB)
                 tools = build_bench_tools(task.documents(), workdir, workdir / f"cache-e-{arm}-{rep}.sqlite")
                 t0 = time.perf_counter()
@@ -604,7 +609,7 @@ def run_aepo_vs_arpo(name: str, policy: ToolPolicy, compute: str, sizes: SizesB,
 
 
 def run_model(name: str, args: argparse.Namespace, task: SyntheticTask, workdir: Path) -> dict[str, Any]:
-    compute = args.compute or DEFAULT_COMPUTE[name]
+    compute = args.compute or default_compute(name)
     t0 = time.perf_counter()
     model, tokenizer = load_policy(model_config(name, args.model_cache))
     load_s = time.perf_counter() - t0
@@ -781,7 +786,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     atomic_write_json(out, results)
     report(results)
     env = results["environment"]
-    print(f"\ntotal {results['total_s']:.0f} s; torch threads {args.threads}; "
+    print(f"\non {machine_label(env)}: total {results['total_s']:.0f} s; torch threads {args.threads}; "
           f"load avg {env['load_avg_start'][0]:.1f} → {env['load_avg_end'][0]:.1f}; wrote {out}")
     return 0
 

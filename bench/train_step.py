@@ -48,12 +48,21 @@ from typing import Any
 import torch
 
 from aepo_core.config import ExperimentConfig, PythonToolConfig, SearchToolConfig
-from bench.harness import RESULTS_DIR, atomic_write_json, autocast_of, environment, print_table, set_threads
+from bench.harness import (
+    RESULTS_DIR,
+    atomic_write_json,
+    default_compute,
+    environment,
+    machine_label,
+    print_table,
+    set_threads,
+)
 from infra.data.synthetic import OracleError, SyntheticTask, oracle_transcript
 from infra.models import BUILTIN_SMOLLM2, TINY_RANDOM, chat_prompt_ids, load_policy
+from infra.numerics import numerics_for
 from infra.tools.python_sandbox import PythonSandbox
 from infra.tools.search import Bm25Backend, build_search_tool
-from infra.training.backends import TorchBackend
+from infra.training.backends import TorchBackend, autocast_dtype
 from infra.training.batching import TrainSample, collate, plan_micro_batches
 from infra.training.checkpoint import load_checkpoint, save_checkpoint
 from infra.training.memory import checkpoint_decoder_layers
@@ -64,7 +73,6 @@ log = logging.getLogger("bench.train_step")
 
 MODELS = (TINY_RANDOM, BUILTIN_SMOLLM2)
 TARGET_RATIO = 0.8
-DEFAULT_COMPUTE = {TINY_RANDOM: "float32", BUILTIN_SMOLLM2: "bfloat16"}
 # (questions, k, interleaved reps) per (model, quick)
 SIZES = {
     (TINY_RANDOM, False): (6, 4, 2),
@@ -245,8 +253,8 @@ def bench_model(name: str, args_dict: dict[str, Any]) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     for noisy in ("transformers", "infra", "aepo_core", "bm25s"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    compute_name = args.compute or DEFAULT_COMPUTE[name]
-    compute = autocast_of(compute_name)
+    compute_name = args.compute or default_compute(name)
+    compute = autocast_dtype(compute_name)
     questions, k, reps = SIZES[(name, args.quick)]
     reps = args.reps or reps
     rss_start = rss_mb()
@@ -408,16 +416,21 @@ def bench_step(args_dict: dict[str, Any]) -> dict[str, Any]:
     reps = args.reps or (1 if args.quick else 2)
     rss = PhaseRss()
     cfg = ExperimentConfig.model_validate({
-        "model": {"name": BUILTIN_SMOLLM2, "dtype": "float32", "compute_dtype": "bfloat16",
-                  "generation_dtype": "bfloat16", "cache_dir": args.model_cache},
+        "model": {"name": BUILTIN_SMOLLM2, "dtype": "float32", "compute_dtype": args.compute or "auto",
+                  "generation_dtype": {None: "auto", "bfloat16": "bfloat16", "float32": "same"}[args.compute],
+                  "cache_dir": args.model_cache},
         "rollout": {"k": k, "max_response_tokens": new_tokens, "temperature": 1.0},
         "optim": {"lr": 1e-6, "mini_batch_size": questions},  # default micro_batch_tokens and memory budget
     })
     with rss("load"):
         model, tokenizer = load_policy(cfg.model)
-        generation_model = copy.deepcopy(model).to(torch.bfloat16).eval().requires_grad_(False)
-    compute = autocast_of(cfg.model.compute_dtype)
-    engine = HFEngine(generation_model, tokenizer, seed=args.seed, stop_token_ids=())  # EOS off: fixed length
+        numerics = numerics_for(cfg)  # as a run on this CPU: a bf16 copy only where bf16 is fast
+        copy_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(numerics.generation_dtype)
+        generation_model = (model if copy_dtype is None
+                            else copy.deepcopy(model).to(copy_dtype).eval().requires_grad_(False))
+    compute = autocast_dtype(numerics.compute_dtype)
+    engine = HFEngine(generation_model, tokenizer, seed=args.seed, stop_token_ids=(),  # EOS off: fixed length
+                      autocast_dtype=compute if copy_dtype is None else None)
     backend = TimedBackend(TorchBackend(model, cfg.optim, total_steps=1000, compute_dtype=compute), rss)
     pad = int(tokenizer.pad_token_id)
     # The same update with every layer's activations kept (optim.activation_checkpointing off, its own micro-batch
@@ -496,7 +509,8 @@ def bench_step(args_dict: dict[str, Any]) -> dict[str, Any]:
     tokens = sum(len(s.input_ids) for s in samples)
     step_peak = rss.peaks["step"]
     return {
-        "model": BUILTIN_SMOLLM2, "questions": questions, "k": k, "new_tokens": new_tokens, "tokens": tokens,
+        "model": BUILTIN_SMOLLM2, "numerics": numerics.params(), "questions": questions, "k": k,
+        "new_tokens": new_tokens, "tokens": tokens,
         "micro_batch_tokens": cfg.optim.micro_batch_tokens, "micro_batch_tokens_capped": updater.micro_batch_tokens,
         "memory_budget_gb": cfg.optim.memory_budget_gb, "reps": reps_out, "median": med,
         "activation_checkpointing": cfg.optim.activation_checkpointing,
@@ -511,6 +525,7 @@ def bench_step(args_dict: dict[str, Any]) -> dict[str, Any]:
 def report_step(step: dict[str, Any]) -> None:
     med, peaks = step["median"], step["phase_peak_rss_mb"]
     print_table(f"whole single-turn step ({step['questions']}×{step['k']}, {step['new_tokens']} new tokens, "
+                f"{'/'.join(step['numerics'].values())}, "
                 f"micro-batch {step['micro_batch_tokens_capped']} tokens): rollout + update vs raw generate + fwd/bwd",
                 ["rollout s", "update s", "step s", "raw generate s", "raw step s", "ratio",
                  f"≤ {STEP_TARGET_RATIO}", "update tok/s", "peak RSS step MB", f"< {STEP_TARGET_RSS_MB}"],
@@ -587,7 +602,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, Any] = {
         "benchmark": "train_step",
         "args": {k: str(v) for k, v in vars(args).items()},
-        "environment": environment(args.threads, cpu=False),
+        "environment": environment(args.threads),
         "models": [],
     }
     names = () if args.only_step else MODELS if args.model == "both" else (args.model,)
@@ -614,7 +629,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "step" in results:
         report_step(results["step"])
     env = results["environment"]
-    print(f"\ntotal {results['total_s']:.0f} s; torch threads {args.threads}; "
+    print(f"\non {machine_label(env)}: total {results['total_s']:.0f} s; torch threads {args.threads}; "
           f"load avg {env['load_avg_start'][0]:.1f} → {env['load_avg_end'][0]:.1f}; wrote {out}")
     return 0
 

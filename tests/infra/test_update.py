@@ -204,10 +204,39 @@ def test_on_policy_update_skips_the_scoring_pass_without_changing_the_update(old
         assert met_skip[key] == pytest.approx(met_scored[key], rel=1e-4, abs=1e-6), key
 
 
+def _sampled_by_the_trainer(samples: list[TrainSample], seed: int = 0) -> list[TrainSample]:
+    """Samples as the in-process engine on the training weights reports them: its log-probs and entropies are the
+    trainer's own (π_old itself)."""
+    cfg = build_config({}, [])
+    scored = PolicyUpdater(TorchBackend(tiny_model(seed), cfg.optim, total_steps=1), cfg, pad_id=0).score(samples)
+    return [dataclasses.replace(s, rollout_logprobs=[lp * m for lp, m in zip(scored.logprobs[i].tolist(), s.loss_mask,
+                                                                            strict=True)],
+                                rollout_entropies=[e * m for e, m in zip(scored.entropy[i].tolist(), s.loss_mask,
+                                                                         strict=True)])
+            for i, s in enumerate(samples)]
+
+
+@pytest.mark.parametrize("regime", [["optim.mini_batch_size=1"], ["optim.ppo_epochs=2", "optim.mini_batch_size=8"]])
+def test_when_the_sampler_is_the_trainer_an_off_policy_update_skips_the_scoring_pass_too(regime):
+    """Several optimizer steps per rollout batch: π_old of every mini-batch is the pre-update policy, which is exactly
+    what sampled (same weights, same precision, unfiltered): the sampler's log-probs are π_old and its entropies the
+    trainer's, so the scoring pass (~30 s of a 4-minute step on an AVX2 CPU) cannot change the update."""
+    samples = _sampled_by_the_trainer(make_samples())
+    common = ["algorithm.entropy_advantage=true", "algorithm.clip_gate=high_entropy", *regime]
+    skipped, met_skip = run_update([*common, "optim.scoring_pass=auto"], samples)
+    scored, met_scored = run_update([*common, "optim.scoring_pass=always"], samples)
+    assert met_skip["train/scoring_pass"] == 0.0 and met_scored["train/scoring_pass"] == 1.0
+    assert met_skip["train/optimizer_steps"] > 1
+    torch.testing.assert_close(params(skipped), params(scored), rtol=1e-4, atol=1e-6)
+    for key in ("train/loss", "train/entropy_mean", "train/clip_frac", "train/ratio_max"):
+        assert met_skip[key] == pytest.approx(met_scored[key], rel=1e-3, abs=1e-5), key
+    # The gap is the pre-update one (float summation order only), not the policy's drift over the mini-batches.
+    assert met_skip["train/rollout_trainer_logprob_gap"] < 1e-4
+
+
 @pytest.mark.parametrize(
     ("overrides", "estimated"),
-    [(["optim.ppo_epochs=2"], False), (["optim.mini_batch_size=1"], False), (["rollout.top_p=0.9"], False),
-     ([], True)],
+    [(["rollout.top_p=0.9"], False), (["optim.ppo_epochs=2"], True), ([], True)],
 )
 def test_scoring_pass_runs_whenever_it_can_change_the_update(overrides, estimated):
     samples = _with_exact_rollout_entropies(make_samples())
