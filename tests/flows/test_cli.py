@@ -222,7 +222,6 @@ def test_prefect_yaml_deployments_load_and_validate(prefect_harness: Any) -> Non
     assert deployments["sweep"]["schedules"][0]["cron"]
 
 
-@pytest.mark.timeout(600)
 def _cmdline(p: Any) -> str:
     """A process's command line; "" for one that exited (or became a zombie) while we looked."""
     import psutil
@@ -247,6 +246,7 @@ def _start_long_train(runs: Path, log: Path, model_cache: Path) -> Any:
                                 start_new_session=True, cwd=REPO)
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_run_and_its_temporary_prefect_server(tmp_path: Path, model_cache: Path) -> None:
     """`kill <pid>` of `aepo train` must not leave Prefect's temporary API server (a child process) behind."""
     import contextlib
@@ -276,6 +276,7 @@ def test_sigterm_stops_the_run_and_its_temporary_prefect_server(tmp_path: Path, 
         proc.wait()
 
 
+@pytest.mark.slow
 def test_sigkill_of_the_trainer_takes_its_temporary_prefect_server_along(tmp_path: Path, model_cache: Path) -> None:
     """The OOM killer's SIGKILL of `aepo train` alone (no unwinding, no atexit) must not orphan Prefect's temporary
     API server: it dies with its parent."""

@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 from server_stack import BIN, REPO, Stack, base_env, free_port
 
+pytestmark = [pytest.mark.slow, pytest.mark.server]  # the heavy tier (CI runs every tier)
+
 POOL = "aepo-process"
 
 

@@ -11,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -162,6 +163,29 @@ def test_paired_comparison_with_itself_is_zero(first_eval: tuple[dict[str, Any],
     assert cmp["diff"] == 0.0 and cmp["ci_low"] <= 0.0 <= cmp["ci_high"] and cmp["questions"] == 2
     metrics = Tracker(again.tracking_uri).client.get_run(again.run_id).data.metrics
     assert metrics["compare/synthetic_test/pass_at_1_diff"] == 0.0
+
+
+def test_paired_comparison_pairs_by_question_and_keeps_the_sign(first_eval: tuple[dict[str, Any], Path],
+                                                                checkpoint: Path, tmp_path: Path) -> None:
+    """Against a doctored earlier evaluation with a known shift: only the questions both have are paired, by id, and
+    the difference is this run's minus the earlier one's (a self-comparison gives 0 for almost any bug)."""
+    from flows.evaluate import evaluate, read_question_results
+
+    first, runs = first_eval
+    rows = pq.read_table(first.files[KEY]).to_pylist()
+    kept, dropped = rows[0], rows[1]
+    doctored = [{**kept, "pass_at_1": kept["pass_at_1"] + 0.75},  # the earlier run did better on this one
+                {**kept, "question_id": "not-in-this-run", "pass_at_1": 0.0}]  # a question this run lacks
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    pq.write_table(pa.Table.from_pylist(doctored, schema=pq.read_schema(first.files[KEY])),
+                   earlier / "synthetic_test.parquet")
+    again = evaluate(config=str(TINY), checkpoint=str(checkpoint), overrides=FAST, runs_dir=str(runs),
+                     compare_to=str(earlier))
+    now = read_question_results(again.files[KEY])[DS]
+    cmp = again.compare[KEY]
+    assert cmp["questions"] == 1 and dropped["question_id"] in now  # the unshared questions are left out
+    assert cmp["diff"] == pytest.approx(now[kept["question_id"]] - (kept["pass_at_1"] + 0.75))
 
 
 def test_compare_to_a_missing_file_fails_before_evaluating(checkpoint: Path, tmp_path: Path) -> None:

@@ -23,6 +23,8 @@ from infra.config_files import load_config
 from infra.store import TrajectoryStore
 from infra.tracking import Tracker, tracking_uri_for
 
+pytestmark = pytest.mark.slow  # the heavy tier (CI runs every tier)
+
 FAST = ["checkpoint.every=1", "checkpoint.keep=2", "data.max_questions=8", "train.batch_size=2",
         "eval.max_questions=1", "eval.n_samples=1", "eval.pass_k=1", "tracking.log_model=false",
         "tracking.system_metrics=false", "rollout.k=2", "rollout.initial_rollouts=1",

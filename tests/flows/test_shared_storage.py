@@ -21,6 +21,8 @@ from infra.config_files import load_config
 from infra.store import TrajectoryStore
 from infra.training.checkpoint_store import CheckpointStore
 
+pytestmark = pytest.mark.slow  # the heavy tier (CI runs every tier)
+
 STEPS = 2
 FAST = ["rollout.k=2", "rollout.initial_rollouts=1", "rollout.max_response_tokens=32", "rollout.max_segment_tokens=16",
         "rollout.entropy_window=16", "algorithm.dynamic_sampling=false"]

@@ -25,6 +25,8 @@ import pytest
 import yaml
 from server_stack import AWS, BIN, REPO, Stack, base_env, running_stack
 
+pytestmark = [pytest.mark.slow, pytest.mark.server]  # the heavy tier (CI runs every tier)
+
 POOL = "aepo-test-pool"
 DEPLOYMENT = "aepo-train/train"
 BUCKET = "aepo-fanout"

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -37,6 +38,7 @@ def invoke(*args: str) -> Any:
     return CliRunner().invoke(app, list(args), env={"COLUMNS": "100"}, catch_exceptions=False)
 
 
+@pytest.mark.slow
 def test_train_prints_no_library_noise_and_a_table_that_fits_100_columns(tmp_path: Path, model_cache: Path) -> None:
     """A real `aepo train` process (its own temporary Prefect API, a fresh MLflow store, the model logged): stderr
     holds the progress bar only, stdout the tables within 100 columns."""

@@ -27,6 +27,8 @@ import pytest
 from server_stack import REPO, Stack, base_env, free_port, running_stack
 from test_cli import FAST, TINY, invoke, sets
 
+pytestmark = [pytest.mark.slow, pytest.mark.server]  # the heavy tier (CI runs every tier)
+
 BUCKET = "aepo-tracking"
 
 

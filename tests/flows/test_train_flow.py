@@ -259,7 +259,8 @@ def _grad_norms(runs: Path) -> list[float]:
     return [m.value for m in sorted(client.get_metric_history(run_id, "train/grad_norm"), key=lambda m: m.step)]
 
 
-@pytest.mark.timeout(2400)  # three flow processes (each starts its own Prefect API); ~4 min on an idle 2-core box
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # three flow processes (each starts its own Prefect API); ~4 min on an idle 2-core box
 def test_kill_after_checkpoint_and_resume_is_bit_identical(tmp_path, model_cache):
     """6 steps straight vs SIGKILL right after the epoch-boundary checkpoint (step 4 of 4 per epoch) + resume."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"

@@ -11,6 +11,8 @@ from infra.config_files import load_config
 from infra.store import TrajectoryStore
 from infra.traces import TAG_KIND, TAG_LABEL, TAG_STEP, attributes
 
+pytestmark = pytest.mark.slow  # the heavy tier (CI runs every tier)
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
 # A random tiny policy never calls a tool; a memorizing cold-start SFT on oracle transcripts (which search and

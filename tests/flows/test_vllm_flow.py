@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pyarrow.dataset as pads
+import pytest
 from vllm_support import VLLM, requires_vllm, server_processes
 
 from infra.config_files import load_config
@@ -17,7 +18,7 @@ from infra.config_files import load_config
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
 
-pytestmark = requires_vllm
+pytestmark = [requires_vllm, pytest.mark.slow, pytest.mark.vllm]
 
 
 def test_two_steps_on_vllm_sample_each_step_from_the_last_update(prefect_harness, model_cache, tmp_path):

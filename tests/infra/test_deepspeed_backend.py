@@ -6,6 +6,7 @@ micro-batches, so a wrong gradient-accumulation scaling would show up as a param
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from capabilities import require
 from test_update import VOCAB, make_samples, params, tiny_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -28,7 +30,8 @@ from infra.training.deepspeed_backend import (
 from infra.training.optim import lr_factor
 from infra.training.update import PolicyUpdater
 
-pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install -e '.[distributed]')")
+require(importlib.util.find_spec("deepspeed") is not None,
+        "deepspeed is not installed (pip install -e '.[distributed]')")
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:`torch.distributed.*` is deprecated:FutureWarning"),

@@ -9,6 +9,7 @@ zero-weight filler micro-batches), and the clip, warmup and cosine schedule are 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from capabilities import require
 from ds_rank_worker import SAMPLES
 from test_deepspeed_backend import OVERRIDES, TOTAL_STEPS
 from test_update import make_samples, params, tiny_model
@@ -28,7 +30,10 @@ from infra.ranks import Ranks
 from infra.training.backends import TorchBackend
 from infra.training.update import PolicyUpdater
 
-pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install -e '.[distributed]')")
+pytestmark = pytest.mark.slow  # the heavy tier (CI runs every tier)
+
+require(importlib.util.find_spec("deepspeed") is not None,
+        "deepspeed is not installed (pip install -e '.[distributed]')")
 
 WORKER = Path(__file__).with_name("ds_rank_worker.py")
 PORT_TAKEN = re.compile(r"EADDRINUSE|[Aa]ddress already in use")

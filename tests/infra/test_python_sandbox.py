@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from capabilities import IN_CI, require
 
 from aepo_core.config import PythonToolConfig
 from aepo_core.interfaces import Tool
@@ -26,9 +27,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def sandbox() -> PythonSandbox:
-    # unconfined="warn": these tests also run, and check what they can, where the OS gives no private root.
+    # unconfined="warn": on a developer's machine without a private root these tests still check what they can;
+    # under CI=true the sandbox must be confined (refuse: an unconfined CI fails here instead of passing).
     return PythonSandbox(cpu_seconds=2, memory_mb=384, file_size_mb=4, max_processes=32, max_output_chars=600,
-                         timeout_s=TIMEOUT_S, unconfined="warn")
+                         timeout_s=TIMEOUT_S, unconfined="refuse" if IN_CI else "warn")
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +124,8 @@ def test_memory_bomb_is_contained(sandbox: PythonSandbox, code: str) -> None:
 
 
 def test_fork_bomb_is_contained(sandbox: PythonSandbox, caps: SandboxCapabilities) -> None:
-    if not caps.nproc_limit_effective:
-        pytest.skip("root without a uid drop: RLIMIT_NPROC is ignored, a fork bomb would hurt the machine")
+    require(caps.nproc_limit_effective, "root without a uid drop: RLIMIT_NPROC is ignored, a fork bomb would hurt "
+            "the machine")
     code = (
         "import os, time\n"
         "while True:\n"
@@ -192,8 +194,7 @@ def test_writes_outside_the_workdir_do_not_reach_the_host(
         expected_contained.add("tmp")
     if caps.drop_privileges:
         expected_contained |= {"tmp", "test_dir", "repo"}
-    if not expected_contained:
-        pytest.skip(f"no private /tmp and no uid drop on this machine: {caps.notes}")
+    require(bool(expected_contained), f"no private /tmp and no uid drop on this machine: {caps.notes}")
     assert escaped.isdisjoint(expected_contained), result.text
 
 
@@ -266,7 +267,7 @@ def test_network_is_isolated(
     result = sandbox(code)
     if not caps.network_isolated:
         assert result.meta.get("warning", "").startswith("network not isolated")
-        pytest.skip(f"unshare --net unavailable here: {caps.notes}")
+        require(False, f"unshare --net unavailable here: {caps.notes}")
     assert result.ok and result.text.startswith("blocked"), result.text
     assert result.meta["isolation"]["network"] is True  # type: ignore[index]
     time.sleep(0.1)

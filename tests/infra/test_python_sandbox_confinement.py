@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from capabilities import require
 
 from infra.tools import python_sandbox
 from infra.tools.python_sandbox import PythonSandbox, SandboxCapabilities
@@ -40,8 +41,7 @@ def sandbox() -> PythonSandbox:
 @pytest.fixture(scope="module")
 def caps(sandbox: PythonSandbox) -> SandboxCapabilities:
     caps = sandbox.capabilities
-    if not caps.private_root:
-        pytest.skip(f"no private root on this machine: {caps.notes}")
+    require(caps.private_root, f"no private root on this machine: {caps.notes}")
     return caps
 
 
@@ -125,10 +125,10 @@ print(json.dumps({"ok": result.ok, "text": result.text, "meta": result.meta,
 
 def test_non_root_caller_files_are_untouched() -> None:
     if os.geteuid() != 0:
-        pytest.skip("needs root to become an unprivileged caller")
+        require(False, "needs root to become an unprivileged caller")
     interpreter = shutil.which("python3", path="/usr/bin:/bin")
     if interpreter is None:
-        pytest.skip("no system python3 that an unprivileged user can run")
+        require(False, "no system python3 that an unprivileged user can run")
     victim_dir = REPO / f".aepo-caller-{uuid.uuid4().hex}"
     victim_dir.mkdir()
     try:
@@ -145,7 +145,7 @@ def test_non_root_caller_files_are_untouched() -> None:
         assert proc.returncode == 0, proc.stderr[-3000:]
         report = json.loads(proc.stdout.strip().splitlines()[-1])
         if not report["caps"]["private_root"]:
-            pytest.skip(f"no private root for an unprivileged caller: {report['caps']['notes']}")
+            require(False, f"no private root for an unprivileged caller: {report['caps']['notes']}")
         assert report["ok"], report
         assert "DONE" not in report["text"], report["text"]
         uid = int(report["text"].rsplit("uid ", 1)[1].split()[0])
@@ -189,7 +189,7 @@ class _PeakRss(threading.Thread):
 
 def test_memory_budget_holds_for_the_whole_call(sandbox: PythonSandbox, caps: SandboxCapabilities) -> None:
     if "memory" not in caps.call_limits:
-        pytest.skip(f"no memory cgroup here: {caps.notes}")
+        require(False, f"no memory cgroup here: {caps.notes}")
     # Four children of 150 MB each: every one is under the per-process limit (256 MB), together 600 MB.
     code = textwrap.dedent("""
         import os, time

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
+from capabilities import require
 
 from aepo_core.config import SearchToolConfig
 from aepo_core.interfaces import Tool
@@ -156,8 +157,7 @@ def test_wall_timeout_on_a_hanging_backend() -> None:
 
 @pytest.fixture(scope="module")
 def recorded() -> dict[str, str]:
-    if not REPLAY_CACHE.is_file():
-        pytest.skip(f"ARPO search cache not present at {REPLAY_CACHE}")
+    require(REPLAY_CACHE.is_file(), f"ARPO search cache not present at {REPLAY_CACHE}")
     return json.loads(REPLAY_CACHE.read_text(encoding="utf-8"))
 
 

@@ -312,6 +312,7 @@ def _sweep_cell(cell: str):
     return next(r.config for r in load_sweep(SWEEP).runs if r.cell == cell and r.seed == 0)
 
 
+@pytest.mark.slow
 def test_under_the_sweep_settings_the_clipping_loss_acts(model_cache: Path, tmp_path: Path):
     """The sweep's update regime (one epoch, several mini-batches, its learning rate) on its model, SmolLM2-135M, is
     off-policy after the first optimizer step: ratios leave the clip range, tokens are clipped, and `aepo` and its

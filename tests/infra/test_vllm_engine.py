@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
 
 
-pytestmark = requires_vllm
+pytestmark = [requires_vllm, pytest.mark.slow, pytest.mark.vllm]
 
 
 def _cfg(model_cache: Path, *more: str):
