@@ -37,8 +37,9 @@ __all__ = ["DeviceFacts", "Numerics", "auto_dtype", "bf16_speedup", "device_fact
 AUTO = "auto"
 
 PROBE_SHAPE = (128, 576, 1536)
-"""(rows, in, out) of the probe's matmul: SmolLM2-135M's MLP projection on a short micro-batch. 0.23 GFLOP: ~5 ms
-in float32 on 2 AVX-512 cores, ~0.2 s on a bf16 path emulated on AVX2 (1.2 GFLOP/s)."""
+"""(rows, in, out) of the probe's matmul: SmolLM2-135M's MLP projection on a short micro-batch, 0.23 GFLOP. Measured
+(``bench/numerics.py``, 2 cores): ~1.6 ms in float32 and ~0.5 ms in bf16 on the AMX Xeon, 14 ms in bf16 with its
+kernels held to AVX2; ~0.2 s for one bf16 call at the AMD EPYC's 1.2 GFLOP/s (the probe then stops after one)."""
 
 
 @dataclass(frozen=True)

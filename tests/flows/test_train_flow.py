@@ -63,7 +63,8 @@ def test_mlflow_run_has_params_metrics_and_artifacts(tiny_run):
         assert steps == [1, 2], name
     tool_calls = [m.value for m in client.get_metric_history(out.run_id, "rollout/tool_calls_mean")]
     delta = client.get_metric_history(out.run_id, "rollout/delta_h_mean")
-    # ΔH only exists at tool steps: logged whenever a step had any (the tiny random model rarely calls tools).
+    # ΔH only exists at tool steps: logged whenever a step had any. The random tiny policy rarely calls tools, so
+    # this often holds as 0 == 0: test_train_traces checks it on a policy that does.
     assert len(delta) == sum(1 for v in tool_calls if v > 0)
     assert client.get_metric_history(out.run_id, "eval/synthetic_test/pass_at_1")
     artifacts = {a.path for a in client.list_artifacts(out.run_id)}

@@ -3,6 +3,7 @@ rows of the same leaf and node (real MLflow SQLite store, real Prefect engine)."
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,8 @@ def test_step_traces_match_the_parquet_rows_of_their_leaves(prefect_harness, tmp
                     assert {"tool_latency_ms", "tool_cache_hit", "tool_error", "tool_ok"} <= set(seg)
     assert tool_spans >= 1
     assert [m.step for m in client.get_metric_history(out.run_id, "traces/train_s")] == [1]
+    # ΔH exists only at tool steps: logged because this policy called tools (test_train_flow's random policy never
+    # does, so there the same check held for any code).
+    assert client.get_metric_history(out.run_id, "rollout/tool_calls_mean")[0].value > 0
+    delta_h = client.get_metric_history(out.run_id, "rollout/delta_h_mean")
+    assert [m.step for m in delta_h] == [1] and math.isfinite(delta_h[0].value)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the helpers the test modules import
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from test_deepspeed_backend import OVERRIDES, TOTAL_STEPS
