@@ -355,13 +355,15 @@ def test_tool_timeout_counts_from_the_start_of_each_call_not_the_queue():
         return Segment(f"<search>{qid}</search>" if "<result>" not in t else "<answer>\\boxed{1}</answer>", 1.0)
 
     cfg = RolloutConfig(mode="independent", **{**BASE, "k": 1})
-    tools = {"search": EchoSearch(hang_on={"Q32"}, hang_s=3.0, delay_s=0.2)}
+    # The hang (10 s) is far from the bound below (6 s), and the bound far from the ~2.6 s a working timeout takes:
+    # a loaded 2-core machine has seconds of margin on both sides (the pool is not waited for at the end).
+    tools = {"search": EchoSearch(hang_on={"Q32"}, hang_s=10.0, delay_s=0.2)}
     sched = RolloutScheduler(ScriptedEngine(script), tools, cfg, tool_timeout_s=1.0, tool_workers=4)
     res = sched.run([Question(f"q{i}", [ord(c) for c in f"Q{i}\n{prompt}"]) for i in range(33)], seed=0)
     events = {tree.question_id: tree.tool_events(tree.leaves[0])[0] for tree in res.trees}
     assert events.pop("q32").error == "timeout"
     assert [(e.ok, e.error) for e in events.values()] == [(True, None)] * 32
-    assert res.stats["tools_s"] < 2.9
+    assert res.stats["tools_s"] < 6.0
 
 
 def steps(*segments: tuple[str, float]):
