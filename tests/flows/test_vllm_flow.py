@@ -27,7 +27,7 @@ def test_two_steps_on_vllm_sample_each_step_from_the_last_update(prefect_harness
     from flows.train import train
 
     cfg = load_config(TINY, [f"model.cache_dir={model_cache}", *VLLM, "train.steps=2",
-                             "eval.max_questions=2"])
+                             "eval.max_questions=2", "tracking.log_model=false"])  # not under test here
     out = train(config=cfg, runs_dir=str(tmp_path))
     assert out.steps == 2
     client = MlflowClient(out.tracking_uri)
