@@ -60,6 +60,7 @@ from bench.harness import (
 from infra.data.synthetic import OracleError, SyntheticTask, oracle_transcript
 from infra.models import BUILTIN_SMOLLM2, TINY_RANDOM, chat_prompt_ids, load_policy
 from infra.numerics import numerics_for
+from infra.runtime import GENERATION_DTYPES
 from infra.tools.python_sandbox import PythonSandbox
 from infra.tools.search import Bm25Backend, build_search_tool
 from infra.training.backends import TorchBackend, autocast_dtype
@@ -425,7 +426,7 @@ def bench_step(args_dict: dict[str, Any]) -> dict[str, Any]:
     with rss("load"):
         model, tokenizer = load_policy(cfg.model)
         numerics = numerics_for(cfg)  # as a run on this CPU: a bf16 copy only where bf16 is fast
-        copy_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(numerics.generation_dtype)
+        copy_dtype = GENERATION_DTYPES.get(numerics.generation_dtype)  # None: "same", the training model
         generation_model = (model if copy_dtype is None
                             else copy.deepcopy(model).to(copy_dtype).eval().requires_grad_(False))
     compute = autocast_dtype(numerics.compute_dtype)

@@ -18,6 +18,7 @@ decision is made once per process (:func:`device_facts` is cached) and recorded 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -152,11 +153,8 @@ def device_facts(device: str = "cpu") -> DeviceFacts:
         return DeviceFacts("cuda", props.name, f"sm_{props.major}{props.minor}", torch.cuda.is_bf16_supported(),
                            props.multi_processor_count)
     native = _cpu_native_bf16()
-    facts = DeviceFacts("cpu", cpu_model(), torch.backends.cpu.get_cpu_capability(), native,
-                        torch.get_num_threads())
-    if not native:
-        return facts
-    return DeviceFacts(facts.device, facts.name, facts.capability, native, facts.cores, bf16_speedup())
+    return DeviceFacts("cpu", cpu_model(), torch.backends.cpu.get_cpu_capability(), native, torch.get_num_threads(),
+                       bf16_speedup() if native else None)
 
 
 def _cpu_native_bf16() -> bool:
@@ -166,13 +164,10 @@ def _cpu_native_bf16() -> bool:
 
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``), else the platform's processor string."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
 
 

@@ -246,7 +246,6 @@ def build_runtime(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], run_n
     dtypes are resolved for this device (:mod:`infra.numerics`): the runtime's ``numerics``.
     """
     numerics = numerics_for(cfg)
-    log.info("%s", numerics.describe())
     runs = Path(runs_dir)
     seed_everything(cfg.seed)
     task = SyntheticTask.from_config(cfg.data) if uses_synthetic(cfg) else None
