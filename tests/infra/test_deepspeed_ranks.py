@@ -2,9 +2,13 @@
 
 Each rank trains on its share of every mini-batch's question groups with normalisers over the global mini-batch,
 so two updates on 2 ranks must give the weights of the same two updates in one process (ZeRO-2 and ZeRO-3), and a
-2-rank run saved after one update and resumed in fresh processes must continue to the same weights.
+2-rank run saved after one update and resumed on fresh models and engines must continue to the same weights.
 The samples are fixed (5 groups of 3: shards of 3 + 2 groups, a last mini-batch of one group, so one rank runs
 zero-weight filler micro-batches), and the clip, warmup and cosine schedule are those of test_deepspeed_backend.
+
+A launch costs 10-20 s of imports and process-group setup on 2 cores, so each ZeRO stage is one launch
+(``two_rank_run``) whose process group runs every scenario (straight, save, resume: ds_rank_worker.py) and the
+tests read its files. Resuming in fresh processes under the launcher is ``aepo train --resume``'s test (ZeRO-2).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from capabilities import require
-from ds_rank_worker import SAMPLES
+from ds_rank_worker import SAMPLES, SCENARIOS
 from test_deepspeed_backend import OVERRIDES, TOTAL_STEPS
 from test_update import make_samples, params, tiny_model
 
@@ -46,26 +50,47 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(out: Path, stage: int, mode: str, ranks: int = 2) -> None:
-    """``torch.distributed.run`` with ``ranks`` CPU processes on a free port; fails with the ranks' output."""
+def launch(out: Path, stage: int, ranks: int = 2) -> None:
+    """``torch.distributed.run`` of every worker scenario with ``ranks`` CPU processes on a free port; fails with
+    the ranks' output tails."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
                                                              "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     for _attempt in range(3):  # the free port can be taken between our probe and the launcher's bind: retry
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
-               f"--master_port={free_port()}", str(WORKER), str(out), str(stage), mode]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+               f"--master_port={free_port()}", str(WORKER), str(out), str(stage)]
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"ZeRO-{stage} launch timed out after {e.timeout} s\n{tails(e.stdout, e.stderr)}")
         if proc.returncode == 0 or not PORT_TAKEN.search(proc.stdout + proc.stderr):
             break
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.returncode == 0, f"ZeRO-{stage} launch exited {proc.returncode}\n{tails(proc.stdout, proc.stderr)}"
 
 
-def reference(steps: list[int]) -> tuple[torch.Tensor, list[dict[str, float]]]:
-    """One process, torch backend (which test_deepspeed_backend shows is 1-rank DeepSpeed's update)."""
+def tails(stdout: str | bytes | None, stderr: str | bytes | None) -> str:
+    """The ends of a launch's output (TimeoutExpired may hold bytes)."""
+    def text(s: str | bytes | None) -> str:
+        return s.decode(errors="replace") if isinstance(s, bytes) else s or ""
+    return f"--- stdout tail ---\n{text(stdout)[-3000:]}\n--- stderr tail ---\n{text(stderr)[-6000:]}"
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+def two_rank_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One 2-rank launch per ZeRO stage; the folder with every scenario's weights, metrics and saved state."""
+    out = tmp_path_factory.mktemp(f"zero{request.param}-ranks")
+    launch(out, request.param)
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_rank_reference() -> tuple[torch.Tensor, list[dict[str, float]]]:
+    """Two updates in one process, torch backend (which test_deepspeed_backend shows is 1-rank DeepSpeed's update):
+    the weights and each update's metrics."""
     cfg = build_config({}, OVERRIDES)
     model = tiny_model()
     updater = PolicyUpdater(TorchBackend(model, cfg.optim, TOTAL_STEPS), cfg, pad_id=0)
-    metrics = [updater.update(make_samples(seed=s, **SAMPLES)) for s in steps]
+    metrics = [updater.update(make_samples(seed=s, **SAMPLES)) for s in SCENARIOS["straight"]]
     return params(model), metrics
 
 
@@ -82,16 +107,14 @@ def test_shards_are_contiguous_and_cover_everything():
     assert Ranks().all_gather(3) == [3] and Ranks().sum(2.5) == 2.5
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_two_ranks_make_the_one_rank_update(stage, tmp_path):
+def test_two_ranks_make_the_one_rank_update(two_rank_run, one_rank_reference):
     """Two RL steps (4 optimizer steps, clipping active) on 2 ranks: the 1-rank weights, loss and grad norm."""
-    launch(tmp_path, stage, "straight")
-    want, want_metrics = reference([0, 1])
+    want, want_metrics = one_rank_reference
     # fp32 all-reduce and ZeRO partition order: a few ulps, amplified by Adam (tolerance of test_deepspeed_backend).
-    torch.testing.assert_close(gathered(tmp_path, "straight"), want, rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(gathered(two_rank_run, "straight"), want, rtol=1e-4, atol=2e-5)
     assert not torch.allclose(want, params(tiny_model()))
     for rank in range(2):
-        got = json.loads((tmp_path / f"metrics-straight-rank{rank}.json").read_text())
+        got = json.loads((two_rank_run / f"metrics-straight-rank{rank}.json").read_text())
         for g, w in zip(got, want_metrics, strict=True):
             assert g["train/optimizer_steps"] == w["train/optimizer_steps"] == 3
             assert g["train/loss"] == pytest.approx(w["train/loss"], rel=1e-4, abs=1e-6)
@@ -100,16 +123,12 @@ def test_two_ranks_make_the_one_rank_update(stage, tmp_path):
     assert max(w["train/grad_norm_max"] for w in want_metrics) > 1.0  # clipping was exercised
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_two_rank_resume_continues_exactly(stage, tmp_path):
-    """Save after update 1 (every rank's ZeRO partition gathered to rank 0), resume in 2 new processes, update 2:
-    the uninterrupted 2-rank run's weights."""
-    launch(tmp_path, stage, "straight")
-    launch(tmp_path, stage, "save")
-    saved = torch.load(tmp_path / "optimizer.pt", weights_only=True)
+def test_two_rank_resume_continues_exactly(two_rank_run):
+    """Save after update 1 (every rank's ZeRO partition gathered to rank 0), resume on a fresh model and engine
+    on both ranks from the saved files, update 2: the uninterrupted 2-rank run's weights."""
+    saved = torch.load(two_rank_run / "optimizer.pt", weights_only=True)
     assert saved["world_size"] == 2 and len(saved["ranks"]) == 2
-    launch(tmp_path, stage, "resume")
-    torch.testing.assert_close(gathered(tmp_path, "resume"), gathered(tmp_path, "straight"), rtol=0, atol=0)
+    torch.testing.assert_close(gathered(two_rank_run, "resume"), gathered(two_rank_run, "straight"), rtol=0, atol=0)
 
 
 def aepo_train(runs: Path, *extra: str) -> subprocess.CompletedProcess[str]:
