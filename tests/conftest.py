@@ -20,6 +20,11 @@ if TYPE_CHECKING:
     from infra.engines.hf import HFEngine
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The vLLM tests run last: `make test` builds .venv-vllm in the background meanwhile (Makefile)."""
+    items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One cache directory per test session: conversions happen here, never in the user's ~/.cache."""
@@ -49,6 +54,37 @@ def tiny_engine(tiny_policy: tuple[Any, Any]) -> HFEngine:
     return HFEngine(model, tokenizer, seed=0)
 
 
+# A random tiny policy never calls a tool nor stops: a memorizing cold-start SFT on 8 oracle transcripts (which
+# search, run Python and answer) makes it call tools from the first step and end some responses early. The resume,
+# traces and paired-evaluation tests run on it.
+TOOL_USER_SFT = ["train.sft.enabled=true", "train.sft.max_examples=8", "train.sft.epochs=30", "train.sft.lr=3e-3",
+                 "data.max_questions=8", "rollout.max_response_tokens=160"]
+
+
+@pytest.fixture(scope="session")
+def tool_user(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-random after :data:`TOOL_USER_SFT`, trained once per session into the model cache (an HF directory:
+    ``model.name=<it>``); the runs that use it need no SFT of their own."""
+    out = model_cache / "tiny-tool-user"
+    if (out / "config.json").is_file():
+        return out
+    from infra.config_files import load_config
+    from infra.runtime import build_runtime
+    from infra.training.sft import run_sft
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml",
+                      [*TOOL_USER_SFT, f"model.cache_dir={model_cache}"])
+    with build_runtime(cfg, tmp_path_factory.mktemp("tool-user-runs")) as runtime:
+        rows = runtime.load_rows(cfg.data.train)[: cfg.data.max_questions]
+        report = run_sft(runtime, rows)
+        assert report.loss_last_batch < 0.5 * report.loss_first_batch, report  # it memorized
+        tmp = model_cache / ".tiny-tool-user.tmp"
+        runtime.model.save_pretrained(str(tmp))
+        runtime.tokenizer.save_pretrained(str(tmp))
+        tmp.rename(out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def prefect_harness(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Any:
     """One Prefect test harness (ephemeral API on SQLite) for the whole session; ~10 s to start."""
@@ -61,6 +97,30 @@ def prefect_harness(tmp_path_factory: pytest.TempPathFactory, model_cache: Path)
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(scope="session")
+def prefect_api_url(prefect_harness: Any) -> str:
+    """The harness's API URL, for child processes (``PREFECT_API_URL``): a child that does not test Prefect's
+    temporary server uses this one instead of starting its own (~17 s each on 2 cores)."""
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    assert url, "the Prefect test harness set no API URL"
+    return str(url)
+
+
+@pytest.fixture(scope="session")
+def server_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """moto S3 + ``aepo ui`` (MLflow, its artifacts proxied to ``s3://aepo-stack/mlartifacts``, and Prefect) with
+    prefect.yaml's deployments declared on its process pool (``prefect deploy --all``): started once, on first
+    use, for the whole session. Tests that add processes to it (workers, ``aepo serve``) stop them themselves."""
+    from server_stack import POOL, running_stack
+
+    with running_stack(tmp_path_factory.mktemp("server-stack"), "aepo-stack") as st:
+        st.prefect_cli("work-pool", "create", POOL, "--type", "process")
+        st.prefect_cli("deploy", "--all")
+        yield st
 
 
 @pytest.fixture

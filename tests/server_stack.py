@@ -2,8 +2,10 @@
 with its artifacts proxied to a bucket of that S3, and a ``prefect server``), on free ports of 127.0.0.1.
 
 Every process runs in its own session; :meth:`Stack.stop` stops its whole process group (``aepo ui`` stops the
-servers it started, each in its own group). Used by ``test_sweep_fanout.py`` (which adds a work pool and workers)
-and ``test_tracking_server.py`` (in tests/flows).
+servers it started, each in its own group). One stack per test session (the ``server_stack`` fixture of
+tests/conftest.py, with prefect.yaml's deployments on :data:`POOL`), shared by ``test_deployments.py``,
+``test_sweep_fanout.py`` (which adds workers) and ``test_tracking_server.py`` (in tests/flows): starting it costs
+~35 s on 2 cores, and each used to start its own.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+POOL = "aepo-process"
+"""prefect.yaml's process work pool (its deployments' ``work_pool``)."""
 AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
@@ -106,12 +110,14 @@ class Stack:
         return [o["Key"] for page in pages for o in page.get("Contents", [])]
 
     def start_ui(self) -> None:
-        """``aepo ui`` (the README's command), its artifacts proxied to ``s3://<bucket>/mlartifacts``."""
+        """``aepo ui`` (the README's command), its artifacts proxied to ``s3://<bucket>/mlartifacts`` (with no S3
+        started: in its runs dir)."""
         mlflow_port, prefect_port = free_port(), free_port()
+        s3 = ["--artifacts-destination", f"s3://{self.bucket}/mlartifacts", "--s3-endpoint-url",
+              self.s3_url] if self.s3_url else []
         self.start("ui", [sys.executable, "-m", "flows.cli", "ui", "--runs-dir", str(self.ui_runs), "--host",
                           "127.0.0.1", "--mlflow-port", str(mlflow_port), "--prefect-port", str(prefect_port),
-                          "--artifacts-destination", f"s3://{self.bucket}/mlartifacts", "--s3-endpoint-url",
-                          self.s3_url], base_env(COLUMNS="200"))
+                          *s3], base_env(COLUMNS="200"))
         self.mlflow_url = f"http://127.0.0.1:{mlflow_port}"
         self.prefect_api = f"http://127.0.0.1:{prefect_port}/api"
         self.wait_http("ui", f"{self.mlflow_url}/health")
@@ -145,7 +151,8 @@ def running_stack(tmp: Path, bucket: str) -> Iterator[Stack]:
     """moto S3 + ``aepo ui``; every process started on the stack (also later, e.g. workers) is stopped on exit."""
     st = Stack(tmp, bucket)
     env = pytest.MonkeyPatch()
-    env.setenv("PREFECT_HOME", str(tmp / "prefect-test"))  # this process's Prefect files, never ~/.prefect
+    if "PREFECT_HOME" not in os.environ:  # this process's Prefect files (the session harness sets its own)
+        env.setenv("PREFECT_HOME", str(tmp / "prefect-test"))  # never ~/.prefect
     env.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     try:
         st.start_s3()

@@ -246,9 +246,28 @@ def _start_long_train(runs: Path, log: Path, model_cache: Path) -> Any:
                                 start_new_session=True, cwd=REPO)
 
 
+def _wait_for_its_server(proc: Any, runs: Path, log: Path, deadline: float) -> list[Any]:
+    """The run's process tree once its flow runs (the MLflow store exists) and its temporary API server is up;
+    recorded before any signal, so that it names the run's own processes."""
+    import time
+
+    import psutil
+
+    while True:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.time() < deadline, log.read_text()[-3000:]
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        if any("uvicorn" in _cmdline(c) for c in tree) and (runs / "mlflow.db").exists():
+            return tree
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
-def test_sigterm_stops_the_run_and_its_temporary_prefect_server(tmp_path: Path, model_cache: Path) -> None:
-    """`kill <pid>` of `aepo train` must not leave Prefect's temporary API server (a child process) behind."""
+def test_sigterm_or_sigkill_of_the_trainer_leaves_no_temporary_prefect_server(tmp_path: Path,
+                                                                                model_cache: Path) -> None:
+    """`kill <pid>` of `aepo train` (SIGTERM: it unwinds) and the OOM killer's SIGKILL of `aepo train` alone (no
+    unwinding, no atexit) must both leave no Prefect temporary API server (a child process) behind: after SIGTERM
+    the run stops it, after SIGKILL it dies with its parent. Two runs at once, one signal each."""
     import contextlib
     import os
     import signal
@@ -256,58 +275,31 @@ def test_sigterm_stops_the_run_and_its_temporary_prefect_server(tmp_path: Path, 
 
     import psutil
 
-    runs = tmp_path / "runs"
-    proc = _start_long_train(runs, tmp_path / "train.log", model_cache)
+    names = ("sigterm", "sigkill")
+    runs = {n: tmp_path / n / "runs" for n in names}
+    logs = {n: tmp_path / f"{n}.log" for n in names}
+    for n in names:
+        runs[n].parent.mkdir()
+    procs = {n: _start_long_train(runs[n], logs[n], model_cache) for n in names}
+    trees: dict[str, list[psutil.Process]] = {}
     try:
         deadline = time.time() + 400
-        server: list[psutil.Process] = []
-        while not server or not (runs / "mlflow.db").exists():  # the flow is running: its API server is up
-            assert proc.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
-            assert time.time() < deadline, (tmp_path / "train.log").read_text()[-3000:]
-            server = [c for c in psutil.Process(proc.pid).children(recursive=True) if "uvicorn" in _cmdline(c)]
-            time.sleep(0.5)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=120) != 0
-        _, alive = psutil.wait_procs(server, timeout=60)
-        assert not alive, f"orphaned Prefect server: {[p.cmdline() for p in alive]}"
+        trees = {n: _wait_for_its_server(procs[n], runs[n], logs[n], deadline) for n in names}
+        procs["sigterm"].send_signal(signal.SIGTERM)
+        procs["sigkill"].kill()  # the main process only: its children are not signalled
+        assert procs["sigterm"].wait(timeout=120) != 0
+        procs["sigkill"].wait(timeout=30)
+        for n, timeout in (("sigterm", 60), ("sigkill", 10)):
+            _, alive = psutil.wait_procs([p for p in trees[n] if "uvicorn" in _cmdline(p)], timeout=timeout)
+            assert not alive, f"{n}: orphaned Prefect server: {[p.cmdline() for p in alive]}"
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-@pytest.mark.slow
-def test_sigkill_of_the_trainer_takes_its_temporary_prefect_server_along(tmp_path: Path, model_cache: Path) -> None:
-    """The OOM killer's SIGKILL of `aepo train` alone (no unwinding, no atexit) must not orphan Prefect's temporary
-    API server: it dies with its parent."""
-    import contextlib
-    import os
-    import signal
-    import time
-
-    import psutil
-
-    runs = tmp_path / "runs"
-    proc = _start_long_train(runs, tmp_path / "train.log", model_cache)
-    tree: list[psutil.Process] = []
-    try:
-        deadline = time.time() + 400
-        while not any("uvicorn" in _cmdline(c) for c in tree) or not (runs / "mlflow.db").exists():
-            assert proc.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
-            assert time.time() < deadline, (tmp_path / "train.log").read_text()[-3000:]
-            tree = psutil.Process(proc.pid).children(recursive=True)  # recorded before the kill: the run's own
-            time.sleep(0.5)
-        proc.kill()  # the main process only: its children are not signalled
-        proc.wait(timeout=30)
-        _, alive = psutil.wait_procs([p for p in tree if "uvicorn" in _cmdline(p)], timeout=10)
-        assert not alive, f"orphaned Prefect server: {[p.cmdline() for p in alive]}"
-    finally:
-        for p in tree:  # whatever is left of the run (the sandbox, a server that outlived it)
+        for p in (p for tree in trees.values() for p in tree):  # whatever is left (the sandbox, a server)
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        for proc in procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def test_progress_comes_from_structured_events_not_from_the_log_text() -> None:

@@ -15,29 +15,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from server_stack import BIN, REPO, Stack, base_env, free_port
+from server_stack import BIN, POOL, REPO, Stack, base_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]  # the heavy tier (CI runs every tier)
 
-POOL = "aepo-process"
 
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """A Prefect server alone, prefect.yaml's deployments declared on it by `prefect deploy --all`."""
-    st = Stack(tmp_path_factory.mktemp("deploy-stack"), bucket="unused")
-    port = free_port()
-    st.prefect_api = f"http://127.0.0.1:{port}/api"
-    try:
-        st.start("prefect", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                 base_env(PREFECT_HOME=str(st.tmp / "server")))
-        st.wait_http("prefect", f"{st.prefect_api}/health")
-        st.prefect_cli("work-pool", "create", POOL, "--type", "process")
-        st.prefect_cli("deploy", "--all")
-        yield st
-    finally:
-        for name in reversed(list(st.procs)):
-            st.stop(name)
+@pytest.fixture
+def server(server_stack: Stack) -> Iterator[Stack]:
+    """The session's server stack (prefect.yaml's deployments declared on it by `prefect deploy --all`); the
+    test's `aepo serve` is stopped after it."""
+    yield server_stack
+    if "serve" in server_stack.procs:
+        server_stack.stop("serve")
+        del server_stack.procs["serve"]
 
 
 def _client(st: Stack) -> Any:

@@ -274,7 +274,8 @@ finally:
 
 
 def test_aepo_eval_needs_no_training_data_and_never_imports_deepspeed(checkpoint: Path, tmp_path: Path,
-                                                                      model_cache: Path) -> None:
+                                                                      model_cache: Path, prefect_api_url: str
+                                                                      ) -> None:
     import os
     import subprocess
     import sys
@@ -287,8 +288,9 @@ def test_aepo_eval_needs_no_training_data_and_never_imports_deepspeed(checkpoint
     config = tmp_path / "eval.yaml"
     config.write_text(cfg.to_yaml())
     runs = tmp_path / "runs"
-    env = {**os.environ, "AEPO_MODEL_CACHE": str(model_cache), "PYTHONPATH": str(REPO)}
-    env.pop("PREFECT_API_URL", None)
+    # The session's Prefect API (the CLI tests test a temporary server of its own; that costs ~17 s per process)
+    env = {**os.environ, "AEPO_MODEL_CACHE": str(model_cache), "PYTHONPATH": str(REPO),
+           "PREFECT_API_URL": prefect_api_url}
     env.pop("PREFECT_HOME", None)  # the CLI sets its own under the runs dir
     proc = subprocess.run([sys.executable, "-c", EVAL_ONLY, "eval", "--checkpoint", str(checkpoint), "-c", str(config),
                            "--runs-dir", str(runs), "--run-name", "eval-only"], env=env, cwd=REPO,

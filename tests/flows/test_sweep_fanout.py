@@ -23,28 +23,33 @@ from typing import Any
 import pandas as pd
 import pytest
 import yaml
-from server_stack import AWS, BIN, REPO, Stack, base_env, running_stack
+from server_stack import AWS, BIN, POOL, REPO, Stack, base_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]  # the heavy tier (CI runs every tier)
 
-POOL = "aepo-test-pool"
 DEPLOYMENT = "aepo-train/train"
-BUCKET = "aepo-fanout"
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Stack]:
-    with running_stack(tmp_path_factory.mktemp("fanout-stack"), BUCKET) as st:
-        st.prefect_cli("work-pool", "create", POOL, "--type", "process")
-        st.prefect_cli("deploy", "--name", "train", "--pool", POOL)  # prefect.yaml's train, on the test's pool
-        for i in (1, 2):  # heartbeats every 30 s (Prefect's minimum; default 180): see the killed-worker test
-            st.start(f"worker{i}", [str(BIN / "prefect"), "worker", "start", "--pool", POOL, "--type", "process",
-                                    "--limit", "1", "--name", f"worker{i}"],
-                     base_env(PREFECT_API_URL=st.prefect_api, PREFECT_HOME=str(st.tmp / f"worker{i}"),
+def stack(server_stack: Stack, model_cache: Path) -> Iterator[Stack]:
+    """The session's server stack (prefect.yaml's train deployed on its pool) and two process workers on that pool,
+    stopped after the module."""
+    st = server_stack
+    workers = ("worker1", "worker2")
+    try:
+        for name in workers:  # heartbeats every 30 s (Prefect's minimum; default 180): see the killed-worker test
+            st.start(name, [str(BIN / "prefect"), "worker", "start", "--pool", POOL, "--type", "process",
+                            "--limit", "1", "--name", name],
+                     base_env(PREFECT_API_URL=st.prefect_api, PREFECT_HOME=str(st.tmp / name),
                               OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", AEPO_MODEL_CACHE=str(model_cache),
                               PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="5",
                               PREFECT_FLOWS_HEARTBEAT_FREQUENCY="30"))
         yield st
+    finally:
+        for name in workers:
+            if name in st.procs:
+                st.stop(name)
+                del st.procs[name]
 
 
 @contextlib.contextmanager
@@ -62,7 +67,7 @@ def _sweep_spec(stack: Stack, tracking_uri: str | None) -> dict[str, Any]:
     spec["base"] = str(REPO / "configs" / "tiny.yaml")
     spec["name"] = "fan"
     spec["seeds"] = [0, 1]
-    spec["overrides"].update({"tracking.system_metrics": False, "storage.trajectories_uri": f"s3://{BUCKET}/traj",
+    spec["overrides"].update({"tracking.system_metrics": False, "storage.trajectories_uri": f"s3://{stack.bucket}/traj",
                               "storage.s3_endpoint_url": stack.s3_url})
     if tracking_uri is not None:
         spec["overrides"]["tracking.tracking_uri"] = tracking_uri

@@ -1,12 +1,12 @@
 """One tracking server for every machine: ``aepo ui`` with its MLflow artifacts on S3, real processes, no mocks.
 
-A module-scoped stack (``tests/server_stack.py``): a moto S3 server and ``aepo ui --artifacts-destination
+The session's stack (``tests/server_stack.py``): a moto S3 server and ``aepo ui --artifacts-destination
 s3://… --s3-endpoint-url …`` (an ``mlflow server`` on SQLite and a ``prefect server``). A tiny ``aepo train`` in
 its own process, in a runs dir that never gets an MLflow store, logs to the server (``tracking.tracking_uri=
 http://…``) and its flow run to the ui's Prefect server, as a worker on another machine would; its artifacts
 must land in the bucket, ``aepo runs --tracking-uri`` must list it, ``aepo trajectories <run name>
 --tracking-uri`` must resolve the name through the server, and ``aepo eval`` of its checkpoint must log there
-too. Last, SIGTERM to ``aepo ui`` must stop both servers and every process they started. Bad ``aepo ui`` values
+too. SIGTERM to an ``aepo ui`` of its own must stop both servers and every process they started. Bad ``aepo ui`` values
 exit 2 with one line and create nothing; an unreachable tracking server exits 1 at once.
 """
 
@@ -19,23 +19,20 @@ import socket
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
-from server_stack import REPO, Stack, base_env, free_port, running_stack
+from server_stack import REPO, Stack, base_env, free_port
 from test_cli import FAST, TINY, invoke, sets
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]  # the heavy tier (CI runs every tier)
 
-BUCKET = "aepo-tracking"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running_stack(tmp_path_factory.mktemp("tracking-stack"), BUCKET) as st:
-        yield st
+@pytest.fixture
+def server(server_stack: Stack) -> Stack:
+    return server_stack
 
 
 def _aepo(st: Stack, model_cache: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -143,8 +140,17 @@ def test_a_busy_port_or_a_missing_driver_exits_2(tmp_path: Path) -> None:
     assert not (tmp_path / "runs").exists()
 
 
-def test_sigterm_stops_the_ui_and_both_servers(server: Stack) -> None:
-    """Last in the module: it stops the stack's ``aepo ui``."""
+def test_sigterm_stops_the_ui_and_both_servers(tmp_path: Path) -> None:
+    """An ``aepo ui`` of its own (the session's stack serves the other tests)."""
+    server = Stack(tmp_path, bucket="unused")
+    try:
+        server.start_ui()
+        _sigterm_stops_both(server)
+    finally:
+        server.stop("ui")
+
+
+def _sigterm_stops_both(server: Stack) -> None:
     ui = server.procs["ui"]
     tree = psutil.Process(ui.pid).children(recursive=True)
     cmdlines = [" ".join(p.cmdline()) for p in tree]

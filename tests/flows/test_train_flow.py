@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import random
@@ -197,25 +198,27 @@ def test_transient_rollout_failure_is_retried(prefect_harness, tmp_path, monkeyp
 
 
 # A random tiny policy never stops or answers: every reward is the same, every advantage 0, and a resume that
-# lost the optimizer state would still look bit-identical. A memorizing cold-start SFT on 8 oracle transcripts
-# makes some responses end early, and DAPO's soft overlong penalty turns their lengths into different rewards:
-# real gradients in the first steps, and AdamW moments that keep moving every weight afterwards.
-LEARNING = ["train.sft.enabled=true", "train.sft.max_examples=8", "train.sft.epochs=30", "train.sft.lr=3e-3",
-            "rollout.max_response_tokens=160", "algorithm.overlong_buffer=120"]
+# lost the optimizer state would still look bit-identical. The session's tool user (conftest.TOOL_USER_SFT: a
+# memorizing cold-start SFT on 8 oracle transcripts) ends some responses early, and DAPO's soft overlong penalty
+# turns their lengths into different rewards: real gradients in the first steps, and AdamW moments that keep moving
+# every weight afterwards.
+LEARNING = ["rollout.max_response_tokens=160", "algorithm.overlong_buffer=120"]
 
 
-def _run(runs: Path, resume: bool, steps: int, model_cache: Path) -> subprocess.Popen:
+def _run(runs: Path, resume: bool, steps: int, model_cache: Path, policy: Path, api_url: str) -> subprocess.Popen:
     runs.mkdir(parents=True, exist_ok=True)
     args = [sys.executable, str(ROOT / "tests/flows/run_train.py"), str(TINY), str(runs),
             "resume" if resume else "fresh", f"train.steps={steps}", "checkpoint.every=1", "checkpoint.keep=3",
             "data.max_questions=8", "train.batch_size=2", "eval.max_questions=1", "tracking.log_model=false",
-            *LEARNING]
-    # One thread each: the straight and the killed run share the CPU, and oversubscribed torch crawls.
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "AEPO_MODEL_CACHE": str(model_cache), "OMP_NUM_THREADS": "1"}
-    env.pop("PREFECT_API_URL", None)
+            f"model.name={policy}", *LEARNING]
+    # One thread each: the straight and the killed run share the CPU, and oversubscribed torch crawls. Their flow
+    # runs go to the session's Prefect API (a temporary server of their own costs ~17 s per process; the CLI tests
+    # test that server's lifecycle): the SIGKILL leaves the killed run's flow run Running there, as a lost worker
+    # machine would on a real server, and the resume starts a new flow run.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "AEPO_MODEL_CACHE": str(model_cache), "OMP_NUM_THREADS": "1",
+           "PREFECT_API_URL": api_url}
     log = open(runs / ("resume.log" if resume else "run.log"), "w")
-    # Own process group: the SIGKILL takes the flow's temporary Prefect server down with it, like a crash of
-    # the machine would, and nothing outlives the test.
+    # Own process group: the SIGKILL takes the flow process and anything it started down at once.
     return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -261,11 +264,12 @@ def _grad_norms(runs: Path) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # three flow processes (each starts its own Prefect API); ~4 min on an idle 2-core box
-def test_kill_after_checkpoint_and_resume_is_bit_identical(tmp_path, model_cache):
+@pytest.mark.timeout(900)  # three flow processes; ~2 min on an idle 2-core box
+def test_kill_after_checkpoint_and_resume_is_bit_identical(tmp_path, model_cache, tool_user, prefect_api_url):
     """6 steps straight vs SIGKILL right after the epoch-boundary checkpoint (step 4 of 4 per epoch) + resume."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    procs = [_run(straight, False, 6, model_cache), _run(killed, False, 6, model_cache)]
+    run = functools.partial(_run, model_cache=model_cache, policy=tool_user, api_url=prefect_api_url)
+    procs = [run(straight, False, 6), run(killed, False, 6)]
     p_straight, p_killed = procs
     try:
         deadline = time.time() + 1500
@@ -276,7 +280,7 @@ def test_kill_after_checkpoint_and_resume_is_bit_identical(tmp_path, model_cache
         time.sleep(random.Random(0).uniform(0.0, 1.5))  # a random point after the checkpoint
         _kill_group(p_killed)
         assert p_straight.wait(timeout=1500) == 0, _tail(straight)
-        procs.append(_run(killed, True, 6, model_cache))
+        procs.append(run(killed, True, 6))
         assert procs[-1].wait(timeout=1500) == 0, _tail(killed, "resume.log")
     finally:
         for proc in procs:  # whatever happened, no flow process or Prefect server outlives the test

@@ -16,20 +16,17 @@ pytestmark = pytest.mark.slow  # the heavy tier (CI runs every tier)
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
-# A random tiny policy never calls a tool; a memorizing cold-start SFT on oracle transcripts (which search and
-# run Python) makes it do so from the first step (as in test_train_flow's resume test).
-TOOL_USE = ["train.sft.enabled=true", "train.sft.max_examples=8", "train.sft.epochs=30", "train.sft.lr=3e-3",
-            "rollout.max_response_tokens=160"]
 
 
 @pytest.mark.timeout(900)
-def test_step_traces_match_the_parquet_rows_of_their_leaves(prefect_harness, tmp_path):
+def test_step_traces_match_the_parquet_rows_of_their_leaves(prefect_harness, tmp_path, tool_user):
+    """On the session's tool user (a random tiny policy never calls a tool)."""
     from mlflow.tracking import MlflowClient
 
     from flows.train import train
 
     overrides = ["train.steps=1", "eval.every=0", "eval.max_questions=1", "tracking.log_model=false",
-                 "tracking.traces_per_step=2", *TOOL_USE]
+                 "tracking.traces_per_step=2", f"model.name={tool_user}", "rollout.max_response_tokens=160"]
     out = train(config=load_config(TINY, overrides), runs_dir=str(tmp_path))
     client = MlflowClient(out.tracking_uri)
     run = client.get_run(out.run_id)
