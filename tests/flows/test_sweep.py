@@ -3,6 +3,7 @@ sweep files are validated cell by cell before anything runs."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,14 @@ def test_sweep_of_two_cells_nests_runs_and_compares(prefect_harness: Any, tmp_pa
     out = tmp_path / "sweeps" / "tiny-sweep"
     table = pd.read_csv(out / "comparison.csv")
     assert list(table["cell"]) == ["aepo", "grpo"] and set(table["dataset"]) == {"synthetic_test"}
-    assert table["pass@1"].between(0, 1).all() and table["run_id"].isin(children["run_id"]).all()
+    # each row holds its own child's final evaluation, as MLflow has it (comparison_frame's mapping of distinct
+    # values is tested below on a doctored search_runs frame: this tiny policy scores 0 everywhere)
+    by_id = children.set_index("run_id")
+    for _, row in table.iterrows():
+        child = by_id.loc[row["run_id"]]
+        for column, metric in (("pass@1", "pass_at_1"), ("pass@k", "pass_at_2"), ("answered_rate", "answered_rate"),
+                               ("tool_calls_per_question", "tool_calls_per_question")):
+            assert row[column] == pytest.approx(child[f"metrics.eval/synthetic_test/{metric}"]), (row["cell"], column)
     assert len(pd.read_csv(out / "summary.csv")) == 2
     assert (out / "comparison.png").stat().st_size > 1000
     logged = {f.path for f in tracker.client.list_artifacts(result.parent_run_id, "comparison")}
@@ -53,6 +61,39 @@ def test_sweep_of_two_cells_nests_runs_and_compares(prefect_harness: Any, tmp_pa
     assert artifact is not None and artifact.type == "markdown"
     assert "## Per run" in artifact.data
     assert "| aepo |" in artifact.data and result.parent_run_id in artifact.data
+
+
+def test_the_comparison_puts_each_child_s_metrics_in_its_own_row(tmp_path: Path) -> None:
+    """comparison_frame on a doctored ``search_runs`` frame: distinct values per child, dataset and metric, so that
+    a swapped child, dataset or Pass@k, or a lost metric, changes the table."""
+    from flows.sweep import comparison_frame, sweep_spec
+
+    spec = sweep_spec(str(TINY_SWEEP), None)
+    names = [r.run_name for r in spec.runs]
+    rows = []
+    for i, name in enumerate(reversed(names)):  # MLflow's order is not the sweep's
+        row = {"run_id": f"id-{name}", "run_name": name, "status": "FINISHED", "params.eval.pass_k": "2",
+               "metrics.rollout/reward_mean": -1.0 + i}
+        for j, ds in enumerate(("a_set", "b_set")):
+            base = 0.1 * (i + 1) + 0.01 * (j + 1)
+            row.update({f"metrics.eval/{ds}/pass_at_1": base, f"metrics.eval/{ds}/pass_at_1_ci_low": base - 0.05,
+                        f"metrics.eval/{ds}/pass_at_1_ci_high": base + 0.05, f"metrics.eval/{ds}/pass_at_2": base + 0.3,
+                        f"metrics.eval/{ds}/answered_rate": base + 0.5})
+        rows.append(row)
+    rows[0].pop("metrics.eval/b_set/answered_rate")  # a metric the child never logged: NaN, not another's value
+    table = comparison_frame(pd.DataFrame(rows), spec)
+    assert list(zip(table["run_name"], table["dataset"], strict=True)) == [
+        (n, ds) for n in names for ds in ("a_set", "b_set")]
+    for _, r in table.iterrows():
+        i = list(reversed(names)).index(r["run_name"])
+        base = 0.1 * (i + 1) + 0.01 * (1 if r["dataset"] == "a_set" else 2)
+        assert r["run_id"] == f"id-{r['run_name']}" and r["reward_mean"] == -1.0 + i and r["k"] == 2
+        assert (r["pass@1"], r["pass@1_ci_low"], r["pass@1_ci_high"], r["pass@k"]) == pytest.approx(
+            (base, base - 0.05, base + 0.05, base + 0.3))
+        if i == 0 and r["dataset"] == "b_set":
+            assert math.isnan(r["answered_rate"])
+        else:
+            assert r["answered_rate"] == pytest.approx(base + 0.5)
 
 
 def _write(tmp_path: Path, text: str) -> Path:
