@@ -25,6 +25,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)  # stable: the rest keep their order
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("vllm") is not None:
+        from vllm_build import wait
+
+        wait()  # for `make test`'s background build of .venv-vllm, if one runs
+
+
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One cache directory per test session: conversions happen here, never in the user's ~/.cache."""

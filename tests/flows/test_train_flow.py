@@ -38,7 +38,8 @@ def tiny_run(prefect_harness, tmp_path_factory):
     from flows.train import train
 
     runs = tmp_path_factory.mktemp("runs")
-    out = train(config=load_config(TINY, ["train.steps=2"]), runs_dir=str(runs))
+    out = train(config=load_config(TINY, ["train.steps=2", "tracking.log_model=false"]),  # (test_cli tests it)
+                runs_dir=str(runs))
     return out, runs
 
 

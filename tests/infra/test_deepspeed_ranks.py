@@ -131,20 +131,23 @@ def test_two_rank_resume_continues_exactly(two_rank_run):
     torch.testing.assert_close(gathered(two_rank_run, "resume"), gathered(two_rank_run, "straight"), rtol=0, atol=0)
 
 
-def aepo_train(runs: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    """``torch.distributed.run --nproc_per_node 2 -m flows.cli train`` on configs/tiny.yaml under ZeRO-2."""
+def aepo_train(runs: Path, api_url: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    """``torch.distributed.run --nproc_per_node 2 -m flows.cli train`` on configs/tiny.yaml under ZeRO-2, rank 0's
+    flow run on the session's Prefect API (rank 1 drops it for a private one: the CLI's rule under test), no
+    model logged (not what is tested)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k not in
            ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PREFECT_API_URL=api_url)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            "-m", "flows.cli", "train", "-c", str(ROOT / "configs" / "tiny.yaml"), "--runs-dir", str(runs),
-           "--set", "train.backend=deepspeed", "--set", "train.zero_stage=2", "--set", "eval.max_questions=2", *extra]
+           "--set", "train.backend=deepspeed", "--set", "train.zero_stage=2", "--set", "eval.max_questions=2",
+           "--set", "tracking.log_model=false", *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=runs.parent)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return proc
 
 
-def test_aepo_train_on_two_ranks_logs_once_and_resumes(tmp_path):
+def test_aepo_train_on_two_ranks_logs_once_and_resumes(tmp_path, prefect_api_url):
     """End to end under the launcher: step 1, then ``--resume`` to step 2. One MLflow run (rank 0's) with both
     steps, rank 0's checkpoints holding both ranks' optimizer partitions, one trajectory part per step; rank 1
     has only its private Prefect home."""
@@ -153,8 +156,8 @@ def test_aepo_train_on_two_ranks_logs_once_and_resumes(tmp_path):
     from infra.tracking import tracking_uri_for
 
     runs = tmp_path / "runs"
-    aepo_train(runs, "--set", "train.steps=1")
-    aepo_train(runs, "--set", "train.steps=2", "--resume")
+    aepo_train(runs, prefect_api_url, "--set", "train.steps=1")
+    aepo_train(runs, prefect_api_url, "--set", "train.steps=2", "--resume")
     client = MlflowClient(tracking_uri_for(runs))
     found = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert len(found) == 1, [r.info.run_name for r in found]
