@@ -47,7 +47,7 @@ demo: $(STAMP)
 
 # The suite needs both virtualenvs. On a fresh machine .venv-vllm (~3-4 min of pip) builds in the background while
 # .venv installs and the tests that do not need it run; the vLLM tests run last and wait for it
-# (tests/vllm_support.py reads $(VLLM_VENV).build.pid, .rc and .log).
+# (tests/vllm_build.py reads $(VLLM_VENV).build.pid, .rc and .log).
 test:
 	@if [ ! -f $(VLLM_STAMP) ]; then \
 		echo "building $(VLLM_VENV) in the background (log: $(VLLM_VENV).build.log)"; \

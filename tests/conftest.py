@@ -62,10 +62,10 @@ def tiny_engine(tiny_policy: tuple[Any, Any]) -> HFEngine:
 
 
 # A random tiny policy never calls a tool nor stops: a memorizing cold-start SFT on 8 oracle transcripts (which
-# search, run Python and answer) makes it call tools from the first step and end some responses early. The resume,
-# traces and paired-evaluation tests run on it.
+# search, run Python and answer) makes it call tools from the first step and end some responses early. The
+# kill-and-resume and traces tests run on it.
 TOOL_USER_SFT = ["train.sft.enabled=true", "train.sft.max_examples=8", "train.sft.epochs=30", "train.sft.lr=3e-3",
-                 "data.max_questions=8", "rollout.max_response_tokens=160"]
+                 "data.max_questions=8"]
 
 
 @pytest.fixture(scope="session")

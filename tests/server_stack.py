@@ -132,7 +132,8 @@ class Stack:
         return proc.stdout
 
     def stop(self, name: str) -> None:
-        proc = self.procs[name]
+        """Stop ``name``'s process group (SIGTERM, then SIGKILL after 30 s) and forget it."""
+        proc = self.procs.pop(name)
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import functools
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-VENV = REPO / ".venv-vllm"
-PID, RC, LOG = (REPO / f".venv-vllm.build.{s}" for s in ("pid", "rc", "log"))
-STAMP = VENV / ".installed"
+from infra.engines.vllm_server import DEFAULT_VENV, PROJECT_ROOT
+
+PID, RC, LOG = (PROJECT_ROOT / f"{DEFAULT_VENV}.build.{s}" for s in ("pid", "rc", "log"))
+STAMP = PROJECT_ROOT / DEFAULT_VENV / ".installed"  # the Makefile's VLLM_STAMP
 WAIT_S = 1200.0  # `make vllm` took 2.5-4.5 min on 2 cores; a build that takes 20 is broken
 
 

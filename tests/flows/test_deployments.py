@@ -27,7 +27,6 @@ def server(server_stack: Stack) -> Iterator[Stack]:
     yield server_stack
     if "serve" in server_stack.procs:
         server_stack.stop("serve")
-        del server_stack.procs["serve"]
 
 
 def _client(st: Stack) -> Any:

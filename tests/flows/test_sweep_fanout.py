@@ -49,7 +49,6 @@ def stack(server_stack: Stack, model_cache: Path) -> Iterator[Stack]:
         for name in workers:
             if name in st.procs:
                 st.stop(name)
-                del st.procs[name]
 
 
 @contextlib.contextmanager

@@ -145,20 +145,17 @@ def test_sigterm_stops_the_ui_and_both_servers(tmp_path: Path) -> None:
     server = Stack(tmp_path, bucket="unused")
     try:
         server.start_ui()
-        _sigterm_stops_both(server)
+        ui = server.procs["ui"]
+        tree = psutil.Process(ui.pid).children(recursive=True)
+        cmdlines = [" ".join(p.cmdline()) for p in tree]
+        assert any("mlflow" in c and "server" in c for c in cmdlines) and any("prefect" in c for c in cmdlines)
+        os.kill(ui.pid, signal.SIGTERM)
+        assert ui.wait(timeout=60) == 0
+        _, alive = psutil.wait_procs(tree, timeout=30)
+        assert not alive, [p.cmdline() for p in alive]
+        for url in (f"{server.mlflow_url}/health", f"{server.prefect_api}/health"):
+            with pytest.raises(OSError):
+                urllib.request.urlopen(url, timeout=2)
     finally:
-        server.stop("ui")
-
-
-def _sigterm_stops_both(server: Stack) -> None:
-    ui = server.procs["ui"]
-    tree = psutil.Process(ui.pid).children(recursive=True)
-    cmdlines = [" ".join(p.cmdline()) for p in tree]
-    assert any("mlflow" in c and "server" in c for c in cmdlines) and any("prefect" in c for c in cmdlines)
-    os.kill(ui.pid, signal.SIGTERM)
-    assert ui.wait(timeout=60) == 0
-    _, alive = psutil.wait_procs(tree, timeout=30)
-    assert not alive, [p.cmdline() for p in alive]
-    for url in (f"{server.mlflow_url}/health", f"{server.prefect_api}/health"):
-        with pytest.raises(OSError):
-            urllib.request.urlopen(url, timeout=2)
+        if "ui" in server.procs:
+            server.stop("ui")
