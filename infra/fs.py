@@ -59,6 +59,16 @@ def open_fs(uri: str | os.PathLike[str], options: Mapping[str, Any] | None = Non
     return fs, (str(Path(root).resolve()) if local else root).rstrip("/")
 
 
+def forget_listings(fs: AbstractFileSystem, root: str) -> None:
+    """Drop ``fs``'s cached listings of ``root``, its parents and every folder under it, so that the next listing
+    asks the store. fsspec's ``invalidate_cache(root)`` drops the path and its parents only: a subfolder listed
+    earlier (a step still uploading, a run folder not there yet) kept that listing, and what was committed in it
+    later stayed invisible to a long-lived reader (tests/infra/test_checkpoint_store.py)."""
+    fs.invalidate_cache(root)
+    for key in [k for k in list(fs.dircache) if k.startswith(root.rstrip("/") + "/")]:
+        fs.dircache.pop(key, None)
+
+
 def remote_errors() -> tuple[type[BaseException], ...]:
     """What a remote filesystem raises when the store is unusable: OSError (s3fs's translation of S3 errors:
     no bucket, access denied) and botocore's own errors (endpoint unreachable, no credentials)."""

@@ -57,7 +57,7 @@ from aepo_core.rollout.tree import Leaf, Node, RolloutTree
 from aepo_core.scoring import LeafScore, check_aligned
 from infra.atomic import atomic_file, leftover_temps
 from infra.data.rows import QuestionRow
-from infra.fs import StorageError, open_fs
+from infra.fs import StorageError, forget_listings, open_fs
 from infra.fs import storage_options as fs_options
 
 log = logging.getLogger(__name__)
@@ -390,7 +390,7 @@ class TrajectoryStore:
         layouts (a run resumed across the layout change), the current one."""
         root = self.table_root(table)
         if not self.local:
-            self.fs.invalidate_cache(root)
+            forget_listings(self.fs, root)
         # One recursive listing per prefix (on S3 a paginated LIST, where a glob per layout would list twice).
         prefixes = [root] if run_id is None else [f"{root}/{check_run_id(run_id)}", f"{root}/run_id={run_id}"]
         listed = [path[len(root) + 1:] for prefix in prefixes for path in self.fs.find(prefix)

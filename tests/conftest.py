@@ -5,6 +5,7 @@ Heavy imports stay inside the fixtures so that infra tests that need no model do
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,9 +21,60 @@ if TYPE_CHECKING:
     from infra.engines.hf import HFEngine
 
 
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+"""How many pytest-xdist workers share this machine (``make test`` runs two; plain ``pytest`` one)."""
+if WORKERS > 1:  # each worker (and every child it starts) computes on its share of the cores: OpenMP threads that
+    # outnumber the cores spin against each other's (work ran up to 17x slower so on 2 cores)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // WORKERS)))
+
+
+SHARED = {
+    "tests/infra/test_vllm_engine.py": "vllm", "tests/flows/test_vllm_flow.py": "vllm",
+    "tests/flows/test_deployments.py": "server", "tests/flows/test_sweep_fanout.py": "server",
+    "tests/flows/test_tracking_server.py": "server",
+}
+"""Modules whose tests share what a worker starts once (the vLLM build and servers; the session's server stack),
+by the marker they carry: under xdist each group runs on one worker (each worker would start its own otherwise)."""
+
+
+def _unit(nodeid: str) -> str:
+    """The unit of work one xdist worker runs whole: a group of :data:`SHARED`, else the test's module (its module
+    fixtures then run once)."""
+    module = nodeid.split("::")[0]
+    return SHARED.get(module, module)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``make test``'s workers take :func:`_unit` s in the order the collection puts them (heaviest first)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    config.option.loadscopereorder = False  # (xdist would put the units with most tests first)
+    return ByUnit(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The vLLM tests run last: `make test` builds .venv-vllm in the background meanwhile (Makefile)."""
-    items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)  # stable: the rest keep their order
+    """One worker: the vLLM tests run last (`make test` builds .venv-vllm in the background meanwhile, Makefile).
+    Under xdist: the heavy units first (the vLLM group waits for that build on one worker while the other works),
+    so that the workers end together. Every module whose tests carry ``vllm`` or ``server`` is in :data:`SHARED`."""
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        for marker in ("vllm", "server"):
+            if item.get_closest_marker(marker) is not None and SHARED.get(module) != marker:
+                raise pytest.UsageError(f"{module} has {marker} tests: list it in tests/conftest.py's SHARED")
+    if WORKERS == 1:
+        items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)  # stable: the rest keep their order
+        return
+    rank: dict[str, int] = {}
+    for item in items:
+        unit = _unit(item.nodeid)
+        heavy = {"vllm": 0, "server": 1}.get(unit, 2 if item.get_closest_marker("slow") is not None else 3)
+        rank[unit] = min(rank.get(unit, heavy), heavy)  # a module with one slow test is a heavy unit
+    items.sort(key=lambda item: rank[_unit(item.nodeid)])
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -64,7 +116,7 @@ def tiny_engine(tiny_policy: tuple[Any, Any]) -> HFEngine:
 # A random tiny policy never calls a tool nor stops: a memorizing cold-start SFT on 8 oracle transcripts (which
 # search, run Python and answer) makes it call tools from the first step and end some responses early. The
 # kill-and-resume and traces tests run on it.
-TOOL_USER_SFT = ["train.sft.enabled=true", "train.sft.max_examples=8", "train.sft.epochs=30", "train.sft.lr=3e-3",
+TOOL_USER_SFT = ["train.sft.enabled=true", "train.sft.max_examples=8", "train.sft.epochs=15", "train.sft.lr=1e-2",
                  "data.max_questions=8"]
 
 
@@ -72,24 +124,27 @@ TOOL_USER_SFT = ["train.sft.enabled=true", "train.sft.max_examples=8", "train.sf
 def tool_user(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny-random after :data:`TOOL_USER_SFT`, trained once per session into the model cache (an HF directory:
     ``model.name=<it>``); the runs that use it need no SFT of their own."""
-    out = model_cache / "tiny-tool-user"
-    if (out / "config.json").is_file():
-        return out
-    from infra.config_files import load_config
-    from infra.runtime import build_runtime
-    from infra.training.sft import run_sft
+    shared = tmp_path_factory.getbasetemp().parent if WORKERS > 1 else model_cache  # xdist: one per worker's dir
+    out = shared / "tiny-tool-user"
+    with open(shared / ".tiny-tool-user.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the first worker trains it, the other waits and loads it
+        if (out / "config.json").is_file():
+            return out
+        from infra.config_files import load_config
+        from infra.runtime import build_runtime
+        from infra.training.sft import run_sft
 
-    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml",
-                      [*TOOL_USER_SFT, f"model.cache_dir={model_cache}"])
-    with build_runtime(cfg, tmp_path_factory.mktemp("tool-user-runs")) as runtime:
-        rows = runtime.load_rows(cfg.data.train)[: cfg.data.max_questions]
-        report = run_sft(runtime, rows)
-        assert report.loss_last_batch < 0.5 * report.loss_first_batch, report  # it memorized
-        tmp = model_cache / ".tiny-tool-user.tmp"
-        runtime.model.save_pretrained(str(tmp))
-        runtime.tokenizer.save_pretrained(str(tmp))
-        tmp.rename(out)
-    return out
+        cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml",
+                          [*TOOL_USER_SFT, f"model.cache_dir={model_cache}"])
+        with build_runtime(cfg, tmp_path_factory.mktemp("tool-user-runs")) as runtime:
+            rows = runtime.load_rows(cfg.data.train)[: cfg.data.max_questions]
+            report = run_sft(runtime, rows)
+            assert report.loss_last_batch < 0.5 * report.loss_first_batch, report  # it memorized
+            tmp = shared / ".tiny-tool-user.tmp"
+            runtime.model.save_pretrained(str(tmp))
+            runtime.tokenizer.save_pretrained(str(tmp))
+            tmp.rename(out)
+        return out
 
 
 @pytest.fixture(scope="session")
@@ -157,3 +212,4 @@ def s3_bucket(moto_s3: str) -> str:
 
     boto3.client("s3", endpoint_url=moto_s3, region_name="us-east-1").create_bucket(Bucket="aepo")
     return "s3://aepo"
+

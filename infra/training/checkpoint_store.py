@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from infra.fs import StorageError, is_remote, open_fs, storage_errors
+from infra.fs import StorageError, forget_listings, is_remote, open_fs, storage_errors
 from infra.training.checkpoint import (
     MANIFEST,
     TMP_PREFIX,
@@ -158,7 +158,7 @@ class CheckpointStore:
             self.fs.rm(prefix, recursive=True)
         except FileNotFoundError:
             pass
-        self.fs.invalidate_cache(prefix)
+        forget_listings(self.fs, prefix)
 
     # ---- list and read -------------------------------------------------------------------------------------
 
@@ -167,7 +167,7 @@ class CheckpointStore:
         if not self.remote:
             return [step_of(p) for p in list_checkpoints(self.uri)]
         with storage_errors(self.uri, "cannot list checkpoints under"):
-            self.fs.invalidate_cache(self.root)
+            forget_listings(self.fs, self.root)
             found = self.fs.glob(f"{self.root}/step-*/{MANIFEST}")
         return sorted(step_of(p.rsplit("/", 1)[0]) for p in found if is_step_name(p.rsplit("/", 2)[-2]))
 
@@ -177,7 +177,7 @@ class CheckpointStore:
             root = Path(self.uri)
             return sorted(d.name for d in root.iterdir() if d.is_dir() and list_checkpoints(d)) if root.is_dir() else []
         with storage_errors(self.uri, "cannot list checkpoints under"):
-            self.fs.invalidate_cache(self.root)
+            forget_listings(self.fs, self.root)
             found = self.fs.glob(f"{self.root}/*/step-*/{MANIFEST}")
         return sorted({p.rsplit("/", 3)[-3] for p in found if is_step_name(p.rsplit("/", 2)[-2])})
 
@@ -188,7 +188,7 @@ class CheckpointStore:
 
     def _all_steps(self) -> list[int]:
         """Steps of every ``step-*`` prefix, committed or not."""
-        self.fs.invalidate_cache(self.root)
+        forget_listings(self.fs, self.root)
         try:
             names = self.fs.ls(self.root, detail=False)
         except FileNotFoundError:
@@ -278,7 +278,7 @@ class CheckpointStore:
 
     def _listing(self, prefix: str) -> dict[str, int]:
         """Relative name → size of every object under ``prefix`` (empty when there is none)."""
-        self.fs.invalidate_cache(prefix)
+        forget_listings(self.fs, prefix)
         try:
             found = self.fs.find(prefix, detail=True)
         except FileNotFoundError:

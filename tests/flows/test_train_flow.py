@@ -22,8 +22,9 @@ from safetensors.torch import load_file
 
 from infra.config_files import load_config
 from infra.numerics import auto_dtype, device_facts
-from infra.store import NODE_SCHEMA, TRAJECTORY_SCHEMA
+from infra.store import NODE_SCHEMA, TRAJECTORY_SCHEMA, TrajectoryStore
 from infra.tracking import tracking_uri_for
+from infra.training.checkpoint_store import CheckpointStore
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -130,21 +131,29 @@ def test_prefect_api_shows_the_completed_runs(tiny_run):
 
     out, _ = tiny_run
 
+    # Task runs are named with their step (the evaluation with its stage), so the UI's list reads as the run went.
+    expected = {f"{verb}-step-{i}" for verb in ("rollout", "score", "update", "store", "checkpoint") for i in (1, 2)}
+
     async def read():
         async with get_client() as client:
             flows = await client.read_flow_runs()
             done = [f for f in flows if f.state and f.state.is_completed()]
             # The train flow run of the fixture: the completed run whose parameters name its runs dir.
             mine = [f for f in done if f.parameters.get("runs_dir") == out.runs_dir]
-            tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [mine[0].id]}))
-            return mine, tasks
+            # The server records task runs from their events, asynchronously: under load (a second test worker,
+            # child trainers posting to the same API) they were all still missing right after the flow returned.
+            deadline = time.monotonic() + 60
+            while True:
+                tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [mine[0].id]}))
+                settled = expected <= {t.name for t in tasks} and all(t.state.is_completed() for t in tasks)
+                if settled or time.monotonic() > deadline:
+                    return mine, tasks
+                await asyncio.sleep(0.5)
 
     flows, tasks = asyncio.run(read())
     assert len(flows) == 1
     names = {t.name for t in tasks}
-    # Task runs are named with their step (the evaluation with its stage), so the UI's list reads as the run went.
-    assert {f"{verb}-step-{i}" for verb in ("rollout", "score", "update", "store", "checkpoint")
-            for i in (1, 2)} <= names, sorted(names)
+    assert expected <= names, sorted(names)
     assert "evaluate-final" in names and any(n.startswith("prepare_data") for n in names)
     assert all(t.state.is_completed() for t in tasks)
 
@@ -206,12 +215,13 @@ def test_transient_rollout_failure_is_retried(prefect_harness, tmp_path, monkeyp
 LEARNING = ["rollout.max_response_tokens=160", "algorithm.overlong_buffer=120"]
 
 
-def _run(runs: Path, resume: bool, steps: int, model_cache: Path, policy: Path, api_url: str) -> subprocess.Popen:
+def _run(runs: Path, resume: bool, steps: int, model_cache: Path, policy: Path, api_url: str,
+         storage: list[str] | None = None) -> subprocess.Popen:
     runs.mkdir(parents=True, exist_ok=True)
     args = [sys.executable, str(ROOT / "tests/flows/run_train.py"), str(TINY), str(runs),
             "resume" if resume else "fresh", f"train.steps={steps}", "checkpoint.every=1", "checkpoint.keep=3",
             "data.max_questions=8", "train.batch_size=2", "eval.max_questions=1", "tracking.log_model=false",
-            f"model.name={policy}", *LEARNING]
+            f"model.name={policy}", *LEARNING, *(storage or [])]
     # One thread each: the straight and the killed run share the CPU, and oversubscribed torch crawls. Their flow
     # runs go to the session's Prefect API (a temporary server of their own costs ~17 s per process; the CLI tests
     # test that server's lifecycle): the SIGKILL leaves the killed run's flow run Running there, as a lost worker
@@ -234,19 +244,14 @@ def _tail(runs: Path, name: str = "run.log") -> str:
     return path.read_text()[-3000:] if path.exists() else ""
 
 
-def _checkpoints(runs: Path) -> Path:
-    """The run's checkpoint folder: ``checkpoints/<run name>/<MLflow run id>``."""
-    return runs / "checkpoints" / "tiny" / json.loads((runs / "result.json").read_text())["run_id"]
+def _run_id(runs: Path) -> str:
+    return str(json.loads((runs / "result.json").read_text())["run_id"])
 
 
-def _final_params(runs: Path) -> dict:
-    ckpt = sorted(_checkpoints(runs).glob("step-*"))[-1]
-    return load_file(str(ckpt / "model" / "model.safetensors"))
-
-
-def _trajectories(runs: Path) -> Any:
-    t = pads.dataset(runs / "trajectories" / "trajectories", format="parquet", partitioning="hive").to_table()
-    return t.to_pandas()
+def _local_weights(runs: Path, step: int) -> dict[str, Any]:
+    """A run's step checkpoint on its runs dir: ``checkpoints/<run name>/<MLflow run id>/step-…``."""
+    return load_file(str(runs / "checkpoints" / "tiny" / _run_id(runs) / f"step-{step:06d}" / "model" /
+                         "model.safetensors"))
 
 
 def _questions_by_step(df: Any) -> dict[int, list[str]]:
@@ -265,46 +270,60 @@ def _grad_norms(runs: Path) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # three flow processes; ~2 min on an idle 2-core box
-def test_kill_after_checkpoint_and_resume_is_bit_identical(tmp_path, model_cache, tool_user, prefect_api_url):
-    """6 steps straight vs SIGKILL right after the epoch-boundary checkpoint (step 4 of 4 per epoch) + resume."""
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
+@pytest.mark.timeout(900)  # three flow processes; ~75 s on an idle 2-core box
+def test_kill_after_checkpoint_and_resume_on_another_worker_from_s3_is_bit_identical(
+        tmp_path, model_cache, tool_user, prefect_api_url, s3_bucket, moto_s3, monkeypatch):
+    """6 steps straight (on its own disk) vs a run whose checkpoints, trajectories and MLflow artifacts live on S3
+    (moto), SIGKILLed right after the epoch-boundary checkpoint (step 4 of 4 per epoch) and resumed by a worker
+    that shares no disk with it: a fresh runs dir; only the MLflow database stands in for a tracking server."""
+    straight, killed, resumed = tmp_path / "straight", tmp_path / "killed", tmp_path / "resumed"
+    (tmp_path / "tracking").mkdir()
+    on_s3 = [f"tracking.tracking_uri=sqlite:///{tmp_path / 'tracking' / 'mlflow.db'}",
+             f"tracking.artifact_location={s3_bucket}/mlartifacts", f"storage.checkpoints_uri={s3_bucket}/ckpt",
+             f"storage.trajectories_uri={s3_bucket}/traj", f"storage.s3_endpoint_url={moto_s3}"]
+    monkeypatch.setenv("MLFLOW_S3_ENDPOINT_URL", moto_s3)  # (the children's MLflow artifacts; as in MLflow's docs)
+    s3 = {"client_kwargs": {"endpoint_url": moto_s3}}
+    by_name = CheckpointStore(f"{s3_bucket}/ckpt/tiny", s3)  # checkpoints are keyed by MLflow run id under the name
     run = functools.partial(_run, model_cache=model_cache, policy=tool_user, api_url=prefect_api_url)
-    procs = [run(straight, False, 6), run(killed, False, 6)]
+    procs = [run(straight, False, 6), run(killed, False, 6, storage=on_s3)]
     p_straight, p_killed = procs
     try:
-        deadline = time.time() + 1500
-        while not list(killed.glob("checkpoints/tiny/*/step-000004/manifest.json")):
+        deadline = time.time() + 600
+        while not any(4 in by_name.child(r).steps() for r in by_name.run_folders()):
             assert p_killed.poll() is None, _tail(killed)
             assert time.time() < deadline
             time.sleep(0.2)
         time.sleep(random.Random(0).uniform(0.0, 1.5))  # a random point after the checkpoint
         _kill_group(p_killed)
-        assert p_straight.wait(timeout=1500) == 0, _tail(straight)
-        procs.append(run(killed, True, 6))
-        assert procs[-1].wait(timeout=1500) == 0, _tail(killed, "resume.log")
+        assert p_straight.wait(timeout=600) == 0, _tail(straight)
+        procs.append(run(resumed, True, 6, storage=on_s3))
+        assert procs[-1].wait(timeout=600) == 0, _tail(resumed, "resume.log")
     finally:
         for proc in procs:  # whatever happened, no flow process or Prefect server outlives the test
             _kill_group(proc)
 
+    # The same MLflow run went on, from S3: nothing of it on the fresh worker's disk but its checkpoint cache.
+    (run_id,) = by_name.run_folders()
+    assert _run_id(resumed) == run_id and json.loads((resumed / "result.json").read_text())["steps"] == 6
+    assert mlflow.tracking.MlflowClient(on_s3[0].split("=", 1)[1]).get_run(run_id).info.status == "FINISHED"
+    assert not (resumed / "checkpoints").exists() and not (resumed / "trajectories").exists()
+    assert (resumed / "cache" / "checkpoints" / "s3" / "aepo" / "ckpt" / "tiny" / run_id / "step-000004").is_dir()
+
     # The comparison is not vacuous: rewards differed (some gradient), and the weights still moved after the kill.
     assert any(g > 0 for g in _grad_norms(straight)), _grad_norms(straight)
-    at_kill = load_file(str(_checkpoints(straight) / "step-000004" / "model" / "model.safetensors"))
-    a, b = _final_params(straight), _final_params(killed)
+    at_kill, a = _local_weights(straight, 4), _local_weights(straight, 6)
+    b = load_file(str(by_name.child(run_id).fetch(6) / "model" / "model.safetensors"))
     assert any((a[k] != at_kill[k]).any() for k in a), "steps 5-6 did not change the weights"
     assert a.keys() == b.keys()
     assert all((a[k] == b[k]).all() for k in a), "resumed parameters differ from the straight run"
-    # Data order: every step saw the same questions, none replayed, none skipped.
-    ta, tb = _trajectories(straight), _trajectories(killed)
+    # Data order: every step saw the same questions, none replayed, none skipped; one Parquet part per step.
+    store = TrajectoryStore(f"{s3_bucket}/traj", s3)
+    assert store.steps(run_id) == [1, 2, 3, 4, 5, 6]
+    ta, tb = TrajectoryStore(straight / "trajectories").read_trajectories(_run_id(straight)), \
+        store.read_trajectories(run_id)
     qa, qb = _questions_by_step(ta), _questions_by_step(tb)
     assert qa == qb and sorted(qa) == [1, 2, 3, 4, 5, 6]
     # The sampler's RNG was restored too: the resumed steps drew the very same responses.
     assert all(_responses(ta, s) == _responses(tb, s) for s in (5, 6))
     first_epoch = [q for s in (1, 2, 3, 4) for q in qa[s]]
     assert len(first_epoch) == len(set(first_epoch)) == 8
-    # Same MLflow run, one part per step.
-    ra, rb = json.loads((killed / "result.json").read_text()), None
-    del rb
-    parts = list((killed / "trajectories" / "trajectories" / ra["run_id"]).glob("step-*.parquet"))
-    assert len(parts) == 6
-    assert ra["steps"] == 6

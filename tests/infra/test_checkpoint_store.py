@@ -156,6 +156,25 @@ def test_resave_and_abandoned_newer_and_half_deleted(s3_bucket: str, moto_s3: st
     assert st.steps() == [4] and keys(st, 1) == []
 
 
+def test_a_reader_sees_what_was_committed_after_it_listed(s3_bucket: str, moto_s3: str, tmp_path: Path,
+                                                          tokenizer: Any) -> None:
+    """A store that keeps watching a run name's folder (a worker waiting for a checkpoint, a resume search started
+    early) lists what is there now. fsspec caches every folder listing and ``invalidate_cache`` drops a path and its
+    parents only: a folder listed while empty, or a step listed while it was uploading, stayed so for ever."""
+    reader = store(f"{s3_bucket}/ckpt/name", moto_s3, tmp_path / "reader")
+    assert reader.run_folders() == []
+    writer = store(f"{s3_bucket}/ckpt/name/run1", moto_s3, tmp_path / "writer")
+    writer.fs.pipe(f"{writer.root}/step-000001/model/model.safetensors", b"uploading")  # step 1, half uploaded
+    assert reader.run_folders() == []  # no manifest yet: no checkpoint
+    model = make_model(0)
+    save(writer, 1, model, tokenizer)
+    assert reader.run_folders() == ["run1"]
+    one_run = reader.child("run1")
+    assert one_run.steps() == [1]
+    save(writer, 2, model, tokenizer)
+    assert one_run.steps() == [1, 2] and reader.run_folders() == ["run1"]
+
+
 def test_bad_locations_name_the_uri(moto_s3: str, s3_bucket: str, tmp_path: Path) -> None:
     with pytest.raises(StorageError, match="s3://no-such-bucket/ckpt"):
         store("s3://no-such-bucket/ckpt", moto_s3, tmp_path).steps()

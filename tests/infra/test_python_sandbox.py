@@ -38,12 +38,25 @@ def caps(sandbox: PythonSandbox) -> SandboxCapabilities:
     return sandbox.capabilities
 
 
+def _other_workers() -> set[int]:
+    """The pids of the other pytest-xdist workers (this worker's siblings); none without xdist."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return set()
+    return {p.pid for p in psutil.Process(os.getppid()).children()} - {os.getpid()}
+
+
 def _sandbox_processes() -> list[psutil.Process]:
-    """Processes still running the launcher (its source is on their command line)."""
-    found = []
+    """Processes still running the launcher (its source is on their command line), but for the live calls of
+    another xdist worker (its descendants): one that escaped its call is orphaned and counts."""
+    others, found = _other_workers(), []
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
         if "Launcher that runs inside the sandbox process" in cmdline:
+            try:
+                if others & {p.pid for p in proc.parents()}:
+                    continue
+            except psutil.NoSuchProcess:  # it ended meanwhile
+                continue
             found.append(proc)
     return found
 

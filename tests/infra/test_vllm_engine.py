@@ -43,10 +43,18 @@ def _cfg(model_cache: Path, *more: str):
 
 @pytest.fixture(scope="module")
 def runtime(model_cache: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The module's runtime on one server. It ends as a failed run ends, by an exception out of ``build_runtime``
+    (test_vllm_flow ends one cleanly): the server and its engine processes must be gone after it (checked at
+    teardown, saving a server start of its own, ~40 s on 2 cores)."""
     runs = tmp_path_factory.mktemp("vllm-runs")
-    with build_runtime(_cfg(model_cache), runs, "vllm-test") as rt:
+    with pytest.raises(RuntimeError, match="boom"), build_runtime(_cfg(model_cache), runs, "vllm-test") as rt:
+        assert rt.server is not None and rt.server.running
         yield rt
+        group = _server_processes(str(runs))
+        assert len(group) >= 2  # the API server and its engine processes
+        raise RuntimeError("boom")
     assert not _server_processes(str(runs)), "the server outlived its runtime"
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in group)
 
 
 def _server_logprobs(rt: PolicyRuntime, ids: list[int], start: int) -> torch.Tensor:
@@ -164,22 +172,15 @@ def test_a_missing_vllm_interpreter_is_named(tmp_path: Path) -> None:
         vllm_python(VLLMConfig(python=str(tmp_path / "nothing" / "python")))
 
 
-def test_the_server_is_gone_when_the_run_fails(model_cache: Path, tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError, match="boom"), build_runtime(_cfg(model_cache), tmp_path, "fails") as rt:
-        assert rt.server is not None and rt.server.running
-        group = _server_processes(str(tmp_path))
-        assert len(group) >= 2  # the API server and its engine processes
-        raise RuntimeError("boom")
-    assert not _server_processes(str(tmp_path))
-    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in group)
-
-
-def test_sigterm_and_sigkill_of_the_trainer_leave_no_server(model_cache: Path, tmp_path: Path) -> None:
+def test_sigterm_and_sigkill_of_the_trainer_leave_no_server(model_cache: Path, tmp_path: Path,
+                                                            prefect_api_url: str) -> None:
     """SIGTERM unwinds the flow (the runtime stops the server); SIGKILL gives the server no chance to be stopped,
     so it dies by its parent-death signal. Both trainers run at once (their own runs directories, servers and
-    ports); each is signalled once its server is up."""
+    ports); each is signalled once its server is up. Their flow runs go to the session's Prefect API (test_cli
+    tests the temporary server's end on these signals; it costs ~17 s a process)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update({"PYTHONPATH": str(REPO), "AEPO_MODEL_CACHE": str(model_cache), "OMP_NUM_THREADS": "1"})
+    env.update({"PYTHONPATH": str(REPO), "AEPO_MODEL_CACHE": str(model_cache), "OMP_NUM_THREADS": "1",
+                "PREFECT_API_URL": prefect_api_url})
     sets = [a for s in [*VLLM, f"model.cache_dir={model_cache}", "train.steps=20"] for a in ("--set", s)]
     sigs = (signal.SIGTERM, signal.SIGKILL)
     runs = {sig: tmp_path / sig.name for sig in sigs}
