@@ -53,11 +53,21 @@ def stack(server_stack: Stack, model_cache: Path) -> Iterator[Stack]:
 
 @contextlib.contextmanager
 def _on_server(stack: Stack, home: Path) -> Iterator[None]:
-    """This process's Prefect client on the stack's server (overrides the session harness, if one runs)."""
+    """This process's Prefect client on the stack's server (overrides the session harness, if one runs).
+
+    Prefect keeps one events worker per process, bound to the API of the first event it sent (its key does not
+    hold the URL): the one started here would send every later task run of this process to the stack, and the
+    harness would show the next flow runs without their task runs (seen under xdist, where this module runs
+    first on its worker). So the events worker is drained and dropped on the way in and out."""
+    from prefect.events.worker import EventsWorker
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
+    EventsWorker.drain_all()
     with temporary_settings(updates={PREFECT_API_URL: stack.prefect_api, PREFECT_HOME: str(home)}):
-        yield
+        try:
+            yield
+        finally:
+            EventsWorker.drain_all()
 
 
 def _sweep_spec(stack: Stack, tracking_uri: str | None) -> dict[str, Any]:
