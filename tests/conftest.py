@@ -37,11 +37,14 @@ SHARED = {
 by the marker they carry: under xdist each group runs on one worker (each worker would start its own otherwise)."""
 
 
+def _module(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
 def _unit(nodeid: str) -> str:
     """The unit of work one xdist worker runs whole: a group of :data:`SHARED`, else the test's module (its module
     fixtures then run once)."""
-    module = nodeid.split("::")[0]
-    return SHARED.get(module, module)
+    return SHARED.get(_module(nodeid), _module(nodeid))
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
@@ -62,7 +65,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     Under xdist: the heavy units first (the vLLM group waits for that build on one worker while the other works),
     so that the workers end together. Every module whose tests carry ``vllm`` or ``server`` is in :data:`SHARED`."""
     for item in items:
-        module = item.nodeid.split("::")[0]
+        module = _module(item.nodeid)
         for marker in ("vllm", "server"):
             if item.get_closest_marker(marker) is not None and SHARED.get(module) != marker:
                 raise pytest.UsageError(f"{module} has {marker} tests: list it in tests/conftest.py's SHARED")
@@ -122,9 +125,10 @@ TOOL_USER_SFT = ["train.sft.enabled=true", "train.sft.max_examples=8", "train.sf
 
 @pytest.fixture(scope="session")
 def tool_user(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """tiny-random after :data:`TOOL_USER_SFT`, trained once per session into the model cache (an HF directory:
-    ``model.name=<it>``); the runs that use it need no SFT of their own."""
-    shared = tmp_path_factory.getbasetemp().parent if WORKERS > 1 else model_cache  # xdist: one per worker's dir
+    """tiny-random after :data:`TOOL_USER_SFT`, trained once per session (an HF directory: ``model.name=<it>``);
+    the runs that use it need no SFT of their own. Under xdist it lies in the session's directory, above the
+    workers' own (their model caches are not shared)."""
+    shared = tmp_path_factory.getbasetemp().parent if WORKERS > 1 else model_cache
     out = shared / "tiny-tool-user"
     with open(shared / ".tiny-tool-user.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the first worker trains it, the other waits and loads it
@@ -212,4 +216,3 @@ def s3_bucket(moto_s3: str) -> str:
 
     boto3.client("s3", endpoint_url=moto_s3, region_name="us-east-1").create_bucket(Bucket="aepo")
     return "s3://aepo"
-
