@@ -282,7 +282,7 @@ class SearchToolConfig(Section):
 
 
 class PythonToolConfig(Section):
-    """The agent's Python sandbox: a confined process per call (infra/tools/python_sandbox.py says how)."""
+    """The agent's Python sandbox: a confined process per call (infra/tools/sandbox/tool.py says how)."""
 
     enabled: bool = Field(True, description="Offer the Python tool to the agent.")
     cpu_seconds: int = Field(10, ge=1, description="CPU-time limit of each process of a call (RLIMIT_CPU), in seconds.")

@@ -108,8 +108,8 @@ def _sft_key(cfg: Any) -> str:
 def shared_sft_checkpoint(base: Any, runs: Path, refresh: bool = False) -> tuple[Path, dict[str, float]]:
     """The base config's cold-start SFT, run once and cached as an HF model directory (atomic rename)."""
     from infra.models import cache_root
-    from infra.runtime import build_runtime
-    from infra.training.sft import run_sft
+    from infra.run.runtime import build_runtime
+    from infra.run.sft import run_sft
 
     cfg = base.model_copy(update={"train": base.train.model_copy(
         update={"sft": base.train.sft.model_copy(update={"enabled": True})})})
@@ -171,7 +171,7 @@ def _mean(values: Sequence[float]) -> float:
 def analyse(result: dict[str, Any], dataset: str, k: int, n_resamples: int, workdir: Path) -> dict[str, Any]:
     """Per-arm statistics from the MLflow store each run row names (``tracking_uri``)."""
     from aepo_core.evaluation import paired_comparison
-    from infra.tracking import Tracker
+    from infra.tracking.run import Tracker
 
     trackers: dict[str, Any] = {}
     by_cell: dict[str, dict[str, Any]] = {}
@@ -290,7 +290,7 @@ def curve_figures(arms: dict[str, Any], out_dir: Path, title: str) -> list[Path]
 
 def log_to_parent(tracking_uri: str, parent_run_id: str, paths: Sequence[Path]) -> None:
     """The figures as artifacts of the sweep's parent MLflow run (``training_curves/``)."""
-    from infra.tracking import Tracker
+    from infra.tracking.run import Tracker
 
     client = Tracker(tracking_uri).client
     for path in paths:
@@ -349,7 +349,7 @@ def stored_runs(runs: Path, checked: Any, tracking_uri: str | None) -> dict[str,
     """The finished runs of the sweep ``checked`` already in the runs dir's store, shaped like a sweep result
     (newest run of each name): re-analysis without re-running, or of a sweep stopped early."""
     from flows.sweep import comparison_frame
-    from infra.tracking import Tracker, tracking_uri_for
+    from infra.tracking.run import Tracker, tracking_uri_for
 
     uri = tracking_uri or tracking_uri_for(runs)  # the pool's server serves the runs dir's store
     children = Tracker(uri).search_runs(filter_string="attributes.status = 'FINISHED'")

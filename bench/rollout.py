@@ -74,11 +74,11 @@ from infra.atomic import atomic_dir
 from infra.data.synthetic import OracleError, SyntheticTask, oracle_transcript
 from infra.engines.hf import HFEngine
 from infra.models import BUILTIN_SMOLLM2, TINY_RANDOM, cache_root, chat_prompt_ids, load_policy
+from infra.run.sft import sft_sample, train_sft
 from infra.tools.cache import CachedTool, ToolResultCache
-from infra.tools.python_sandbox import PythonSandbox
+from infra.tools.sandbox.tool import PythonSandbox
 from infra.tools.search import Bm25Backend, build_search_tool
 from infra.training.backends import TorchBackend, autocast_dtype
-from infra.training.sft import sft_sample, train_sft
 
 log = logging.getLogger("bench.rollout")
 

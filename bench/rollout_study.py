@@ -83,7 +83,7 @@ def policy_dir(runs: Path) -> Path:
 def analyse(study_dir: Path, n_resamples: int) -> dict[str, Any]:
     """Re-summarize a study from its profiles.parquet and costs.json; settings from its summary.json when present."""
     from flows.study import write_summary
-    from infra.study import Arm, read_costs, read_profiles, summarize_study, write_study_figures
+    from infra.run.study import Arm, read_costs, read_profiles, summarize_study, write_study_figures
 
     profiles = read_profiles(study_dir / "profiles.parquet")
     old = json.loads((study_dir / "summary.json").read_text()) if (study_dir / "summary.json").is_file() else {}
@@ -104,7 +104,7 @@ def analyse(study_dir: Path, n_resamples: int) -> dict[str, Any]:
 def log_to_study_run(runs: Path, study_dir: Path) -> dict[str, str] | None:
     """The re-analysed folder (summary, figures, costs) as artifacts ``study/`` of the study's own MLflow run in the
     runs dir's store (the run named like the folder), when there is one; a study stopped before its end logged none."""
-    from infra.tracking import Tracker, tracking_uri_for
+    from infra.tracking.run import Tracker, tracking_uri_for
 
     tracker = Tracker(tracking_uri_for(runs))
     found = tracker.search_runs(filter_string=f"attributes.run_name = '{study_dir.name}'")

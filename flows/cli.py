@@ -212,7 +212,7 @@ def check_storage(cfg: ExperimentConfig, runs: Path, run_name: str) -> None:
     """Every remote store the run writes (``s3://`` trajectories, checkpoints) must be reachable: exits 2 naming the
     location."""
     from infra.fs import StorageError, probe, storage_options
-    from infra.runtime import checkpoint_root
+    from infra.run.runtime import checkpoint_root
 
     try:
         for uri in (cfg.storage.trajectories_uri, checkpoint_root(cfg, runs, run_name)):
@@ -227,8 +227,8 @@ def check_resume(cfg: ExperimentConfig, runs: Path, run_name: str) -> None:
     complete checkpoint or, without one, from step 0): exits 2 when there is none, local and remote checkpoints
     alike, before anything is created. Rank 0 alone asks (the others follow its choice)."""
     from infra.ranks import Ranks
-    from infra.tracking import Tracker, resolve_tracking
-    from infra.trainer import NothingToResumeError, nothing_to_resume, run_to_resume
+    from infra.run.trainer import NothingToResumeError, nothing_to_resume, run_to_resume
+    from infra.tracking.run import Tracker, resolve_tracking
 
     if not Ranks.current().is_main:
         return
@@ -407,7 +407,7 @@ def check_tracking_server(uri: str | None) -> None:
 def _tracking_uri(runs: Path, tracking_uri: str | None, required: bool = True) -> str | None:
     """The tracking URI a reading command uses: ``--tracking-uri`` (checked: a server must answer), else the runs
     dir's SQLite store, which must exist (``required=False``: None where it does not)."""
-    from infra.run_index import tracking_uri_for
+    from infra.tracking.run_index import tracking_uri_for
 
     check_tracking_server(tracking_uri)
     uri = tracking_uri or tracking_uri_for(runs)
@@ -517,8 +517,8 @@ def eval_(
         resolve_checkpoint,
         resolve_eval_config,
     )
-    from infra.runtime import CheckpointError
-    from infra.tracking import RegistryError, is_registered_model
+    from infra.run.runtime import CheckpointError
+    from infra.tracking.run import RegistryError, is_registered_model
     from tasks.retry import USER_ERRORS
 
     try:
@@ -746,7 +746,7 @@ def runs(
     rdir = resolve_runs_dir(runs_dir)
     uri = _tracking_uri(rdir, tracking_uri)
     assert uri is not None
-    from infra.run_index import newest_runs
+    from infra.tracking.run_index import newest_runs
 
     found = newest_runs(uri, experiment, limit)
     table = Table(title=f"MLflow runs in {experiment!r} at {uri}", title_justify="left", box=box.SIMPLE_HEAD,
@@ -782,7 +782,7 @@ def _resolve_store_run(store: Any, run: str, uri: str | None, experiment: str) -
     if len(prefixed) == 1:
         return prefixed[0]
     if uri is not None:
-        from infra.tracking import Tracker
+        from infra.tracking.run import Tracker
 
         frame = Tracker(uri, experiment=experiment).search_runs(filter_string=f"attributes.run_name = '{run}'")
         ids = [r for r in frame["run_id"] if r in stored] if not frame.empty else []
@@ -908,7 +908,7 @@ def _redacted(uri: str) -> str:
 def _backend_store(value: str | None, rdir: Path) -> str:
     """``--backend-store-uri``: the runs dir's SQLite store by default, another SQLite file, or PostgreSQL (its
     driver must be installed: the server would otherwise die at start with an import error)."""
-    from infra.tracking import tracking_uri_for
+    from infra.tracking.run import tracking_uri_for
 
     if value is None:
         return tracking_uri_for(rdir)
@@ -937,7 +937,7 @@ def _artifacts_destination(value: str | None, rdir: Path, s3_endpoint_url: str |
     """``--artifacts-destination``: where the MLflow server keeps the artifacts its clients send it (they go
     through the server: the clients need no access to it): ``<runs>/mlartifacts`` by default, a directory, or
     ``s3://bucket/prefix`` (``--s3-endpoint-url`` for MinIO, moto, …)."""
-    from infra.tracking import ARTIFACTS_DIR
+    from infra.tracking.run import ARTIFACTS_DIR
 
     if value is None:
         dest = str(rdir / ARTIFACTS_DIR)

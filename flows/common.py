@@ -17,9 +17,9 @@ from prefect.runtime import flow_run
 from aepo_core.config import RUNS_DIR_ENV, ConfigError, ExperimentConfig, build_config
 from infra.data.loaders import dataset_key
 from infra.data.rows import QuestionRow
-from infra.evaluation import EvalReport
-from infra.runtime import PolicyRuntime
-from infra.tracking import DatasetRecord, RankTracker, RunOrigin, Tracker
+from infra.run.evaluation import EvalReport
+from infra.run.runtime import PolicyRuntime
+from infra.tracking.run import DatasetRecord, RankTracker, RunOrigin, Tracker
 
 
 def resolve_config(config: ExperimentConfig | dict[str, Any] | None, overrides: list[str] | None) -> ExperimentConfig:

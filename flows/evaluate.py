@@ -11,7 +11,7 @@ Outputs:
   ``eval/<dataset key>/…`` at the checkpoint's step, the per-question files and a JSON summary as artifacts;
 - per-question results as Parquet, ``<runs_dir>/eval/<run name>/<dataset key>.parquet`` (written atomically), or
   under ``storage.evaluations_uri`` (``s3://…``: written locally under ``<runs_dir>/cache/eval/``, then one PUT), with
-  the columns of :data:`~infra.evaluation.QUESTION_SCHEMA` (evaluations during training write the same files,
+  the columns of :data:`~infra.run.evaluation.QUESTION_SCHEMA` (evaluations during training write the same files,
   see :mod:`flows.train`); a later evaluation's ``compare_to`` points at this file or directory;
 - a Prefect table artifact with one row per dataset and per (dataset, family).
 """
@@ -35,11 +35,11 @@ from aepo_core.config import ExperimentConfig, StorageConfig, build_config
 from aepo_core.evaluation import paired_comparison
 from flows.common import check_eval_datasets, flow_runs_dir, log_eval_traces, rename_flow_run, run_origin
 from infra.config_files import load_config
-from infra.evaluation import EvalReport, EvalSource, ResultsDir
 from infra.fs import is_remote, open_fs, storage_errors, storage_options
 from infra.judge import LLMJudge, Verdict
-from infra.runtime import build_runtime, checkpoint_config, find_checkpoint
-from infra.tracking import RegisteredPolicy, Tracker, is_registered_model
+from infra.run.evaluation import EvalReport, EvalSource, ResultsDir
+from infra.run.runtime import build_runtime, checkpoint_config, find_checkpoint
+from infra.tracking.run import RegisteredPolicy, Tracker, is_registered_model
 from tasks.rl import evaluate as evaluate_task
 from tasks.rl import write_eval_results
 

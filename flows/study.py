@@ -10,7 +10,7 @@ arpo − independent.
 Outputs, under ``<runs_dir>/studies/<run name>/`` and logged to an MLflow run of its own (tag
 ``kind=rollout-study``, metrics ``study/k<k>/<mode>/<quantity>``, the folder as artifacts ``study/``):
 
-- ``profiles.parquet``: one row per (k, mode, question) (:data:`~infra.study.PROFILE_SCHEMA`), and ``costs.json``
+- ``profiles.parquet``: one row per (k, mode, question) (:data:`~infra.run.study.PROFILE_SCHEMA`), and ``costs.json``
   (each arm's wall, engine and tool seconds and generated tokens), both rewritten after every arm, so a stopped
   study keeps the arms it finished;
 - ``summary.json``: estimates, histograms of consecutive-branch counts, budget correlations, paired differences,
@@ -36,8 +36,8 @@ from flows.common import flow_runs_dir, rename_flow_run, run_origin
 from flows.evaluate import eval_storage, resolve_checkpoint, resolve_eval_config
 from infra.atomic import atomic_file
 from infra.data.rows import QuestionRow
-from infra.runtime import PolicyRuntime, build_runtime
-from infra.study import (
+from infra.run.runtime import PolicyRuntime, build_runtime
+from infra.run.study import (
     Arm,
     ArmCost,
     StudySummary,
@@ -46,7 +46,7 @@ from infra.study import (
     write_profiles,
     write_study_figures,
 )
-from infra.tracking import Tracker
+from infra.tracking.run import Tracker
 from tasks.study import study_chunk
 
 log = logging.getLogger(__name__)

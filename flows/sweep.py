@@ -79,7 +79,7 @@ from flows.common import flow_runs_dir, run_origin
 from flows.sweep_spec import SweepRun, SweepSpec, load_sweep, parse_shard, shard_runs
 from flows.train import train
 from infra.plots import save_png
-from infra.tracking import Tracker
+from infra.tracking.run import Tracker
 from tasks.progress import Progress, report
 
 log = logging.getLogger(__name__)

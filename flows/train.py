@@ -34,10 +34,10 @@ from flows.common import (
     run_origin,
     train_flow_run_name,
 )
-from infra.evaluation import EvalReport, EvalSource, ResultsDir
 from infra.plots import curves_figure, rollout_tree_figure
 from infra.ranks import Ranks
-from infra.runtime import (
+from infra.run.evaluation import EvalReport, EvalSource, ResultsDir
+from infra.run.runtime import (
     CheckpointError,
     CheckpointStore,
     PolicyRuntime,
@@ -45,9 +45,9 @@ from infra.runtime import (
     checkpoint_store,
     open_checkpoints,
 )
+from infra.run.trainer import ResumePoint, Trainer, find_resume_point
 from infra.store import TrajectoryStore
-from infra.tracking import RankTracker, Tracker
-from infra.trainer import ResumePoint, Trainer, find_resume_point
+from infra.tracking.run import RankTracker, Tracker
 from tasks.data import prepare_data, source_fingerprint
 from tasks.progress import Progress, report
 from tasks.rl import checkpoint, evaluate, rollout, score, sft, store, update, write_eval_results

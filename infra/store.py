@@ -275,7 +275,7 @@ def _add_nodes(cols: dict[str, list[Any]], run_id: str, step: int, tree: Rollout
 
 def node_row(run_id: str, step: int, tree: RolloutTree, n: Node) -> dict[str, Any]:
     """The ``nodes`` row of one segment, as Python values (NaN as None): the Parquet writer's and the MLflow
-    traces' (:mod:`infra.traces`) one definition of what a segment records."""
+    traces' (:mod:`infra.tracking.traces`) one definition of what a segment records."""
     t = n.tool
     return {
         "run_id": run_id, "step": step, "question_id": tree.question_id, "node_id": n.node_id,

@@ -1,7 +1,7 @@
 """The verbs of one RL step: rollout, score, update, store; plus SFT, checkpoint and evaluate.
 
-Heavy objects live in the :class:`~infra.runtime.PolicyRuntime` (policy, engine, tools, reward) and the
-:class:`~infra.trainer.Trainer` (backend, optimizer, data order, step); these tasks never cache (their inputs are
+Heavy objects live in the :class:`~infra.run.runtime.PolicyRuntime` (policy, engine, tools, reward) and the
+:class:`~infra.run.trainer.Trainer` (backend, optimizer, data order, step); these tasks never cache (their inputs are
 live objects) and return typed values.  rollout/score/evaluate retry on transient errors; update never retries
 blindly — a failed update fails the flow, and a re-run with ``resume`` continues from the last checkpoint.
 Each task logs one line for people and attaches a :class:`~tasks.progress.Progress` event for machines.
@@ -17,12 +17,12 @@ from prefect.cache_policies import NO_CACHE
 from aepo_core.rollout.scheduler import RolloutResult, derive_seed
 from aepo_core.scoring import StepScores
 from infra.data.rows import QuestionRow
-from infra.evaluation import EvalReport, EvalSource, ResultsDir, evaluate_dataset, write_question_results
 from infra.judge import Verdict
-from infra.runtime import PolicyRuntime
+from infra.run.evaluation import EvalReport, EvalSource, ResultsDir, evaluate_dataset, write_question_results
+from infra.run.runtime import PolicyRuntime
+from infra.run.sft import SFTReport, run_sft
+from infra.run.trainer import Trainer
 from infra.store import TrajectoryStore
-from infra.trainer import Trainer
-from infra.training.sft import SFTReport, run_sft
 from tasks.progress import Progress, report
 from tasks.retry import transient_only
 

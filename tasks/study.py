@@ -12,8 +12,8 @@ from aepo_core.config import RolloutConfig
 from aepo_core.rollout.scheduler import derive_seed
 from aepo_core.rollout.study import GroupProfile, profile_group
 from infra.data.rows import QuestionRow
-from infra.runtime import PolicyRuntime
-from infra.study import ArmCost
+from infra.run.runtime import PolicyRuntime
+from infra.run.study import ArmCost
 
 
 @dataclass(frozen=True)

@@ -135,8 +135,8 @@ def tool_user(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
         if (out / "config.json").is_file():
             return out
         from infra.config_files import load_config
-        from infra.runtime import build_runtime
-        from infra.training.sft import run_sft
+        from infra.run.runtime import build_runtime
+        from infra.run.sft import run_sft
 
         cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml",
                           [*TOOL_USER_SFT, f"model.cache_dir={model_cache}"])

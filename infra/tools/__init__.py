@@ -14,8 +14,8 @@ _EXPORTS = {
     "build_tools": "registry",
     "SearchTool": "search",
     "build_search_tool": "search",
-    "PythonSandbox": "python_sandbox",
-    "sandbox_capabilities": "python_sandbox",
+    "PythonSandbox": "sandbox.tool",
+    "sandbox_capabilities": "sandbox.tool",
     "ToolResultCache": "cache",
     "CachedTool": "cache",
 }

@@ -12,7 +12,7 @@ from aepo_core.config import ToolsConfig
 from aepo_core.interfaces import Tool
 
 from .cache import CachedTool, ToolResultCache
-from .python_sandbox import PythonSandbox
+from .sandbox.tool import PythonSandbox
 from .search import Bm25Backend, build_search_tool
 
 logger = logging.getLogger(__name__)

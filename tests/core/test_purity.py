@@ -56,8 +56,8 @@ def test_importing_the_core_loads_no_forbidden_module():
 # The house reads flows → tasks → runtime/trainer → infra → aepo_core. Flows orchestrate: they build the runtime and
 # the trainer and hand them to tasks, and never reach into the training internals themselves.
 TRAINING_INTERNALS = "infra.training"
-NO_PROBING = ["flows", "tasks", "infra/runtime.py", "infra/trainer.py", "infra/evaluation.py",
-              "infra/training/update.py", "infra/training/sft.py", "infra/training/backends.py",
+NO_PROBING = ["flows", "tasks", "infra/run/runtime.py", "infra/run/trainer.py", "infra/run/evaluation.py",
+              "infra/training/update.py", "infra/run/sft.py", "infra/training/backends.py",
               "infra/engines/weights.py"]
 
 
@@ -74,7 +74,7 @@ def imported_modules(path: Path) -> set[str]:
 def test_flows_never_reach_into_the_training_internals():
     for f in sorted((ROOT / "flows").rglob("*.py")):
         bad = {m for m in imported_modules(f) if m == TRAINING_INTERNALS or m.startswith(TRAINING_INTERNALS + ".")}
-        assert not bad, f"{f.relative_to(ROOT)} imports {sorted(bad)}: go through infra.runtime / infra.trainer"
+        assert not bad, f"{f.relative_to(ROOT)} imports {sorted(bad)}: go through infra.run.runtime / infra.run.trainer"
 
 
 def _mentions_any(hint: object) -> bool:
@@ -90,8 +90,8 @@ def test_tasks_take_the_runtime_the_trainer_and_typed_values():
 
     from prefect import Task
 
-    from infra.runtime import PolicyRuntime
-    from infra.trainer import Trainer
+    from infra.run.runtime import PolicyRuntime
+    from infra.run.trainer import Trainer
 
     seen: dict[str, set[object]] = {}
     for f in sorted((ROOT / "tasks").glob("*.py")):

@@ -105,8 +105,8 @@ def first_eval(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> tu
 
 def test_eval_writes_per_question_parquet_mlflow_run_and_table(first_eval: tuple[dict[str, Any], Path],
                                                                checkpoint: Path) -> None:
-    from infra.evaluation import QUESTION_SCHEMA
-    from infra.tracking import Tracker
+    from infra.run.evaluation import QUESTION_SCHEMA
+    from infra.tracking.run import Tracker
 
     result, runs = first_eval
     assert result.checkpoint == str(checkpoint) and result.checkpoint_step == 3
@@ -154,7 +154,7 @@ def test_eval_table_artifact(checkpoint: Path, tmp_path: Path) -> None:
 
 def test_paired_comparison_with_itself_is_zero(first_eval: tuple[dict[str, Any], Path], checkpoint: Path) -> None:
     from flows.evaluate import evaluate
-    from infra.tracking import Tracker
+    from infra.tracking.run import Tracker
 
     first, runs = first_eval
     again = evaluate(config=str(TINY), checkpoint=str(checkpoint), overrides=FAST, runs_dir=str(runs),

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from flows.cli import app
 from infra.config_files import load_config
 from infra.store import TrajectoryStore
-from infra.tracking import Tracker, tracking_uri_for
+from infra.tracking.run import Tracker, tracking_uri_for
 
 pytestmark = pytest.mark.slow  # the heavy tier (CI runs every tier)
 

@@ -26,7 +26,7 @@ def study(tmp_path_factory: pytest.TempPathFactory, prefect_harness: Any) -> tup
 
 
 def test_every_arm_is_profiled_on_the_same_questions(study: tuple[Any, Path]) -> None:
-    from infra.study import Arm, read_profiles
+    from infra.run.study import Arm, read_profiles
 
     result, runs = study
     out = runs / "studies" / "study-test"
@@ -44,7 +44,7 @@ def test_every_arm_is_profiled_on_the_same_questions(study: tuple[Any, Path]) ->
 
 def test_the_summary_is_reproduced_from_the_parquet_alone(study: tuple[Any, Path]) -> None:
     from flows.study import write_summary
-    from infra.study import read_costs, read_profiles, summarize_study
+    from infra.run.study import read_costs, read_profiles, summarize_study
 
     result, runs = study
     out = runs / "studies" / "study-test"
@@ -73,7 +73,7 @@ def test_the_study_is_an_mlflow_run_with_its_metrics_and_files(study: tuple[Any,
     m = run.data.metrics
     # Every arm's logged Pass@k is the mean over its questions of the Parquet's per-question outcome (a lost,
     # mislabelled or re-computed metric differs); the arithmetic itself is golden-tested in tests/core/test_study.py.
-    from infra.study import read_profiles
+    from infra.run.study import read_profiles
 
     profiles = read_profiles(Path(result.out_dir) / "profiles.parquet")
     for arm, ps in profiles.items():

@@ -20,7 +20,7 @@ def test_sweep_of_two_cells_nests_runs_and_compares(prefect_harness: Any, tmp_pa
     from prefect.artifacts import Artifact
 
     from flows.sweep import sweep
-    from infra.tracking import Tracker
+    from infra.tracking.run import Tracker
 
     result = sweep(sweep_config=str(TINY_SWEEP), runs_dir=str(tmp_path))
 
@@ -171,7 +171,7 @@ def test_shards_partition_the_runs_evenly(tmp_path: Path) -> None:
 
 def test_a_shard_runs_its_share_under_its_own_parent(prefect_harness: Any, tmp_path: Path) -> None:
     from flows.sweep import sweep
-    from infra.tracking import Tracker
+    from infra.tracking.run import Tracker
 
     result = sweep(sweep_config=str(TINY_SWEEP), runs_dir=str(tmp_path), shard="2/2")
     assert result.name == "tiny-sweep-shard2of2"

@@ -104,7 +104,7 @@ def test_fanout_sweep_runs_children_on_workers_and_matches_in_process(
     import torch
 
     from flows.sweep import sweep
-    from infra.tracking import Tracker
+    from infra.tracking.run import Tracker
 
     for k, v in AWS.items():
         monkeypatch.setenv(k, v)
@@ -232,7 +232,7 @@ def test_a_child_whose_worker_is_killed_mid_run_is_reported_and_the_others_compa
     import psutil
 
     from flows.sweep import sweep
-    from infra.tracking import Tracker
+    from infra.tracking.run import Tracker
 
     for k, v in AWS.items():
         monkeypatch.setenv(k, v)

@@ -50,7 +50,7 @@ def _prefect_state(st: Stack, flow_run_id: str) -> str:
 
 def test_train_eval_runs_and_trajectories_against_the_server(server: Stack, tmp_path: Path,
                                                              model_cache: Path) -> None:
-    from infra.tracking import Tracker
+    from infra.tracking.run import Tracker
 
     uri = server.mlflow_url
     runs = tmp_path / "worker-runs"

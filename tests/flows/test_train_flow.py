@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from infra.config_files import load_config
 from infra.numerics import auto_dtype, device_facts
 from infra.store import NODE_SCHEMA, TRAJECTORY_SCHEMA, TrajectoryStore
-from infra.tracking import tracking_uri_for
+from infra.tracking.run import tracking_uri_for
 from infra.training.checkpoint_store import CheckpointStore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,7 +100,7 @@ def test_trajectories_carry_their_questions_and_eval_writes_aepo_evals_parquet(t
     import pyarrow.parquet as pq
     from mlflow.tracking import MlflowClient
 
-    from infra.evaluation import QUESTION_SCHEMA
+    from infra.run.evaluation import QUESTION_SCHEMA
 
     out, runs = tiny_run
     traj = pd.read_parquet(Path(out.trajectories) / "trajectories")
@@ -188,7 +188,7 @@ def test_prefect_and_mlflow_runs_link_each_other(tiny_run):
 
 def test_transient_rollout_failure_is_retried(prefect_harness, tmp_path, monkeypatch):
     from flows.train import train
-    from infra.runtime import PolicyRuntime
+    from infra.run.runtime import PolicyRuntime
 
     original = PolicyRuntime.sample
     calls = {"n": 0}

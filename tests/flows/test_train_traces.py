@@ -10,7 +10,7 @@ import pytest
 
 from infra.config_files import load_config
 from infra.store import TrajectoryStore
-from infra.traces import TAG_KIND, TAG_LABEL, TAG_STEP, attributes
+from infra.tracking.traces import TAG_KIND, TAG_LABEL, TAG_STEP, attributes
 
 pytestmark = pytest.mark.slow  # the heavy tier (CI runs every tier)
 

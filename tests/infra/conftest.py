@@ -11,7 +11,7 @@ import pytest
 @pytest.fixture()
 def sandbox_launches(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     """The command lines of the real processes the Python sandbox starts during the test (Popen is counted)."""
-    from infra.tools import python_sandbox
+    from infra.tools.sandbox import tool as python_sandbox
 
     launched: list[object] = []
     real_popen = subprocess.Popen

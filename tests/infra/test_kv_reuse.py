@@ -141,7 +141,7 @@ def test_the_store_supersedes_prefixes_and_stays_under_its_cap() -> None:
 @pytest.mark.parametrize("reuse", [True, False])
 def test_the_config_turns_reuse_on_and_off(reuse: bool, tiny_policy: tuple[Any, Any], tmp_path: Any) -> None:
     from infra.numerics import numerics_for
-    from infra.runtime import _build_engine
+    from infra.run.runtime import _build_engine
 
     cfg = ExperimentConfig.model_validate({"model": {"name": "tiny-random", "generation_dtype": "same"},
                                            "rollout": {"kv_reuse": reuse}})
@@ -157,7 +157,7 @@ def test_only_continuable_rows_are_kept_and_a_rollout_frees_them(tiny_policy: tu
     from pathlib import Path
 
     from infra.config_files import load_config
-    from infra.runtime import build_runtime
+    from infra.run.runtime import build_runtime
 
     model, tok = tiny_policy
     engine = HFEngine(model, tok, kv_reuse_mb=16)

@@ -19,7 +19,7 @@ from capabilities import IN_CI, require
 
 from aepo_core.config import PythonToolConfig
 from aepo_core.interfaces import Tool
-from infra.tools.python_sandbox import NO_OUTPUT, PythonSandbox, SandboxCapabilities, sandbox_capabilities
+from infra.tools.sandbox.tool import NO_OUTPUT, PythonSandbox, SandboxCapabilities, sandbox_capabilities
 
 TIMEOUT_S = 3.0
 REPO = Path(__file__).resolve().parents[2]

@@ -23,8 +23,8 @@ import psutil
 import pytest
 from capabilities import require
 
-from infra.tools import python_sandbox
-from infra.tools.python_sandbox import PythonSandbox, SandboxCapabilities
+from infra.tools.sandbox import tool as python_sandbox
+from infra.tools.sandbox.tool import PythonSandbox, SandboxCapabilities
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO.parent / "shared" / "data" / "arpo"
@@ -102,7 +102,7 @@ def test_host_files_are_invisible_and_numpy_sympy_import(
 
 _CALLER_SCRIPT = """
 import json, os, sys
-from infra.tools.python_sandbox import PythonSandbox
+from infra.tools.sandbox.tool import PythonSandbox
 victim_dir, uid = sys.argv[1], int(sys.argv[2])
 os.setgroups([]); os.setresgid(uid, uid, uid); os.setresuid(uid, uid, uid)
 sandbox = PythonSandbox(interpreter=sys.argv[3], timeout_s=8.0)
@@ -272,7 +272,7 @@ def test_disk_budget_holds_for_the_whole_call(caps: SandboxCapabilities, tmp_pat
 
 _TRAINER_SCRIPT = """
 import sys
-from infra.tools.python_sandbox import PythonSandbox
+from infra.tools.sandbox.tool import PythonSandbox
 sandbox = PythonSandbox(timeout_s=60.0, workdir_root=sys.argv[1])
 sandbox.capabilities
 print('calling', flush=True)

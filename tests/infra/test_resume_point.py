@@ -1,4 +1,4 @@
-"""Where ``--resume`` continues (infra.trainer.find_resume_point), against a real SQLite MLflow store and local
+"""Where ``--resume`` continues (infra.run.trainer.find_resume_point), against a real SQLite MLflow store and local
 checkpoints: the run is the newest of the name with the config's model and algorithm, its checkpoints are those
 under its run id, no checkpoint means step 0 of the same run, no run of the name means nothing to resume."""
 
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from test_checkpoint import make_config, make_model, make_tokenizer
 
-from infra.tracking import Tracker
-from infra.trainer import NothingToResumeError, find_resume_point
+from infra.run.trainer import NothingToResumeError, find_resume_point
+from infra.tracking.run import Tracker
 from infra.training.checkpoint import save_checkpoint
 
 

@@ -12,9 +12,9 @@ from aepo_core.rollout.scheduler import Question, RolloutScheduler
 from infra.data.synthetic import SyntheticTask, oracle_transcript
 from infra.engines.hf import HFEngine
 from infra.models import load_policy
+from infra.run.sft import sft_loss, sft_sample, train_sft
 from infra.tools.registry import build_tools
 from infra.training.backends import TorchBackend
-from infra.training.sft import sft_loss, sft_sample, train_sft
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 
 from infra.config_files import load_config
-from infra.runtime import PolicyRuntime, build_runtime
-from infra.trainer import Trainer, latest_point
-from infra.training.sft import run_sft
+from infra.run.runtime import PolicyRuntime, build_runtime
+from infra.run.sft import run_sft
+from infra.run.trainer import Trainer, latest_point
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,8 +6,8 @@ import torch
 from test_update import VOCAB, tiny_model
 
 from aepo_core.config import OptimConfig, SFTConfig
+from infra.run.sft import sft_loss, sft_sample, train_sft
 from infra.training.backends import TorchBackend
-from infra.training.sft import sft_loss, sft_sample, train_sft
 
 
 def encode(text: str) -> list[int]:

@@ -36,7 +36,7 @@ from infra.data.synthetic import (
     oracle_transcript,
     read_fact,
 )
-from infra.tools.python_sandbox import PythonSandbox
+from infra.tools.sandbox.tool import PythonSandbox
 from infra.tools.search import Bm25Backend, SearchTool
 
 SMALL = 12  # companies in the world the oracle is run on (every question, all splits)

@@ -17,7 +17,8 @@ from aepo_core.config import ExperimentConfig
 from aepo_core.rollout.tree import RolloutTree, ToolEvent
 from aepo_core.scoring import LeafScore
 from infra.store import TrajectoryStore
-from infra.traces import (
+from infra.tracking.run import Tracker
+from infra.tracking.traces import (
     TAG_KIND,
     TAG_LABEL,
     TAG_QUESTION,
@@ -28,7 +29,6 @@ from infra.traces import (
     cut,
     tree_trace,
 )
-from infra.tracking import Tracker
 
 
 @pytest.fixture(scope="module")

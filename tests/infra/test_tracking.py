@@ -21,7 +21,7 @@ from aepo_core.rollout.tree import RolloutTree
 from aepo_core.scoring import LeafScore
 from infra.models import chat_prompt_text, prepare_tokenizer
 from infra.plots import curves_figure
-from infra.tracking import (
+from infra.tracking.run import (
     MAX_PARAM_VALUE,
     RunOrigin,
     Tracker,
@@ -303,7 +303,7 @@ def _open_fresh_store(runs: str, barrier: object, results: object) -> None:
     """One of the racing processes: wait for the other, then open the (fresh) store and create the experiment."""
     import traceback
 
-    from infra.tracking import Tracker, tracking_uri_for
+    from infra.tracking.run import Tracker, tracking_uri_for
 
     barrier.wait()  # type: ignore[attr-defined]
     try:
@@ -337,7 +337,7 @@ def test_the_run_listing_reads_sqlite_as_mlflow_does(tmp_path: Path) -> None:
 
     from mlflow.tracking import MlflowClient
 
-    from infra.run_index import _from_client, _from_sqlite, newest_runs, tracking_uri_for
+    from infra.tracking.run_index import _from_client, _from_sqlite, newest_runs, tracking_uri_for
 
     uri = tracking_uri_for(tmp_path)
     client = MlflowClient(uri)

@@ -28,7 +28,7 @@ from aepo_core.interfaces import GenerationRequest, SamplingParams
 from infra.config_files import load_config
 from infra.engines.vllm_server import VLLMServer, VLLMServerError, vllm_python
 from infra.engines.weights import PolicyWeights
-from infra.runtime import PolicyRuntime, StaleWeightsError, build_runtime
+from infra.run.runtime import PolicyRuntime, StaleWeightsError, build_runtime
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"

@@ -81,7 +81,7 @@ def _from_sqlite(db: Path, experiment: str, limit: int) -> list[RunSummary]:
 def _from_client(tracking_uri: str, experiment: str, limit: int) -> list[RunSummary]:
     from mlflow.entities import ViewType
 
-    from infra.tracking import open_store
+    from infra.tracking.run import open_store
 
     client = open_store(tracking_uri)
     exp = client.get_experiment_by_name(experiment)

@@ -2,7 +2,7 @@
 
 One :class:`PolicyRuntime` per flow run holds the model, its tokenizer, the engine that samples from it, the
 tools, the reward function and the synthetic task when a dataset names it.  Evaluation, cold-start SFT and the
-rollouts of training all run on it; only the train flow adds a :class:`~infra.trainer.Trainer` on top (backend,
+rollouts of training all run on it; only the train flow adds a :class:`~infra.run.trainer.Trainer` on top (backend,
 optimizer, data order, checkpoints).  So ``aepo eval`` neither reads the training data nor starts a training
 backend: under ``train.backend: deepspeed`` it never imports DeepSpeed.
 

@@ -42,8 +42,8 @@ from mlflow.tracking import MlflowClient
 
 from aepo_core.config import ExperimentConfig
 from aepo_core.protocol import AgentProtocol
-from infra.run_index import tracking_uri_for
-from infra.traces import TraceKind, TraceTarget, rollout_traces
+from infra.tracking.run_index import tracking_uri_for
+from infra.tracking.traces import TraceKind, TraceTarget, rollout_traces
 
 if TYPE_CHECKING:
     from aepo_core.rollout.tree import RolloutTree
@@ -621,8 +621,8 @@ class Tracker:
     def log_rollout_traces(self, trees: Sequence[RolloutTree], scores: Sequence[Sequence[LeafScore]] | None, *,
                            step: int, kind: TraceKind, label: str, questions: Mapping[str, str]
                            ) -> Future[list[str]] | None:
-        """Each of ``trees`` as an MLflow trace of the run at ``step`` (:mod:`infra.traces`), built and written in
-        the background; the future holds the trace ids. ``kind``/``label`` say what produced them
+        """Each of ``trees`` as an MLflow trace of the run at ``step`` (:mod:`infra.tracking.traces`), built and
+        written in the background; the future holds the trace ids. ``kind``/``label`` say what produced them
         (``train``/``step3``, ``eval``/``final/gsm8k``); nothing when ``trees`` is empty.
 
         Why in the background: the default sample (2 questions × 12 leaves, 194 spans) took 1.5 s a step on a

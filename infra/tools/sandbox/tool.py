@@ -8,7 +8,7 @@ the launcher for real, and reports it):
   interpreter's installation and its site-packages directories (numpy, sympy…; a venv inside the checkout
   shows only its site-packages, never the checkout), a generated minimal /etc and a few device nodes, plus a
   fresh /proc of its own PID namespace; then ``pivot_root``. The checkout, the data (gold answers), the runs dir
-  (checkpoints, ``mlflow.db``) and ``$HOME`` are simply not there. See ``sandbox_runner._build_root``.
+  (checkpoints, ``mlflow.db``) and ``$HOME`` are simply not there. See ``runner._build_root``.
 - an **unprivileged uid, always**: a fresh uid per call when the caller is root; when it is not (a user
   namespace, ``unshare -r``), uid 65534 in a nested user namespace with no capabilities. ``no_new_privs``; the
   system directories are bound ``nosuid``. Code never runs as root: a machine where no drop works runs nothing.
@@ -69,15 +69,15 @@ from aepo_core.interfaces import ToolResult
 
 logger = logging.getLogger(__name__)
 
-RUNNER_SOURCE = (Path(__file__).with_name("sandbox_runner.py")).read_text(encoding="utf-8")
-EXIT_SETUP_FAILED = 125  # keep in sync with sandbox_runner
+RUNNER_SOURCE = (Path(__file__).with_name("runner.py")).read_text(encoding="utf-8")
+EXIT_SETUP_FAILED = 125  # keep in sync with runner.py
 EXIT_CPU_LIMIT = 152
 NO_OUTPUT = "(no output)"
 # Per-call uids when the parent is root: a high range no real account or subuid mapping uses.
 SANDBOX_UID_BASE = 1_900_000_000
 SANDBOX_UID_SPAN = 1_000_000
 NOBODY_UID = 65534
-NESTED_UID = 65534  # keep in sync with sandbox_runner
+NESTED_UID = 65534  # keep in sync with runner.py
 _SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime", "/etc/alternatives")

@@ -1,7 +1,7 @@
 """Evaluating the policy on one dataset: n samples per question → unbiased Pass@1 / Pass@k with bootstrap CIs,
 and the per-question Parquet file of an evaluation.
 
-Plain functions of a :class:`~infra.runtime.PolicyRuntime`: they need no training data and no trainer, so the
+Plain functions of a :class:`~infra.run.runtime.PolicyRuntime`: they need no training data and no trainer, so the
 train flow's in-run evaluations and ``aepo eval`` of a checkpoint run the same code and write the same files.
 """
 
@@ -29,7 +29,7 @@ from infra.data.loaders import dataset_key
 from infra.data.rows import QuestionRow
 from infra.fs import is_remote, put_file, storage_options
 from infra.judge import Verdict
-from infra.runtime import PolicyRuntime
+from infra.run.runtime import PolicyRuntime
 
 EVAL_STAGING = Path("cache") / "eval"
 """Under the runs dir: the local copy of results bound for a remote ``storage.evaluations_uri``."""

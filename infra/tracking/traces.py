@@ -28,8 +28,8 @@ the trace, ends at ``end_ns`` (the leaves ran concurrently).
 
 Spans are MLflow's own span entities (:class:`~mlflow.entities.LiveSpan` over OpenTelemetry spans of a private
 tracer provider, so nothing goes through MLflow's process-global tracer, trace manager or asynchronous exporter):
-:meth:`infra.tracking.Tracker.log_traces` writes the finished traces with the run's own client
-(:meth:`~infra.tracking.Tracker.log_rollout_traces` does both in a background thread).
+:meth:`infra.tracking.run.Tracker.log_traces` writes the finished traces with the run's own client
+(:meth:`~infra.tracking.run.Tracker.log_rollout_traces` does both in a background thread).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The trainer of one RL run: backend, policy updater, data order and cursor, step counter, checkpoints.
 
-Built only by the train flow, on top of a :class:`~infra.runtime.PolicyRuntime` (which samples and scores).
+Built only by the train flow, on top of a :class:`~infra.run.runtime.PolicyRuntime` (which samples and scores).
 The trainer is the only owner of the step counter: it advances after each update and is restored by
 :meth:`Trainer.resume`.  Every verb is deterministic given the config seed and the step, so a resumed run repeats
 nothing and skips nothing: rollout seeds derive from (seed, step), the data order from (seed, epoch), and the
@@ -23,8 +23,8 @@ from infra.data.rows import QuestionRow
 from infra.engines.weights import PolicyWeights
 from infra.models import load_policy
 from infra.ranks import Ranks
-from infra.runtime import PolicyRuntime, checkpoint_root, checkpoint_store, open_checkpoints
-from infra.tracking import NamedRun, Tracker, param_value
+from infra.run.runtime import PolicyRuntime, checkpoint_root, checkpoint_store, open_checkpoints
+from infra.tracking.run import NamedRun, Tracker, param_value
 from infra.training.backends import FrozenBackend, TorchBackend, autocast_dtype
 from infra.training.batching import samples_from_trees
 from infra.training.checkpoint import CheckpointError, check_compatible, load_checkpoint, read_checkpoint_state

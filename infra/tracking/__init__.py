@@ -1,0 +1,1 @@
+"""MLflow: the client side of a run (tracking, traces, registry, run index) and the server's options."""
