@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from infra.servers import ManagedServer
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -47,7 +47,7 @@ class LocalPool:
     prefect_api: str = ""
     deployment: str = DEPLOYMENT
     startup_s: float = 0.0
-    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    procs: dict[str, ManagedServer] = field(default_factory=dict)
 
     @property
     def logs(self) -> Path:
@@ -59,23 +59,12 @@ class LocalPool:
                     "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONPATH": str(REPO), **extra})
         return env
 
-    def start(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
-        self.logs.mkdir(parents=True, exist_ok=True)
-        with open(self.logs / f"{name}.log", "ab") as fh:
-            self.procs[name] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                                start_new_session=True)
-
-    def wait_http(self, name: str, url: str, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.procs[name].poll() is not None:
-                raise RuntimeError(f"{name} exited with {self.procs[name].returncode}; see {self.logs}")
-            with contextlib.suppress(OSError):  # not listening yet: poll again
-                with urllib.request.urlopen(url, timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            time.sleep(0.5)
-        raise RuntimeError(f"{name} not up after {timeout_s} s ({url}); see {self.logs}")
+    def start(self, name: str, cmd: list[str], env: dict[str, str], health: Sequence[str] = ()) -> None:
+        """``cmd`` in a process group of its own, logging to ``<logs>/<name>.log``; returns once ``health``
+        answers (at once without one)."""
+        self.procs[name] = server = ManagedServer(name, cmd, health=health, env=env, cwd=REPO,
+                                                  log_path=self.logs / f"{name}.log")
+        server.start(timeout_s=300)
 
     def prefect(self, *args: str) -> None:
         proc = subprocess.run([str(BIN / "prefect"), "--no-prompt", *args], cwd=REPO, capture_output=True, text=True,
@@ -84,17 +73,8 @@ class LocalPool:
             raise RuntimeError(f"prefect {' '.join(args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
 
     def stop(self) -> None:
-        for proc in reversed(list(self.procs.values())):  # workers first, the servers last
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-            with contextlib.suppress(ProcessLookupError):  # and whatever the group leader left behind
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        for server in reversed(list(self.procs.values())):  # workers first, the servers last
+            server.stop(grace_s=30)
 
 
 @contextlib.contextmanager
@@ -109,9 +89,8 @@ def local_pool(runs: Path, workers: int) -> Iterator[LocalPool]:
         pool.mlflow_url = f"http://127.0.0.1:{mlflow_port}"
         pool.prefect_api = f"http://127.0.0.1:{prefect_port}/api"
         pool.start("ui", [sys.executable, "-m", "flows.cli", "ui", "--runs-dir", str(runs), "--mlflow-port",
-                          str(mlflow_port), "--prefect-port", str(prefect_port)], pool.env(COLUMNS="200"))
-        pool.wait_http("ui", f"{pool.mlflow_url}/health")
-        pool.wait_http("ui", f"{pool.prefect_api}/health")
+                          str(mlflow_port), "--prefect-port", str(prefect_port)], pool.env(COLUMNS="200"),
+                   health=[f"{pool.mlflow_url}/health", f"{pool.prefect_api}/health"])
         pool.prefect("work-pool", "create", pool.pool, "--type", "process", "--overwrite")
         pool.prefect("deploy", "--name", "train", "--pool", pool.pool)
         threads = str(max(1, (os.cpu_count() or 1) // workers))

@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
-import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from infra.servers import ManagedServer, ServerError
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -55,19 +54,23 @@ class Stack:
     s3_url: str = ""
     mlflow_url: str = ""
     prefect_api: str = ""
-    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    procs: dict[str, ManagedServer] = field(default_factory=dict)
 
     @property
     def ui_runs(self) -> Path:
         """``aepo ui``'s runs dir (its SQLite store, Prefect home and server logs)."""
         return self.tmp / "ui"
 
-    def start(self, name: str, cmd: list[str], env: dict[str, str], cwd: Path = REPO) -> subprocess.Popen[bytes]:
-        with open(self.tmp / f"{name}.log", "ab") as log:  # the child keeps its own descriptor
-            proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        self.procs[name] = proc
-        return proc
+    def start(self, name: str, cmd: list[str], env: dict[str, str], cwd: Path = REPO, health: Sequence[str] = (),
+              timeout_s: float = 180.0) -> ManagedServer:
+        """``cmd`` in a process group of its own, logging to ``<tmp>/<name>.log``; returns once ``health`` answers
+        (at once without one). A start that fails fails the test with the logs."""
+        server = ManagedServer(name, cmd, health=health, env=env, cwd=cwd, log_path=self.tmp / f"{name}.log")
+        self.procs[name] = server
+        try:
+            return server.start(timeout_s)
+        except ServerError as exc:
+            pytest.fail(f"{exc}\n{self.log_tail(name)}")
 
     def log_tail(self, name: str, n: int = 40) -> str:
         paths = [self.tmp / f"{name}.log"]
@@ -76,26 +79,11 @@ class Stack:
         return "\n".join(f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-n:])
                          for p in paths if p.is_file())
 
-    def wait_http(self, name: str, url: str, timeout_s: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.procs[name].poll() is not None:
-                pytest.fail(f"{name} exited with {self.procs[name].returncode}:\n{self.log_tail(name)}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:  # not listening yet: poll again
-                pass
-            time.sleep(0.5)
-        pytest.fail(f"{name} not up after {timeout_s} s ({url}):\n{self.log_tail(name)}")
-
     def start_s3(self) -> None:
         """A moto S3 server with the stack's bucket."""
         self.s3_url = f"http://127.0.0.1:{free_port()}"
         self.start("moto", [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", self.s3_url.rsplit(":", 1)[1]],
-                   base_env())
-        self.wait_http("moto", f"{self.s3_url}/moto-api/", timeout_s=60)
+                   base_env(), health=[f"{self.s3_url}/moto-api/"], timeout_s=60)
         self.s3().create_bucket(Bucket=self.bucket)
 
     def s3(self) -> Any:
@@ -115,13 +103,12 @@ class Stack:
         mlflow_port, prefect_port = free_port(), free_port()
         s3 = ["--artifacts-destination", f"s3://{self.bucket}/mlartifacts", "--s3-endpoint-url",
               self.s3_url] if self.s3_url else []
-        self.start("ui", [sys.executable, "-m", "flows.cli", "ui", "--runs-dir", str(self.ui_runs), "--host",
-                          "127.0.0.1", "--mlflow-port", str(mlflow_port), "--prefect-port", str(prefect_port),
-                          *s3], base_env(COLUMNS="200"))
         self.mlflow_url = f"http://127.0.0.1:{mlflow_port}"
         self.prefect_api = f"http://127.0.0.1:{prefect_port}/api"
-        self.wait_http("ui", f"{self.mlflow_url}/health")
-        self.wait_http("ui", f"{self.prefect_api}/health")
+        self.start("ui", [sys.executable, "-m", "flows.cli", "ui", "--runs-dir", str(self.ui_runs), "--host",
+                          "127.0.0.1", "--mlflow-port", str(mlflow_port), "--prefect-port", str(prefect_port),
+                          *s3], base_env(COLUMNS="200"),
+                   health=[f"{self.mlflow_url}/health", f"{self.prefect_api}/health"])
 
     def prefect_cli(self, *args: str, timeout_s: float = 180.0) -> str:
         env = base_env(PREFECT_API_URL=self.prefect_api, PREFECT_HOME=str(self.tmp / "prefect-cli"),
@@ -133,18 +120,7 @@ class Stack:
 
     def stop(self, name: str) -> None:
         """Stop ``name``'s process group (SIGTERM, then SIGKILL after 30 s) and forget it."""
-        proc = self.procs.pop(name)
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        with contextlib.suppress(ProcessLookupError):  # children the leader left behind
-            os.killpg(proc.pid, signal.SIGKILL)
+        self.procs.pop(name).stop(grace_s=30)
 
 
 @contextlib.contextmanager

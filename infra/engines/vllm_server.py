@@ -35,19 +35,16 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
 from aepo_core.config import VLLMConfig
 from infra.numerics import auto_dtype, device_facts, vllm_device
-from infra.processes import set_parent_death_signal
+from infra.servers import ManagedServer, ServerError
 
 log = logging.getLogger(__name__)
 
@@ -112,12 +109,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """The child gets SIGTERM when the thread that started it dies (Linux ``prctl``; a no-op elsewhere)."""
-    os.setsid()
-    set_parent_death_signal(signal.SIGTERM)
-
-
 class VLLMControl:
     """The RL endpoints of a vLLM server (0.32, started with ``VLLM_SERVER_DEV_MODE=1``): the weight receiver of
     the remote engine, for the server a run manages and for one someone else runs (``rollout.remote.weight_sync:
@@ -170,16 +161,20 @@ class VLLMControl:
                                   f"not {version!r}")
 
 
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
-
+def quoted_lines(lines: list[str], n: int = 15) -> list[str]:
+    """The server's last ``n`` log lines without its shutdown noise, led by its first error line when that
+    scrolled out of them (a dying worker's cause comes before pages of teardown)."""
+    kept = [line for line in lines if not line.startswith(SHUTDOWN_NOISE)]
+    tail = kept[-n:]
+    first_error = next((line for line in kept if _ERROR_LINE.search(line)), None)
+    if first_error is not None and first_error not in tail:
+        tail = [first_error, "…", *tail]
+    return tail
 
 
 class VLLMServer:
-    """One ``vllm serve`` process group for ``model_dir`` (see the module docstring)."""
+    """One ``vllm serve`` process group for ``model_dir`` (see the module docstring), an
+    :class:`~infra.servers.ManagedServer` that gets SIGTERM when the thread that started it dies."""
 
     def __init__(self, model_dir: str | os.PathLike[str], cfg: VLLMConfig, *, served_name: str = "policy",
                  log_path: str | os.PathLike[str] | None = None) -> None:
@@ -191,11 +186,8 @@ class VLLMServer:
         self.port = cfg.port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.control = VLLMControl(self.url, log_tail=self.last_log_lines)
-        self.log_path = Path(log_path) if log_path else None
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._tail: deque[str] = deque(maxlen=400)
-        self._reader: threading.Thread | None = None
-        self._log_fh = None
+        self.log_path = log_path
+        self.server: ManagedServer | None = None  # from start() on
 
     # ------------------------------------------------------------------ lifecycle
     def command(self) -> list[str]:
@@ -214,135 +206,47 @@ class VLLMServer:
         return cmd + list(c.extra_args)
 
     def start(self) -> VLLMServer:
-        if self._proc is not None:
+        if self.server is not None:
             return self
         if vllm_device() == "cpu" and (why := cpu_refusal(self.model_dir)) is not None:
             raise VLLMServerError(why)
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         env.pop("PYTHONPATH", None)  # our packages are not vLLM's
-        cmd = self.command()
-        log.info("starting vLLM: %s", " ".join(cmd))
-        if self.log_path is not None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._log_fh = open(self.log_path, "ab")  # closed in close()
-        self._proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-        self._reader = threading.Thread(target=self._pump, name="vllm-log", daemon=True)
-        self._reader.start()
+        self.server = ManagedServer("vLLM", self.command(), health=[self.url + "/health"], env=env,
+                                    log_path=self.log_path, parent_death=signal.SIGTERM, tail_filter=quoted_lines)
+        log.info("starting vLLM: %s", " ".join(self.server.command))
         t0 = time.monotonic()
         try:
-            self._wait_healthy(t0 + self.cfg.startup_timeout_s)
-        except BaseException:
-            self.close()
-            raise
+            self.server.start(self.cfg.startup_timeout_s, timeout_setting="rollout.vllm.startup_timeout_s")
+        except ServerError as exc:
+            raise VLLMServerError(str(exc)) from None
         log.info("vLLM serving %s at %s after %.0f s", self.model_dir.name, self.url, time.monotonic() - t0)
         return self
 
-    def _pump(self) -> None:
-        proc = self._proc
-        if proc is None or proc.stdout is None:
-            return
-        for raw in proc.stdout:
-            self._tail.append(raw.decode(errors="replace").rstrip())
-            if self._log_fh is not None:
-                self._log_fh.write(raw)
-                self._log_fh.flush()
-
     def last_log_lines(self, n: int = 15) -> str:
-        """The server's last ``n`` log lines without its shutdown noise, led by its first error line when that
-        scrolled out of them (a dying worker's cause comes before pages of teardown)."""
-        lines = [line for line in self._tail if not line.startswith(SHUTDOWN_NOISE)]
-        tail = lines[-n:]
-        first_error = next((line for line in lines if _ERROR_LINE.search(line)), None)
-        if first_error is not None and first_error not in tail:
-            tail = [first_error, "…", *tail]
-        return "\n".join(tail)
-
-    def _wait_healthy(self, deadline: float) -> None:
-        while True:
-            proc = self._proc
-            if proc is None or proc.poll() is not None:
-                code = None if proc is None else proc.returncode
-                time.sleep(0.2)  # let the log reader drain the last lines
-                raise VLLMServerError(f"the vLLM server exited with code {code} while starting; its last lines:\n"
-                                      f"{self.last_log_lines()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise VLLMServerError(
-                    f"the vLLM server was not healthy after {self.cfg.startup_timeout_s:.0f} s "
-                    f"(rollout.vllm.startup_timeout_s); its last lines:\n{self.last_log_lines()}")
-            time.sleep(0.5)
+        """The server's last ``n`` log lines as :func:`quoted_lines` picks them."""
+        return self.server.tail(n) if self.server is not None else ""
 
     @property
     def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        return self.server is not None and self.server.running
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        return self.server.pid if self.server is not None else None
 
     def close(self, grace_s: float = 20.0) -> None:
         """Stop the whole process group: SIGTERM, then SIGKILL if anything of it is left after ``grace_s``; returns
         when no process of the group is left.  Idempotent."""
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            _signal_group(proc.pid, signal.SIGTERM)
-            if not _wait_group_gone(proc, grace_s):
-                log.warning("the vLLM server did not stop within %.0f s of SIGTERM: killing it", grace_s)
-                _signal_group(proc.pid, signal.SIGKILL)
-                _wait_group_gone(proc, 10.0)
-            if self._reader is not None:
-                self._reader.join(timeout=5)
-        if self._log_fh is not None:
-            self._log_fh.close()
-            self._log_fh = None
+        if self.server is not None and self.server.proc is not None and not self.server.stop(grace_s):
+            log.warning("the vLLM server did not stop within %.0f s of SIGTERM: it was killed", grace_s)
 
     def __enter__(self) -> VLLMServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-def _live_members(pgid: int) -> list[int]:
-    """Pids of the group's processes that are not zombies (an orphaned zombie waits for init to reap it, and
-    holds nothing).  Without /proc: the group exists or not."""
-    proc = Path("/proc")
-    if not proc.is_dir():  # pragma: no cover - Linux has /proc
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return []
-        return [pgid]
-    live = []
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # state ppid pgrp …, after the parenthesised command
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            live.append(int(entry.name))
-    return live
-
-
-def _wait_group_gone(leader: subprocess.Popen[bytes], timeout_s: float) -> bool:
-    """Wait until no process of the leader's group exists (the leader reaped, its children gone)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        leader.poll()  # reap the leader, or it stays a zombie member of its group
-        if not _live_members(leader.pid):
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
 
 
 __all__ = ["VLLMControl", "VLLMServer", "VLLMServerError", "free_port", "vllm_python"]

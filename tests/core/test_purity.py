@@ -116,3 +116,88 @@ def test_no_attribute_probing_between_layers():
         for node in ast.walk(ast.parse(f.read_text(), filename=str(f))):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 assert node.func.id not in ("hasattr", "getattr"), f"{f.relative_to(ROOT)}:{node.lineno} probes"
+
+
+# ---------------------------------------------------------------------------------------------- the house of infra/
+# flows → tasks → infra/run (the services that compose adapters) → infra/<outside system> (an adapter per package or
+# module: engines, tools, training, tracking, data, models, store, …) → aepo_core. README "Layout" draws it.
+SERVICES = "infra.run"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _infra_imports() -> dict[str, set[str]]:
+    """Each infra module → the infra modules it imports (at the top or inside a function: both run)."""
+    modules = {_module_name(p): p for p in sorted((ROOT / "infra").rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            found: list[str] = []
+            if isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                parts = package[: len(package) - node.level + 1] if node.level else []
+                base = ".".join([*parts, *([node.module] if node.module else [])])
+                found = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            targets.update(t for t in found if t in modules and t != name)
+        graph[name] = targets
+    return graph
+
+
+def test_no_adapter_imports_the_run_services():
+    bad = {m: sorted(t for t in targets if t == SERVICES or t.startswith(SERVICES + "."))
+           for m, targets in _infra_imports().items() if not (m == SERVICES or m.startswith(SERVICES + "."))}
+    assert {m: t for m, t in bad.items() if t} == {}
+
+
+def test_engines_and_models_do_not_import_the_training_internals():
+    bad = {m: sorted(t for t in targets if t.startswith(TRAINING_INTERNALS))
+           for m, targets in _infra_imports().items() if m.startswith("infra.engines") or m == "infra.models"}
+    assert {m: t for m, t in bad.items() if t} == {}
+
+
+def test_adapters_import_no_private_name_of_another_package():
+    """``from infra.<a>.x import _name`` from outside ``infra.<a>``: an adapter's internals stay its own."""
+    for path in sorted((ROOT / "infra").rglob("*.py")):
+        here = _module_name(path).split(".")[:2]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("infra"):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private or node.module.split(".")[:2] == here, f"{path.relative_to(ROOT)}: {private}"
+
+
+def test_no_import_cycle_inside_infra():
+    graph = _infra_imports()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert cycles == []

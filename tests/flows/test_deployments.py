@@ -40,7 +40,7 @@ def _wait_for_log(st: Stack, name: str, needle: str, timeout_s: float = 180.0) -
     while time.monotonic() < deadline:
         if needle in (st.tmp / f"{name}.log").read_text(errors="replace"):
             return
-        if st.procs[name].poll() is not None:
+        if not st.procs[name].running:
             pytest.fail(f"{name} exited:\n{st.log_tail(name)}")
         time.sleep(0.5)
     pytest.fail(f"{name}: no {needle!r} after {timeout_s} s:\n{st.log_tail(name)}")

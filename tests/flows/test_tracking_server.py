@@ -154,7 +154,7 @@ def test_sigterm_stops_the_ui_and_both_servers(tmp_path: Path) -> None:
         # uses) took 23 s of CPU a minute, idle (AMD EPYC, 2 cores)
         assert not [c for c in cmdlines if "huey" in c], cmdlines
         os.kill(ui.pid, signal.SIGTERM)
-        assert ui.wait(timeout=60) == 0
+        assert ui.proc is not None and ui.proc.wait(timeout=60) == 0
         _, alive = psutil.wait_procs(tree, timeout=30)
         assert not alive, [p.cmdline() for p in alive]
         for url in (f"{server.mlflow_url}/health", f"{server.prefect_api}/health"):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from aepo_core.config import VLLMConfig
-from infra.engines.vllm_server import CPU_HEAD_SIZES, VLLMServer, VLLMServerError, cpu_refusal
+from infra.engines.vllm_server import CPU_HEAD_SIZES, VLLMServer, VLLMServerError, cpu_refusal, quoted_lines
 from infra.models import TINY_RANDOM_SHAPE
 from infra.numerics import device_facts
 
@@ -46,12 +46,11 @@ def test_cpu_refusal_reads_the_head_size_from_the_model_config(tmp_path: Path, s
     assert cpu_refusal(tmp_path / "no-such-model") is None  # vLLM's own loader names a missing directory
 
 
-def test_errors_quote_the_servers_real_error_not_its_shutdown_noise(tmp_path: Path):
-    server = VLLMServer(tmp_path, VLLMConfig(python=sys.executable))
-    server._tail.extend(["INFO starting", "ERROR RuntimeError: Unsupported CPU attention configuration: head_dim=16",
-                         *[f"INFO teardown {i}" for i in range(20)],
-                         "nanobind: leaked 3 instances!", " - leaked type \"vllm._C.Foo\"",
-                         "nanobind: this is likely caused by a reference counting issue in the binding code."])
-    quoted = server.last_log_lines()
+def test_errors_quote_the_servers_real_error_not_its_shutdown_noise():
+    lines = ["INFO starting", "ERROR RuntimeError: Unsupported CPU attention configuration: head_dim=16",
+             *[f"INFO teardown {i}" for i in range(20)],
+             "nanobind: leaked 3 instances!", " - leaked type \"vllm._C.Foo\"",
+             "nanobind: this is likely caused by a reference counting issue in the binding code."]
+    quoted = "\n".join(quoted_lines(lines))
     assert quoted.splitlines()[0].endswith("Unsupported CPU attention configuration: head_dim=16")
     assert "nanobind" not in quoted and "leaked" not in quoted and "INFO teardown 19" in quoted

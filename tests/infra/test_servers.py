@@ -1,0 +1,73 @@
+"""The one managed server (infra/servers.py) on real processes: Python's http.server as the server."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from infra.engines.vllm_server import free_port
+from infra.servers import ManagedServer, ServerError, live_members
+
+# a server that also starts a grandchild (a worker of its own) before serving
+WITH_WORKER = ("import subprocess, sys, http.server;"
+               "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']);"
+               "print('serving', flush=True);"
+               "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), http.server.SimpleHTTPRequestHandler)"
+               ".serve_forever()")
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["pipe", "log-file"])
+def test_start_waits_for_health_and_stop_ends_the_whole_group(tmp_path: Path, log: bool) -> None:
+    port = free_port()
+    server = ManagedServer("toy", [sys.executable, "-c", WITH_WORKER, str(port)], cwd=tmp_path,
+                           health=[f"http://127.0.0.1:{port}/"], log_path=tmp_path / "toy.log" if log else None)
+    with server:
+        assert server.running and server.pid is not None
+        pgid = server.pid
+        group = live_members(pgid)
+        assert len(group) == 2, group  # the server and its worker, in a group of their own
+        assert psutil.Process(pgid).children()  # (the worker is the server's child)
+        assert "serving" in server.tail()
+    assert not server.running and server.pid is None
+    assert live_members(pgid) == []  # the worker went with it
+    assert server.stop() is True  # idempotent
+
+
+def test_a_server_that_dies_while_starting_says_why(tmp_path: Path) -> None:
+    server = ManagedServer("doomed", [sys.executable, "-c", "import sys; print('no such model: /x'); sys.exit(3)"],
+                           health=[f"http://127.0.0.1:{free_port()}/"])
+    with pytest.raises(ServerError) as err:
+        server.start(timeout_s=60)
+    message = str(err.value)
+    assert "the doomed server exited with code 3 while starting" in message and "no such model: /x" in message
+    assert server.pid is None
+
+
+def test_a_server_that_never_answers_is_stopped_and_names_its_timeout_setting(tmp_path: Path) -> None:
+    server = ManagedServer("mute", [sys.executable, "-c", "import time; print('loading', flush=True); "
+                                                         "time.sleep(600)"],
+                           health=[f"http://127.0.0.1:{free_port()}/health"])
+    with pytest.raises(ServerError) as err:
+        server.start(timeout_s=1, timeout_setting="rollout.vllm.startup_timeout_s")
+    message = str(err.value)
+    assert "did not answer" in message and "within 1 s (rollout.vllm.startup_timeout_s)" in message
+    assert "loading" in message
+    assert not server.running
+
+
+def test_a_server_deaf_to_sigterm_is_killed_after_its_grace(tmp_path: Path) -> None:
+    deaf = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); "
+            "time.sleep(600)")
+    server = ManagedServer("deaf", [sys.executable, "-c", deaf]).start()
+    pgid = server.pid
+    assert pgid is not None
+    deadline = time.monotonic() + 60
+    while "up" not in server.tail():  # its handler is installed
+        assert time.monotonic() < deadline, server.tail()
+        time.sleep(0.05)
+    assert server.stop(grace_s=1) is False  # SIGTERM did not suffice: SIGKILL did
+    assert live_members(pgid) == []
