@@ -46,6 +46,11 @@ def verbosity() -> int:
     return _verbosity
 
 
+def prefect_home(runs: Path, rank: int = 0) -> Path:
+    """``PREFECT_HOME`` of the runs dir: ``<runs>/prefect``, a private one per data-parallel rank > 0."""
+    return runs / ("prefect" if rank == 0 else f"prefect-rank{rank}")
+
+
 def prepare_environment(runs: Path, rank: int = 0) -> None:
     """Point Prefect at ``<runs>/prefect`` before it is imported (afterwards its settings are fixed: then this
     only warns, e.g. under a test harness that already configured Prefect).
@@ -54,7 +59,7 @@ def prepare_environment(runs: Path, rank: int = 0) -> None:
     Prefect API in ``<runs>/prefect-rank<N>`` (``PREFECT_API_URL`` dropped): the flow run, its task runs and
     artifacts that people and the Prefect UI see are rank 0's alone.
     """
-    home = runs / ("prefect" if rank == 0 else f"prefect-rank{rank}")
+    home = prefect_home(runs, rank)
     if "prefect" in sys.modules:
         log.debug("prefect already imported: PREFECT_HOME stays %s", os.environ.get("PREFECT_HOME"))
         return
@@ -78,6 +83,15 @@ def quiet_environment(verbosity: int) -> dict[str, str]:
 
         if not torch.cuda.is_available():
             env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
+def server_environment(runs: Path, prefect_ui_api_url: str) -> dict[str, str]:
+    """The environment of the servers ``aepo ui`` starts: this process's, with the runs dir's Prefect home, no
+    analytics, the API URL the Prefect UI calls, and no ``PREFECT_API_URL`` (the Prefect server is that API)."""
+    env = {**os.environ, "PREFECT_HOME": str(prefect_home(runs)), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_UI_API_URL": prefect_ui_api_url}
+    env.pop("PREFECT_API_URL", None)
     return env
 
 

@@ -18,6 +18,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
+from flows.cli.environment import prefect_home, server_environment
 from flows.cli.inputs import RunsOpt, healthy, resolve_runs_dir
 from flows.cli.render import err, fail, out, where_table
 from infra.tracking.server import (
@@ -127,12 +128,10 @@ def ui(
     if mlflow.local_artifacts:
         Path(mlflow.artifacts_destination).mkdir(parents=True, exist_ok=True)
     bindir = Path(sys.executable).parent
-    env = mlflow.environment({**os.environ, "PREFECT_HOME": str(rdir / "prefect"),
-                              "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_API_URL": f"{prefect_url}/api"})
-    env.pop("PREFECT_API_URL", None)
+    env = mlflow.environment(server_environment(rdir, f"{prefect_url}/api"))
     commands = {"mlflow": mlflow.command(bindir, host, mlflow_port, [] if local_only else allowed_hosts(public))}
     if not no_prefect:
-        (rdir / "prefect").mkdir(parents=True, exist_ok=True)
+        prefect_home(rdir).mkdir(parents=True, exist_ok=True)
         commands["prefect"] = [str(bindir / "prefect"), "server", "start", "--host", host, "--port",
                                str(prefect_port)]
     logs = rdir / "logs"
