@@ -116,7 +116,7 @@ def ui(
     for _, port, option in servers:
         _check_listen(host, port, option)
     try:
-        mlflow = ServerOptions.checked(backend_store_uri, artifacts_destination, s3_endpoint_url, rdir)
+        mlflow_server = ServerOptions.checked(backend_store_uri, artifacts_destination, s3_endpoint_url, rdir)
     except ServerOptionError as exc:
         fail(str(exc))
     public = _public_host(host)
@@ -125,11 +125,11 @@ def ui(
     mlflow_url, prefect_url = f"http://{hostport}:{mlflow_port}", f"http://{hostport}:{prefect_port}"
 
     rdir.mkdir(parents=True, exist_ok=True)
-    if mlflow.local_artifacts:
-        Path(mlflow.artifacts_destination).mkdir(parents=True, exist_ok=True)
+    if mlflow_server.local_artifacts:
+        Path(mlflow_server.artifacts_destination).mkdir(parents=True, exist_ok=True)
     bindir = Path(sys.executable).parent
-    env = mlflow.environment(server_environment(rdir, f"{prefect_url}/api"))
-    commands = {"mlflow": mlflow.command(bindir, host, mlflow_port, [] if local_only else allowed_hosts(public))}
+    env = mlflow_server.environment(server_environment(rdir, f"{prefect_url}/api"))
+    commands = {"mlflow": mlflow_server.command(bindir, host, mlflow_port, [] if local_only else allowed_hosts(public))}
     if not no_prefect:
         prefect_home(rdir).mkdir(parents=True, exist_ok=True)
         commands["prefect"] = [str(bindir / "prefect"), "server", "start", "--host", host, "--port",
@@ -151,8 +151,8 @@ def ui(
                 if not _wait_http(health[name], procs, startup_timeout):
                     fail(f"the {name} server did not come up (log: {logs / f'{name}-server.log'})", code=1)
         console.print(where_table([
-            ("MLflow", f"{mlflow_url}   (runs: {redacted(mlflow.backend_store_uri)}; artifacts: "
-                       f"{mlflow.artifacts_destination})"),
+            ("MLflow", f"{mlflow_url}   (runs: {redacted(mlflow_server.backend_store_uri)}; artifacts: "
+                       f"{mlflow_server.artifacts_destination})"),
             *([] if no_prefect else [("Prefect", prefect_url)]),
             ("runs dir", str(rdir)),
             ("server logs", str(logs)),
