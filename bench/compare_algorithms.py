@@ -421,7 +421,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from flows.cli import sigterm_unwinds
+    from flows.cli.environment import sigterm_unwinds
 
     with sigterm_unwinds():  # `kill` stops the pool's processes and Prefect's temporary server too
         return run(args)
@@ -429,7 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Shared SFT, the sweep (in this process or through a ``--workers`` pool), the analysis, the JSON."""
-    from flows.cli import prepare_environment
+    from flows.cli.environment import prepare_environment
 
     if args.workers < 0:
         raise SystemExit(f"--workers must be >= 0; got {args.workers}")

@@ -138,7 +138,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from flows.cli import prepare_environment, sigterm_unwinds
+    from flows.cli.environment import prepare_environment, sigterm_unwinds
 
     runs = args.runs_dir.resolve()
     prepare_environment(runs)

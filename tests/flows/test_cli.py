@@ -306,13 +306,13 @@ def test_progress_comes_from_structured_events_not_from_the_log_text() -> None:
     """The bar reads the event a task attaches to its log record; the message itself may say anything."""
     import logging
 
-    from flows.cli import _ProgressHandler
+    from flows.cli.render import ProgressHandler
     from tasks.progress import Progress, report
 
     seen: list[Progress] = []
     logger = logging.getLogger("aepo.test.progress")
     logger.setLevel(logging.INFO)
-    handler = _ProgressHandler(seen.append)
+    handler = ProgressHandler(seen.append)
     logger.addHandler(handler)
     try:
         report(logger, Progress("update", done=3, total=5), "whatever wording: %s", "reworded")

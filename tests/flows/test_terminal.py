@@ -13,7 +13,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from flows.cli import QUIET_ENV, app, quiet_environment
+from flows.cli import app
+from flows.cli.environment import QUIET_ENV, quiet_environment
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.yaml")

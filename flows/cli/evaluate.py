@@ -1,0 +1,105 @@
+"""``aepo eval``: evaluate a checkpoint, a registered policy or the configured model (Pass@1/Pass@k with CIs,
+per-question Parquet, an optional judge and a paired comparison with an earlier evaluation)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.progress import Progress
+from rich.table import Table
+
+from aepo_core.config import ConfigError
+from flows.cli.environment import prepare_environment, start_prefect_api
+from flows.cli.inputs import (
+    RunsOpt,
+    SetOpt,
+    check_datasets,
+    check_tracking_server,
+    load_checked_config,
+    resolve_runs_dir,
+    with_runs_dir,
+)
+from flows.cli.render import eval_table, fail, flow_progress, fmt, out, print_numerics, ui_hint, where_table
+from tasks.progress import Progress as ProgressEvent
+
+
+def _eval_progress(bar: Progress, task: Any, event: ProgressEvent) -> None:
+    if event.stage == "evaluate":
+        bar.update(task, advance=1, description=f"evaluated {event.name}")
+
+
+def eval_(
+    checkpoint: Annotated[str | None, typer.Option("--checkpoint", help="Checkpoint dir (step-NNNNNN) or a run's "
+                                                   "checkpoint root (its newest), local or s3://… (the endpoint from "
+                                                   "--config / --set storage.s3_endpoint_url), or a registered "
+                                                   "policy models:/<name>/<version> (the registry of --set "
+                                                   "tracking.tracking_uri, default the runs dir's); omit for the "
+                                                   "configured model.")] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="Config YAML (default: the checkpoint's).")
+                      ] = None,
+    dataset: Annotated[list[str] | None, typer.Option("--dataset", "-d", help="Dataset to evaluate (repeatable; "
+                                                      "default: eval.datasets).")] = None,
+    set_: SetOpt = None,
+    runs_dir: RunsOpt = None,
+    run_name: Annotated[str | None, typer.Option("--run-name")] = None,
+    compare_to: Annotated[str | None, typer.Option("--compare-to", help="A previous evaluation's per-question "
+                                                   "Parquet (or its directory): paired Pass@1 difference.")] = None,
+) -> None:
+    """Evaluate a checkpoint: Pass@1/Pass@k with CIs, per-question Parquet, optional judge and paired comparison."""
+    base = load_checked_config(config, [], training=False) if config is not None else None
+    runs = resolve_runs_dir(runs_dir, base)
+    from infra.fs import StorageError, is_remote, probe, storage_options
+
+    if compare_to is not None and not is_remote(compare_to) and not Path(compare_to).exists():
+        fail(f"--compare-to {compare_to}: no such file or directory")
+    prepare_environment(runs)
+    from flows.evaluate import (
+        checkpoint_source,
+        eval_storage,
+        evaluate,
+        fetch_registered_policy,
+        resolve_checkpoint,
+        resolve_eval_config,
+    )
+    from infra.run.runtime import CheckpointError
+    from infra.tracking.run import RegistryError, is_registered_model
+    from tasks.retry import USER_ERRORS
+
+    try:
+        registered = fetch_registered_policy(checkpoint, base, set_, runs) if is_registered_model(checkpoint) else None
+        ckpt = resolve_checkpoint(checkpoint if registered is None else None, eval_storage(base, set_), runs)
+        cfg = resolve_eval_config(base, ckpt, set_, dataset, registered)
+        check_datasets(cfg, training=False)
+        if cfg.storage.evaluations_uri:
+            probe(cfg.storage.evaluations_uri, storage_options(cfg.storage, cfg.storage.evaluations_uri))
+    except (ConfigError, CheckpointError, StorageError, RegistryError) as exc:
+        fail(str(exc))
+    check_tracking_server(cfg.tracking.tracking_uri)
+    print_numerics(cfg)
+    start_prefect_api()  # after every check: bad input exits without starting a server
+    cfg = with_runs_dir(cfg, runs)
+    source = checkpoint if registered is not None else checkpoint_source(checkpoint, ckpt)
+    try:
+        with flow_progress("evaluating", len(cfg.eval.datasets) or None, _eval_progress):
+            result = evaluate(config=cfg, checkpoint=source, runs_dir=str(runs),
+                              compare_to=compare_to, run_name=run_name)
+    except USER_ERRORS as exc:  # the user's input (a bad row, a bad config), found by the flow: as before it
+        fail(str(exc))
+    except Exception as exc:
+        fail(f"evaluation failed: {exc}", code=1)
+    console = out()
+    console.print(eval_table(f"aepo eval: {result.run_name} (step {result.checkpoint_step})", result.summary,
+                             result.pass_k, result.judge if result.judge else None))
+    if result.compare:
+        cmp = Table(title=f"paired Pass@1 difference vs {compare_to}", title_justify="left")
+        for col in ("dataset", "questions", "diff", "95% CI"):
+            cmp.add_column(col)
+        for ds, c in result.compare.items():
+            cmp.add_row(ds, fmt(c["questions"], 0), f"{c['diff']:+.4f}", f"[{c['ci_low']:.4f}, {c['ci_high']:.4f}]")
+        console.print(cmp)
+    console.print(where_table([("MLflow run", f"{result.run_id}  ({result.tracking_uri})"),
+                               ("per-question results", result.results_dir)]))
+    console.print(escape(ui_hint(result.tracking_uri, runs)))

@@ -1,0 +1,145 @@
+"""``aepo sweep``: a grid of training runs (cells × seeds) nested under one MLflow run, here one by one or as flow
+runs of a deployment, then their comparison; ``--dry-run`` lists the runs and starts nothing."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+from rich import box
+from rich.markup import escape
+from rich.progress import Progress
+from rich.table import Table
+
+from aepo_core.config import ConfigError
+from flows.cli.environment import prepare_environment, start_prefect_api
+from flows.cli.inputs import DEFAULT_RUNS_DIR, RunsOpt, check_datasets, check_tracking_server, healthy
+from flows.cli.render import fail, flow_progress, fmt, out, ui_hint, where_table
+from tasks.progress import Progress as ProgressEvent
+
+
+def _sweep_runs_dir(option: str | None, path: Path) -> Path:
+    """--runs-dir / $AEPO_RUNS_DIR, else the sweep file's runs_dir (relative to the file), else ./runs."""
+    if option:
+        return Path(option).expanduser().resolve()
+    from infra.config_files import read_config_text
+
+    try:
+        raw = yaml.safe_load(read_config_text(path, "sweep file")) or {}
+    except ConfigError as exc:
+        fail(str(exc))
+    except yaml.YAMLError as exc:
+        fail(f"cannot read sweep file {path}: {exc}")
+    value = raw.get("runs_dir") if isinstance(raw, dict) else None
+    if value:
+        p = Path(str(value)).expanduser()
+        return (p if p.is_absolute() else path.resolve().parent / p).resolve()
+    return Path(DEFAULT_RUNS_DIR).resolve()
+
+
+def _sweep_plan(spec: Any, selected: Sequence[Any]) -> Table:
+    """``aepo sweep --dry-run``: the runs a sweep (a ``SweepSpec``) would start, each with its cell's overrides;
+    the ones every cell shares in the caption."""
+    def joined(overrides: dict[str, Any]) -> str:
+        return ", ".join(f"{k}={v}" for k, v in overrides.items()) or "–"
+
+    table = Table(title=f"aepo sweep {spec.name}: {len(selected)} run(s), nothing started", title_justify="left",
+                  caption=f"every cell (base {spec.base_source}): {joined(spec.overrides)}", caption_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("cell", "seed", "run name", "cell overrides"):
+        table.add_column(col, overflow="fold")
+    for run in selected:
+        own = {k: v for k, v in run.overrides.items()
+               if k != "seed" and (k not in spec.overrides or k in spec.forced or spec.overrides[k] != v)}
+        table.add_row(run.cell, str(run.seed), run.run_name, joined(own))
+    return table
+
+
+def sweep_cmd(
+    config: Annotated[Path, typer.Option("--config", "-c", help="Sweep YAML (format: flows/sweep.py).")],
+    runs_dir: RunsOpt = None,
+    shard: Annotated[str | None, typer.Option("--shard", help="Run only shard i/N of the (cell, seed) list (every "
+                                              "N-th from the i-th); superseded by --deployment and a work pool.")
+                     ] = None,
+    deployment: Annotated[str | None, typer.Option(
+        "--deployment", help="Submit each (cell, seed) as a flow run of this deployment (e.g. aepo-train/train) "
+                             "to the Prefect server at $PREFECT_API_URL; default: run them here, one by one.")] = None,
+    max_parallel: Annotated[int, typer.Option("--max-parallel", min=1, help="With --deployment: child flow runs "
+                                              "in flight at once.")] = 4,
+    child_timeout: Annotated[float | None, typer.Option(
+        "--child-timeout", help="With --deployment: seconds after which an unfinished child is cancelled and "
+                                "reported failed (default: wait).")] = None,
+    child_lost_after: Annotated[float | None, typer.Option(
+        "--child-lost-after", help="With --deployment: seconds without a heartbeat after which a running child "
+                                   "counts as lost with its worker: marked Crashed and reported failed (default: "
+                                   "3 × PREFECT_FLOWS_HEARTBEAT_FREQUENCY, 180 s unless set).")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", "-s", help="Dotted override key=value for every cell, "
+                                                   "applied after the cell's own (repeatable).")] = None,
+    cells: Annotated[list[str] | None, typer.Option("--cells", help="Run only these cells (comma-separated or "
+                                                    "repeated), e.g. --cells aepo,grpo.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="List the runs (cell, seed, run name, overrides) and "
+                                          "exit: nothing is started or created.")] = False,
+) -> None:
+    """Run a grid of training runs (cells × seeds) nested under one MLflow run, then compare them."""
+    if not config.is_file():
+        fail(f"sweep file not found: {config}")
+    from flows.sweep_spec import load_sweep, shard_runs
+
+    only = [c.strip() for item in cells for c in item.split(",") if c.strip()] if cells else None
+    try:
+        spec = load_sweep(config, list(set_ or []), only)
+        selected = shard_runs(spec.runs, shard)
+        for run in selected:
+            check_datasets(run.config)
+    except ConfigError as exc:
+        fail(str(exc))
+    if dry_run:
+        out().print(_sweep_plan(spec, selected))
+        return
+    runs = _sweep_runs_dir(runs_dir, config)
+    if deployment is not None:
+        api_url = os.environ.get("PREFECT_API_URL")
+        if not api_url:
+            fail("--deployment needs a Prefect server with workers: export PREFECT_API_URL=http://127.0.0.1:4200/api "
+                 "(README, 'Scaling out')")
+        if not healthy(api_url):
+            fail(f"--deployment: no Prefect server at PREFECT_API_URL={api_url}", code=1)
+    prepare_environment(runs)
+    from flows.sweep import sweep
+    from tasks.retry import USER_ERRORS
+
+    check_tracking_server(spec.base.tracking.tracking_uri)
+    start_prefect_api()  # after every check: bad input exits without starting a server
+
+    def on_event(bar: Progress, task: Any, event: ProgressEvent) -> None:
+        if event.stage == "cell":
+            bar.update(task, completed=event.done, total=event.total, description=event.name)
+
+    try:
+        with flow_progress(f"sweep {spec.name}", len(selected), on_event) as progress:
+            result = sweep(sweep_config=str(config.resolve()), runs_dir=str(runs), shard=shard,
+                           deployment=deployment, max_parallel=max_parallel, child_timeout_s=child_timeout,
+                           child_lost_after_s=child_lost_after, overrides=list(set_ or []) or None, cells=only)
+            progress.update(progress.task_ids[0], completed=len(selected), description=f"sweep {result.name} done")
+    except USER_ERRORS as exc:  # the user's input (a bad row, a bad config), found by the flow: as before it
+        fail(str(exc))
+    except Exception as exc:
+        fail(f"sweep failed: {exc}", code=1)
+    table = Table(title=f"aepo sweep: {result.name} (parent MLflow run {result.parent_run_id})",
+                  title_justify="left")
+    for col in ("cell", "seed", "status", "dataset", "pass@1", "95% CI", "pass@k", "tool calls/q", "reward"):
+        table.add_column(col, overflow="fold")
+    for r in result.runs:
+        table.add_row(r["cell"], str(r["seed"]), r["status"], r["dataset"], fmt(r["pass@1"]),
+                      f"[{fmt(r['pass@1_ci_low'])}, {fmt(r['pass@1_ci_high'])}]", fmt(r["pass@k"]),
+                      fmt(r["tool_calls_per_question"], 2), fmt(r["reward_mean"]))
+    console = out()
+    console.print(table)
+    if result.reused:
+        console.print(f"already FINISHED in MLflow, not run again: {', '.join(result.reused)}")
+    console.print(where_table([(k, v) for k, v in result.files.items()]))
+    console.print(escape(ui_hint(result.tracking_uri, runs)))

@@ -1,0 +1,98 @@
+"""``aepo trajectories``: a run's stored rollout trees, per step or per question, and with ``--show`` one
+question's tree or one trajectory's transcript."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from flows.cli.inputs import RunsOpt, TrackingOpt, reading_tracking_uri, resolve_runs_dir
+from flows.cli.render import fail, fmt, out
+
+
+def _resolve_store_run(store: Any, run: str, uri: str | None, experiment: str) -> str:
+    """A stored run id from a run id, a unique prefix of one, or an MLflow run name."""
+    stored = store.run_ids()
+    if run in stored:
+        return run
+    prefixed = [r for r in stored if r.startswith(run)]
+    if len(prefixed) == 1:
+        return prefixed[0]
+    if uri is not None:
+        from infra.tracking.run import Tracker
+
+        frame = Tracker(uri, experiment=experiment).search_runs(filter_string=f"attributes.run_name = '{run}'")
+        ids = [r for r in frame["run_id"] if r in stored] if not frame.empty else []
+        if ids:
+            return ids[0]  # newest first
+    listed = ", ".join(stored[:10]) + (" …" if len(stored) > 10 else "")
+    fail(f"no stored trajectories for run {run!r} in {store.uri} (stored runs: {listed or 'none'})", code=1)
+
+
+def _show(store: Any, run_id: str, step: int, value: str) -> None:
+    """``--show``: one question's tree or one leaf's transcript at ``step``."""
+    from flows.transcript import ShowError, render_show
+
+    traj = store.read_trajectories(run_id, step=step)
+    if traj.empty:
+        fail(f"run {run_id} has no stored trajectories at step {step} (steps: {store.steps(run_id)})", code=1)
+    try:
+        view = render_show(run_id, step, value, traj, store.read_nodes(run_id, step=step))
+    except ShowError as exc:
+        fail(str(exc), code=1)
+    out().print(view)
+
+
+def trajectories(
+    run: Annotated[str, typer.Argument(help="MLflow run id (or a unique prefix) or run name.")],
+    step: Annotated[int | None, typer.Option("--step", help="Per-question detail of one step.")] = None,
+    show: Annotated[str | None, typer.Option("--show", help="With --step: the transcript of <question> (its tree) "
+                                             "or <question>/<leaf> (one trajectory, in full).")] = None,
+    runs_dir: RunsOpt = None,
+    store_uri: Annotated[str | None, typer.Option("--store", help="Trajectory store (default: <runs>/trajectories;"
+                                                  " s3://… works).")] = None,
+    experiment: Annotated[str, typer.Option("--experiment", "-e")] = "aepo",
+    tracking_uri: TrackingOpt = None,
+) -> None:
+    """Summary of a run's stored rollout trees: per step, or per question with --step; with --show, a question's
+    tree or one trajectory's transcript (segments, tool results, entropies, branch points, reward). A run name is
+    resolved through MLflow (--tracking-uri, else the runs dir's SQLite store where there is one)."""
+    from infra.store import TrajectoryStore
+
+    if show is not None and step is None:
+        fail("--show needs --step N (the step whose tree to show)")
+    rdir = resolve_runs_dir(runs_dir)
+    uri = reading_tracking_uri(rdir, tracking_uri, required=False)
+    store = TrajectoryStore(store_uri or rdir / "trajectories")
+    run_id = _resolve_store_run(store, run, uri, experiment)
+    if show is not None and step is not None:
+        _show(store, run_id, step, show)
+        return
+    cols = ["step", "question_id", "leaf_id", "sample_kind", "reward", "status", "num_tool_calls", "tool_errors",
+            "global_budget", "h_root"]
+    traj = store.read_trajectories(run_id, step=step, columns=cols)
+    nodes = store.read_nodes(run_id, step=step, columns=["step", "question_id", "branched"])
+    if traj.empty:
+        fail(f"run {run_id} has no stored trajectories{f' at step {step}' if step is not None else ''} "
+             f"(steps: {store.steps(run_id)})", code=1)
+    per_question = step is not None
+    key = "question_id" if per_question else "step"
+    title = (f"run {run_id} step {step}: per question" if per_question
+             else f"run {run_id}: {traj['step'].nunique()} steps in {store.uri}")
+    table = Table(title=title, title_justify="left")
+    lead = ["question", "m", "H_root"] if per_question else ["step", "questions"]
+    for col in (*lead, "leaves", "global", "branch", "branch points", "mean reward", "tool calls/leaf",
+                "tool errors", "statuses"):
+        table.add_column(col, overflow="fold")
+    branches = nodes.groupby(key)["branched"].sum() if not nodes.empty else {}
+    for value, g in traj.groupby(key, sort=True):
+        statuses = g["status"].value_counts()
+        first = ([str(value), str(int(g["global_budget"].iloc[0])), fmt(float(g["h_root"].iloc[0]))]
+                 if per_question else [str(value), str(g["question_id"].nunique())])
+        table.add_row(*first, str(len(g)), str(int((g["sample_kind"] == "global").sum())),
+                      str(int((g["sample_kind"] == "branch").sum())), str(int(branches.get(value, 0))),
+                      fmt(float(g["reward"].mean())), fmt(float(g["num_tool_calls"].mean()), 2),
+                      str(int(g["tool_errors"].sum())), ", ".join(f"{s}:{n}" for s, n in statuses.items()))
+    out().print(table)
