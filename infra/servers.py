@@ -57,8 +57,19 @@ class ManagedServer:
     def start(self, timeout_s: float = 180.0, timeout_setting: str = "") -> ManagedServer:
         """Start the server (once) and wait until it answers; on failure it is stopped and :class:`ServerError`
         says why (naming ``timeout_setting``, the setting that holds ``timeout_s``, if it timed out)."""
+        self.launch()
+        try:
+            self.wait_healthy(timeout_s, timeout_setting)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def launch(self) -> None:
+        """Start the process (once) without waiting for it: :meth:`wait_healthy` then waits (several servers
+        started at once come up side by side)."""
         if self.proc is not None:
-            return self
+            return
         sig = self.parent_death
 
         def pre_exec() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -76,12 +87,6 @@ class ManagedServer:
                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=pre_exec)
             self._reader = threading.Thread(target=self._pump, name=f"{self.name}-log", daemon=True)
             self._reader.start()
-        try:
-            self.wait_healthy(timeout_s, timeout_setting)
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
     def wait_healthy(self, timeout_s: float, timeout_setting: str = "") -> None:
         """Return when every health URL answers 200; :class:`ServerError` if the server exits or time runs out."""

@@ -4,14 +4,10 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
-import subprocess
 import sys
 import time
-from collections.abc import Sequence
-from contextlib import suppress
 from pathlib import Path
 from typing import Annotated
 
@@ -19,8 +15,9 @@ import typer
 from rich.markup import escape
 
 from flows.cli.environment import prefect_home, server_environment
-from flows.cli.inputs import RunsOpt, healthy, resolve_runs_dir
+from flows.cli.inputs import RunsOpt, resolve_runs_dir
 from flows.cli.render import err, fail, out, where_table
+from infra.servers import ManagedServer, ServerError
 from infra.tracking.server import (
     ServerOptionError,
     ServerOptions,
@@ -59,30 +56,6 @@ def _public_host(host: str) -> str:
             return str(sock.getsockname()[0])
     except OSError:
         return socket.gethostname()
-
-
-def _wait_http(url: str, procs: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            return False
-        if healthy(url):
-            return True
-        time.sleep(0.5)
-    return False
-
-
-def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM each server's process group (a server and the workers it started), SIGKILL what is left."""
-    for p in procs:
-        with suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGTERM)
-    for p in procs:
-        with suppress(subprocess.TimeoutExpired):
-            p.wait(timeout=15)
-        with suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
 
 
 def ui(
@@ -136,20 +109,21 @@ def ui(
                                str(prefect_port)]
     logs = rdir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    procs: list[subprocess.Popen[bytes]] = []
+    local = hostport if host not in WILDCARD_HOSTS else "[::1]" if host == "::" else "127.0.0.1"  # reachable here
+    health = {"mlflow": f"http://{local}:{mlflow_port}", "prefect": f"http://{local}:{prefect_port}/api"}
+    servers = [ManagedServer(name, cmd, health=[health[name]], env=env, log_path=logs / f"{name}-server.log")
+               for name, cmd in commands.items()]  # each in its own process group: stopping one reaches its workers
     console = out()
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # `kill` stops the servers too (finally)
     try:
-        for name, cmd in commands.items():  # each in its own process group: _stop reaches its workers too
-            with open(logs / f"{name}-server.log", "ab") as fh:
-                procs.append(subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                              start_new_session=True))
-        local = hostport if host not in WILDCARD_HOSTS else "[::1]" if host == "::" else "127.0.0.1"  # reachable here
-        health = {"mlflow": f"http://{local}:{mlflow_port}", "prefect": f"http://{local}:{prefect_port}/api"}
+        for server in servers:
+            server.launch()
         with console.status(f"starting {' and '.join(commands)}…"):
-            for name in commands:
-                if not _wait_http(health[name], procs, startup_timeout):
-                    fail(f"the {name} server did not come up (log: {logs / f'{name}-server.log'})", code=1)
+            for server in servers:
+                try:
+                    server.wait_healthy(startup_timeout)
+                except ServerError:
+                    fail(f"the {server.name} server did not come up (log: {server.log_path})", code=1)
         console.print(where_table([
             ("MLflow", f"{mlflow_url}   (runs: {redacted(mlflow_server.backend_store_uri)}; artifacts: "
                        f"{mlflow_server.artifacts_destination})"),
@@ -171,12 +145,13 @@ def ui(
                             "runs of other machines would write them to their own disks (use another "
                             "tracking.experiment)", soft_wrap=True)
         console.print("Ctrl-C stops the servers")
-        while all(p.poll() is None for p in procs):
+        while all(server.running for server in servers):
             time.sleep(1.0)
-        dead = [name for name, p in zip(commands, procs, strict=True) if p.poll() is not None]
+        dead = [server.name for server in servers if not server.running]
         fail(f"{', '.join(dead)} server exited (logs in {logs})", code=1)
     except KeyboardInterrupt:
         console.print("stopping…")
     finally:
-        _stop(procs)
+        for server in reversed(servers):
+            server.stop(grace_s=15)
         signal.signal(signal.SIGTERM, previous)
