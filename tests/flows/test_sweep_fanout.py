@@ -117,6 +117,9 @@ def test_fanout_sweep_runs_children_on_workers_and_matches_in_process(
             ref = sweep(sweep_config=_sweep_spec(stack, None), runs_dir=str(tmp_path / "in-process"))
             t_ref = time.monotonic() - t0
             ref_again = sweep(sweep_config=_sweep_spec(stack, None), runs_dir=str(tmp_path / "in-process"))
+            lost = _sweep_spec(stack, None)  # what a child that lost its seed would run: seed 0, one cell
+            lost.update(name="lost-seed", seeds=[0], grid={"algorithm": {"aepo": lost["grid"]["algorithm"]["aepo"]}})
+            lost_seed = sweep(sweep_config=lost, runs_dir=str(tmp_path / "in-process"))
             t0 = time.monotonic()
             fan = sweep(sweep_config=_sweep_spec(stack, stack.mlflow_url), runs_dir=str(tmp_path / "fanout"),
                         deployment=DEPLOYMENT, max_parallel=2, child_timeout_s=600)
@@ -161,8 +164,10 @@ def test_fanout_sweep_runs_children_on_workers_and_matches_in_process(
     pd.testing.assert_frame_equal(fan_runs, ref_runs)
     pd.testing.assert_frame_equal(pd.DataFrame(fan.summary), pd.DataFrame(ref.summary))
     # The tiny random policy never answers (measured: pass@1 0, reward -1 in every run), so the table alone would
-    # match by accident; its rollout entropies differ by cell and seed (10.48468 vs 10.48325 nats between seeds)
-    # and were measured bit-equal between the worker processes and this one at one torch thread: compare them too.
+    # match by accident; its rollout entropies differ by seed (10.48468 vs 10.48325 nats between seeds 0 and 1: the
+    # questions differ) and were measured bit-equal between the worker processes and this one at one torch thread:
+    # compare them too. (Between the two cells of one seed they differed only by float noise of the batch shape,
+    # and were equal under AVX2 kernels: that is no evidence.)
     entropy = ["rollout/h_root_mean", "train/entropy_mean"]
     ref_children = Tracker(ref.tracking_uri).search_runs(  # (re-parented by the in-process re-run)
         filter_string=f"tags.mlflow.parentRunId = '{ref_again.parent_run_id}'")
@@ -172,7 +177,11 @@ def test_fanout_sweep_runs_children_on_workers_and_matches_in_process(
     by_name = {n: r for n, r in zip(ref_children["run_name"], ref_children.to_dict("records"), strict=True)}
     for row in children.to_dict("records"):
         assert [row[f"metrics.{m}"] for m in entropy] == [by_name[row["run_name"]][f"metrics.{m}"] for m in entropy]
-    assert len(set(children["metrics.rollout/h_root_mean"])) > 1
+    # ... and a child that lost its seed would have been caught: seed 0's entropies differ from seed 1's
+    seed0 = Tracker(lost_seed.tracking_uri).search_runs(
+        filter_string=f"tags.mlflow.parentRunId = '{lost_seed.parent_run_id}'").to_dict("records")
+    assert len(seed0) == 1
+    assert [seed0[0][f"metrics.{m}"] for m in entropy] != [by_name["fan-aepo-s1"][f"metrics.{m}"] for m in entropy]
 
     # a re-run, in process or fanned out, finds the two FINISHED children, runs or submits nothing and compares
     # them under its own parent
