@@ -212,7 +212,7 @@ def check_storage(cfg: ExperimentConfig, runs: Path, run_name: str) -> None:
     """Every remote store the run writes (``s3://`` trajectories, checkpoints) must be reachable: exits 2 naming the
     location."""
     from infra.fs import StorageError, probe, storage_options
-    from infra.run.runtime import checkpoint_root
+    from infra.run.checkpoints import checkpoint_root
 
     try:
         for uri in (cfg.storage.trajectories_uri, checkpoint_root(cfg, runs, run_name)):
@@ -227,7 +227,7 @@ def check_resume(cfg: ExperimentConfig, runs: Path, run_name: str) -> None:
     complete checkpoint or, without one, from step 0): exits 2 when there is none, local and remote checkpoints
     alike, before anything is created. Rank 0 alone asks (the others follow its choice)."""
     from infra.ranks import Ranks
-    from infra.run.trainer import NothingToResumeError, nothing_to_resume, run_to_resume
+    from infra.run.resume import NothingToResumeError, nothing_to_resume, run_to_resume
     from infra.tracking.run import Tracker, resolve_tracking
 
     if not Ranks.current().is_main:
@@ -510,14 +510,13 @@ def eval_(
         fail(f"--compare-to {compare_to}: no such file or directory")
     prepare_environment(runs)
     from flows.evaluate import (
-        checkpoint_source,
         eval_storage,
         evaluate,
         fetch_registered_policy,
         resolve_checkpoint,
         resolve_eval_config,
     )
-    from infra.run.runtime import CheckpointError
+    from infra.run.checkpoints import CheckpointError, checkpoint_source
     from infra.tracking.run import RegistryError, is_registered_model
     from tasks.retry import USER_ERRORS
 
