@@ -54,6 +54,7 @@ from aepo_core.config import (
     ModelConfig,
     OptimConfig,
     PythonToolConfig,
+    RemoteEngineConfig,
     RolloutConfig,
     SearchToolConfig,
     SFTConfig,
@@ -74,11 +75,12 @@ from infra.atomic import atomic_dir
 from infra.data.synthetic import OracleError, SyntheticTask, oracle_transcript
 from infra.engines.hf import HFEngine
 from infra.models import BUILTIN_SMOLLM2, TINY_RANDOM, cache_root, chat_prompt_ids, load_policy
+from infra.numerics import autocast_dtype
 from infra.run.sft import sft_sample, train_sft
 from infra.tools.cache import CachedTool, ToolResultCache
 from infra.tools.sandbox.tool import PythonSandbox
 from infra.tools.search import Bm25Backend, build_search_tool
-from infra.training.backends import TorchBackend, autocast_dtype
+from infra.training.backends import TorchBackend
 
 log = logging.getLogger("bench.rollout")
 
@@ -489,7 +491,8 @@ def bench_vllm(policy: ToolPolicy, compute: str, task: SyntheticTask, sizes_d: S
                             max_tool_calls=sizes_d.max_tool_calls, max_response_tokens=sizes_d.max_response_tokens,
                             max_result_chars=600)
         questions = bench_questions(task, policy.tokenizer, sizes_d.questions)
-        remote = RemoteEngine(server.url, server.served_name, policy.tokenizer, receiver=server.control)
+        served = RemoteEngineConfig(url=server.url, model=server.served_name, weight_sync="vllm")
+        remote = RemoteEngine(served, policy.tokenizer, receiver=server.control)
         rollout: dict[str, list[dict[str, float]]] = {"hf+kv": [], "vllm": []}
         for rep in range(sizes_d.reps):
             for arm in (("hf+kv", "vllm") if rep % 2 == 0 else ("vllm", "hf+kv")):

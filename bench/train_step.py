@@ -59,12 +59,11 @@ from bench.harness import (
 )
 from infra.data.synthetic import OracleError, SyntheticTask, oracle_transcript
 from infra.models import BUILTIN_SMOLLM2, TINY_RANDOM, chat_prompt_ids, load_policy
-from infra.numerics import numerics_for
-from infra.run.runtime import GENERATION_DTYPES
+from infra.numerics import GENERATION_DTYPES, autocast_dtype, numerics_for
 from infra.run.sft import sft_sample
 from infra.tools.sandbox.tool import PythonSandbox
 from infra.tools.search import Bm25Backend, build_search_tool
-from infra.training.backends import TorchBackend, autocast_dtype
+from infra.training.backends import TorchBackend
 from infra.training.batching import TrainSample, collate, plan_micro_batches
 from infra.training.checkpoint import load_checkpoint, save_checkpoint
 from infra.training.memory import checkpoint_decoder_layers

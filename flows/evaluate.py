@@ -37,8 +37,9 @@ from flows.common import check_eval_datasets, flow_runs_dir, log_eval_traces, re
 from infra.config_files import load_config
 from infra.fs import is_remote, open_fs, storage_errors, storage_options
 from infra.judge import LLMJudge, Verdict
+from infra.run.checkpoints import checkpoint_config, checkpoint_source, find_checkpoint
 from infra.run.evaluation import EvalReport, EvalSource, ResultsDir
-from infra.run.runtime import build_runtime, checkpoint_config, find_checkpoint
+from infra.run.runtime import build_runtime
 from infra.tracking.run import RegisteredPolicy, Tracker, is_registered_model
 from tasks.rl import evaluate as evaluate_task
 from tasks.rl import write_eval_results
@@ -104,23 +105,6 @@ def resolve_checkpoint(path: str | os.PathLike[str] | None, storage: StorageConf
     newest complete checkpoint), local or remote (``s3://…``, read through a verified copy under
     ``<runs_dir>/cache/checkpoints``): a local directory."""
     return find_checkpoint(path, storage, runs_dir) if path is not None else None
-
-
-def checkpoint_source(location: str | None, local: Path | None) -> str | None:
-    """What an evaluation records as its checkpoint: the local directory, or for a remote location the remote
-    checkpoint itself (``…/step-NNNNNN``, also when ``location`` named its run's folder or its run name's). The
-    verified copy mirrors the remote path (``…/<run id>/step-NNNNNN``), so its last two names complete ``location``."""
-    if location is None or local is None:
-        return None
-    if not is_remote(location):
-        return str(local)
-    text = location.rstrip("/")
-    last = text.rsplit("/", 1)[-1]
-    if last == local.name:
-        return text
-    if last == local.parent.name:  # one run's folder
-        return f"{text}/{local.name}"
-    return f"{text}/{local.parent.name}/{local.name}"  # a run name's folder: its one run's
 
 
 def read_question_results(path: str | os.PathLike[str], storage: StorageConfig | None = None

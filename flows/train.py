@@ -36,16 +36,11 @@ from flows.common import (
 )
 from infra.plots import curves_figure, rollout_tree_figure
 from infra.ranks import Ranks
+from infra.run.checkpoints import CheckpointError, CheckpointStore, checkpoint_store, open_checkpoints
 from infra.run.evaluation import EvalReport, EvalSource, ResultsDir
-from infra.run.runtime import (
-    CheckpointError,
-    CheckpointStore,
-    PolicyRuntime,
-    build_runtime,
-    checkpoint_store,
-    open_checkpoints,
-)
-from infra.run.trainer import ResumePoint, Trainer, find_resume_point
+from infra.run.resume import ResumePoint, find_resume_point
+from infra.run.runtime import PolicyRuntime, build_runtime
+from infra.run.trainer import Trainer
 from infra.store import TrajectoryStore
 from infra.tracking.run import RankTracker, Tracker
 from tasks.data import prepare_data, source_fingerprint

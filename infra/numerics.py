@@ -32,8 +32,8 @@ from aepo_core.config import ExperimentConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DeviceFacts", "Numerics", "auto_dtype", "bf16_speedup", "device_facts", "numerics_for", "resolve_numerics",
-           "vllm_device"]
+__all__ = ["AUTOCAST_DTYPES", "GENERATION_DTYPES", "DeviceFacts", "Numerics", "auto_dtype", "autocast_dtype",
+           "bf16_speedup", "device_facts", "numerics_for", "resolve_numerics", "vllm_device"]
 
 AUTO = "auto"
 
@@ -102,6 +102,20 @@ class Numerics:
         """One line for a terminal: the dtypes and the machine they were chosen for."""
         return (f"numerics: compute {self.compute_dtype}, generation {self.generation_dtype}, vLLM {self.vllm_dtype}"
                 f" — {self.facts.describe()}")
+
+
+AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+"""A resolved ``model.compute_dtype`` → its autocast dtype (float32: none)."""
+
+GENERATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""A resolved ``model.generation_dtype`` (other than ``same``) → the dtype of the engine's own weight copy."""
+
+
+def autocast_dtype(name: str) -> torch.dtype | None:
+    """The autocast dtype of a resolved ``model.compute_dtype`` (None: plain float32 compute)."""
+    if name == AUTO:
+        raise ValueError("model.compute_dtype=auto is resolved for the device first (infra.numerics.numerics_for)")
+    return AUTOCAST_DTYPES.get(name)
 
 
 def auto_dtype(facts: DeviceFacts) -> str:

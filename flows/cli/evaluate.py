@@ -57,14 +57,13 @@ def eval_(
         fail(f"--compare-to {compare_to}: no such file or directory")
     prepare_environment(runs)
     from flows.evaluate import (
-        checkpoint_source,
         eval_storage,
         evaluate,
         fetch_registered_policy,
         resolve_checkpoint,
         resolve_eval_config,
     )
-    from infra.run.runtime import CheckpointError
+    from infra.run.checkpoints import CheckpointError, checkpoint_source
     from infra.tracking.run import RegistryError, is_registered_model
     from tasks.retry import USER_ERRORS
 

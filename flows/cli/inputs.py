@@ -74,7 +74,7 @@ def check_storage(cfg: ExperimentConfig, runs: Path, run_name: str) -> None:
     """Every remote store the run writes (``s3://`` trajectories, checkpoints) must be reachable: exits 2 naming the
     location."""
     from infra.fs import StorageError, probe, storage_options
-    from infra.run.runtime import checkpoint_root
+    from infra.run.checkpoints import checkpoint_root
 
     try:
         for uri in (cfg.storage.trajectories_uri, checkpoint_root(cfg, runs, run_name)):

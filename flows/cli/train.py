@@ -30,7 +30,7 @@ def check_resume(cfg: ExperimentConfig, runs: Path, run_name: str) -> None:
     complete checkpoint or, without one, from step 0): exits 2 when there is none, local and remote checkpoints
     alike, before anything is created. Rank 0 alone asks (the others follow its choice)."""
     from infra.ranks import Ranks
-    from infra.run.trainer import NothingToResumeError, nothing_to_resume, run_to_resume
+    from infra.run.resume import NothingToResumeError, nothing_to_resume, run_to_resume
     from infra.tracking.run import Tracker, resolve_tracking
 
     if not Ranks.current().is_main:

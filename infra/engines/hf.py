@@ -76,7 +76,7 @@ from aepo_core.config import ModelConfig
 from aepo_core.interfaces import FinishReason, GenerationRequest, GenerationResult, SamplingParams
 from infra.engines.prefix_cache import LayerKV, PrefixKV, PrefixKVStore
 from infra.engines.weights import PolicyWeights, WeightSource
-from infra.models import chat_prompt_ids, load_policy
+from infra.models import chat_prompt_ids, load_model_weights, load_policy
 
 log = logging.getLogger(__name__)
 
@@ -284,8 +284,6 @@ class HFEngine:
         is the training model itself) or an HF checkpoint directory (loaded in place)."""
         self.clear_kv()
         if not isinstance(source, PolicyWeights):
-            from infra.training.checkpoint import load_model_weights
-
             load_model_weights(self.model, source)
             return
         if source.model is self.model:

@@ -38,6 +38,7 @@ import time
 import urllib.request
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -45,6 +46,7 @@ import httpx
 import torch
 from safetensors.torch import save_file
 
+from aepo_core.config import RemoteEngineConfig
 from aepo_core.entropy import topk_entropy_estimate
 from aepo_core.interfaces import GenerationRequest, GenerationResult, SamplingParams
 from infra.atomic import atomic_dir
@@ -120,40 +122,50 @@ class ReloadEndpoint:
         return None
 
 
+@dataclass(frozen=True)
+class HTTPOptions:
+    """How a :class:`RemoteEngine` talks to its server (not part of the experiment's config)."""
+
+    timeout_s: float = 600.0
+    max_retries: int = 3
+    """Retries of a transient failure (an HTTP 408/429/5xx, a transport error), with a doubling back-off."""
+    retry_backoff_s: float = 1.0
+    workers: int = 64
+    """Concurrent requests (one thread and one keep-alive connection each)."""
+    api_key: str | None = None
+
+
 class RemoteEngine:
-    """Engine protocol over HTTP; ``tokenizer`` is the policy's tokenizer (for encode/decode of results)."""
+    """Engine protocol over HTTP to the server of ``section`` (its ``url``, ``model`` and ``top_logprobs``; the
+    caller resolves ``model`` and builds the ``receiver`` from the rest, see :mod:`infra.engines.registry`);
+    ``tokenizer`` is the policy's tokenizer (for encode/decode of results)."""
 
     def __init__(
         self,
-        base_url: str,
-        model: str,
+        section: RemoteEngineConfig,
         tokenizer: Any,
         *,
-        top_logprobs: int = 20,
-        timeout_s: float = 600.0,
-        max_retries: int = 3,
-        retry_backoff_s: float = 1.0,
-        workers: int = 64,
-        api_key: str | None = None,
         receiver: WeightReceiver | None = None,
         weights_dir: str | os.PathLike[str] | None = None,
         loaded_version: str | None = None,
+        http: HTTPOptions | None = None,
     ) -> None:
+        if not section.url or not section.model:
+            raise RemoteEngineError(f"a remote engine needs a server URL and a model name (got {section.url!r}, "
+                                    f"{section.model!r})")
         self.receiver = receiver
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
-        self.url = base_url.rstrip("/") + "/v1/completions"
-        self.model = model
+        self.url = section.url.rstrip("/") + "/v1/completions"
+        self.model = section.model
         self.tokenizer = tokenizer
-        self.top_logprobs = top_logprobs
-        self.timeout_s = timeout_s
-        self.max_retries = max_retries
-        self.retry_backoff_s = retry_backoff_s
-        self.workers = workers
+        self.top_logprobs = section.top_logprobs
+        self.options = http = http or HTTPOptions()
         self.vocab_size = len(tokenizer)
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        headers = {"Authorization": f"Bearer {http.api_key}"} if http.api_key else {}
         # One pool of keep-alive connections shared by the request threads (httpx.Client is thread-safe).
-        self._http = httpx.Client(headers=headers, timeout=timeout_s,
-                                  limits=httpx.Limits(max_connections=workers, max_keepalive_connections=workers))
+        self._http = httpx.Client(headers=headers, timeout=http.timeout_s,
+                                  limits=httpx.Limits(max_connections=http.workers,
+                                                      max_keepalive_connections=http.workers))
         self._loaded_version = loaded_version  # the version the server serves now, when known
         self._exported: Path | None = None
 
@@ -172,7 +184,7 @@ class RemoteEngine:
         if not requests:
             return []
         before = self._served_version()
-        with ThreadPoolExecutor(max_workers=min(self.workers, len(requests))) as pool:
+        with ThreadPoolExecutor(max_workers=min(self.options.workers, len(requests))) as pool:
             results = list(pool.map(lambda r: self._one(r, sampling), requests))
         after = self._served_version()
         if before is None and after is None:
@@ -243,16 +255,16 @@ class RemoteEngine:
         return body
 
     def _post(self, body: dict[str, Any]) -> dict[str, Any]:
-        delay = self.retry_backoff_s
-        for attempt in range(self.max_retries + 1):
+        delay = self.options.retry_backoff_s
+        for attempt in range(self.options.max_retries + 1):
             try:
                 resp = self._http.post(self.url, json=body)
                 if resp.status_code == 200:
                     return resp.json()
-                if resp.status_code not in TRANSIENT_HTTP or attempt == self.max_retries:
+                if resp.status_code not in TRANSIENT_HTTP or attempt == self.options.max_retries:
                     raise RemoteEngineError(f"HTTP {resp.status_code} from {self.url}: {resp.text[:500]}")
             except httpx.TransportError as exc:
-                if attempt == self.max_retries:
+                if attempt == self.options.max_retries:
                     raise RemoteEngineError(f"cannot reach {self.url}: {exc}") from None
             log.warning("transient error from %s (attempt %d); retrying in %.1f s", self.url, attempt + 1, delay)
             time.sleep(delay)

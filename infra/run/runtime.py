@@ -12,7 +12,6 @@ The rollout prompt (:meth:`PolicyRuntime.prompt_ids`) is part of the algorithm: 
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import random
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from aepo_core.config import ExperimentConfig, RolloutConfig, StorageConfig
+from aepo_core.config import ExperimentConfig, RolloutConfig
 from aepo_core.interfaces import RewardFn, SamplingParams, Tool
 from aepo_core.protocol import AgentProtocol
 from aepo_core.rewards import make_reward_fn
@@ -33,36 +32,20 @@ from aepo_core.scoring import StepScores, score_trees
 from infra.data.loaders import is_synthetic, load_dataset_rows
 from infra.data.rows import QuestionRow
 from infra.data.synthetic import SyntheticTask
+from infra.engines.registry import build_engine
 from infra.engines.weights import PolicyEngine, PolicyWeights, WeightSource
-from infra.fs import StorageError, storage_options
-from infra.models import chat_prompt_ids, load_policy
+from infra.models import chat_prompt_ids, load_model_weights, load_policy
 from infra.numerics import Numerics, numerics_for
-from infra.ranks import Ranks
 from infra.tools.registry import build_tools
-from infra.training.backends import autocast_dtype
-from infra.training.checkpoint import (
-    CheckpointError,
-    CheckpointState,
-    load_checkpoint,
-    load_model_weights,
-    read_checkpoint_state,
-)
-from infra.training.checkpoint_store import CheckpointStore, open_checkpoint
+from infra.training.checkpoint import CheckpointState, load_checkpoint
 from infra.training.memory import release_memory
 
 if TYPE_CHECKING:
-    from infra.engines.remote import WeightReceiver
     from infra.engines.vllm_server import VLLMServer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointError", "CheckpointStore", "PolicyRuntime", "StorageError", "build_runtime", "checkpoint_config",
-           "checkpoint_root", "checkpoint_store", "find_checkpoint", "open_checkpoints",
-           "seed_everything"]
-
-
-GENERATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-"""``model.generation_dtype`` → the dtype of the engine's own weight copy."""
+__all__ = ["PolicyRuntime", "StaleWeightsError", "build_runtime", "seed_everything"]
 
 
 class StaleWeightsError(RuntimeError):
@@ -193,51 +176,6 @@ class PolicyRuntime:
         self._prompts.clear()
 
 
-CHECKPOINT_CACHE = Path("cache") / "checkpoints"
-"""Under the runs dir: the staging folder of remote saves and the verified local copies of remote checkpoints."""
-
-
-def _checkpoint_cache(runs_dir: str | os.PathLike[str] | None) -> Path | None:
-    """``<runs_dir>/cache/checkpoints``, one folder per data-parallel rank (each rank reads a resume's checkpoint)."""
-    if runs_dir is None:
-        return None
-    rank = Ranks.current().rank
-    return Path(runs_dir) / (CHECKPOINT_CACHE if rank == 0 else Path(f"{CHECKPOINT_CACHE}-rank{rank}"))
-
-
-def checkpoint_root(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], run_name: str) -> str:
-    """The folder of a run name's checkpoints: ``checkpoint.dir``, else ``<storage.checkpoints_uri>/<run name>``, else
-    ``<runs_dir>/checkpoints/<run name>``; local or remote (``s3://``). One subfolder per MLflow run id under it."""
-    if cfg.checkpoint.dir:
-        return cfg.checkpoint.dir
-    if cfg.storage.checkpoints_uri:
-        return f"{cfg.storage.checkpoints_uri.rstrip('/')}/{run_name}"
-    return str(Path(runs_dir) / "checkpoints" / run_name)
-
-
-def checkpoint_store(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], run_name: str,
-                     run_id: str) -> CheckpointStore:
-    """One run's checkpoints: ``<checkpoint_root>/<MLflow run id>``. Keyed by the id, not the name (a label that the
-    common "same config, ``--set algorithm.loss=…``" pattern shares between runs), so that a new run never replaces
-    another run's checkpoints. The endpoint of an ``s3://`` root comes from ``storage.s3_endpoint_url``."""
-    return open_checkpoints(cfg, runs_dir, f"{checkpoint_root(cfg, runs_dir, run_name).rstrip('/')}/{run_id}")
-
-
-def open_checkpoints(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], location: str) -> CheckpointStore:
-    """The checkpoints at ``location``, local or remote (the endpoint of ``storage.s3_endpoint_url``; verified copies
-    under ``<runs_dir>/cache/checkpoints``)."""
-    return CheckpointStore(location, storage_options(cfg.storage, location), cache_dir=_checkpoint_cache(runs_dir))
-
-
-def find_checkpoint(path: str | os.PathLike[str], storage: StorageConfig | None = None,
-                    runs_dir: str | os.PathLike[str] | None = None) -> Path:
-    """A checkpoint directory (``step-NNNNNN``) or a run's checkpoint root (its newest complete checkpoint), local or
-    remote (``s3://…``: copied into ``<runs_dir>/cache/checkpoints`` and verified there, the endpoint from
-    ``storage``); a local directory either way."""
-    options = storage_options(storage, str(path)) if storage is not None else None
-    return open_checkpoint(path, options, cache_dir=_checkpoint_cache(runs_dir))
-
-
 def build_runtime(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], run_name: str | None = None
                   ) -> PolicyRuntime:
     """Seed, load the policy, build its engine, tools and reward function.
@@ -252,74 +190,6 @@ def build_runtime(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], run_n
     model, tokenizer = load_policy(cfg.model)
     weights_dir = runs / "weights" / (run_name or cfg.name)
     tools = build_tools(cfg.tools, runs, documents=task.documents() if task else None)
-    if cfg.rollout.engine == "vllm":
-        server = _start_vllm(cfg, model, tokenizer, weights_dir)
-        engine = _remote_engine(server.url, server.served_name, tokenizer, cfg.rollout.vllm.top_logprobs,
-                                receiver=server.control, weights_dir=weights_dir, loaded_version=INITIAL_VERSION)
-        return PolicyRuntime(cfg, model, tokenizer, engine, tools, make_reward_fn(cfg.reward), task, numerics, server)
-    engine = _build_engine(cfg, numerics, model, tokenizer, weights_dir)
-    return PolicyRuntime(cfg, model, tokenizer, engine, tools, make_reward_fn(cfg.reward), task, numerics)
-
-
-INITIAL_VERSION = "0"
-"""The weight version of the policy as loaded, before any update (PolicyWeights.version counts updates)."""
-
-
-def _start_vllm(cfg: ExperimentConfig, model: torch.nn.Module, tokenizer: object, weights_dir: Path) -> VLLMServer:
-    """The run's own vLLM server, serving the policy as loaded (exported once to ``weights_dir/initial``)."""
-    from infra.engines.remote import export_hf_checkpoint
-    from infra.engines.vllm_server import VLLMServer
-
-    initial = export_hf_checkpoint(model, tokenizer, weights_dir / "initial")
-    server = VLLMServer(initial, cfg.rollout.vllm, log_path=weights_dir / "vllm-server.log").start()
-    try:
-        server.control.label(INITIAL_VERSION)
-    except BaseException:
-        server.close()
-        raise
-    return server
-
-
-def _remote_engine(url: str, model_name: str, tokenizer: object, top_logprobs: int, *,
-                   receiver: WeightReceiver | None, weights_dir: Path, loaded_version: str | None = None
-                   ) -> PolicyEngine:
-    from infra.engines.remote import RemoteEngine
-
-    return RemoteEngine(url, model_name, tokenizer, top_logprobs=top_logprobs, receiver=receiver,
-                        weights_dir=weights_dir, loaded_version=loaded_version)
-
-
-def _build_engine(cfg: ExperimentConfig, numerics: Numerics, model: torch.nn.Module, tokenizer: object,
-                  weights_dir: Path) -> PolicyEngine:
-    r = cfg.rollout
-    if r.engine == "remote":
-        from infra.engines.remote import ReloadEndpoint
-        from infra.engines.vllm_server import VLLMControl
-
-        if not r.remote.url:
-            raise ValueError("rollout.engine=remote needs rollout.remote.url")
-        receiver: WeightReceiver | None = None
-        if r.remote.weight_sync == "vllm":
-            receiver = VLLMControl(r.remote.url)
-        elif r.remote.reload_url:
-            receiver = ReloadEndpoint(r.remote.reload_url)
-        return _remote_engine(r.remote.url, r.remote.model or cfg.model.name, tokenizer, r.remote.top_logprobs,
-                              receiver=receiver, weights_dir=weights_dir)
-    from infra.engines.hf import HFEngine
-
-    gen_dtype = numerics.generation_dtype
-    kv_mb = r.kv_reuse_max_mb if r.kv_reuse else 0.0
-    if gen_dtype == "same" or cfg.train.backend == "deepspeed":
-        if gen_dtype != "same":
-            log.warning("model.generation_dtype=%s ignored under DeepSpeed (partitioned weights): the engine shares "
-                        "the training model", gen_dtype)
-        return HFEngine(model, tokenizer, seed=cfg.seed, autocast_dtype=autocast_dtype(numerics.compute_dtype),
-                        kv_reuse_mb=kv_mb)
-    generation_model = copy.deepcopy(model).to(GENERATION_DTYPES[gen_dtype]).eval()
-    generation_model.requires_grad_(False)
-    return HFEngine(generation_model, tokenizer, seed=cfg.seed, kv_reuse_mb=kv_mb)
-
-
-def checkpoint_config(path: str | os.PathLike[str]) -> dict[str, object]:
-    """The resolved config a checkpoint was written with, as a plain tree (empty when it has none)."""
-    return read_checkpoint_state(path).config or {}
+    built = build_engine(cfg, numerics, model, tokenizer, weights_dir)
+    return PolicyRuntime(cfg, model, tokenizer, built.engine, tools, make_reward_fn(cfg.reward), task, numerics,
+                         built.server)

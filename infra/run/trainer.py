@@ -12,119 +12,26 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-from aepo_core.config import ExperimentConfig
 from aepo_core.rollout.scheduler import RolloutResult
 from aepo_core.rollout.tree import RolloutTree
 from aepo_core.scoring import StepScores
 from infra.data.rows import QuestionRow
 from infra.engines.weights import PolicyWeights
 from infra.models import load_policy
+from infra.numerics import autocast_dtype
 from infra.ranks import Ranks
-from infra.run.runtime import PolicyRuntime, checkpoint_root, checkpoint_store, open_checkpoints
-from infra.tracking.run import NamedRun, Tracker, param_value
-from infra.training.backends import FrozenBackend, TorchBackend, autocast_dtype
+from infra.run.checkpoints import as_store
+from infra.run.runtime import PolicyRuntime
+from infra.training.backends import FrozenBackend, TorchBackend
 from infra.training.batching import samples_from_trees
-from infra.training.checkpoint import CheckpointError, check_compatible, load_checkpoint, read_checkpoint_state
+from infra.training.checkpoint import load_checkpoint
 from infra.training.checkpoint_store import CheckpointStore
 from infra.training.data_order import DataCursor, DataOrder
 from infra.training.update import PolicyUpdater, TrainBackend
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ResumePoint:
-    """Where a resume continues: the MLflow run (its id also keys its checkpoints) and its newest complete checkpoint,
-    checked against the config before anything is touched. ``step`` 0 and no ``path``: the run has no complete
-    checkpoint (killed before the first one committed, or every one corrupt) and starts over in the same run."""
-
-    run_id: str
-    step: int
-    path: Path | None
-    where: str = ""
-    """The store holding the checkpoint (its URI; each rank reads it from there)."""
-
-
-class NothingToResumeError(CheckpointError):
-    """``--resume`` where the tracking store has no run of that name: nothing to continue, and starting a new run
-    instead would hide a wrong name, runs dir or tracking URI."""
-
-
-RUN_IDENTITY_KEYS = ("model.name", "algorithm.")
-"""Params that make a run another experiment (what :func:`~infra.training.checkpoint.check_compatible` compares)."""
-
-
-def _same_experiment(run: NamedRun, cfg: ExperimentConfig) -> bool:
-    """Whether the run started with the config's model and algorithm (params it predates are not held against it)."""
-    wanted = {k: param_value(v) for k, v in cfg.flat().items() if k.startswith(RUN_IDENTITY_KEYS)}
-    return all(run.params.get(k, v) == v for k, v in wanted.items())
-
-
-def run_to_resume(tracker: Tracker, cfg: ExperimentConfig, name: str) -> NamedRun:
-    """The run ``--resume`` continues: of the runs called ``name``, the newest with the config's model and algorithm
-    (runs of one name that differ only in ``--set algorithm.loss=…`` each resume their own), else the newest (whose
-    checkpoint the compatibility check then refuses unless forced). Raises :class:`NothingToResumeError`."""
-    runs = tracker.runs_named(name)
-    if not runs:
-        raise NothingToResumeError(nothing_to_resume(name, tracker.experiment, tracker.tracking_uri))
-    return next((r for r in runs if _same_experiment(r, cfg)), runs[0])
-
-
-def nothing_to_resume(name: str, experiment: str, tracking_uri: str) -> str:
-    return (f"nothing to resume: no MLflow run named {name!r} in experiment {experiment!r} at {tracking_uri} "
-            "(drop --resume to start a new run)")
-
-
-def _store(checkpoints: str | os.PathLike[str] | CheckpointStore) -> CheckpointStore:
-    return checkpoints if isinstance(checkpoints, CheckpointStore) else CheckpointStore(checkpoints)
-
-
-def latest_point(checkpoints: str | os.PathLike[str] | CheckpointStore, cfg: ExperimentConfig,
-                 force: bool = False) -> ResumePoint | None:
-    """The newest complete checkpoint of one run's store as a resume point (None: there is none); falls back past
-    corrupt checkpoints and refuses one whose model or algorithm differs from ``cfg`` (unless ``force``). A remote
-    root (``s3://…``) is read through a verified local copy (``ResumePoint.path``)."""
-    store = _store(checkpoints)
-    path = store.latest()
-    return _checked_point(path, store, cfg, force) if path is not None else None
-
-
-def _checked_point(path: Path, store: CheckpointStore, cfg: ExperimentConfig, force: bool) -> ResumePoint:
-    state = read_checkpoint_state(path)
-    check_compatible(state, cfg, force=force)
-    return ResumePoint(state.run_id or "", state.step, path, store.uri)
-
-
-def _unkeyed_point(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], name: str, run_id: str,
-                   force: bool) -> ResumePoint | None:
-    """A checkpoint of the layout before run ids (``<root>/<run name>/step-NNNNNN``) if it is this run's: a run
-    started before the change resumes from it (and saves under its run id from then on) instead of from step 0.
-    Another run's is none of this run's business (not even its compatibility)."""
-    store = open_checkpoints(cfg, runs_dir, checkpoint_root(cfg, runs_dir, name))
-    path = store.latest()
-    if path is None or read_checkpoint_state(path).run_id != run_id:
-        return None
-    return _checked_point(path, store, cfg, force)
-
-
-def find_resume_point(tracker: Tracker, cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], name: str,
-                      force: bool = False) -> ResumePoint:
-    """Where ``--resume`` of the run called ``name`` continues (:func:`run_to_resume`): its newest complete
-    checkpoint, or step 0 of the same MLflow run when it has none, never a new run."""
-    run = run_to_resume(tracker, cfg, name)
-    store = checkpoint_store(cfg, runs_dir, name, run.run_id)
-    point = latest_point(store, cfg, force) or _unkeyed_point(cfg, runs_dir, name, run.run_id, force)
-    if point is None:
-        log.warning("MLflow run %s (%s, %s) has no complete checkpoint under %s: resuming it from step 0", run.run_id,
-                    name, run.status, store.uri)
-        return ResumePoint(run.run_id, 0, None)
-    if point.run_id != run.run_id:
-        raise CheckpointError(f"{point.path} belongs to MLflow run {point.run_id!r}, not to {run.run_id!r} whose "
-                              "checkpoints it is filed under")
-    return point
 
 
 def build_backend(runtime: PolicyRuntime, total_steps: int) -> TrainBackend:
@@ -157,7 +64,7 @@ class Trainer:
             raise ValueError(f"data.train={cfg.data.train!r} has no usable rows")
         self.runtime = runtime
         self.run_id = run_id
-        self.checkpoints = _store(checkpoint_dir)
+        self.checkpoints = as_store(checkpoint_dir)
         self.rows_by_id: dict[str, QuestionRow] = {r.id: r for r in self.rows}
         """Question id → row (text, golds, dataset): trees hold token ids only."""
         self.order = DataOrder(len(self.rows), cfg.train.batch_size, cfg.seed, shuffle=cfg.data.shuffle)
@@ -231,9 +138,9 @@ class Trainer:
         return str(self.ranks.broadcast(str(path)))
 
     def resume(self, path: Path, force: bool = False) -> int:
-        """Restore the checkpoint at ``path`` (a :class:`ResumePoint`'s): weights, optimizer, schedule, RNG streams,
-        data cursor; returns its step. Every rank reads the checkpoint and takes its own optimizer partition (same
-        world size as the save)."""
+        """Restore the checkpoint at ``path`` (a :class:`~infra.run.resume.ResumePoint`'s): weights, optimizer,
+        schedule, RNG streams, data cursor; returns its step. Every rank reads the checkpoint and takes its own
+        optimizer partition (same world size as the save)."""
         optimizer, scheduler = self.backend.checkpoint_state()
         model = None if self.backend.weights_from_optimizer_state else self.runtime.model
         state = load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler,

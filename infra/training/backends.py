@@ -15,16 +15,6 @@ from infra.training.update import Stateful
 log = logging.getLogger(__name__)
 
 
-AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def autocast_dtype(name: str) -> torch.dtype | None:
-    """The autocast dtype of a resolved ``model.compute_dtype`` (None: plain float32 compute)."""
-    if name == "auto":
-        raise ValueError("model.compute_dtype=auto is resolved for the device first (infra.numerics.numerics_for)")
-    return AUTOCAST_DTYPES.get(name)
-
-
 def last_hidden_state(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Last hidden states of a causal LM's decoder (the vocabulary projection is applied by the caller), with no
     KV cache: a training forward that builds one keeps every layer's keys and values alive to its end, which

@@ -56,6 +56,7 @@ import torch
 import yaml
 
 from aepo_core.config import AlgorithmConfig, ConfigError, ExperimentConfig, build_config, flatten, migrate_renamed_keys
+from infra.models import MODEL_DIR, ModelLoadError, load_model_weights
 from infra.training.data_order import DataCursor
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,6 @@ log = logging.getLogger(__name__)
 FORMAT_NAME = "aepo-checkpoint"
 FORMAT_VERSION = 2
 """2: the HF model and tokenizer in ``model/`` (1: at the top, next to the optimizer state; still read)."""
-MODEL_DIR = "model"
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 CONFIG_FILE = "config.yaml"
@@ -445,7 +445,10 @@ def load_checkpoint(
         check_compatible(state, config, force=force)
     t0 = time.perf_counter()
     if model is not None:
-        load_model_weights(model, path)
+        try:
+            load_model_weights(model, path)
+        except ModelLoadError as exc:  # a checkpoint without the weights of its model is a corrupt one
+            raise CorruptCheckpointError(str(exc)) from None
     if optimizer is not None:
         optimizer.load_state_dict(_torch_load(path, OPTIMIZER_FILE))
     if scheduler is not None:
@@ -454,61 +457,6 @@ def load_checkpoint(
         restore_rng_state(_torch_load(path, RNG_FILE))
     log.info("loaded checkpoint %s (step %d) in %.2f s", path, state.step, time.perf_counter() - t0)
     return state
-
-
-def model_dir(path: str | os.PathLike[str]) -> Path:
-    """The HF model directory of a checkpoint (``model/``; a format-1 checkpoint holds it at its top), or of a plain
-    HF model directory (itself)."""
-    path = Path(path)
-    return path / MODEL_DIR if (path / MODEL_DIR / "config.json").is_file() else path
-
-
-def load_model_weights(model: Any, path: str | os.PathLike[str]) -> None:
-    """Copy the safetensors weights of a checkpoint (or HF model directory) into ``model`` in place (no second
-    model in memory).
-
-    Tied parameters absent from the file (transformers drops the tied copy) are accepted when they share storage
-    with a loaded one. If the file's keys do not match the module's (architectures that transformers renames on
-    load), the model is loaded with ``from_pretrained`` and copied over instead.
-    """
-    from safetensors.torch import load_file
-
-    path = model_dir(path)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        shards = [p.name for p in sorted(path.glob("*.safetensors"))]
-    if not shards:
-        raise CorruptCheckpointError(f"{path}: no safetensors weights")
-    expected = model.state_dict()
-    names = {name for shard in shards for name in _safetensors_keys(path / shard)}
-    unexpected = names - expected.keys()
-    loaded_ptrs = {expected[k].data_ptr() for k in names & expected.keys()}
-    missing = [k for k in expected.keys() - names if expected[k].data_ptr() not in loaded_ptrs]
-    if unexpected or missing:
-        log.info("checkpoint keys differ from %s's (%d unexpected, %d missing): loading via from_pretrained",
-                 type(model).__name__, len(unexpected), len(missing))
-        _load_via_from_pretrained(model, path)
-        return
-    with torch.no_grad():
-        for shard in shards:
-            model.load_state_dict(load_file(str(path / shard), device="cpu"), strict=False)
-
-
-def _load_via_from_pretrained(model: Any, path: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
-    dtype = next(model.parameters()).dtype
-    fresh = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    model.load_state_dict(fresh.state_dict(), strict=True)
-
-
-def _safetensors_keys(file: Path) -> list[str]:
-    from safetensors import safe_open
-
-    with safe_open(str(file), framework="pt") as handle:
-        return list(handle.keys())
 
 
 def _torch_load(path: Path, name: str) -> Any:

@@ -19,9 +19,10 @@ from test_update import VOCAB, make_samples, params, tiny_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from aepo_core.config import ExperimentConfig, TrainConfig, build_config
+from infra.models import model_dir
 from infra.training.backends import TorchBackend
 from infra.training.batching import split_mini_batches
-from infra.training.checkpoint import model_dir, save_checkpoint
+from infra.training.checkpoint import save_checkpoint
 from infra.training.deepspeed_backend import (
     DeepSpeedBackend,
     init_single_process_distributed,

@@ -140,13 +140,13 @@ def test_the_store_supersedes_prefixes_and_stays_under_its_cap() -> None:
 
 @pytest.mark.parametrize("reuse", [True, False])
 def test_the_config_turns_reuse_on_and_off(reuse: bool, tiny_policy: tuple[Any, Any], tmp_path: Any) -> None:
+    from infra.engines.registry import build_engine
     from infra.numerics import numerics_for
-    from infra.run.runtime import _build_engine
 
     cfg = ExperimentConfig.model_validate({"model": {"name": "tiny-random", "generation_dtype": "same"},
                                            "rollout": {"kv_reuse": reuse}})
     model, tok = tiny_policy
-    engine = _build_engine(cfg, numerics_for(cfg), model, tok, tmp_path)
+    engine = build_engine(cfg, numerics_for(cfg), model, tok, tmp_path).engine
     assert isinstance(engine, HFEngine) and engine.kv_reuse is reuse
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 from openai_compat_server import CompletionsServer
 
-from aepo_core.config import RolloutConfig
+from aepo_core.config import RemoteEngineConfig, RolloutConfig
 from aepo_core.interfaces import GenerationRequest, SamplingParams
 from aepo_core.protocol import STOP_STRINGS
 from aepo_core.rollout.scheduler import Question, RolloutScheduler
 from infra.engines.hf import HFEngine
-from infra.engines.remote import ReloadEndpoint, RemoteEngine
+from infra.engines.remote import HTTPOptions, ReloadEndpoint, RemoteEngine
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def server(tiny_policy):
 
 def test_tokens_match_the_local_engine_and_entropy_is_an_estimate(server, tiny_policy, tiny_engine):
     _model, tokenizer = tiny_policy
-    remote = RemoteEngine(server.url, "tiny", tokenizer, top_logprobs=20)
+    remote = RemoteEngine(RemoteEngineConfig(url=server.url, model="tiny", top_logprobs=20), tokenizer)
     prompt = tiny_engine.apply_chat_template("What is the capital of Brotryx?")
     reqs = [GenerationRequest(prompt, 12, STOP_STRINGS, seed=s) for s in (1, 2, 3)]
     sampling = SamplingParams(temperature=1.0)
@@ -41,18 +41,20 @@ def test_tokens_match_the_local_engine_and_entropy_is_an_estimate(server, tiny_p
 def test_transient_errors_are_retried_and_bad_rows_fail_alone(tiny_policy, tiny_engine):
     model, tokenizer = tiny_policy
     with CompletionsServer(HFEngine(model, tokenizer), fail_first=2) as srv:
-        remote = RemoteEngine(srv.url, "tiny", tokenizer, retry_backoff_s=0.01, workers=1)
+        remote = RemoteEngine(RemoteEngineConfig(url=srv.url, model="tiny"), tokenizer,
+                              http=HTTPOptions(retry_backoff_s=0.01, workers=1))
         (res,) = remote.generate([GenerationRequest([1, 2, 3], 4, (), seed=0)], SamplingParams())
         assert res.error is None and len(res.token_ids) == 4
         assert len(srv.requests) == 3
-    dead = RemoteEngine("http://127.0.0.1:9", "tiny", tokenizer, max_retries=0)
+    dead = RemoteEngine(RemoteEngineConfig(url="http://127.0.0.1:9", model="tiny"), tokenizer,
+                        http=HTTPOptions(max_retries=0))
     (res,) = dead.generate([GenerationRequest([1, 2], 4, ())], SamplingParams())
     assert res.finish_reason == "error" and "cannot reach" in (res.error or "")
 
 
 def test_scheduler_runs_on_the_remote_engine(server, tiny_policy, tiny_engine):
     _, tokenizer = tiny_policy
-    remote = RemoteEngine(server.url, "tiny", tokenizer)
+    remote = RemoteEngine(RemoteEngineConfig(url=server.url, model="tiny"), tokenizer)
     cfg = RolloutConfig(mode="aepo", k=3, initial_rollouts=1, max_response_tokens=24, max_tool_calls=1)
     res = RolloutScheduler(remote, {}, cfg).run(
         [Question("q0", tiny_engine.apply_chat_template("Say something."))], seed=3
@@ -85,7 +87,8 @@ def test_weight_sync_hook_posts_the_checkpoint_path(tiny_policy):
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{httpd.server_address[1]}/reload"
-        engine = RemoteEngine("http://127.0.0.1:9", "tiny", tiny_policy[1], receiver=ReloadEndpoint(url))
+        engine = RemoteEngine(RemoteEngineConfig(url="http://127.0.0.1:9", model="tiny"), tiny_policy[1],
+                              receiver=ReloadEndpoint(url))
         engine.load_weights("/shared/ckpt")
     finally:
         httpd.shutdown()
@@ -98,7 +101,7 @@ def test_a_round_goes_concurrently_over_keep_alive_connections(server, tiny_poli
     """Two rounds of 8 rows with 4 request threads: at most 4 TCP connections, reused across rounds (a new
     connection per request would open 16)."""
     _, tokenizer = tiny_policy
-    remote = RemoteEngine(server.url, "tiny", tokenizer, workers=4)
+    remote = RemoteEngine(RemoteEngineConfig(url=server.url, model="tiny"), tokenizer, http=HTTPOptions(workers=4))
     server.connections.clear()
     prompt = tiny_engine.apply_chat_template("Count to three.")
     for _ in range(2):

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from test_checkpoint import make_config, make_model, make_tokenizer
 
-from infra.run.trainer import NothingToResumeError, find_resume_point
+from infra.run.resume import NothingToResumeError, find_resume_point
 from infra.tracking.run import Tracker
 from infra.training.checkpoint import save_checkpoint
 

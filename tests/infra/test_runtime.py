@@ -7,9 +7,10 @@ from pathlib import Path
 import torch
 
 from infra.config_files import load_config
+from infra.run.resume import latest_point
 from infra.run.runtime import PolicyRuntime, build_runtime
 from infra.run.sft import run_sft
-from infra.run.trainer import Trainer, latest_point
+from infra.run.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -66,8 +67,7 @@ def test_prompt_is_built_once_per_question(model_cache: Path, tmp_path: Path) ->
 def test_the_demo_config_runs_at_the_dtypes_resolved_for_this_machine(model_cache: Path, tmp_path: Path) -> None:
     """configs/demo.yaml leaves the numerics to ``auto``: on this CPU the engine samples and the trainer computes in
     the resolved dtypes (bf16 only where it is native and fast), and a step runs. Shrunk to the tiny model."""
-    from infra.numerics import device_facts, resolve_numerics
-    from infra.training.backends import autocast_dtype
+    from infra.numerics import autocast_dtype, device_facts, resolve_numerics
 
     cfg = load_config(REPO / "configs" / "demo.yaml", [
         f"model.cache_dir={model_cache}", "model.name=tiny-random", "train.batch_size=2", "optim.mini_batch_size=1",

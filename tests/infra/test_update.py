@@ -321,8 +321,7 @@ def test_under_the_sweep_settings_the_clipping_loss_acts(model_cache: Path, tmp_
     at this learning rate stays inside the clip range: ratio_max 1.17, measured.)"""
     from bench.train_step import build_samples
     from infra.models import load_policy
-    from infra.numerics import numerics_for
-    from infra.training.backends import autocast_dtype
+    from infra.numerics import autocast_dtype, numerics_for
 
     moved = {}
     for cell in ("aepo", "aepo-no-clip-balance"):

@@ -1,0 +1,115 @@
+"""The rollout engine a config names, built in one place: ``rollout.engine`` picks a builder by name (as verl's
+``workers/rollout/base.py`` registry picks a rollout class).
+
+- ``hf``: :class:`~infra.engines.hf.HFEngine` in this process, on the training model or on its own copy in
+  ``model.generation_dtype``;
+- ``vllm``: a vLLM server the run starts (:class:`~infra.engines.vllm_server.VLLMServer`, serving the policy as
+  loaded) behind a :class:`~infra.engines.remote.RemoteEngine`; the caller stops the server
+  (:attr:`BuiltEngine.server`);
+- ``remote``: a completions server someone else runs (``rollout.remote``), behind a ``RemoteEngine``.
+
+The remote and vLLM modules are imported only by the builders that need them (as the runtime did before).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from aepo_core.config import ExperimentConfig, RemoteEngineConfig
+from infra.engines.weights import PolicyEngine
+from infra.numerics import GENERATION_DTYPES, Numerics, autocast_dtype
+
+if TYPE_CHECKING:
+    from infra.engines.remote import WeightReceiver
+    from infra.engines.vllm_server import VLLMServer
+
+log = logging.getLogger(__name__)
+
+INITIAL_VERSION = "0"
+"""The weight version of the policy as loaded, before any update (PolicyWeights.version counts updates)."""
+
+
+@dataclass(frozen=True)
+class BuiltEngine:
+    """An engine, and the server the run started for it (None: nothing to stop)."""
+
+    engine: PolicyEngine
+    server: VLLMServer | None = None
+
+
+EngineBuilder = Callable[[ExperimentConfig, Numerics, torch.nn.Module, object, Path], BuiltEngine]
+"""(config, resolved numerics, policy model, tokenizer, weight-export folder) → the engine."""
+
+
+def build_engine(cfg: ExperimentConfig, numerics: Numerics, model: torch.nn.Module, tokenizer: object,
+                 weights_dir: Path) -> BuiltEngine:
+    """The engine of ``rollout.engine`` for ``model``; ``weights_dir`` receives the weight exports a server loads
+    (``initial/``, ``step-NNNNNN/``)."""
+    return ENGINES[cfg.rollout.engine](cfg, numerics, model, tokenizer, weights_dir)
+
+
+def _hf(cfg: ExperimentConfig, numerics: Numerics, model: torch.nn.Module, tokenizer: object,
+        weights_dir: Path) -> BuiltEngine:
+    from infra.engines.hf import HFEngine
+
+    r = cfg.rollout
+    gen_dtype = numerics.generation_dtype
+    kv_mb = r.kv_reuse_max_mb if r.kv_reuse else 0.0
+    if gen_dtype == "same" or cfg.train.backend == "deepspeed":
+        if gen_dtype != "same":
+            log.warning("model.generation_dtype=%s ignored under DeepSpeed (partitioned weights): the engine shares "
+                        "the training model", gen_dtype)
+        return BuiltEngine(HFEngine(model, tokenizer, seed=cfg.seed,
+                                    autocast_dtype=autocast_dtype(numerics.compute_dtype), kv_reuse_mb=kv_mb))
+    generation_model = copy.deepcopy(model).to(GENERATION_DTYPES[gen_dtype]).eval()
+    generation_model.requires_grad_(False)
+    return BuiltEngine(HFEngine(generation_model, tokenizer, seed=cfg.seed, kv_reuse_mb=kv_mb))
+
+
+def _vllm(cfg: ExperimentConfig, numerics: Numerics, model: torch.nn.Module, tokenizer: object,
+          weights_dir: Path) -> BuiltEngine:
+    """The run's own vLLM server, serving the policy as loaded (exported once to ``weights_dir/initial``), reloaded
+    in place after every update."""
+    from infra.engines.remote import RemoteEngine, export_hf_checkpoint
+    from infra.engines.vllm_server import VLLMServer
+
+    initial = export_hf_checkpoint(model, tokenizer, weights_dir / "initial")
+    server = VLLMServer(initial, cfg.rollout.vllm, log_path=weights_dir / "vllm-server.log").start()
+    try:
+        server.control.label(INITIAL_VERSION)
+    except BaseException:
+        server.close()
+        raise
+    served = RemoteEngineConfig(url=server.url, model=server.served_name, weight_sync="vllm",
+                                top_logprobs=cfg.rollout.vllm.top_logprobs)
+    engine = RemoteEngine(served, tokenizer, receiver=server.control, weights_dir=weights_dir,
+                          loaded_version=INITIAL_VERSION)
+    return BuiltEngine(engine, server)
+
+
+def _remote(cfg: ExperimentConfig, numerics: Numerics, model: torch.nn.Module, tokenizer: object,
+            weights_dir: Path) -> BuiltEngine:
+    from infra.engines.remote import ReloadEndpoint, RemoteEngine
+    from infra.engines.vllm_server import VLLMControl
+
+    r = cfg.rollout.remote
+    if not r.url:
+        raise ValueError("rollout.engine=remote needs rollout.remote.url")
+    receiver: WeightReceiver | None = None
+    if r.weight_sync == "vllm":
+        receiver = VLLMControl(r.url)
+    elif r.reload_url:
+        receiver = ReloadEndpoint(r.reload_url)
+    section = r.model_copy(update={"model": r.model or cfg.model.name})
+    return BuiltEngine(RemoteEngine(section, tokenizer, receiver=receiver, weights_dir=weights_dir))
+
+
+ENGINES: dict[str, EngineBuilder] = {"hf": _hf, "vllm": _vllm, "remote": _remote}
+"""``rollout.engine`` → its builder."""
