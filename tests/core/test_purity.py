@@ -53,12 +53,11 @@ def test_importing_the_core_loads_no_forbidden_module():
 
 
 # ---------------------------------------------------------------------------------------------- layering
-# The house reads flows → tasks → runtime/trainer → infra → aepo_core. Flows orchestrate: they build the runtime and
-# the trainer and hand them to tasks, and never reach into the training internals themselves.
+# The house reads flows → tasks → infra/run (runtime, trainer, …) → infra/<adapter> → aepo_core. Flows orchestrate:
+# they build the runtime and the trainer and hand them to tasks, and never reach into the training internals.
 TRAINING_INTERNALS = "infra.training"
-NO_PROBING = ["flows", "tasks", "infra/run/runtime.py", "infra/run/trainer.py", "infra/run/evaluation.py",
-              "infra/training/update.py", "infra/run/sft.py", "infra/training/backends.py",
-              "infra/engines/weights.py"]
+NO_PROBING = ["flows", "tasks", "infra/run", "infra/training/update.py", "infra/training/backends.py",
+              "infra/engines/weights.py", "infra/engines/registry.py"]
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -201,3 +200,42 @@ def test_no_import_cycle_inside_infra():
         if v not in index:
             visit(v)
     assert cycles == []
+
+
+def _calls(path: Path) -> set[str]:
+    return {node.func.id if isinstance(node.func, ast.Name) else node.func.attr
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name | ast.Attribute)}
+
+
+def _product_files() -> list[Path]:
+    return [p for layer in ("infra", "tasks", "flows") for p in sorted((ROOT / layer).rglob("*.py"))]
+
+
+def test_engines_are_built_in_one_place_and_checkpoints_located_in_one():
+    """``rollout.engine`` picks its engine in infra/engines/registry.py alone; where a run's checkpoints live is
+    said by infra/run/checkpoints.py alone."""
+    owners = {"HFEngine": {"infra/engines/registry.py"}, "RemoteEngine": {"infra/engines/registry.py"},
+              "VLLMServer": {"infra/engines/registry.py", "infra/engines/vllm_server.py"},  # (its __main__ check)
+              "checkpoint_root": {"infra/run/checkpoints.py"},
+              "CheckpointStore": {"infra/run/checkpoints.py", "infra/training/checkpoint_store.py"}}
+    for path in _product_files():
+        rel = str(path.relative_to(ROOT))
+        for name in _calls(path) & set(owners):
+            assert rel in owners[name], f"{rel} calls {name}(): only {sorted(owners[name])} may"
+
+
+def test_only_the_cli_prints_or_exits():
+    """Adapters, services and tasks raise; the CLI (flows/cli/) alone renders and exits (typer, rich)."""
+    for layer in ("aepo_core", "infra", "tasks"):
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            assert not imported_roots(path) & {"typer", "rich"}, f"{path.relative_to(ROOT)} imports typer/rich"
+
+
+def test_importing_the_cli_loads_no_heavy_package():
+    """``aepo`` applies its settings before Prefect and MLflow are imported (and answers --help at once)."""
+    code = ("import sys, flows.cli\n"
+            "bad = sorted({m.split('.')[0] for m in sys.modules} & {'prefect', 'mlflow', 'torch', 'transformers'})\n"
+            "print(bad); sys.exit(1 if bad else 0)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
