@@ -228,7 +228,8 @@ def check_resume(cfg: ExperimentConfig, runs: Path, run_name: str) -> None:
     alike, before anything is created. Rank 0 alone asks (the others follow its choice)."""
     from infra.ranks import Ranks
     from infra.run.trainer import NothingToResumeError, nothing_to_resume, run_to_resume
-    from infra.tracking.run import Tracker, resolve_tracking
+    from infra.tracking.client import resolve_tracking
+    from infra.tracking.run import Tracker
 
     if not Ranks.current().is_main:
         return
@@ -407,7 +408,7 @@ def check_tracking_server(uri: str | None) -> None:
 def _tracking_uri(runs: Path, tracking_uri: str | None, required: bool = True) -> str | None:
     """The tracking URI a reading command uses: ``--tracking-uri`` (checked: a server must answer), else the runs
     dir's SQLite store, which must exist (``required=False``: None where it does not)."""
-    from infra.tracking.run_index import tracking_uri_for
+    from infra.tracking.client import tracking_uri_for
 
     check_tracking_server(tracking_uri)
     uri = tracking_uri or tracking_uri_for(runs)
@@ -518,7 +519,7 @@ def eval_(
         resolve_eval_config,
     )
     from infra.run.runtime import CheckpointError
-    from infra.tracking.run import RegistryError, is_registered_model
+    from infra.tracking.registry import RegistryError, is_registered_model
     from tasks.retry import USER_ERRORS
 
     try:
@@ -908,7 +909,7 @@ def _redacted(uri: str) -> str:
 def _backend_store(value: str | None, rdir: Path) -> str:
     """``--backend-store-uri``: the runs dir's SQLite store by default, another SQLite file, or PostgreSQL (its
     driver must be installed: the server would otherwise die at start with an import error)."""
-    from infra.tracking.run import tracking_uri_for
+    from infra.tracking.client import tracking_uri_for
 
     if value is None:
         return tracking_uri_for(rdir)
@@ -937,7 +938,7 @@ def _artifacts_destination(value: str | None, rdir: Path, s3_endpoint_url: str |
     """``--artifacts-destination``: where the MLflow server keeps the artifacts its clients send it (they go
     through the server: the clients need no access to it): ``<runs>/mlartifacts`` by default, a directory, or
     ``s3://bucket/prefix`` (``--s3-endpoint-url`` for MinIO, moto, …)."""
-    from infra.tracking.run import ARTIFACTS_DIR
+    from infra.tracking.client import ARTIFACTS_DIR
 
     if value is None:
         dest = str(rdir / ARTIFACTS_DIR)

@@ -24,7 +24,8 @@ from infra.engines.weights import PolicyWeights
 from infra.models import load_policy
 from infra.ranks import Ranks
 from infra.run.runtime import PolicyRuntime, checkpoint_root, checkpoint_store, open_checkpoints
-from infra.tracking.run import NamedRun, Tracker, param_value
+from infra.tracking.client import param_value
+from infra.tracking.run import NamedRun, Tracker
 from infra.training.backends import FrozenBackend, TorchBackend, autocast_dtype
 from infra.training.batching import samples_from_trees
 from infra.training.checkpoint import CheckpointError, check_compatible, load_checkpoint, read_checkpoint_state
