@@ -135,8 +135,10 @@ def shared_sft_checkpoint(base: Any, runs: Path, refresh: bool = False) -> tuple
 
 # ------------------------------------------------------------------------------------------------ analysis
 def _per_question(tracker: Any, run_id: str, dataset: str, workdir: Path) -> list[dict[str, Any]]:
+    from infra.tracking.client import download_artifacts
+
     name = dataset_key(dataset)
-    path = tracker.download_artifacts(f"runs:/{run_id}/eval/final/{name}.json", workdir / run_id)
+    path = download_artifacts(tracker.tracking_uri, f"runs:/{run_id}/eval/final/{name}.json", workdir / run_id)
     return list(json.loads(Path(path).read_text())["questions"])
 
 
@@ -349,7 +351,8 @@ def stored_runs(runs: Path, checked: Any, tracking_uri: str | None) -> dict[str,
     """The finished runs of the sweep ``checked`` already in the runs dir's store, shaped like a sweep result
     (newest run of each name): re-analysis without re-running, or of a sweep stopped early."""
     from flows.sweep import comparison_frame
-    from infra.tracking.run import Tracker, tracking_uri_for
+    from infra.tracking.client import tracking_uri_for
+    from infra.tracking.run import Tracker
 
     uri = tracking_uri or tracking_uri_for(runs)  # the pool's server serves the runs dir's store
     children = Tracker(uri).search_runs(filter_string="attributes.status = 'FINISHED'")

@@ -79,7 +79,7 @@ def environment(threads: int, *, numerics: Mapping[str, str] | None = None) -> d
     import transformers
 
     from infra.numerics import device_facts
-    from infra.tracking.run import git_sha
+    from infra.tracking.client import git_sha
 
     facts = device_facts("cpu")
     return {

@@ -104,7 +104,8 @@ def analyse(study_dir: Path, n_resamples: int) -> dict[str, Any]:
 def log_to_study_run(runs: Path, study_dir: Path) -> dict[str, str] | None:
     """The re-analysed folder (summary, figures, costs) as artifacts ``study/`` of the study's own MLflow run in the
     runs dir's store (the run named like the folder), when there is one; a study stopped before its end logged none."""
-    from infra.tracking.run import Tracker, tracking_uri_for
+    from infra.tracking.client import tracking_uri_for
+    from infra.tracking.run import Tracker
 
     tracker = Tracker(tracking_uri_for(runs))
     found = tracker.search_runs(filter_string=f"attributes.run_name = '{study_dir.name}'")

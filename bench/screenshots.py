@@ -67,7 +67,7 @@ def pick_run(runs_dir: Path, experiment: str, run_id: str | None) -> tuple[str, 
     """(experiment id, run id, the id of its trace with the most tool spans, its Prefect flow run id)."""
     from mlflow.tracking import MlflowClient
 
-    from infra.tracking.run import TAG_FLOW_RUN, tracking_uri_for
+    from infra.tracking.client import TAG_FLOW_RUN, tracking_uri_for
 
     client = MlflowClient(tracking_uri_for(runs_dir))
     exp = client.get_experiment_by_name(experiment)

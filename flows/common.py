@@ -19,7 +19,8 @@ from infra.data.loaders import dataset_key
 from infra.data.rows import QuestionRow
 from infra.run.evaluation import EvalReport
 from infra.run.runtime import PolicyRuntime
-from infra.tracking.run import DatasetRecord, RankTracker, RunOrigin, Tracker
+from infra.tracking.client import RunOrigin
+from infra.tracking.run import DatasetRecord, RunLogger
 
 
 def resolve_config(config: ExperimentConfig | dict[str, Any] | None, overrides: list[str] | None) -> ExperimentConfig:
@@ -88,7 +89,7 @@ def check_eval_datasets(runtime: PolicyRuntime) -> list[DatasetRecord]:
     return [dataset_record(spec, runtime.load_rows(spec), "evaluation", specs) for spec in specs]
 
 
-def log_eval_traces(tracker: Tracker | RankTracker, report: EvalReport, step: int, label: str) -> None:
+def log_eval_traces(tracker: RunLogger, report: EvalReport, step: int, label: str) -> None:
     """The evaluation's kept samples (``tracking.eval_traces`` first questions) as MLflow traces at ``step``,
     labelled ``<label>/<dataset key>`` (``final/synthetic_test``)."""
     if report.traced is not None:

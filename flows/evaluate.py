@@ -40,7 +40,8 @@ from infra.judge import LLMJudge, Verdict
 from infra.run.checkpoints import checkpoint_config, checkpoint_source, find_checkpoint
 from infra.run.evaluation import EvalReport, EvalSource, ResultsDir
 from infra.run.runtime import build_runtime
-from infra.tracking.run import RegisteredPolicy, Tracker, is_registered_model
+from infra.tracking.registry import RegisteredPolicy, fetch_registered, is_registered_model, link_model
+from infra.tracking.run import Tracker
 from tasks.rl import evaluate as evaluate_task
 from tasks.rl import write_eval_results
 
@@ -96,7 +97,7 @@ def fetch_registered_policy(uri: str, config: ExperimentConfig | dict[str, Any] 
     """A registered policy version (``models:/<name>/<version>``) from the registry of the given config's tracking
     URI (default: the runs dir's store), downloaded under ``<runs_dir>/cache/models``."""
     tracker = Tracker.from_config(_locating_config(config, overrides), runs_dir, system_metrics=False)
-    return tracker.fetch_registered(uri, Path(runs_dir) / MODEL_CACHE)
+    return fetch_registered(tracker, uri, Path(runs_dir) / MODEL_CACHE)
 
 
 def resolve_checkpoint(path: str | os.PathLike[str] | None, storage: StorageConfig | None = None,
@@ -239,7 +240,7 @@ def evaluate(
         with tracker:
             tracker.log_datasets(inputs)
             if registered is not None:
-                tracker.link_model(registered)
+                link_model(tracker, registered)
             for ds in eval_sets:
                 report = evaluate_task.with_options(timeout_seconds=cfg.train.eval_timeout_s)(runtime, ds, "eval")
                 metrics = report.metrics()

@@ -42,7 +42,8 @@ from infra.run.resume import ResumePoint, find_resume_point
 from infra.run.runtime import PolicyRuntime, build_runtime
 from infra.run.trainer import Trainer
 from infra.store import TrajectoryStore
-from infra.tracking.run import RankTracker, Tracker
+from infra.tracking.registry import log_model, register_model
+from infra.tracking.run import RankTracker, RunLogger, Tracker
 from tasks.data import prepare_data, source_fingerprint
 from tasks.progress import Progress, report
 from tasks.rl import checkpoint, evaluate, rollout, score, sft, store, update, write_eval_results
@@ -79,7 +80,7 @@ class TrainResult:
         return self.evals.get("final", {})
 
 
-def _log_eval(tracker: Tracker, report_: EvalReport, step: int, label: str) -> None:
+def _log_eval(tracker: RunLogger, report_: EvalReport, step: int, label: str) -> None:
     """Log one evaluation: metrics at ``step``, the full report as JSON."""
     tracker.log_metrics(report_.metrics(), step)
     log_eval_traces(tracker, report_, step, label)
@@ -91,7 +92,7 @@ class _Evaluations:
     """The run's evaluations by stage: summaries for the result, per-question Pass@1 for paired comparisons, and
     per stage the per-question Parquet files ``aepo eval`` writes, under ``<eval results>/<run name>/<stage>/``."""
 
-    def __init__(self, runtime: PolicyRuntime, tracker: Tracker, timeout_s: float | None, runs: Path,
+    def __init__(self, runtime: PolicyRuntime, tracker: RunLogger, timeout_s: float | None, runs: Path,
                  run_name: str) -> None:
         self.runtime, self.tracker, self.timeout_s = runtime, tracker, timeout_s
         self.runs, self.run_name = runs, run_name
@@ -133,7 +134,7 @@ def train(
     name = cfg.run_name_for(run_name)
     rows = prepare_data(cfg.data.train, cfg.data, source_fingerprint(cfg.data.train, cfg.data.data_root))
     ranks = Ranks.current()  # the launcher's (the process group itself starts with the DeepSpeed backend)
-    tracker: Tracker | RankTracker = Tracker.from_config(cfg, runs) if ranks.is_main else RankTracker(ranks.rank)
+    tracker: RunLogger = Tracker.from_config(cfg, runs) if ranks.is_main else RankTracker(ranks.rank)
     # Rank 0 picks the run to continue from MLflow before the model loads: a wrong name or config fails fast.
     point = (find_resume_point(tracker, cfg, runs, name, force=force_resume)
              if resume and isinstance(tracker, Tracker) else None)
@@ -163,7 +164,7 @@ def train(
             _train_loop(trainer, name, tracker, trajectories, evals, resumed=point is not None and point.step > 0,
                         logger=logger)
             comparisons = _paired_vs_earlier(evals.per_question, cfg)
-            if ranks.is_main:
+            if isinstance(tracker, Tracker):  # rank 0: the one that records
                 for cmp_name, by_ds in comparisons.items():
                     tracker.log_metrics({f"eval/{ds}/{cmp_name}_{key}": value
                                          for ds, c in by_ds.items() for key, value in c.items()}, trainer.step)
@@ -201,11 +202,11 @@ def _log_policy(tracker: Tracker, runtime: PolicyRuntime, cfg: ExperimentConfig,
                 final: dict[str, dict[str, float]], step: int) -> str | None:
     """Log the final policy with its agent protocol; register it under ``tracking.registered_model`` (with the
     final evaluation metrics as version tags). Returns the registered version's URI, None when not registered."""
-    logged = tracker.log_model(runtime.model, runtime.tokenizer, name="policy", protocol=runtime.protocol)
+    logged = log_model(tracker, runtime.model, runtime.tokenizer, name="policy", protocol=runtime.protocol)
     if not cfg.tracking.registered_model:
         return None
     metrics = {f"eval/{ds}/{key}": value for ds, summary in final.items() for key, value in summary.items()}
-    return tracker.register_model(logged, cfg.tracking.registered_model, metrics, step, run_description(cfg))
+    return register_model(tracker, logged, cfg.tracking.registered_model, metrics, step, run_description(cfg))
 
 
 def _sample_round(trainer: Trainer, step: int, rounds: list[RolloutResult], attempt: int
@@ -221,7 +222,7 @@ def _sample_round(trainer: Trainer, step: int, rounds: list[RolloutResult], atte
     return result.trees, score(runtime, result, rows, step)
 
 
-def _train_loop(trainer: Trainer, name: str, tracker: Tracker, trajectories: TrajectoryStore, evals: _Evaluations,
+def _train_loop(trainer: Trainer, name: str, tracker: RunLogger, trajectories: TrajectoryStore, evals: _Evaluations,
                 resumed: bool, logger: Any) -> None:
     """Optional start evaluation and cold-start SFT, the RL steps (checkpoints, periodic evaluations), the final
     evaluation, and the plots of the last step's rollouts."""

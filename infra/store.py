@@ -31,6 +31,8 @@ Why these choices:
   what :meth:`TrajectoryStore.steps` lists.
 - Scalar floats that are NaN (not measured) or absent (a step written without its scores) are stored as
   nulls, so SQL aggregates skip them; token-level arrays are stored as they are.
+- A row's columns and values are :func:`aepo_core.rollout.rows.node_row` / :func:`~aepo_core.rollout.rows.leaf_row`,
+  the one definition the MLflow traces and the MLflow table of a step's sample also use.
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import math
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -53,7 +54,8 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from aepo_core.config import StorageConfig
-from aepo_core.rollout.tree import Leaf, Node, RolloutTree
+from aepo_core.rollout.rows import leaf_row, node_row
+from aepo_core.rollout.tree import RolloutTree
 from aepo_core.scoring import LeafScore, check_aligned
 from infra.atomic import atomic_file, leftover_temps
 from infra.data.rows import QuestionRow
@@ -202,10 +204,6 @@ class StoredPart:
     legacy: bool = False
 
 
-def _null_nan(x: float | None) -> float | None:
-    return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
-
-
 def check_run_id(run_id: object) -> str:
     """Validate a run id: it becomes a directory name."""
     if not isinstance(run_id, str) or not _RUN_ID_RE.match(run_id):
@@ -273,25 +271,6 @@ def _add_nodes(cols: dict[str, list[Any]], run_id: str, step: int, tree: Rollout
             cols[k].append(v)
 
 
-def node_row(run_id: str, step: int, tree: RolloutTree, n: Node) -> dict[str, Any]:
-    """The ``nodes`` row of one segment, as Python values (NaN as None): the Parquet writer's and the MLflow
-    traces' (:mod:`infra.tracking.traces`) one definition of what a segment records."""
-    t = n.tool
-    return {
-        "run_id": run_id, "step": step, "question_id": tree.question_id, "node_id": n.node_id,
-        "parent_id": n.parent_id, "depth": n.depth, "kind": n.kind, "num_tokens": len(n.token_ids),
-        "token_start": n.token_start, "token_end": n.token_end, "finish_reason": n.finish_reason,
-        "segment_entropy": _null_nan(n.segment_entropy), "delta_entropy": _null_nan(n.delta_entropy),
-        "entropy_is_estimate": bool(n.entropy_is_estimate), "consecutive_branches": n.consecutive_branches,
-        "branched": bool(n.branched), "branch_reason": n.branch_reason,
-        "branch_score": _null_nan(n.branch_score),
-        "tool_name": t.name if t else None, "tool_argument": t.argument if t else None,
-        "tool_ok": bool(t.ok) if t else None, "tool_error": t.error if t else None,
-        "tool_latency_ms": t.latency_s * 1000.0 if t else None, "tool_cache_hit": bool(t.cache_hit) if t else None,
-        "tool_result_chars": t.result_chars if t else None, "text": n.text, "weight_version": n.weight_version,
-    }
-
-
 def _add_leaves(cols: dict[str, list[Any]], run_id: str, step: int, tree: RolloutTree,
                 scores: Sequence[LeafScore] | None, question: QuestionRow | None) -> None:
     n_nodes = len(tree.nodes)
@@ -309,36 +288,6 @@ def _add_leaves(cols: dict[str, list[Any]], run_id: str, step: int, tree: Rollou
             )
         for k, v in row.items():
             cols[k].append(v)
-
-
-def leaf_row(run_id: str, step: int, tree: RolloutTree, leaf: Leaf, score: LeafScore | None,
-             question: QuestionRow | None = None) -> dict[str, Any]:
-    """The ``trajectories`` row of one leaf (None score: reward and advantage null, reason empty; None question:
-    its dataset, text, golds and family null), as Python values (NaN as None): the Parquet writer's and the MLflow
-    traces' one definition of what a trajectory records."""
-    events = tree.tool_events(leaf)
-    reward, reason, advantage = (score.reward, score.reason, score.advantage) if score else (None, "", None)
-    return {
-        "run_id": run_id, "step": step, "question_id": tree.question_id,
-        "dataset": question.data_source if question else None, "question": question.question if question else None,
-        "golds": list(question.golds) if question else None, "family": question.family if question else None,
-        "leaf_id": leaf.leaf_id,
-        "sample_kind": leaf.sample_kind, "path": list(leaf.node_ids), "prompt_tokens": list(tree.prompt_ids),
-        "response_tokens": tree.response_ids(leaf), "loss_mask": tree.loss_mask(leaf),
-        "logprobs": tree.logprobs(leaf), "entropies": tree.entropies(leaf),
-        "reward": _null_nan(reward), "reward_reason": reason,
-        "advantage": _null_nan(advantage), "status": leaf.status, "num_tool_calls": len(events),
-        "tool_names": [e.name for e in events], "tool_errors": sum(not e.ok for e in events),
-        "branch_steps": leaf.branch_steps, "wall_ms": leaf.wall_s * 1000.0, "response_text": tree.text(leaf),
-        "global_budget": tree.global_budget, "h_root": _null_nan(tree.h_root), "h_tool": _null_nan(tree.h_tool),
-        "weight_version": _path_versions(tree, leaf),
-    }
-
-
-def _path_versions(tree: RolloutTree, leaf: Leaf) -> str | None:
-    """The distinct weight versions of a trajectory's model segments, in path order (None: untracked)."""
-    versions = [n.weight_version for n in tree.path(leaf) if n.kind == "model" and n.weight_version is not None]
-    return ",".join(dict.fromkeys(versions)) or None
 
 
 def _serialize(table: pa.Table, sink: Any) -> None:

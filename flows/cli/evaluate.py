@@ -64,7 +64,7 @@ def eval_(
         resolve_eval_config,
     )
     from infra.run.checkpoints import CheckpointError, checkpoint_source
-    from infra.tracking.run import RegistryError, is_registered_model
+    from infra.tracking.registry import RegistryError, is_registered_model
     from tasks.retry import USER_ERRORS
 
     try:

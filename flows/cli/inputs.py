@@ -104,7 +104,7 @@ def check_tracking_server(uri: str | None) -> None:
 def reading_tracking_uri(runs: Path, tracking_uri: str | None, required: bool = True) -> str | None:
     """The tracking URI a reading command uses: ``--tracking-uri`` (checked: a server must answer), else the runs
     dir's SQLite store, which must exist (``required=False``: None where it does not)."""
-    from infra.tracking.run_index import tracking_uri_for
+    from infra.tracking.client import tracking_uri_for
 
     check_tracking_server(tracking_uri)
     uri = tracking_uri or tracking_uri_for(runs)

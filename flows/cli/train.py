@@ -31,7 +31,8 @@ def check_resume(cfg: ExperimentConfig, runs: Path, run_name: str) -> None:
     alike, before anything is created. Rank 0 alone asks (the others follow its choice)."""
     from infra.ranks import Ranks
     from infra.run.resume import NothingToResumeError, nothing_to_resume, run_to_resume
-    from infra.tracking.run import Tracker, resolve_tracking
+    from infra.tracking.client import resolve_tracking
+    from infra.tracking.run import Tracker
 
     if not Ranks.current().is_main:
         return

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from aepo_core.config import ExperimentConfig
 from infra.run.checkpoints import as_store, checkpoint_store, unkeyed_checkpoint_store
-from infra.tracking.run import NamedRun, Tracker, param_value
+from infra.tracking.client import param_value
+from infra.tracking.run import NamedRun, Tracker
 from infra.training.checkpoint import CheckpointError, check_compatible, read_checkpoint_state
 from infra.training.checkpoint_store import CheckpointStore
 

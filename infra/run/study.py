@@ -16,6 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from aepo_core.rollout.rows import null_nan
 from aepo_core.rollout.study import (
     QUANTITIES,
     Estimate,
@@ -81,15 +82,11 @@ class ArmCost:
     tokens_generated: float
 
 
-def _nan_to_none(x: float) -> float | None:
-    return None if math.isnan(x) else x
-
-
 def write_profiles(path: str | Path, profiles: Mapping[Arm, Sequence[GroupProfile]]) -> Path:
     """The per-question table, atomically (complete or absent)."""
     rows = [
         {"k": arm.k, "mode": arm.mode,
-         **{name: (list(v) if name == "consecutive" else _nan_to_none(v) if isinstance(v, float) else v)
+         **{name: (list(v) if name == "consecutive" else null_nan(v) if isinstance(v, float) else v)
             for name, v in asdict(p).items()}}
         for arm, ps in profiles.items() for p in ps
     ]
@@ -113,7 +110,7 @@ def read_profiles(path: str | Path) -> dict[Arm, list[GroupProfile]]:
 
 def _cost_json(cost: ArmCost) -> dict[str, float | None]:
     """An arm's cost for JSON: unknown parts (NaN) as null."""
-    return {name: _nan_to_none(v) for name, v in asdict(cost).items()}
+    return {name: null_nan(v) for name, v in asdict(cost).items()}
 
 
 def write_costs(path: str | Path, costs: Mapping[Arm, ArmCost]) -> Path:
@@ -150,7 +147,7 @@ class StudySummary:
         """A JSON-ready tree: ``arms[<k>/<mode>]`` (estimates, histogram, budget correlation, cost) and
         ``paired[<k>/<a>-<b>]``; NaN as null."""
         def est(e: Estimate) -> dict[str, float | int | None]:
-            return {"mean": _nan_to_none(e.mean), "low": _nan_to_none(e.low), "high": _nan_to_none(e.high),
+            return {"mean": null_nan(e.mean), "low": null_nan(e.low), "high": null_nan(e.high),
                     "n": e.n}
 
         arms: dict[str, object] = {}

@@ -7,25 +7,19 @@ alembic: measured 3.7 s user time for ``import mlflow.store.tracking.sqlalchemy_
 milliseconds. The SQLite path reads MLflow's own tables (``experiments``, ``runs``, ``tags``, ``latest_metrics``,
 the columns MLflow's ``run.info`` / ``run.data`` come from); an ``sqlite3.Error`` there (a schema a newer MLflow
 has changed) falls back to the client, and ``tests/infra/test_tracking.py`` holds both ways equal on a real store.
-No MLflow import at module level.
+No MLflow import at module level (nor in :mod:`infra.tracking.client`, the one module of this package it imports).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import sqlite3
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-DB_NAME = "mlflow.db"
-
-
-def tracking_uri_for(runs_dir: str | os.PathLike[str]) -> str:
-    """The default tracking URI: a SQLite store inside the runs dir (absolute, so the cwd does not matter)."""
-    return f"sqlite:///{Path(runs_dir).expanduser().resolve() / DB_NAME}"
+from infra.tracking.client import open_store
 
 
 @dataclass(frozen=True)
@@ -80,8 +74,6 @@ def _from_sqlite(db: Path, experiment: str, limit: int) -> list[RunSummary]:
 
 def _from_client(tracking_uri: str, experiment: str, limit: int) -> list[RunSummary]:
     from mlflow.entities import ViewType
-
-    from infra.tracking.run import open_store
 
     client = open_store(tracking_uri)
     exp = client.get_experiment_by_name(experiment)

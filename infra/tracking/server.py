@@ -36,7 +36,7 @@ def redacted(uri: str) -> str:
 def backend_store(value: str | None, runs: Path) -> str:
     """``--backend-store-uri``: the runs dir's SQLite store by default, another SQLite file, or PostgreSQL (its
     driver must be installed: the server would otherwise die at start with an import error)."""
-    from infra.tracking.run_index import tracking_uri_for
+    from infra.tracking.client import tracking_uri_for
 
     if value is None:
         return tracking_uri_for(runs)
@@ -67,7 +67,7 @@ def artifacts_destination(value: str | None, runs: Path, s3_endpoint_url: str | 
     """``--artifacts-destination``: where the MLflow server keeps the artifacts its clients send it (they go
     through the server: the clients need no access to it): ``<runs>/mlartifacts`` by default, a directory, or
     ``s3://bucket/prefix`` (``--s3-endpoint-url`` for MinIO, moto, …)."""
-    from infra.tracking.run import ARTIFACTS_DIR
+    from infra.tracking.client import ARTIFACTS_DIR
 
     if value is None:
         dest = str(runs / ARTIFACTS_DIR)

@@ -14,8 +14,8 @@ Why a trace per tree, not per leaf: the group is what GRPO-style advantages comp
 the leaves side by side), and writing a trace costs one store transaction (≈ 60 ms on SQLite, loaded 2-core CPU):
 the 12 leaves of 3 scripted questions took 1.37 s to write as leaf traces, 0.32 s as tree traces.
 
-Span attributes are the Parquet rows of :mod:`infra.store` (:func:`~infra.store.node_row`,
-:func:`~infra.store.leaf_row`; same names, same values), so a span joins its Parquet row on
+Span attributes are the Parquet rows of :mod:`infra.store` (:func:`~aepo_core.rollout.rows.node_row`,
+:func:`~aepo_core.rollout.rows.leaf_row`; same names, same values), so a span joins its Parquet row on
 (run_id, step, question_id, node_id / leaf_id). Left out of the attributes: the token arrays and the texts; a
 text is the span's output instead (the segment's text, the tool's result, the response), cut to
 :data:`TEXT_CHARS` characters (the Parquet row keeps it whole). A shared prefix appears under each leaf on it.
@@ -28,8 +28,8 @@ the trace, ends at ``end_ns`` (the leaves ran concurrently).
 
 Spans are MLflow's own span entities (:class:`~mlflow.entities.LiveSpan` over OpenTelemetry spans of a private
 tracer provider, so nothing goes through MLflow's process-global tracer, trace manager or asynchronous exporter):
-:meth:`infra.tracking.run.Tracker.log_traces` writes the finished traces with the run's own client
-(:meth:`~infra.tracking.run.Tracker.log_rollout_traces` does both in a background thread).
+:func:`write_traces` writes the finished traces with the run's tracking URI
+(:meth:`infra.tracking.run.Tracker.log_rollout_traces` does both in a background thread).
 """
 
 from __future__ import annotations
@@ -42,15 +42,16 @@ from typing import Any, Literal
 from mlflow.entities import LiveSpan, SpanStatus, SpanStatusCode, SpanType, Trace, TraceData, TraceInfo
 from mlflow.entities.trace_location import TraceLocation
 from mlflow.entities.trace_state import TraceState
-from mlflow.tracing.constant import TraceMetadataKey, TraceTagKey
+from mlflow.tracing.client import TracingClient
+from mlflow.tracing.constant import SpansLocation, TraceMetadataKey, TraceTagKey
 from mlflow.tracing.utils import generate_mlflow_trace_id_from_otel_trace_id
 from opentelemetry import trace as otel_trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 
+from aepo_core.rollout.rows import leaf_row, node_row
 from aepo_core.rollout.tree import Leaf, Node, RolloutTree
 from aepo_core.scoring import LeafScore
-from infra.store import leaf_row, node_row
 
 TraceKind = Literal["train", "eval"]
 TEXT_CHARS = 4000  # a span's output text; a Python result or a search page rarely needs more to be read
@@ -210,9 +211,31 @@ def _durations_ns(segments: Sequence[Node], leaf: Leaf) -> list[int]:
     return [b - a for a, b in itertools.pairwise(bounds)]
 
 
+def write_traces(tracking_uri: str, traces: Sequence[Trace]) -> list[str]:
+    """Write finished traces to the tracking store at ``tracking_uri``, the way MLflow's own exporter does but
+    synchronously and with this URI: the spans first (a SQL store keeps them in its tables), then each trace's
+    info; a store that keeps no spans gets them as the trace's artifact. Returns the trace ids."""
+    if not traces:
+        return []
+    tracing = TracingClient(tracking_uri)
+    experiment_id = traces[0].info.experiment_id
+    in_store = True
+    try:
+        tracing.log_spans(experiment_id, [s for t in traces for s in t.data.spans])
+    except NotImplementedError:
+        in_store = False
+    ids = []
+    for t in traces:
+        info = tracing.start_trace(t.info)
+        if not in_store or info.tags.get(TraceTagKey.SPANS_LOCATION) != SpansLocation.TRACKING_STORE.value:
+            tracing._upload_trace_data(info, t.data)  # the exporter's own fallback (no public equivalent)
+        ids.append(info.trace_id)
+    return ids
+
+
 def attributes(span: Any) -> dict[str, Any]:
     """A span's own attributes, without MLflow's ``mlflow.*`` bookkeeping (what a reader compares to the rows)."""
     return {k: v for k, v in span.attributes.items() if not k.startswith("mlflow.")}
 
 
-__all__ = ["TEXT_CHARS", "TraceTarget", "attributes", "cut", "rollout_traces", "tree_trace"]
+__all__ = ["TEXT_CHARS", "TraceTarget", "attributes", "cut", "rollout_traces", "tree_trace", "write_traces"]

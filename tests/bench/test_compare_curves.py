@@ -22,7 +22,8 @@ from bench.compare_algorithms import (
     stored_runs,
     sweep_spec,
 )
-from infra.tracking.run import Tracker, artifact_location_for, tracking_uri_for
+from infra.tracking.client import artifact_location_for, tracking_uri_for
+from infra.tracking.run import Tracker
 
 REPO = Path(__file__).resolve().parents[2]
 TOP1 = "rollout/branch_top1_share"

@@ -40,7 +40,8 @@ def trained(prefect_harness: Any, tmp_path_factory: pytest.TempPathFactory) -> t
 
 
 def _only_run(runs: Path) -> Any:
-    from infra.tracking.run import Tracker, tracking_uri_for
+    from infra.tracking.client import tracking_uri_for
+    from infra.tracking.run import Tracker
 
     frame = Tracker(tracking_uri_for(runs)).search_runs()
     assert len(frame) == 1
@@ -103,7 +104,8 @@ def _bad_jsonl(path: Path) -> Path:
 
 
 def _mlflow_statuses(runs: Path) -> list[str]:
-    from infra.tracking.run import Tracker, tracking_uri_for
+    from infra.tracking.client import tracking_uri_for
+    from infra.tracking.run import Tracker
 
     if not (runs / "mlflow.db").exists():
         return []
@@ -333,7 +335,7 @@ def test_registered_policy_loads_in_mlflow_and_through_aepo_eval(trained: tuple[
 
     from aepo_core.protocol import SYSTEM_PROMPT
     from infra.models import chat_prompt_text
-    from infra.tracking.run import tracking_uri_for
+    from infra.tracking.client import tracking_uri_for
 
     _, runs = trained
     uri = tracking_uri_for(runs)

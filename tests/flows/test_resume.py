@@ -21,7 +21,8 @@ from typer.testing import CliRunner
 from flows.cli import app
 from infra.config_files import load_config
 from infra.store import TrajectoryStore
-from infra.tracking.run import Tracker, tracking_uri_for
+from infra.tracking.client import tracking_uri_for
+from infra.tracking.run import Tracker
 
 pytestmark = pytest.mark.slow  # the heavy tier (CI runs every tier)
 

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from infra.config_files import load_config
 from infra.numerics import auto_dtype, device_facts
 from infra.store import NODE_SCHEMA, TRAJECTORY_SCHEMA, TrajectoryStore
-from infra.tracking.run import tracking_uri_for
+from infra.tracking.client import tracking_uri_for
 from infra.training.checkpoint_store import CheckpointStore
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -47,7 +47,8 @@ def test_a_bad_row_is_not_retried(prefect_harness: Any, tmp_path: Path, monkeypa
 def test_train_flow_with_a_bad_eval_row_leaves_no_mlflow_run(prefect_harness: Any, tmp_path: Path) -> None:
     from flows.train import train
     from infra.config_files import load_config
-    from infra.tracking.run import Tracker, tracking_uri_for
+    from infra.tracking.client import tracking_uri_for
+    from infra.tracking.run import Tracker
 
     bad = _bad_jsonl(tmp_path / "bad.jsonl")
     runs = tmp_path / "runs"

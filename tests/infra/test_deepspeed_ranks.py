@@ -153,7 +153,7 @@ def test_aepo_train_on_two_ranks_logs_once_and_resumes(tmp_path, prefect_api_url
     has only its private Prefect home."""
     from mlflow.tracking import MlflowClient
 
-    from infra.tracking.run import tracking_uri_for
+    from infra.tracking.client import tracking_uri_for
 
     runs = tmp_path / "runs"
     aepo_train(runs, prefect_api_url, "--set", "train.steps=1")

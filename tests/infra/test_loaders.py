@@ -302,7 +302,7 @@ def test_search_corpus_from_a_recorded_cache(tmp_path: Path) -> None:
 def test_dataset_keys_are_readable_legal_metric_names_and_never_merge() -> None:
     """`aepo eval -d /abs/file.jsonl` (or ./x, ../x): the key in metric names and result files is the file's name,
     legal for MLflow, and two datasets of one name in one evaluation get different keys."""
-    from infra.tracking.run import MAX_KEY, metric_key
+    from infra.tracking.client import MAX_KEY, metric_key
 
     assert dataset_key("/abs/dir/file.jsonl") == "file"
     assert dataset_key("../eval/gaia/test.jsonl") == "gaia"  # the shipped benchmark layout: the directory names it

@@ -21,17 +21,19 @@ from aepo_core.rollout.tree import RolloutTree
 from aepo_core.scoring import LeafScore
 from infra.models import chat_prompt_text, prepare_tokenizer
 from infra.plots import curves_figure
-from infra.tracking.run import (
+from infra.tracking.client import (
     MAX_PARAM_VALUE,
     RunOrigin,
-    Tracker,
     TrackingError,
     artifact_location_for,
+    download_artifacts,
     git_sha,
     metric_key,
     resolve_tracking,
     tracking_uri_for,
 )
+from infra.tracking.registry import load_model, log_model
+from infra.tracking.run import Tracker
 
 
 def make_trees(n_questions: int = 3) -> list[RolloutTree]:
@@ -264,11 +266,11 @@ def test_log_model_is_loadable(runs_dir: Path, tmp_path: Path, monkeypatch: pyte
     cfg = make_cfg(runs_dir)
     tracker = Tracker.from_config(cfg)
     tracker.start(cfg, run_name="with-model")
-    logged = tracker.log_model(model, tokenizer, name="policy", protocol=AgentProtocol(system_prompt="Be {brief}."))
+    logged = log_model(tracker, model, tokenizer, name="policy", protocol=AgentProtocol(system_prompt="Be {brief}."))
     uri = logged.uri
     tracker.finish()
 
-    local = tracker.download_artifacts(uri, tmp_path / "dl")
+    local = download_artifacts(tracker.tracking_uri, uri, tmp_path / "dl")
     model_id = uri.removeprefix("models:/")
     assert model_id == logged.model_id
     logged = tracker.client.get_logged_model(model_id)
@@ -279,7 +281,7 @@ def test_log_model_is_loadable(runs_dir: Path, tmp_path: Path, monkeypatch: pyte
     assert "transformers" in mlmodel["flavors"]
     assert mlmodel["metadata"]["aepo_protocol"]["system_prompt"] == "Be {brief}."  # braces survive the template
     assert mlmodel["metadata"]["prompt_template"].format(prompt="Q") == chat_prompt_text(tokenizer, "Q", "Be {brief}.")
-    loaded = tracker.load_model(uri)
+    loaded = load_model(tracker.tracking_uri, uri)
     ids = loaded["tokenizer"]("w1 w2 w3", return_tensors="pt")["input_ids"]
     assert ids.tolist() == [[4, 5, 6]]
     with torch.no_grad():
@@ -299,11 +301,28 @@ def test_a_group_run_has_no_single_config(runs_dir: Path) -> None:
     assert run.data.tags["kind"] == "sweep" and run.data.tags["experiment_name"] == cfg.name
 
 
+def test_a_rank_tracker_takes_every_call_and_records_nothing(tmp_path: Path) -> None:
+    """RankTracker takes each RunLogger call with the protocol's bodies (nothing recorded, no store opened), and
+    Tracker implements every call itself: the protocol's no-op bodies are never a Tracker's."""
+    from infra.tracking.run import RankTracker, RunLogger
+
+    calls = {name for name in vars(RunLogger) if not name.startswith("_")} - {"tracking_uri"}
+    assert {"start", "finish", "log_metrics", "log_dict", "log_config", "log_rollout_traces"} <= calls
+    assert calls <= set(vars(Tracker)), sorted(calls - set(vars(Tracker)))
+    cfg = make_cfg(tmp_path)
+    with RankTracker(1) as rank:
+        assert rank.start(cfg, run_name="x") == rank.run_id == "rank1"
+        assert rank.log_metrics({"a": 1.0}, 0) == 0 and rank.run_url() is None
+        assert rank.log_rollout_traces(make_trees(1), None, step=1, kind="train", label="step1", questions={}) is None
+    assert not list(tmp_path.iterdir())
+
+
 def _open_fresh_store(runs: str, barrier: object, results: object) -> None:
     """One of the racing processes: wait for the other, then open the (fresh) store and create the experiment."""
     import traceback
 
-    from infra.tracking.run import Tracker, tracking_uri_for
+    from infra.tracking.client import tracking_uri_for
+    from infra.tracking.run import Tracker
 
     barrier.wait()  # type: ignore[attr-defined]
     try:
@@ -337,7 +356,8 @@ def test_the_run_listing_reads_sqlite_as_mlflow_does(tmp_path: Path) -> None:
 
     from mlflow.tracking import MlflowClient
 
-    from infra.tracking.run_index import _from_client, _from_sqlite, newest_runs, tracking_uri_for
+    from infra.tracking.client import tracking_uri_for
+    from infra.tracking.run_index import _from_client, _from_sqlite, newest_runs
 
     uri = tracking_uri_for(tmp_path)
     client = MlflowClient(uri)

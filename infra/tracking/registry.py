@@ -1,0 +1,197 @@
+"""The model registry: a run's final policy logged as an MLflow model, registered as a version of a named model, and
+fetched back (with its agent protocol and its training run's config) to be evaluated.
+
+A logged policy carries its :class:`~aepo_core.protocol.AgentProtocol` in its MLmodel metadata
+(:data:`PROTOCOL_METADATA`); a registered version is tagged with its evaluation metrics, its training step and the
+LoggedModel it came from (:data:`VERSION_TAG_MODEL_ID`), by which an evaluation run links to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from mlflow.exceptions import MlflowException
+
+from aepo_core.protocol import AgentProtocol
+from infra.tracking.client import (
+    TAG_REGISTERED_MODEL,
+    TrackingError,
+    download_artifacts,
+    fluent_uri,
+    metric_key,
+)
+from infra.tracking.run import Tracker
+
+log = logging.getLogger(__name__)
+
+
+class RegistryError(TrackingError):
+    """A registered model that cannot be evaluated as asked (unknown name or version, not an AEPO policy)."""
+
+
+PROTOCOL_METADATA = "aepo_protocol"
+"""The MLmodel metadata key under which a logged policy carries its :class:`AgentProtocol`."""
+REGISTRY_SCHEME = "models:/"
+VERSION_TAG_MODEL_ID = "model_id"
+"""The model version tag naming its MLflow LoggedModel (by which an evaluation run is linked to it)."""
+
+
+@dataclass(frozen=True)
+class LoggedPolicy:
+    """A policy logged by :func:`log_model`: its model URI (``models:/m-…``) and MLflow LoggedModel id."""
+
+    uri: str
+    model_id: str
+
+
+@dataclass(frozen=True)
+class RegisteredPolicy:
+    """A registered policy version fetched for evaluation: where it lies locally (the MLflow model directory, HF
+    weights in ``model/``), its protocol, the training run that logged it and that run's resolved config."""
+
+    uri: str
+    name: str
+    version: str
+    local_dir: Path
+    protocol: AgentProtocol
+    run_id: str | None
+    model_id: str | None
+    step: int
+    config: dict[str, object]
+
+
+def is_registered_model(location: str | None) -> bool:
+    """Whether ``location`` names a registered model version (``models:/<name>/<version>``)."""
+    return location is not None and location.startswith(REGISTRY_SCHEME)
+
+
+def log_model(tracker: Tracker, model: Any, tokenizer: Any, name: str = "model", task: str = "text-generation",
+              protocol: AgentProtocol | None = None) -> LoggedPolicy:
+    """Log a transformers model + tokenizer with ``mlflow.transformers``; with a ``protocol``, the model carries
+    it (metadata :data:`PROTOCOL_METADATA`) and its prompt template is the rollout prompt, so a served model
+    answers from the system prompt it was trained with."""
+    import mlflow.transformers
+    import torch
+    import transformers
+
+    from infra.models import chat_prompt_template
+
+    reqs = [f"transformers=={transformers.__version__}", f"torch=={torch.__version__.split('+')[0]}"]
+    run_id = tracker.run_id
+    # Created here so it belongs to the run's experiment (the fluent path would use the process's active
+    # experiment, "Default", and its ./mlruns artifact root).
+    logged = tracker.client.create_logged_model(tracker.client.get_run(run_id).info.experiment_id, name=name,
+                                                source_run_id=run_id)
+    extra: dict[str, Any] = {}
+    if protocol is not None:
+        extra = {"metadata": {PROTOCOL_METADATA: protocol.as_dict()},
+                 "prompt_template": chat_prompt_template(tokenizer, protocol.system_prompt)}
+    with fluent_uri(tracker.tracking_uri), _quieter("mlflow.transformers", logging.ERROR):
+        # Its two warnings are about the Hugging Face Hub (no model card for a local path, no license found):
+        # every local checkpoint gets both.
+        info = mlflow.transformers.log_model(
+            transformers_model={"model": model, "tokenizer": tokenizer}, name=name, task=task,
+            run_id=run_id, model_id=logged.model_id, pip_requirements=reqs,  # explicit reqs: no slow inference
+            **extra,
+        )
+    log.info("logged model %s of run %s", info.model_uri, run_id)
+    return LoggedPolicy(info.model_uri, logged.model_id)
+
+
+def register_model(tracker: Tracker, logged: LoggedPolicy, name: str, metrics: Mapping[str, float], step: int,
+                   description: str) -> str:
+    """Register ``logged`` as a new version of ``name`` (created when absent), tagged with ``metrics`` (MLflow
+    names) and its training ``step``; returns ``models:/<name>/<version>``."""
+    try:
+        tracker.client.create_registered_model(name, description="AEPO policies: each version the final policy "
+                                               "of a training run, with its evaluation metrics as tags.")
+    except MlflowException as exc:  # another run registered the name first: add a version to it
+        if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    tags = {metric_key(k): f"{v:.6g}" for k, v in metrics.items() if math.isfinite(v)}
+    tags["step"] = str(step)
+    tags[VERSION_TAG_MODEL_ID] = logged.model_id  # the SQL registry stores no model_id of its own (3.17)
+    # The source is the model's artifact location, not its models:/m-… URI: MLflow's SQL registry resolves
+    # the latter through the process-global tracking URI (its own TODO), not this client's.
+    source = tracker.client.get_logged_model(logged.model_id).artifact_location
+    version = tracker.client.create_model_version(name, source=source, run_id=tracker.run_id, tags=tags,
+                                                  description=description, model_id=logged.model_id)
+    uri = f"{REGISTRY_SCHEME}{name}/{version.version}"
+    tracker.set_tags({TAG_REGISTERED_MODEL: uri})
+    log.info("registered %s (run %s)", uri, tracker.run_id)
+    return uri
+
+
+def fetch_registered(tracker: Tracker, uri: str, cache_dir: str | os.PathLike[str]) -> RegisteredPolicy:
+    """A registered policy version (``models:/<name>/<version>``) downloaded under ``cache_dir/<name>/<version>``
+    (reused when already there), with its protocol and its training run's config; :class:`RegistryError` when
+    the version does not exist or is not an AEPO policy."""
+    from mlflow.models import Model
+
+    name, _, version = uri.removeprefix(REGISTRY_SCHEME).rpartition("/")
+    if not name or not version.isdigit():
+        raise RegistryError(f"{uri}: expected models:/<name>/<version> (a version number)")
+    try:
+        mv = tracker.client.get_model_version(name, version)
+    except MlflowException as exc:
+        raise RegistryError(f"{uri}: no such registered model version at {tracker.tracking_uri} "
+                            f"({exc.message})") from None
+    local = Path(cache_dir) / name / version
+    if not (local / "MLmodel").is_file():
+        download_artifacts(tracker.tracking_uri, uri, local)
+    metadata = Model.load(str(local / "MLmodel")).metadata or {}
+    if PROTOCOL_METADATA not in metadata:
+        raise RegistryError(f"{uri}: not an AEPO policy (its MLmodel carries no {PROTOCOL_METADATA})")
+    try:
+        protocol = AgentProtocol.from_dict(metadata[PROTOCOL_METADATA], source=uri)
+    except ValueError as exc:
+        raise RegistryError(str(exc)) from None
+    config: dict[str, object] = {}
+    if mv.run_id:
+        text = tracker.client.download_artifacts(mv.run_id, "config.yaml", str(local))
+        config = yaml.safe_load(Path(text).read_text()) or {}
+    return RegisteredPolicy(uri, name, version, local, protocol, mv.run_id, mv.tags.get(VERSION_TAG_MODEL_ID),
+                            int(mv.tags.get("step", "0")), config)
+
+
+def link_model(tracker: Tracker, policy: RegisteredPolicy) -> None:
+    """Record on the run that it used ``policy``: a model input (MLflow 3's run ↔ logged-model link) and the
+    ``registered_model`` tag (as on the training run that registered it)."""
+    from mlflow.entities import LoggedModelInput
+
+    if policy.model_id:
+        tracker.client.log_inputs(tracker.run_id, models=[LoggedModelInput(policy.model_id)])
+    tracker.set_tags({TAG_REGISTERED_MODEL: policy.uri})
+
+
+def load_model(tracking_uri: str, model_uri: str, return_type: str = "components") -> Any:
+    """Load a model logged by :func:`log_model` (a dict of components, or a pipeline)."""
+    import mlflow.transformers
+
+    with fluent_uri(tracking_uri):
+        return mlflow.transformers.load_model(model_uri, return_type=return_type)
+
+
+@contextlib.contextmanager
+def _quieter(logger: str, level: int) -> Iterator[None]:
+    """``logger`` at ``level`` or above while inside (unless it is configured to show more: DEBUG stays)."""
+    lg = logging.getLogger(logger)
+    before = lg.level
+    if before == logging.NOTSET or before > logging.DEBUG:
+        lg.setLevel(max(level, before))
+    try:
+        yield
+    finally:
+        lg.setLevel(before)
+
+
+__all__ = ["LoggedPolicy", "RegisteredPolicy", "RegistryError", "fetch_registered", "is_registered_model",
+           "link_model", "load_model", "log_model", "register_model"]
