@@ -217,12 +217,15 @@ def test_engines_are_built_in_one_place_and_checkpoints_located_in_one():
     said by infra/run/checkpoints.py alone."""
     owners = {"HFEngine": {"infra/engines/registry.py"}, "RemoteEngine": {"infra/engines/registry.py"},
               "VLLMServer": {"infra/engines/registry.py", "infra/engines/vllm_server.py"},  # (its __main__ check)
-              "checkpoint_root": {"infra/run/checkpoints.py"},
               "CheckpointStore": {"infra/run/checkpoints.py", "infra/training/checkpoint_store.py"}}
     for path in _product_files():
         rel = str(path.relative_to(ROOT))
         for name in _calls(path) & set(owners):
             assert rel in owners[name], f"{rel} calls {name}(): only {sorted(owners[name])} may"
+        reads = {node.attr for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+                 if isinstance(node, ast.Attribute) and node.attr in ("checkpoints_uri", "dir")
+                 and isinstance(node.value, ast.Attribute) and node.value.attr in ("storage", "checkpoint")}
+        assert not reads or rel == "infra/run/checkpoints.py", f"{rel} reads {reads}: ask infra.run.checkpoints"
 
 
 def test_only_the_cli_prints_or_exits():
