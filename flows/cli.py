@@ -46,7 +46,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from aepo_core.config import RUNS_DIR_ENV, ConfigError, ExperimentConfig, build_config
+from aepo_core.config import RUNS_DIR_ENV, ExperimentConfig
+from aepo_core.config_keys import ConfigError
+from aepo_core.overrides import build_config
 from tasks.progress import Progress as ProgressEvent
 from tasks.progress import progress_of
 
