@@ -1,14 +1,10 @@
-"""One config tree for an experiment.
+"""One config tree for an experiment: the schema.
 
 Every constant of the algorithm is a named field here, with the paper's default (AEPO.md §8, Qwen3-14B deep
-search).  Small configs in ``configs/`` override what they need.  The tree is loaded from YAML and then
-overridden with dotted ``key=value`` strings (CLI ``--set`` and Prefect parameters use the same path).
-Unknown keys and wrong types fail with a :class:`ConfigError` that names the dotted key.
-
-Renamed keys keep working for one release: :data:`RENAMED_KEYS` maps each old dotted key to its new one, and
-:func:`migrate_renamed_keys` moves them in the raw tree, with a :class:`ConfigKeyDeprecationWarning` each, before
-validation (:func:`build_config` does it before applying overrides, whose keys are translated too, so that an
-override wins in either spelling; :class:`ExperimentConfig` does it for trees validated directly).
+search).  Small configs in ``configs/`` override what they need.  The schema alone lives here: ``overrides.py``
+builds it from YAML text or a tree with dotted ``key=value`` overrides on top; ``config_keys.py`` holds
+:class:`ConfigError`, the dotted keys and the renamed keys (translated here too, for trees validated directly);
+``described_yaml.py`` writes ``to_yaml(describe=True)``.
 """
 
 from __future__ import annotations
@@ -16,46 +12,13 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import textwrap
-import warnings
-from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-
-class ConfigError(ValueError):
-    """A config problem, with the dotted key (or file) it is about in the message."""
-
-
-class ConfigKeyDeprecationWarning(DeprecationWarning):
-    """A config uses a renamed key; the message names its replacement."""
-
-
-# Shown (once per key) even outside __main__: whoever wrote the YAML file is the one who must act.
-warnings.filterwarnings("default", category=ConfigKeyDeprecationWarning)
-
-# Old dotted key → new dotted key. Translated with a warning by build_config; to be removed one release later.
-RENAMED_KEYS: dict[str, str] = {
-    "rollout.remote_url": "rollout.remote.url",
-    "rollout.remote_model": "rollout.remote.model",
-    "rollout.remote_reload_url": "rollout.remote.reload_url",
-    "data.synthetic_seed": "data.synthetic.seed",
-    "data.synthetic_entities": "data.synthetic.entities",
-    "data.synthetic_cities": "data.synthetic.cities",
-    "data.synthetic_countries": "data.synthetic.countries",
-    "data.synthetic_families": "data.synthetic.families",
-    "data.synthetic_relations": "data.synthetic.relations",
-    "data.synthetic_questions_per_company": "data.synthetic.questions_per_company",
-    "data.synthetic_validation_fraction": "data.synthetic.validation_fraction",
-    "data.synthetic_test_fraction": "data.synthetic.test_fraction",
-    "data.synthetic_templates_per_fact": "data.synthetic.templates_per_fact",
-    "data.synthetic_mentions_per_fact": "data.synthetic.mentions_per_fact",
-    "data.synthetic_facts_per_document": "data.synthetic.facts_per_document",
-    "data.synthetic_near_name_distractors": "data.synthetic.near_name_distractors",
-    "data.synthetic_comparison_distractors": "data.synthetic.comparison_distractors",
-}
+from aepo_core.config_keys import ConfigError, flatten, migrate_renamed_keys
+from aepo_core.described_yaml import described_lines
 
 
 class Section(BaseModel):
@@ -804,7 +767,7 @@ class ExperimentConfig(Section):
         (``aepo config show --describe``; loads back to the same config)."""
         if not describe:
             return yaml.safe_dump(self.to_dict(), sort_keys=False)
-        return "\n".join(_described_lines(self, 0)) + "\n"
+        return "\n".join(described_lines(self, 0)) + "\n"
 
     def flat(self) -> dict[str, Any]:
         """Dotted key → value, e.g. for tracking params."""
@@ -816,153 +779,6 @@ class ExperimentConfig(Section):
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _described_lines(model: BaseModel, depth: int, width: int = 100) -> list[str]:
-    """YAML lines of ``model``'s fields, each preceded by its description as ``#`` comments (nested sections
-    indented); values as :meth:`ExperimentConfig.to_dict` writes them."""
-    pad = "  " * depth
-    data = model.model_dump(mode="json")
-    lines: list[str] = []
-    for name, info in type(model).model_fields.items():
-        if info.description:
-            lines += [f"{pad}# {line}" for line in textwrap.wrap(info.description, max(40, width - len(pad) - 2))]
-        value = getattr(model, name)
-        if isinstance(value, BaseModel):
-            lines.append(f"{pad}{name}:")
-            lines += _described_lines(value, depth + 1, width)
-        else:
-            dumped = yaml.safe_dump({name: data[name]}, sort_keys=False, width=10**6)
-            lines += [pad + line for line in dumped.rstrip("\n").splitlines()]
-    return lines
-
-
 def is_synthetic(spec: str) -> bool:
     """True for the dataset specs ``synthetic`` and ``synthetic:<split>``: the offline generated task, not a file."""
     return spec == "synthetic" or spec.startswith("synthetic:")
-
-
-def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            out.update(flatten(value, dotted + "."))
-        else:
-            out[dotted] = value
-    return out
-
-
-def parse_override(item: str) -> tuple[str, Any]:
-    """``a.b=value`` → ("a.b", parsed value); the value is read as a YAML scalar/flow collection."""
-    if "=" not in item:
-        raise ConfigError(f"override {item!r} is not of the form key=value")
-    key, raw = item.split("=", 1)
-    key = key.strip()
-    if not key:
-        raise ConfigError(f"override {item!r} has an empty key")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"override {key}: cannot parse value {raw!r}: {exc}") from None
-    return key, value
-
-
-def current_key(key: str, source: str = "") -> str:
-    """``key`` itself, or, for a renamed key, its new name (with a :class:`ConfigKeyDeprecationWarning`)."""
-    new = RENAMED_KEYS.get(key)
-    if new is None:
-        return key
-    where = f" ({source})" if source else ""
-    warnings.warn(f"{key} is deprecated: use {new}{where}", ConfigKeyDeprecationWarning, stacklevel=4)
-    return new
-
-
-def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
-    """``tree[a][b] = value`` for ``key`` "a.b", creating missing sections; a non-section on the way is an error."""
-    node = tree
-    parts = key.split(".")
-    for i, part in enumerate(parts[:-1]):
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        elif not isinstance(child, dict):
-            raise ConfigError(f"{key}: {'.'.join(parts[: i + 1])} is not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def _pop_dotted(tree: dict[str, Any], key: str) -> tuple[bool, Any]:
-    """Remove ``key`` ("a.b") from the nested tree: (True, its value), or (False, None) when it is not there."""
-    *sections, leaf = key.split(".")
-    node: Any = tree
-    for part in sections:
-        node = node.get(part)
-        if not isinstance(node, dict):
-            return False, None
-    return (True, node.pop(leaf)) if leaf in node else (False, None)
-
-
-def migrate_renamed_keys(tree: dict[str, Any], source: str = "") -> dict[str, Any]:
-    """Move every renamed key of a nested tree (a YAML file, a checkpoint's saved config) to its new place, in
-    place. Setting a key under both its old and its new name is an error: which one was meant is unknowable."""
-    for old in RENAMED_KEYS:
-        found, value = _pop_dotted(tree, old)
-        if not found:
-            continue
-        new = current_key(old, source)
-        if _pop_dotted(tree, new)[0]:
-            raise ConfigError(f"{old} and {new} are both set{f' in {source}' if source else ''}: keep only {new}")
-        _set_dotted(tree, new, value)
-    return tree
-
-
-def apply_overrides(tree: dict[str, Any], overrides: Mapping[str, Any] | Iterable[str],
-                    source: str = "") -> dict[str, Any]:
-    """Set dotted keys in a nested dict, in order (renamed keys under their new name); unknown keys are caught
-    later by validation, naming the key."""
-    pairs = overrides.items() if isinstance(overrides, Mapping) else (parse_override(o) for o in overrides)
-    for key, value in pairs:
-        try:
-            _set_dotted(tree, current_key(key, source), value)
-        except ConfigError as exc:
-            raise ConfigError(f"override {exc}") from None
-    return tree
-
-
-def _format_validation_error(exc: ValidationError, source: str) -> str:
-    lines = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
-        if err["type"] == "extra_forbidden":
-            lines.append(f"unknown key '{loc}'")
-        elif err["type"] == "value_error":  # a cross-field check: its message names the keys, the input is noise
-            message = str(err["ctx"]["error"]) if "ctx" in err else err["msg"]
-            lines.append(f"'{loc}': {message}" if loc else message)
-        else:
-            lines.append(f"'{loc or '<root>'}': {err['msg']} (got {err.get('input')!r})")
-    return f"invalid config{source}: " + "; ".join(lines)
-
-
-def build_config(tree: Mapping[str, Any] | None = None, overrides: Mapping[str, Any] | Iterable[str] = (),
-                 source: str = "") -> ExperimentConfig:
-    """Validate ``tree`` with the dotted ``overrides`` applied on top. Renamed keys (:data:`RENAMED_KEYS`), in
-    either, are translated first, with a :class:`ConfigKeyDeprecationWarning` each."""
-    data = json.loads(json.dumps(dict(tree or {})))  # deep copy of plain data
-    migrate_renamed_keys(data, source)
-    apply_overrides(data, overrides, source)
-    try:
-        return ExperimentConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(_format_validation_error(exc, f" ({source})" if source else "")) from None
-
-
-def config_from_yaml(
-    text: str, overrides: Mapping[str, Any] | Iterable[str] = (), source: str = ""
-) -> ExperimentConfig:
-    """Parse YAML text (no file I/O here: infra reads files) and apply overrides."""
-    try:
-        tree = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"cannot parse YAML{f' in {source}' if source else ''}: {exc}") from None
-    if not isinstance(tree, dict):
-        raise ConfigError(f"config{f' {source}' if source else ''} must be a mapping at the top level")
-    return build_config(tree, overrides, source)

@@ -48,7 +48,7 @@ from typing import Any
 
 import yaml
 
-from bench.harness import RESULTS_DIR, atomic_write_json, environment, print_table
+from bench.harness import RESULTS_DIR, environment, print_table, write_result
 from infra.atomic import atomic_dir
 from infra.data.loaders import dataset_key
 from infra.plots import Band
@@ -482,7 +482,7 @@ def run(args: argparse.Namespace) -> int:
             log_to_parent(result["tracking_uri"], result["parent_run_id"], figures)
     report(arms, k, dataset)
     env["load_avg_end"] = list(os.getloadavg())
-    atomic_write_json(out, {
+    write_result(out, {
         "benchmark": "compare_algorithms",
         "environment": env,
         "sweep_file": str(args.sweep),

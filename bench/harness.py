@@ -1,4 +1,5 @@
-"""Shared plumbing of the benchmarks: environment record, atomic JSON results, tables, thread setup."""
+"""Shared plumbing of the benchmarks: environment record, the one writer of results (atomic JSON that names the commit
+and the CPU it was measured on), tables, thread setup."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 import os
 import platform
 import shutil
+import subprocess
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -16,14 +18,38 @@ import torch
 
 from infra.atomic import atomic_file
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO / "bench" / "results"
 
 
-def atomic_write_json(path: Path, data: Any) -> None:
-    """Write JSON to ``path`` atomically (:func:`infra.atomic.atomic_file`: complete or not at all, mode 0644)."""
+def write_result(path: Path, data: Mapping[str, Any]) -> None:
+    """Write a benchmark's result to ``path`` as JSON, atomically (:func:`infra.atomic.atomic_file`: complete or not
+    at all, mode 0644), with ``commit`` (:func:`tree_commit`) and ``cpu`` (:func:`cpu_label`) first, unless ``data``
+    already names them: every figure under ``bench/results/`` says which code measured it on which CPU."""
+    record = {"commit": tree_commit(), "cpu": cpu_label(), **data}
     with atomic_file(path, "w") as fh:
-        json.dump(data, fh, indent=1, sort_keys=False, default=_json_default)
+        json.dump(record, fh, indent=1, sort_keys=False, default=_json_default)
         fh.write("\n")
+
+
+def tree_commit(repo: Path = REPO) -> str | None:
+    """``git rev-parse HEAD`` of ``repo``, with ``-dirty`` appended when a tracked file differs from it (the figures
+    then came from code no commit holds); None where git or the repository is missing."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True)
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                                capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
+
+
+def cpu_label() -> str:
+    """``<CPU model> (<torch's kernel capability>)``, e.g. ``AMD EPYC 7B13 (AVX2)``: the capability is what the
+    kernels used (an ``ATEN_CPU_CAPABILITY`` restriction lowers it), the model what they ran on."""
+    from infra.numerics import cpu_model
+
+    return f"{cpu_model()} ({torch.backends.cpu.get_cpu_capability()})"
 
 
 def _json_default(obj: Any) -> Any:
@@ -73,18 +99,17 @@ def set_threads(n: int) -> None:
 
 
 def environment(threads: int, *, numerics: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Where and on what a benchmark ran: the commit, the machine (CPU model, torch's kernel capability, native bf16
-    and the start-up probe's bf16 speed-up, cores, any ISA restriction of the kernels), versions, threads, the
-    load average at start, and ``numerics`` (the dtypes the benchmark resolved, e.g. ``Numerics.params()``)."""
+    """Where and on what a benchmark ran: the machine (CPU model, torch's kernel capability, native bf16 and the
+    start-up probe's bf16 speed-up, cores, any ISA restriction of the kernels), versions, threads, the load average at
+    start, and ``numerics`` (the dtypes the benchmark resolved, e.g. ``Numerics.params()``). The commit is recorded
+    by :func:`write_result`, next to it."""
     import transformers
 
     from infra.numerics import device_facts
-    from infra.tracking.client import git_sha
 
     facts = device_facts("cpu")
     return {
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commit": git_sha(Path(__file__).parent),
         "cpu": facts.name,
         "capability": facts.capability,
         "native_bf16": facts.native_bf16,

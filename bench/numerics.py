@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from bench.harness import RESULTS_DIR, atomic_write_json, environment, machine_label, print_table, set_threads
+from bench.harness import RESULTS_DIR, environment, machine_label, print_table, set_threads, write_result
 from infra.numerics import PROBE_SHAPE, auto_dtype, device_facts
 
 SHAPES = {"smollm2 mlp (512×576 @ 576×1536)": (512, 576, 1536), "probe": PROBE_SHAPE}
@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "native_bf16": facts.native_bf16, "bf16_speedup_probe": facts.bf16_speedup, "auto": auto_dtype(facts)},
         "reference_epyc_avx2_1thread": EPYC_AVX2, "rows": rows}
     out = args.out or RESULTS_DIR / "numerics.json"
-    atomic_write_json(out, results)
+    write_result(out, results)
     print_table(f"matmul GFLOP/s on {machine_label(env)}: auto → {auto_dtype(facts)}",
                 ["shape", "threads", "float32", "bf16", "bf16 autocast", "bf16 ÷ float32"],
                 [[r["shape"], r["threads"], r["float32_gflops"], r["bfloat16_gflops"], r["autocast_gflops"],

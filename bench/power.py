@@ -72,7 +72,7 @@ from statistics import NormalDist
 
 import numpy as np
 
-from bench.harness import RESULTS_DIR, atomic_write_json, print_table
+from bench.harness import RESULTS_DIR, print_table, write_result
 
 DEFAULT_INPUT = RESULTS_DIR / "compare_algorithms.json"
 CLAIMS_ARMS = ("aepo", "arpo", "grpo")
@@ -455,7 +455,7 @@ def report(args: argparse.Namespace, first: FirstComparison, comp: VarianceCompo
                 ["hours", "questions", "seeds", "power", "power (raw σ_seed)"],
                 [[h, d.n_questions, d.n_seeds, d.power, d.power_pessimistic] if d else [h, "–", "–", "–", "–"]
                  for h, d in affordable.items()])
-    atomic_write_json(args.out, {
+    write_result(args.out, {
         "benchmark": "power",
         "input": str(args.input),
         "delta": args.delta, "target_power": args.power, "alpha": args.alpha, "arms": list(args.arms),

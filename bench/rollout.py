@@ -64,12 +64,12 @@ from aepo_core.protocol import SYSTEM_PROMPT
 from aepo_core.rollout.scheduler import Question, RolloutScheduler
 from bench.harness import (
     RESULTS_DIR,
-    atomic_write_json,
     default_compute,
     environment,
     machine_label,
     print_table,
     set_threads,
+    write_result,
 )
 from infra.atomic import atomic_dir
 from infra.data.synthetic import OracleError, SyntheticTask, oracle_transcript
@@ -786,7 +786,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     parts = "" if args.parts == "abd" else f"-{args.parts}"  # a partial run never overwrites the full results
     out = args.out or RESULTS_DIR / f"rollout{'-quick' if args.quick else ''}{parts}.json"
-    atomic_write_json(out, results)
+    write_result(out, results)
     report(results)
     env = results["environment"]
     print(f"\non {machine_label(env)}: total {results['total_s']:.0f} s; torch threads {args.threads}; "

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.harness import RESULTS_DIR, atomic_write_json, environment, print_table
+from bench.harness import RESULTS_DIR, environment, print_table, write_result
 
 log = logging.getLogger("bench.rollout_study")
 
@@ -169,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for png in study_dir.glob("*.png"):
         shutil.copyfile(png, figures / png.name)
     env["load_avg_end"] = list(os.getloadavg())
-    atomic_write_json(args.out, {"benchmark": "rollout_study", "environment": env, "study_dir": str(study_dir),
+    write_result(args.out, {"benchmark": "rollout_study", "environment": env, "study_dir": str(study_dir),
                                  "wall_s": time.perf_counter() - t0, "analyse_only": args.analyse_only, **data})
     print(f"\nresults: {args.out}, figures: {figures}/")
     return 0

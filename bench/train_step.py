@@ -50,12 +50,12 @@ import torch
 from aepo_core.config import ExperimentConfig, PythonToolConfig, SearchToolConfig
 from bench.harness import (
     RESULTS_DIR,
-    atomic_write_json,
     default_compute,
     environment,
     machine_label,
     print_table,
     set_threads,
+    write_result,
 )
 from infra.data.synthetic import OracleError, SyntheticTask, oracle_transcript
 from infra.models import BUILTIN_SMOLLM2, TINY_RANDOM, chat_prompt_ids, load_policy
@@ -623,7 +623,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results["targets"].update({"step_ratio": results["step"]["met_ratio"], "step_rss": results["step"]["met_rss"]})
     stem = "train_step-step" if args.only_step else "train_step"
     out = args.out or RESULTS_DIR / (f"{stem}-quick.json" if args.quick else f"{stem}.json")
-    atomic_write_json(out, results)
+    write_result(out, results)
     if results["models"]:
         report(results)
     if "step" in results:

@@ -14,7 +14,9 @@ from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext
 from prefect.runtime import flow_run
 
-from aepo_core.config import RUNS_DIR_ENV, ConfigError, ExperimentConfig, build_config
+from aepo_core.config import RUNS_DIR_ENV, ExperimentConfig
+from aepo_core.config_keys import ConfigError
+from aepo_core.overrides import build_config
 from infra.data.loaders import dataset_key
 from infra.data.rows import QuestionRow
 from infra.run.evaluation import EvalReport

@@ -31,8 +31,9 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from aepo_core.config import ExperimentConfig, StorageConfig, build_config
+from aepo_core.config import ExperimentConfig, StorageConfig
 from aepo_core.evaluation import paired_comparison
+from aepo_core.overrides import build_config
 from flows.common import check_eval_datasets, flow_runs_dir, log_eval_traces, rename_flow_run, run_origin
 from infra.config_files import load_config
 from infra.fs import is_remote, open_fs, storage_errors, storage_options

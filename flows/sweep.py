@@ -74,7 +74,8 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
-from aepo_core.config import ConfigError, ExperimentConfig
+from aepo_core.config import ExperimentConfig
+from aepo_core.config_keys import ConfigError
 from flows.common import flow_runs_dir, run_origin
 from flows.sweep_spec import SweepRun, SweepSpec, load_sweep, parse_shard, shard_runs
 from flows.train import train

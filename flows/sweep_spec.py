@@ -13,7 +13,9 @@ from typing import Any
 
 import yaml
 
-from aepo_core.config import ConfigError, ExperimentConfig, build_config, parse_override
+from aepo_core.config import ExperimentConfig
+from aepo_core.config_keys import ConfigError
+from aepo_core.overrides import build_config, parse_override
 from infra.config_files import load_config, read_config_text
 
 SPEC_KEYS = frozenset({"name", "base", "overrides", "seeds", "grid", "cells", "runs_dir", "description"})

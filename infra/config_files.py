@@ -6,7 +6,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from aepo_core.config import ConfigError, ExperimentConfig, config_from_yaml
+from aepo_core.config import ExperimentConfig
+from aepo_core.config_keys import ConfigError
+from aepo_core.overrides import config_from_yaml
 from infra.encoding import line_at, not_utf8
 
 

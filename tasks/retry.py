@@ -7,7 +7,7 @@ from typing import Any
 from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
 
-from aepo_core.config import ConfigError
+from aepo_core.config_keys import ConfigError
 from infra.data.rows import BadRowError
 
 USER_ERRORS: tuple[type[Exception], ...] = (BadRowError, ConfigError)

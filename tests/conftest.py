@@ -80,6 +80,47 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: rank[_unit(item.nodeid)])
 
 
+MLFLOW_STORES = ("mlflow.db", "mlruns", "mlartifacts")
+"""What MLflow writes into the working directory when nothing points it elsewhere (its default tracking URI is
+``sqlite:///mlflow.db`` in the cwd, its default artifact root ``./mlartifacts``; ``./mlruns`` before MLflow 3.7).
+Every test's store belongs in its tmp_path: one appearing here means some code fell back to a default."""
+_STORES_BEFORE = pytest.StashKey[dict[Path, int]]()
+_STORES_LEFT = pytest.StashKey[list[str]]()
+
+
+def _mlflow_stores() -> dict[Path, int]:
+    """The MLflow stores in the repository root and the cwd, each with its modification time (ns)."""
+    dirs = {Path(__file__).resolve().parents[1], Path.cwd().resolve()}
+    return {d / name: (d / name).stat().st_mtime_ns for d in dirs for name in MLFLOW_STORES if (d / name).exists()}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_STORES_BEFORE] = _mlflow_stores()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run when it left an MLflow store in the repository root or the cwd (new, or written to). Under
+    xdist the controller checks, once every worker is done."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or _STORES_BEFORE not in session.config.stash:
+        return
+    before = session.config.stash[_STORES_BEFORE]
+    left = sorted(str(p) for p, mtime in _mlflow_stores().items() if before.get(p) != mtime)
+    if not left:
+        return
+    session.config.stash[_STORES_LEFT] = left
+    if session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(trylast=True)  # last section, right above the counts
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    left = terminalreporter.config.stash.get(_STORES_LEFT, [])
+    if left:
+        terminalreporter.write_sep("=", "FAILED: MLflow store left in the working directory", red=True, bold=True)
+        terminalreporter.write_line(f"this test run left {', '.join(left)}: some code used MLflow's default tracking "
+                                    "URI or artifact root (the cwd) instead of its test's own store", red=True)
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("vllm") is not None:
         from vllm_build import wait

@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
-from aepo_core.config import ConfigError
+from aepo_core.config_keys import ConfigError
 from flows.cli.environment import prepare_environment, start_prefect_api
 from flows.cli.inputs import (
     RunsOpt,

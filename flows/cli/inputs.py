@@ -10,7 +10,9 @@ from typing import Annotated
 
 import typer
 
-from aepo_core.config import RUNS_DIR_ENV, ConfigError, ExperimentConfig, build_config
+from aepo_core.config import RUNS_DIR_ENV, ExperimentConfig
+from aepo_core.config_keys import ConfigError
+from aepo_core.overrides import build_config
 from flows.cli.render import fail, is_http
 
 RUNS_ENV = RUNS_DIR_ENV

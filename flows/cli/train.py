@@ -9,7 +9,8 @@ import typer
 from rich.markup import escape
 from rich.progress import Progress
 
-from aepo_core.config import ConfigError, ExperimentConfig
+from aepo_core.config import ExperimentConfig
+from aepo_core.config_keys import ConfigError
 from flows.cli.environment import prepare_environment, start_prefect_api
 from flows.cli.inputs import (
     ConfigOpt,

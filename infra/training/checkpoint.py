@@ -55,7 +55,9 @@ import numpy as np
 import torch
 import yaml
 
-from aepo_core.config import AlgorithmConfig, ConfigError, ExperimentConfig, build_config, flatten, migrate_renamed_keys
+from aepo_core.config import AlgorithmConfig, ExperimentConfig
+from aepo_core.config_keys import ConfigError, flatten, migrate_renamed_keys
+from aepo_core.overrides import build_config
 from infra.models import MODEL_DIR, ModelLoadError, load_model_weights
 from infra.training.data_order import DataCursor
 

@@ -17,8 +17,10 @@ from aepo_core.advantages import (
     informative_groups,
     soft_overlong_penalty,
 )
-from aepo_core.config import AlgorithmConfig, ConfigError, build_config
+from aepo_core.config import AlgorithmConfig
+from aepo_core.config_keys import ConfigError
 from aepo_core.losses import LossInputs, compute_policy_loss, loss_normalizer
+from aepo_core.overrides import build_config
 
 REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.0, 2.0, 2.0, 7.0])
 GROUPS = torch.tensor([0, 0, 0, 1, 1, 1, 2])

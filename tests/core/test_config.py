@@ -11,18 +11,10 @@ import pytest
 from pydantic import BaseModel
 
 from aepo_core.advantages import ADVANTAGE_ESTIMATORS
-from aepo_core.config import (
-    RENAMED_KEYS,
-    AdvantageName,
-    ConfigError,
-    ConfigKeyDeprecationWarning,
-    ExperimentConfig,
-    LossName,
-    build_config,
-    config_from_yaml,
-    parse_override,
-)
+from aepo_core.config import AdvantageName, ExperimentConfig, LossName
+from aepo_core.config_keys import RENAMED_KEYS, ConfigError, ConfigKeyDeprecationWarning
 from aepo_core.losses import POLICY_LOSSES
+from aepo_core.overrides import build_config, config_from_yaml, parse_override
 from infra.config_files import load_config, save_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -183,7 +175,7 @@ def test_renamed_keys_overrides_win_in_either_spelling():
 def test_training_needs_a_weight_reload_hook_and_synthetic_sft_data():
     """Errors at start, naming the key (issue 11): a remote engine that cannot follow the weights would sample every
     step from the initial policy; SFT transcripts exist only for the synthetic task."""
-    from aepo_core.config import ConfigError
+    from aepo_core.config_keys import ConfigError
 
     with pytest.raises(ConfigError, match=r"rollout\.remote\.reload_url"):
         build_config({}, ["rollout.engine=remote", "rollout.remote.url=http://127.0.0.1:8000"]).check_trainable()

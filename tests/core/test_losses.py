@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import aepo_core.losses as losses_mod
-from aepo_core.config import AlgorithmConfig, ConfigError, build_config
+from aepo_core.config import AlgorithmConfig
+from aepo_core.config_keys import ConfigError
 from aepo_core.losses import (
     POLICY_LOSSES,
     Diagnostic,
@@ -20,6 +21,7 @@ from aepo_core.losses import (
     kl_penalty,
     loss_normalizer,
 )
+from aepo_core.overrides import build_config
 
 EPS_L, EPS_H = 0.2, 0.2
 

@@ -7,7 +7,9 @@ import random
 import pytest
 from scripted_engine import EchoSearch, ScriptedEngine, Segment, tool_then_answer
 
-from aepo_core.config import ConfigError, RolloutConfig, build_config
+from aepo_core.config import RolloutConfig
+from aepo_core.config_keys import ConfigError
+from aepo_core.overrides import build_config
 from aepo_core.rollout.scheduler import Question, RolloutScheduler
 from aepo_core.rollout.tree import RolloutTree
 

@@ -10,7 +10,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from aepo_core.config import ConfigError
+from aepo_core.config_keys import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_SWEEP = REPO / "configs" / "sweeps" / "tiny.yaml"

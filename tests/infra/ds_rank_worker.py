@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from test_deepspeed_backend import OVERRIDES, TOTAL_STEPS
 from test_update import make_samples, tiny_model
 
-from aepo_core.config import build_config
+from aepo_core.overrides import build_config
 from infra.ranks import Ranks
 from infra.training.deepspeed_backend import DeepSpeedBackend, init_single_process_distributed
 from infra.training.update import PolicyUpdater

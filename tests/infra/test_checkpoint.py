@@ -21,7 +21,9 @@ import pytest
 import torch
 import yaml
 
-from aepo_core.config import ConfigKeyDeprecationWarning, ExperimentConfig, build_config
+from aepo_core.config import ExperimentConfig
+from aepo_core.config_keys import ConfigKeyDeprecationWarning
+from aepo_core.overrides import build_config
 from infra.training.checkpoint import (
     CheckpointError,
     IncompatibleCheckpointError,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from aepo_core.config import ConfigError
+from aepo_core.config_keys import ConfigError
 from infra.config_files import load_config
 
 

@@ -18,7 +18,8 @@ from capabilities import require
 from test_update import VOCAB, make_samples, params, tiny_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from aepo_core.config import ExperimentConfig, TrainConfig, build_config
+from aepo_core.config import ExperimentConfig, TrainConfig
+from aepo_core.overrides import build_config
 from infra.models import model_dir
 from infra.training.backends import TorchBackend
 from infra.training.batching import split_mini_batches

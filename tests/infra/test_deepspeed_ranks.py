@@ -29,7 +29,7 @@ from ds_rank_worker import SAMPLES, SCENARIOS
 from test_deepspeed_backend import OVERRIDES, TOTAL_STEPS
 from test_update import make_samples, params, tiny_model
 
-from aepo_core.config import build_config
+from aepo_core.overrides import build_config
 from infra.ranks import Ranks
 from infra.training.backends import TorchBackend
 from infra.training.update import PolicyUpdater

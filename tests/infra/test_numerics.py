@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from aepo_core.config import build_config
+from aepo_core.overrides import build_config
 from infra.numerics import DeviceFacts, Numerics, _warn_once, auto_dtype, device_facts, resolve_numerics
 
 REPO = Path(__file__).resolve().parents[2]

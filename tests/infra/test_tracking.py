@@ -14,7 +14,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
 from scripted_engine import EchoSearch, ScriptedEngine, tool_then_answer
 
-from aepo_core.config import ExperimentConfig, RolloutConfig, build_config, config_from_yaml
+from aepo_core.config import ExperimentConfig, RolloutConfig
+from aepo_core.overrides import build_config, config_from_yaml
 from aepo_core.protocol import AgentProtocol
 from aepo_core.rollout.scheduler import Question, RolloutScheduler
 from aepo_core.rollout.tree import RolloutTree

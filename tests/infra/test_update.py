@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
 from scripted_engine import EchoSearch, ScriptedEngine, tool_then_answer
 
 import infra.training.update as update_mod
-from aepo_core.config import RolloutConfig, build_config
+from aepo_core.config import RolloutConfig
+from aepo_core.overrides import build_config
 from aepo_core.rollout.scheduler import Question, RolloutScheduler
 from aepo_core.rollout.tree import Leaf
 from aepo_core.scoring import LeafScore, StepScores

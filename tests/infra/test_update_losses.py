@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_update import VOCAB, make_samples, run_update
 
 import infra.training.update as update_mod
-from aepo_core.config import build_config
+from aepo_core.overrides import build_config
 from infra.training.backends import TorchBackend
 from infra.training.update import PolicyUpdater
 

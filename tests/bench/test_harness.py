@@ -1,0 +1,46 @@
+"""bench.harness.write_result, the one writer of bench/results/: every result names the commit (marked -dirty when
+the tree differed from it) and the CPU (model and torch's kernel capability) it was measured on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import torch
+
+from bench.harness import REPO, tree_commit, write_result
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.org", *args], cwd=repo,
+                          check=True, capture_output=True, text=True).stdout.strip()
+
+
+def test_tree_commit_is_head_marked_dirty_while_a_tracked_file_differs(tmp_path: Path) -> None:
+    repo, elsewhere = tmp_path / "repo", tmp_path / "no-repo"
+    repo.mkdir(), elsewhere.mkdir()
+    git(repo, "init", "-q")
+    (repo / "a.txt").write_text("one\n")
+    git(repo, "add", "a.txt")
+    git(repo, "commit", "-q", "-m", "first")
+    head = git(repo, "rev-parse", "HEAD")
+    assert tree_commit(repo) == head
+    (repo / "a.txt").write_text("two\n")
+    assert tree_commit(repo) == f"{head}-dirty"
+    (repo / "a.txt").write_text("one\n")
+    (repo / "untracked.txt").write_text("scratch\n")  # an untracked file changes no measured code
+    assert tree_commit(repo) == head
+    assert tree_commit(elsewhere) is None
+
+
+def test_write_result_puts_commit_and_cpu_first(tmp_path: Path) -> None:
+    out = tmp_path / "results" / "x.json"
+    write_result(out, {"benchmark": "x", "value": 1.5})
+    data = json.loads(out.read_text())
+    assert list(data)[:2] == ["commit", "cpu"]
+    assert data["commit"].removesuffix("-dirty") == git(REPO, "rev-parse", "HEAD")
+    assert data["cpu"].endswith(f" ({torch.backends.cpu.get_cpu_capability()})") and len(data["cpu"]) > 8
+    assert data["benchmark"] == "x" and data["value"] == 1.5
+    write_result(out, {"commit": "abc1234", "cpu": "given", "benchmark": "y"})  # a result that names them keeps them
+    assert json.loads(out.read_text()) == {"commit": "abc1234", "cpu": "given", "benchmark": "y"}
