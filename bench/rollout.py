@@ -246,7 +246,7 @@ def build_bench_tools(docs: Sequence[dict[str, str]], workdir: Path, cache_path:
     """BM25 search over ``docs`` and the Python sandbox (as build_tools makes them), optionally cached."""
     search = build_search_tool(SearchToolConfig(top_k=3, snippet_chars=200), timeout_s=10.0,
                                backend=Bm25Backend(docs, workdir / "index"))
-    python = PythonSandbox.from_config(PythonToolConfig(cpu_seconds=5), timeout_s=10.0)
+    python = PythonSandbox(PythonToolConfig(cpu_seconds=5), timeout_s=10.0)
     tools: dict[str, Tool] = {"search": search, "python": python}
     if cache_path is not None:
         cache = ToolResultCache(cache_path)

@@ -191,7 +191,7 @@ def build_samples(tokenizer: Any, questions: int, k: int, seed: int, workdir: Pa
     task = SyntheticTask(n_companies=40)  # all three families: one to three tool calls, Python included
     search = build_search_tool(SearchToolConfig(top_k=3, snippet_chars=200), timeout_s=10.0,
                                backend=Bm25Backend(task.documents(), workdir / "index"))
-    python = PythonSandbox.from_config(PythonToolConfig(cpu_seconds=5), timeout_s=10.0)
+    python = PythonSandbox(PythonToolConfig(cpu_seconds=5), timeout_s=10.0)
 
     def encode(text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -15,7 +15,7 @@ _EXPORTS = {
     "SearchTool": "search",
     "build_search_tool": "search",
     "PythonSandbox": "sandbox.tool",
-    "sandbox_capabilities": "sandbox.tool",
+    "sandbox_capabilities": "sandbox.capabilities",
     "ToolResultCache": "cache",
     "CachedTool": "cache",
 }

@@ -13,7 +13,7 @@ from aepo_core.interfaces import Tool
 
 from .cache import CachedTool, ToolResultCache
 from .sandbox.tool import PythonSandbox
-from .search import Bm25Backend, build_search_tool
+from .search import Bm25Backend, SearchTool, build_search_tool
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +30,9 @@ def build_tools(
     """
     runs = Path(runs_dir)
     tools: dict[str, Tool] = {}
+    search: SearchTool | None = None
     if cfg.search.enabled:
-        tools["search"] = build_search_tool(
+        tools["search"] = search = build_search_tool(
             cfg.search,
             timeout_s=cfg.timeout_s,
             max_retries=cfg.max_retries,
@@ -42,18 +43,18 @@ def build_tools(
             else None,
         )
     if cfg.python.enabled:
-        sandbox = PythonSandbox.from_config(cfg.python, timeout_s=cfg.timeout_s)
+        sandbox = PythonSandbox(cfg.python, timeout_s=cfg.timeout_s)
         caps = sandbox.capabilities
         if cfg.python.isolate_network and not caps.network_isolated:
             logger.warning("python tool runs WITHOUT network isolation: %s", "; ".join(caps.notes))
         tools["python"] = sandbox
     if cfg.cache and tools:
         cache = ToolResultCache(cfg.cache_path or runs / "tool_cache.sqlite")
-        if "search" in tools:
+        if search is not None:
             # The cache key names the corpus too: two corpora in one runs dir must not share results.
-            index = getattr(getattr(tools["search"], "backend", None), "index", None)
-            key = f"{cfg.search.backend}:{index.key}" if index is not None else cfg.search.backend
-            tools["search"] = CachedTool(tools["search"], cache, backend=key)
+            corpus = search.backend.corpus_key()
+            key = f"{cfg.search.backend}:{corpus}" if corpus is not None else cfg.search.backend
+            tools["search"] = CachedTool(search, cache, backend=key)
         if "python" in tools and cfg.cache_python:
             tools["python"] = CachedTool(tools["python"], cache, backend="sandbox")
     return tools

@@ -96,6 +96,11 @@ class SearchBackend(Protocol):
     def search(self, query: str, top_k: int, timeout_s: float) -> SearchResponse:
         ...
 
+    def corpus_key(self) -> str | None:
+        """The key of the corpus searched (the result cache keeps two corpora apart by it); None: no local
+        corpus (the web)."""
+        ...
+
 
 # --------------------------------------------------------------------------------------------------------------
 # Text helpers
@@ -280,6 +285,9 @@ class Bm25Backend:
     def search(self, query: str, top_k: int, timeout_s: float) -> SearchResponse:
         return SearchResponse(self.index.search(query, top_k), {"match": "bm25"})
 
+    def corpus_key(self) -> str | None:
+        return self.index.key
+
 
 class ReplaySearchBackend:
     """Recorded results: exact query, then normalized query, then BM25 over every recorded snippet.
@@ -323,6 +331,9 @@ class ReplaySearchBackend:
             return SearchResponse(self._recorded_hits(original, top_k), {"match": "normalized", "recorded": original})
         hits = self.index.search(query, top_k) if self.index is not None else []
         return SearchResponse(hits, {"match": "bm25"})
+
+    def corpus_key(self) -> str | None:
+        return self.index.key if self.index is not None else None
 
 
 class HttpSearchBackend:
@@ -386,6 +397,9 @@ class HttpSearchBackend:
             raise SearchError(f"malformed search API response: {exc}", "bad_response") from None
         return SearchResponse(hits, {"match": "http"})
 
+    def corpus_key(self) -> str | None:
+        return None
+
 
 # --------------------------------------------------------------------------------------------------------------
 # The tool
@@ -404,19 +418,18 @@ class SearchTool:
     def __init__(
         self,
         backend: SearchBackend,
-        top_k: int = 3,
-        snippet_chars: int = 400,
+        cfg: SearchToolConfig,
+        *,
         timeout_s: float = 30.0,
         max_retries: int = 2,
-        retry_backoff_s: float = 0.5,
         workers: int = 8,
     ) -> None:
+        """``cfg``: results and retry backoff (``tools.search``; its backend fields are ``build_search_backend``'s);
+        ``timeout_s``, ``max_retries``, ``workers``: what every tool call shares (``tools.*``)."""
         self.backend = backend
-        self.top_k = top_k
-        self.snippet_chars = snippet_chars
+        self.cfg = cfg
         self.timeout_s = timeout_s
         self.max_retries = max_retries
-        self.retry_backoff_s = retry_backoff_s
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="search")
 
     def _error(self, code: str, message: str, started: float, **meta: object) -> ToolResult:
@@ -442,14 +455,14 @@ class SearchTool:
             if remaining <= 0:
                 return self._error("timeout", f"no answer within {self.timeout_s:g}s", started, attempts=attempt)
             attempt += 1
-            future = self._executor.submit(self.backend.search, query, self.top_k, remaining)
+            future = self._executor.submit(self.backend.search, query, self.cfg.top_k, remaining)
             try:
                 response = future.result(timeout=remaining)
             except concurrent.futures.TimeoutError:
                 future.cancel()
                 return self._error("timeout", f"no answer within {self.timeout_s:g}s", started, attempts=attempt)
             except TransientSearchError as exc:
-                delay = self.retry_backoff_s * (2 ** (attempt - 1)) * (1.0 + 0.25 * random.random())
+                delay = self.cfg.retry_backoff_s * (2 ** (attempt - 1)) * (1.0 + 0.25 * random.random())
                 if attempt > self.max_retries or time.perf_counter() + delay >= deadline:
                     return self._error(exc.code, f"{exc} (after {attempt} attempts)", started, attempts=attempt)
                 logger.info("transient search error (%s), retry %d in %.2fs", exc, attempt, delay)
@@ -461,8 +474,8 @@ class SearchTool:
                 logger.exception("search backend %s raised", self.backend.name)
                 return self._error("backend_error", f"{type(exc).__name__}: {exc}", started, attempts=attempt)
             break
-        hits = response.hits[: self.top_k]
-        text = format_hits(hits, query, self.snippet_chars) if hits else f"No results found for '{query}'."
+        hits = response.hits[: self.cfg.top_k]
+        text = format_hits(hits, query, self.cfg.snippet_chars) if hits else f"No results found for '{query}'."
         meta: dict[str, object] = {"backend": self.backend.name, "hits": len(hits), "attempts": attempt}
         meta.update(response.meta)
         return ToolResult(text=text, ok=True, latency_s=time.perf_counter() - started, meta=meta)
@@ -501,10 +514,8 @@ def build_search_tool(
     """A :class:`SearchTool` from config (``backend`` overrides the configured one, e.g. a prebuilt corpus)."""
     return SearchTool(
         backend if backend is not None else build_search_backend(cfg, index_dir),
-        top_k=cfg.top_k,
-        snippet_chars=cfg.snippet_chars,
+        cfg,
         timeout_s=timeout_s,
         max_retries=max_retries,
-        retry_backoff_s=cfg.retry_backoff_s,
         workers=workers,
     )

@@ -11,7 +11,7 @@ import pytest
 @pytest.fixture()
 def sandbox_launches(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     """The command lines of the real processes the Python sandbox starts during the test (Popen is counted)."""
-    from infra.tools.sandbox import tool as python_sandbox
+    from infra.tools.sandbox import launcher
 
     launched: list[object] = []
     real_popen = subprocess.Popen
@@ -20,5 +20,5 @@ def sandbox_launches(monkeypatch: pytest.MonkeyPatch) -> list[object]:
         launched.append(args[0])
         return real_popen(*args, **kwargs)
 
-    monkeypatch.setattr(python_sandbox.subprocess, "Popen", counting_popen)
+    monkeypatch.setattr(launcher.subprocess, "Popen", counting_popen)
     return launched

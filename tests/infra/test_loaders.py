@@ -13,6 +13,7 @@ import pytest
 from capabilities import IN_CI
 from datasets import Dataset, DatasetDict
 
+from aepo_core.config import SearchToolConfig
 from infra.data.loaders import (
     DATA_ROOT_ENV,
     dataset_key,
@@ -111,7 +112,7 @@ def test_shipped_search_cache_becomes_a_bm25_corpus(tmp_path: Path) -> None:
     query, text = next(iter(recorded.items()))
     first_page = text.split("\n")[0].removeprefix("Page 1:").strip()
     assert first_page in {d["text"] for d in docs}
-    tool = SearchTool(Bm25Backend(docs, tmp_path), top_k=5)
+    tool = SearchTool(Bm25Backend(docs, tmp_path), SearchToolConfig(top_k=5))
     try:
         assert tool(query).ok and "No results" not in tool(query).text
     finally:

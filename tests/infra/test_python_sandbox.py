@@ -19,7 +19,8 @@ from capabilities import IN_CI, require
 
 from aepo_core.config import PythonToolConfig
 from aepo_core.interfaces import Tool
-from infra.tools.sandbox.tool import NO_OUTPUT, PythonSandbox, SandboxCapabilities, sandbox_capabilities
+from infra.tools.sandbox.capabilities import SandboxCapabilities, sandbox_capabilities
+from infra.tools.sandbox.tool import NO_OUTPUT, PythonSandbox
 
 TIMEOUT_S = 3.0
 REPO = Path(__file__).resolve().parents[2]
@@ -29,8 +30,9 @@ REPO = Path(__file__).resolve().parents[2]
 def sandbox() -> PythonSandbox:
     # unconfined="warn": on a developer's machine without a private root these tests still check what they can;
     # under CI=true the sandbox must be confined (refuse: an unconfined CI fails here instead of passing).
-    return PythonSandbox(cpu_seconds=2, memory_mb=384, file_size_mb=4, max_processes=32, max_output_chars=600,
-                         timeout_s=TIMEOUT_S, unconfined="refuse" if IN_CI else "warn")
+    cfg = PythonToolConfig(cpu_seconds=2, memory_mb=384, file_size_mb=4, max_processes=32, max_output_chars=600,
+                           unconfined="refuse" if IN_CI else "warn")
+    return PythonSandbox(cfg, timeout_s=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -307,7 +309,7 @@ def test_network_is_isolated(
 def test_empty_code_and_config(sandbox: PythonSandbox) -> None:
     result = sandbox("  \n ")
     assert not result.ok and result.error == "empty_code"
-    built = PythonSandbox.from_config(PythonToolConfig(cpu_seconds=3, memory_mb=512), timeout_s=4.0)
+    built = PythonSandbox(PythonToolConfig(cpu_seconds=3, memory_mb=512), timeout_s=4.0)
     assert built.limits["cpu"] == 3 and built.limits["as"] == 512 << 20 and built.timeout_s == 4.0
 
 

@@ -23,8 +23,10 @@ import psutil
 import pytest
 from capabilities import require
 
-from infra.tools.sandbox import tool as python_sandbox
-from infra.tools.sandbox.tool import PythonSandbox, SandboxCapabilities
+from aepo_core.config import PythonToolConfig
+from infra.tools.sandbox import tool as sandbox_tool
+from infra.tools.sandbox.capabilities import SandboxCapabilities
+from infra.tools.sandbox.tool import PythonSandbox
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO.parent / "shared" / "data" / "arpo"
@@ -34,8 +36,9 @@ CALLER_UID = 4242  # an account that owns nothing on the machine: the unprivileg
 
 @pytest.fixture(scope="module")
 def sandbox() -> PythonSandbox:
-    return PythonSandbox(cpu_seconds=5, memory_mb=256, file_size_mb=4, disk_mb=32, max_processes=32,
-                         max_output_chars=4000, timeout_s=8.0)
+    cfg = PythonToolConfig(cpu_seconds=5, memory_mb=256, file_size_mb=4, disk_mb=32, max_processes=32,
+                           max_output_chars=4000)
+    return PythonSandbox(cfg, timeout_s=8.0)
 
 
 @pytest.fixture(scope="module")
@@ -102,10 +105,11 @@ def test_host_files_are_invisible_and_numpy_sympy_import(
 
 _CALLER_SCRIPT = """
 import json, os, sys
+from aepo_core.config import PythonToolConfig
 from infra.tools.sandbox.tool import PythonSandbox
 victim_dir, uid = sys.argv[1], int(sys.argv[2])
 os.setgroups([]); os.setresgid(uid, uid, uid); os.setresuid(uid, uid, uid)
-sandbox = PythonSandbox(interpreter=sys.argv[3], timeout_s=8.0)
+sandbox = PythonSandbox(PythonToolConfig(interpreter=sys.argv[3]), timeout_s=8.0)
 code = '''
 import os
 victim = {victim!r}
@@ -230,8 +234,8 @@ def _tree_bytes(root: Path) -> int:
 def test_disk_budget_holds_for_the_whole_call(caps: SandboxCapabilities, tmp_path: Path) -> None:
     workdir_root = tmp_path / "work"
     workdir_root.mkdir()
-    sandbox = PythonSandbox(memory_mb=256, file_size_mb=4, disk_mb=32, timeout_s=8.0,
-                            workdir_root=str(workdir_root))
+    cfg = PythonToolConfig(memory_mb=256, file_size_mb=4, disk_mb=32, workdir_root=str(workdir_root))
+    sandbox = PythonSandbox(cfg, timeout_s=8.0)
     # 30 files of 4 MB (each under the per-file limit), spread over every writable place: 120 MB in all.
     code = textwrap.dedent("""
         import os
@@ -272,8 +276,9 @@ def test_disk_budget_holds_for_the_whole_call(caps: SandboxCapabilities, tmp_pat
 
 _TRAINER_SCRIPT = """
 import sys
+from aepo_core.config import PythonToolConfig
 from infra.tools.sandbox.tool import PythonSandbox
-sandbox = PythonSandbox(timeout_s=60.0, workdir_root=sys.argv[1])
+sandbox = PythonSandbox(PythonToolConfig(workdir_root=sys.argv[1]), timeout_s=60.0)
 sandbox.capabilities
 print('calling', flush=True)
 sandbox('import time\\ntime.sleep(60)')
@@ -340,10 +345,10 @@ def test_unconfined_machine_refuses_or_warns(
     caps: SandboxCapabilities, monkeypatch: pytest.MonkeyPatch, sandbox_launches: list[object]
 ) -> None:
     weak = dataclasses.replace(caps, private_root=False, private_tmp=False, launch={**caps.launch, "layout": None})
-    monkeypatch.setattr(python_sandbox, "sandbox_capabilities", lambda *args, **kwargs: weak)
+    monkeypatch.setattr(sandbox_tool, "sandbox_capabilities", lambda *args, **kwargs: weak)
     launched = sandbox_launches
-    refused = PythonSandbox(timeout_s=8.0)("print('ran')")
+    refused = PythonSandbox(PythonToolConfig(), timeout_s=8.0)("print('ran')")
     assert not refused.ok and refused.error == "sandbox_unavailable" and launched == []
-    warned = PythonSandbox(timeout_s=8.0, unconfined="warn")("print('ran')")
+    warned = PythonSandbox(PythonToolConfig(unconfined="warn"), timeout_s=8.0)("print('ran')")
     assert warned.ok and warned.text == "ran" and len(launched) == 1
     assert "unconfined" in str(warned.meta["warning"]) and warned.meta["isolation"]["private_root"] is False  # type: ignore[index]

@@ -49,7 +49,10 @@ CORPUS = [
 
 
 def _tool(backend: object, **kwargs: object) -> SearchTool:
-    return SearchTool(backend, timeout_s=kwargs.pop("timeout_s", 5.0), **kwargs)  # type: ignore[arg-type]
+    """A tool over ``backend``; keywords that are ``SearchToolConfig`` fields go into its config section."""
+    fields = {k: kwargs.pop(k) for k in list(kwargs) if k in SearchToolConfig.model_fields}
+    cfg = SearchToolConfig.model_validate(fields)
+    return SearchTool(backend, cfg, timeout_s=kwargs.pop("timeout_s", 5.0), **kwargs)  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------------------------------------- BM25

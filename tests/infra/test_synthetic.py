@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from aepo_core.config import DataConfig, RewardConfig, SyntheticDataConfig
+from aepo_core.config import DataConfig, PythonToolConfig, RewardConfig, SearchToolConfig, SyntheticDataConfig
 from aepo_core.protocol import (
     STOP_STRINGS,
     SYSTEM_PROMPT,
@@ -46,11 +46,11 @@ TOOL_BONUS = RewardConfig().tool_bonus
 
 @pytest.fixture(scope="module")
 def sandbox() -> PythonSandbox:
-    return PythonSandbox(cpu_seconds=5, memory_mb=512, timeout_s=20.0)
+    return PythonSandbox(PythonToolConfig(cpu_seconds=5, memory_mb=512), timeout_s=20.0)
 
 
 def _search_tool(task: SyntheticTask, index_dir: Path) -> SearchTool:
-    return SearchTool(Bm25Backend(task.documents(), index_dir), top_k=3, timeout_s=10.0)
+    return SearchTool(Bm25Backend(task.documents(), index_dir), SearchToolConfig(top_k=3), timeout_s=10.0)
 
 
 @pytest.fixture(scope="module")

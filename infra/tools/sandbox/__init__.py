@@ -1,1 +1,2 @@
-"""The Python tool's sandbox: the tool, and the runner it starts inside a fresh namespace."""
+"""The Python tool's sandbox: the tool (``tool``), what confinement this machine allows (``capabilities``), starting
+one call (``launcher``) in its cgroup (``cgroups``), and the runner that runs inside it (``runner``)."""

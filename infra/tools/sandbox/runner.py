@@ -16,13 +16,15 @@ it works in any interpreter). Two processes:
 - the **code's process**, forked: closes the status descriptor (the code cannot write to it, nor reopen it:
   ``/proc/1/fd`` belongs to a more privileged process); sets hard resource limits (CPU, address space, file
   size, processes, open files, core dumps) while still privileged; drops to an unprivileged uid — a per-call
-  uid when the caller is root, or, under a user namespace (caller not root), uid 65534 in a nested user
-  namespace without capabilities; sets ``no_new_privs``; adds the interpreter's site directories
+  uid when the caller is root, or, under a user namespace (caller not root), ``nested_uid`` in a
+  nested user namespace without capabilities; sets ``no_new_privs``; adds the interpreter's site directories
   (``site_dirs``); then runs the code REPL-style: every statement, and if the last one is an expression its
   value is evaluated and its ``repr`` reported (the caller shows it only if nothing was printed). Runs once.
 
-Exit codes: the code process's (0 success, 1 exception in the code, ``SystemExit`` codes as given, 152 CPU
-limit via SIGXCPU), 125 setup failure, 128 + n when it was killed by signal n (also in the report).
+Exit codes: the code process's (0 success, 1 exception in the code, ``SystemExit`` codes as given,
+``exit_codes["cpu_limit"]`` on SIGXCPU), ``exit_codes["setup_failed"]`` on a setup failure, 128 + n
+when it was killed by signal n (also in the report). The exit codes and ``nested_uid`` come in the settings: the
+caller (``launcher.py``) defines them once, and this file keeps no copy.
 """
 
 from __future__ import annotations
@@ -41,10 +43,7 @@ import sys
 import traceback
 from typing import Any
 
-EXIT_SETUP_FAILED = 125
-EXIT_CPU_LIMIT = 152
 CODE_FILENAME = "<code>"
-NESTED_UID = 65534  # the code's uid in its nested user namespace (caller not root)
 _MS_RDONLY = 1
 _MS_NOSUID = 2
 _MS_NODEV = 4
@@ -100,7 +99,7 @@ def _bind(source: str, target: str, writable: bool = False) -> None:
             _mount(None, target, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV | 8)
 
 
-def _build_root(spec: dict[str, Any], uid: int | None) -> str:
+def _build_root(spec: dict[str, Any], uid: int | None, nested_uid: int) -> str:
     """Build a minimal root on a tmpfs and pivot into it (in this process's own mount namespace).
 
     It holds, read-only: the system's programs and libraries (``binds``: /usr, /bin, /lib…, or the symlinks a
@@ -109,7 +108,8 @@ def _build_root(spec: dict[str, Any], uid: int | None) -> str:
     a generated /etc (passwd, group, hosts, nsswitch.conf, plus ``etc_files`` such as ld.so.cache); device nodes
     null, zero, full, random, urandom; this PID namespace's /proc. Writable: one size-capped tmpfs (``disk_mb``,
     ``inodes``) at /tmp, holding the working directory, with /var/tmp and /dev/shm pointing into it, so all the
-    call's files share one budget and vanish with the namespace. Returns the working directory's path.
+    call's files share one budget and vanish with the namespace. The code's user in /etc/passwd is ``uid``, or
+    ``nested_uid`` in a nested user namespace. Returns the working directory's path.
     """
     stage = spec["stage"]
     _mount("tmpfs", stage, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=4m,nr_inodes=4096,mode=0755")
@@ -127,7 +127,7 @@ def _build_root(spec: dict[str, Any], uid: int | None) -> str:
             os.symlink(os.readlink(path), stage + path)
         elif os.path.isfile(path):
             _bind(path, stage + path)
-    user = uid if uid is not None else NESTED_UID
+    user = uid if uid is not None else nested_uid
     files = {
         "passwd": f"root:x:0:0:root:/root:/bin/false\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n"
         f"sandbox:x:{user}:{user}:sandbox:{spec['workdir']}:/bin/sh\n",
@@ -187,15 +187,15 @@ def _drop_capabilities() -> None:
     _check(_libc.syscall(_syscall_no(_SYS_CAPSET, _SYS_CAPSET_AARCH64), header, data), "capset")
 
 
-def _drop_privileges(uid: int | None, user_namespace: bool) -> int:
-    """Become unprivileged for good: the given uid (caller root) or uid 65534 of a nested user namespace."""
+def _drop_privileges(uid: int | None, user_namespace: bool, nested_uid: int) -> int:
+    """Become unprivileged for good: the given uid (caller root) or ``nested_uid`` of a nested user namespace."""
     if uid is not None:
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
     elif user_namespace:  # we are "root" of the caller's user namespace: the caller's own uid outside
         _check(_libc.unshare(_CLONE_NEWUSER), "unshare(CLONE_NEWUSER)")
-        for name, text in (("setgroups", "deny"), ("uid_map", f"{NESTED_UID} 0 1"), ("gid_map", f"{NESTED_UID} 0 1")):
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{nested_uid} 0 1"), ("gid_map", f"{nested_uid} 0 1")):
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(text)
         _drop_capabilities()
@@ -207,9 +207,14 @@ def _drop_privileges(uid: int | None, user_namespace: bool) -> int:
     return os.getuid()
 
 
-def _on_cpu_limit(signum: int, frame: object) -> None:
-    os.write(2, b"\nCPU time limit exceeded\n")
-    os._exit(EXIT_CPU_LIMIT)
+def _exit_on_cpu_limit(exit_code: int) -> None:
+    """On SIGXCPU (the soft CPU rlimit): say so and exit with ``exit_code``, which the caller reports."""
+
+    def handler(signum: int, frame: object) -> None:
+        os.write(2, b"\nCPU time limit exceeded\n")
+        os._exit(exit_code)
+
+    signal.signal(signal.SIGXCPU, handler)
 
 
 def _report(fd: int, record: dict[str, Any]) -> None:
@@ -266,9 +271,10 @@ def _code_process(settings: dict[str, Any], source: str, status_fd: int, result_
         os.dup2(devnull, 0)
         os.close(devnull)
         _set_limits({k: int(v) for k, v in settings["limits"].items()})
-        signal.signal(signal.SIGXCPU, _on_cpu_limit)
+        _exit_on_cpu_limit(int(settings["exit_codes"]["cpu_limit"]))
         uid = settings.get("uid")
-        _drop_privileges(int(uid) if uid is not None else None, bool(settings.get("user_namespace")))
+        _drop_privileges(int(uid) if uid is not None else None, bool(settings.get("user_namespace")),
+                         int(settings["nested_uid"]))
         _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # for the case without a PID namespace
         if settings.get("site_dirs"):
             import site
@@ -277,7 +283,7 @@ def _code_process(settings: dict[str, Any], source: str, status_fd: int, result_
                 site.addsitedir(path)
     except Exception as exc:
         _report(result_fd, {"setup_error": f"{type(exc).__name__}: {exc}"})
-        os._exit(EXIT_SETUP_FAILED)
+        os._exit(int(settings["exit_codes"]["setup_failed"]))
     # stdout and stderr share one pipe: line buffering keeps prints and tracebacks in order.
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     code = _run_code(source, result_fd, int(settings.get("max_repr_chars", 4000)))
@@ -313,6 +319,7 @@ def _read_results(fd: int, limit: int) -> dict[str, Any]:
 def main() -> None:
     settings = json.loads(sys.argv[1])
     status_fd = int(settings["status_fd"])
+    exit_setup_failed = int(settings["exit_codes"]["setup_failed"])
     os.set_inheritable(status_fd, False)
     report: dict[str, Any] = {"setup": True, "private_root": False}
     try:
@@ -322,7 +329,7 @@ def main() -> None:
                 f.write("0")
         source = sys.stdin.buffer.read().decode("utf-8", errors="replace")
         if settings.get("root"):
-            _build_root(settings["root"], settings.get("uid"))
+            _build_root(settings["root"], settings.get("uid"), int(settings["nested_uid"]))
             report["private_root"] = True
         else:
             os.chdir(settings["workdir"])
@@ -332,7 +339,7 @@ def main() -> None:
     except Exception as exc:
         report["setup_error"] = f"{type(exc).__name__}: {exc}"
         _report(status_fd, report)
-        os._exit(EXIT_SETUP_FAILED)
+        os._exit(exit_setup_failed)
     if pid == 0:
         os.close(result_r)
         _code_process(settings, source, status_fd, result_w)
@@ -349,7 +356,7 @@ def main() -> None:
             break
     report.update(_read_results(result_r, 1 << 20))
     report["uid"] = settings.get("uid") if settings.get("uid") is not None else (
-        NESTED_UID if settings.get("user_namespace") else os.getuid())
+        settings["nested_uid"] if settings.get("user_namespace") else os.getuid())
     if report.get("setup_error"):
         report["uid"] = None
     if report["private_root"]:
