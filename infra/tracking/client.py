@@ -222,7 +222,8 @@ def fluent_uri(tracking_uri: str) -> Iterator[None]:
 
     with _model_lock:
         env_before = os.environ.get("MLFLOW_TRACKING_URI")
-        before = mlflow.get_tracking_uri()
+        # unset stays unset: get_tracking_uri() of an unset process is its default, sqlite:///<cwd>/mlflow.db
+        before = mlflow.get_tracking_uri() if mlflow.is_tracking_uri_set() else None
         mlflow.set_tracking_uri(tracking_uri)
         try:
             yield

@@ -350,13 +350,11 @@ def test_registered_policy_loads_in_mlflow_and_through_aepo_eval(trained: tuple[
     assert len(final) >= 8, sorted(final)
     assert {k: v for k, v in version.tags.items() if k.startswith("eval/")} == {k: f"{v:.6g}" for k, v in final.items()}
     assert train_run.data.tags["registered_model"] == "models:/aepo-policy/1"
-    before = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(uri)
-    try:
+    from infra.tracking.client import fluent_uri
+
+    with fluent_uri(uri):  # (and the process's own URI as it was: unset stays unset)
         parts = mlflow.transformers.load_model("models:/aepo-policy/1", return_type="components")
         info = mlflow.models.get_model_info("models:/aepo-policy/1")
-    finally:
-        mlflow.set_tracking_uri(before)
     assert info.metadata["aepo_protocol"]["system_prompt"] == SYSTEM_PROMPT
     template = info.metadata["prompt_template"]
     assert template.format(prompt="What is 2+2?") == chat_prompt_text(parts["tokenizer"], "What is 2+2?")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -386,3 +388,21 @@ def test_the_run_listing_reads_sqlite_as_mlflow_does(tmp_path: Path) -> None:
     assert fast[0].metrics["eval/x/pass_at_1"] == 0.1 * 4 + 2  # the latest step's value
     assert newest_runs(uri, "nope", 5) == []
     assert [r.run_name for r in newest_runs(uri, "other", 5)] == ["elsewhere"]
+
+
+def test_a_fluent_call_leaves_the_process_tracking_uri_as_it_found_it(tmp_path: Path) -> None:
+    """``fluent_uri`` (model logging, loading, artifact downloads) restores MLflow's process-wide URI: unset stays
+    unset. (Restoring ``get_tracking_uri()`` pinned an unset process to ``sqlite:///<cwd>/mlflow.db``, its default:
+    a later fluent call of any library in the process wrote a store into the working directory.)"""
+
+    code = ("import mlflow\n"
+            "from infra.tracking.client import fluent_uri\n"
+            f"with fluent_uri({f'sqlite:///{tmp_path}/runs.db'!r}):\n"
+            "    assert mlflow.is_tracking_uri_set()\n"
+            "print(mlflow.is_tracking_uri_set())\n")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**env, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
