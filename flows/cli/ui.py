@@ -110,7 +110,7 @@ def ui(
     logs = rdir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     local = hostport if host not in WILDCARD_HOSTS else "[::1]" if host == "::" else "127.0.0.1"  # reachable here
-    health = {"mlflow": f"http://{local}:{mlflow_port}", "prefect": f"http://{local}:{prefect_port}/api"}
+    health = {"mlflow": f"http://{local}:{mlflow_port}/health", "prefect": f"http://{local}:{prefect_port}/api/health"}
     servers = [ManagedServer(name, cmd, health=[health[name]], env=env, log_path=logs / f"{name}-server.log")
                for name, cmd in commands.items()]  # each in its own process group: stopping one reaches its workers
     console = out()

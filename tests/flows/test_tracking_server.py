@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -141,12 +142,16 @@ def test_a_busy_port_or_a_missing_driver_exits_2(tmp_path: Path) -> None:
 
 
 def test_sigterm_stops_the_ui_and_both_servers(tmp_path: Path) -> None:
-    """An ``aepo ui`` of its own (the session's stack serves the other tests): its servers, no job runner, and
-    SIGTERM stops them all."""
+    """An ``aepo ui`` of its own (the session's stack serves the other tests): ready once its servers answer, its
+    servers and no job runner, and SIGTERM stops them all."""
     server = Stack(tmp_path, bucket="unused")
     try:
         server.start_ui()
         ui = server.procs["ui"]
+        deadline = time.monotonic() + 60  # the ui says it is ready once both servers answer (not at its timeout)
+        while "Ctrl-C stops the servers" not in (server.tmp / "ui.log").read_text(errors="replace"):
+            assert time.monotonic() < deadline and ui.running, server.log_tail("ui")
+            time.sleep(0.2)
         tree = psutil.Process(ui.pid).children(recursive=True)
         cmdlines = [" ".join(p.cmdline()) for p in tree]
         assert any("mlflow" in c and "server" in c for c in cmdlines) and any("prefect" in c for c in cmdlines)
