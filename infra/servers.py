@@ -7,7 +7,10 @@ servers through :class:`ManagedServer`. (Prefect's temporary API server is Prefe
 :mod:`infra.prefect_api` only adds a parent-death signal to it.)
 
 Output goes to ``log_path`` when there is one (the child writes the file itself, so a server outlives a parent that
-stops reading: ``aepo ui``'s servers), else through a pipe into an in-memory tail.
+stops reading: ``aepo ui``'s servers), else through a pipe into an in-memory tail. ``through_pipe`` sends it through
+the pipe and copies it to ``log_path``: the vLLM server's engine processes are not the server's process group
+leader, so the parent-death signal does not reach them; when the trainer dies, their next write to the broken pipe
+ends them (with the log written by the child itself, a SIGKILLed trainer left two of them running).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import urllib.request
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 from infra.processes import set_parent_death_signal
 
@@ -40,7 +44,8 @@ class ManagedServer:
     def __init__(self, name: str, command: Sequence[str], *, health: Sequence[str] = (),
                  env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
                  log_path: str | os.PathLike[str] | None = None, parent_death: signal.Signals | None = None,
-                 tail_filter: Callable[[list[str], int], list[str]] | None = None) -> None:
+                 tail_filter: Callable[[list[str], int], list[str]] | None = None, through_pipe: bool = False
+                 ) -> None:
         self.name = name
         self.command = list(command)
         self.health = list(health)
@@ -49,6 +54,8 @@ class ManagedServer:
         self.log_path = Path(log_path) if log_path is not None else None
         self.parent_death = parent_death
         self.tail_filter = tail_filter
+        self.through_pipe = through_pipe
+        self._log_fh: BinaryIO | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self._lines: deque[str] = deque(maxlen=400)
         self._reader: threading.Thread | None = None
@@ -79,10 +86,13 @@ class ManagedServer:
 
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.log_path is not None and not self.through_pipe:
             with open(self.log_path, "ab") as fh:  # the child keeps its own descriptor
                 self.proc = subprocess.Popen(self.command, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
                                              stdout=fh, stderr=subprocess.STDOUT, preexec_fn=pre_exec)
         else:
+            if self.log_path is not None:
+                self._log_fh = open(self.log_path, "ab")
             self.proc = subprocess.Popen(self.command, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=pre_exec)
             self._reader = threading.Thread(target=self._pump, name=f"{self.name}-log", daemon=True)
@@ -134,6 +144,9 @@ class ManagedServer:
         if self._reader is not None:
             self._reader.join(timeout=5)
             self._reader = None
+        if self._log_fh is not None:
+            self._log_fh.close()
+            self._log_fh = None
         return clean
 
     def __enter__(self) -> ManagedServer:
@@ -145,7 +158,7 @@ class ManagedServer:
     # ------------------------------------------------------------------ output
     def lines(self) -> list[str]:
         """The server's output so far (the last 400 lines of the pipe, or of the log file)."""
-        if self.log_path is None:
+        if self.log_path is None or self.through_pipe:
             return list(self._lines)
         try:
             return self.log_path.read_text(errors="replace").splitlines()[-400:]
@@ -163,6 +176,9 @@ class ManagedServer:
             return
         for raw in proc.stdout:
             self._lines.append(raw.decode(errors="replace").rstrip())
+            if self._log_fh is not None:
+                self._log_fh.write(raw)
+                self._log_fh.flush()
 
 
 def signal_group(pgid: int, sig: signal.Signals) -> None:

@@ -214,7 +214,8 @@ class VLLMServer:
                "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         env.pop("PYTHONPATH", None)  # our packages are not vLLM's
         self.server = ManagedServer("vLLM", self.command(), health=[self.url + "/health"], env=env,
-                                    log_path=self.log_path, parent_death=signal.SIGTERM, tail_filter=quoted_lines)
+                                    log_path=self.log_path, parent_death=signal.SIGTERM, tail_filter=quoted_lines,
+                                    through_pipe=True)
         log.info("starting vLLM: %s", " ".join(self.server.command))
         t0 = time.monotonic()
         try:

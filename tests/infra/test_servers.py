@@ -20,11 +20,13 @@ WITH_WORKER = ("import subprocess, sys, http.server;"
                ".serve_forever()")
 
 
-@pytest.mark.parametrize("log", [False, True], ids=["pipe", "log-file"])
-def test_start_waits_for_health_and_stop_ends_the_whole_group(tmp_path: Path, log: bool) -> None:
+@pytest.mark.parametrize(("log", "through_pipe"), [(False, False), (True, False), (True, True)],
+                         ids=["pipe", "log-file", "pipe-copied-to-log"])
+def test_start_waits_for_health_and_stop_ends_the_whole_group(tmp_path: Path, log: bool, through_pipe: bool) -> None:
     port = free_port()
     server = ManagedServer("toy", [sys.executable, "-c", WITH_WORKER, str(port)], cwd=tmp_path,
-                           health=[f"http://127.0.0.1:{port}/"], log_path=tmp_path / "toy.log" if log else None)
+                           health=[f"http://127.0.0.1:{port}/"], log_path=tmp_path / "toy.log" if log else None,
+                           through_pipe=through_pipe)
     with server:
         assert server.running and server.pid is not None
         pgid = server.pid
@@ -34,6 +36,8 @@ def test_start_waits_for_health_and_stop_ends_the_whole_group(tmp_path: Path, lo
         assert "serving" in server.tail()
     assert not server.running and server.pid is None
     assert live_members(pgid) == []  # the worker went with it
+    if log:
+        assert "serving" in (tmp_path / "toy.log").read_text()
     assert server.stop() is True  # idempotent
 
 
