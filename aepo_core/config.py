@@ -353,7 +353,8 @@ class AlgorithmConfig(Section):
         gt=1.0,
         description="Dual-clip c of the PPO-family losses (ppo_clip, dapo, aepo, gppo, ce_gppo): for Â < 0 the "
         "per-token loss is capped at −c·Â (verl's clip_ratio_c = 3, which the published AEPO scripts use). "
-        "null: off. cispo (its IS weight is already capped) and gspo (sequence ratios) ignore it.",
+        "null: off. Unset: 3, except null for loss dapo (DAPO has no dual-clip). cispo (its IS weight is already "
+        "capped) and gspo (sequence ratios) ignore it.",
     )
     cispo_eps_high: float = Field(
         3.0,
@@ -361,8 +362,11 @@ class AlgorithmConfig(Section):
         description="ε_high^IS of the cispo loss: the IS weight is min(r, 1+ε), no lower bound (MiniMax-M1 tunes "
         "only this upper bound and does not publish it; 3 caps the weight at 4, ScaleRL's / Tinker's default).",
     )
-    gppo_beta_low: float = Field(1.0, ge=0.0, description="CE-GPPO β₁ (low side weight).")
-    gppo_beta_high: float = Field(1.0, ge=0.0, description="CE-GPPO β₂ (high side weight).")
+    gppo_beta_low: float = Field(
+        0.5, ge=0.0, description="CE-GPPO β₁, the weight of the low clipped side (its scripts use 0.5 or 0.75; "
+        "β₁ = β₂ = 1 is plain gppo)."
+    )
+    gppo_beta_high: float = Field(1.0, ge=0.0, description="CE-GPPO β₂, the weight of the high clipped side.")
     kl_coef: float = Field(0.0, ge=0.0, description="0: no reference model is loaded.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k3", description="Estimator of the KL to the reference policy (used only when kl_coef > 0)."
@@ -390,6 +394,14 @@ class AlgorithmConfig(Section):
     overlong_penalty: float = Field(
         1.0, ge=0.0, description="DAPO: reward subtracted at max length, linear over the last overlong_buffer tokens."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dual_clip_of_the_method(cls, data: Any) -> Any:
+        """An unset ``dual_clip`` is off for loss dapo (the DAPO paper has no dual-clip) and c = 3 otherwise."""
+        if isinstance(data, dict) and "dual_clip" not in data and data.get("loss") == "dapo":
+            return {**data, "dual_clip": None}
+        return data
 
     @model_validator(mode="before")
     @classmethod

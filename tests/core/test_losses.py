@@ -146,9 +146,43 @@ def test_ce_gppo_weights_each_side():
 
 def test_ce_gppo_with_unit_betas_is_gppo():
     lg, gg, _ = loss_and_grad(make_inputs(LOG_R, [A]), loss="gppo")
-    lc, gc, _ = loss_and_grad(make_inputs(LOG_R, [A]), loss="ce_gppo")
+    lc, gc, _ = loss_and_grad(make_inputs(LOG_R, [A]), loss="ce_gppo", gppo_beta_low=1.0, gppo_beta_high=1.0)
     assert lg == pytest.approx(lc)
     torch.testing.assert_close(gg, gc)
+
+
+def test_ce_gppo_defaults_are_its_papers():
+    """CE-GPPO's scripts weight the low side β₁ = 0.5 (or 0.75) and keep β₂ = 1; β₁ = β₂ = 1 is plain GPPO."""
+    cfg = AlgorithmConfig(loss="ce_gppo")
+    assert (cfg.gppo_beta_low, cfg.gppo_beta_high) == (0.5, 1.0)
+
+
+def test_each_loss_default_differs_from_every_other():
+    """Every registered loss at its defaults (``AlgorithmConfig(loss=name)``, nothing else set) gives a different
+    per-token loss or gradient from every other on a batch that visits every region: Â of both signs, ratios
+    inside the clip range, between ε_h = 0.2 and DAPO's 0.28, past both bounds, and past dual-clip's c = 3.  Two
+    losses that agree here are the same method under two names."""
+    ratios = [0.5, 0.9, 1.1, 1.25, 1.5, 4.0, 0.5, 0.9, 1.1, 1.25, 1.5, 4.0]
+    adv = [1.0] * 6 + [-1.0] * 6
+    out = {}
+    for name in losses_mod.POLICY_LOSSES:
+        inp = make_inputs([[math.log(r) for r in ratios]], [adv], entropy=[[1.0] * len(ratios)])
+        cfg = AlgorithmConfig(loss=name)
+        per_token = losses_mod.POLICY_LOSSES[name](inp, cfg, torch.ones(1, len(ratios), dtype=torch.bool)).per_token
+        per_token.sum().backward()
+        out[name] = (per_token.detach(), inp.logprobs.grad.clone())
+    same = [(a, b) for a in out for b in out if a < b
+            and torch.allclose(out[a][0], out[b][0]) and torch.allclose(out[a][1], out[b][1])]
+    assert same == []
+
+
+def test_dapo_has_no_dual_clip_by_default():
+    """DAPO clips higher (ε_h = 0.28) and has no dual-clip; the rest of the PPO family keeps verl's c = 3, and an
+    explicit value (or null) is honoured for any loss."""
+    assert AlgorithmConfig(loss="dapo").dual_clip is None
+    assert AlgorithmConfig(loss="ppo_clip").dual_clip == 3.0
+    assert AlgorithmConfig(loss="dapo", dual_clip=3.0).dual_clip == 3.0
+    assert AlgorithmConfig(loss="aepo", dual_clip=None).dual_clip is None
 
 
 def test_cispo_is_the_minimax_m1_form():
@@ -222,7 +256,7 @@ def test_dual_clip_caps_negative_advantage_loss():
     assert loss_a == pytest.approx(3.0) and float(g_a[0, 0]) == 0.0
 
 
-@pytest.mark.parametrize("name", ["ppo_clip", "dapo", "aepo", "gppo", "ce_gppo"])
+@pytest.mark.parametrize("name", ["ppo_clip", "aepo", "gppo", "ce_gppo"])
 def test_dual_clip_c3_is_the_default_of_the_ppo_family(name):
     # Â < 0: L = min(L_clip, −c·Â), c = 3.  r = 5 is capped (value 3·|Â|, gradient 0); r = 2 is below the cap
     # (value r·|Â|, gradient r·|Â|); Â > 0 is never dual-clipped.
