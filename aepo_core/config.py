@@ -4,7 +4,8 @@ Every constant of the algorithm is a named field here, with the paper's default 
 search).  Small configs in ``configs/`` override what they need.  The schema alone lives here: ``overrides.py``
 builds it from YAML text or a tree with dotted ``key=value`` overrides on top; ``config_keys.py`` holds
 :class:`ConfigError`, the dotted keys and the renamed keys (translated here too, for trees validated directly);
-``described_yaml.py`` writes ``to_yaml(describe=True)``.
+``described_yaml.py`` writes ``to_yaml(describe=True)``; ``config_section.py`` holds the sections' base and
+``tool_config.py`` the ``tools:`` sections.
 """
 
 from __future__ import annotations
@@ -15,16 +16,12 @@ import json
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from aepo_core.config_keys import ConfigError, flatten, migrate_renamed_keys
+from aepo_core.config_section import Section
 from aepo_core.described_yaml import described_lines
-
-
-class Section(BaseModel):
-    """Base of every section: unknown keys are errors, assignments are validated."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+from aepo_core.tool_config import ToolsConfig
 
 
 class ModelConfig(Section):
@@ -176,7 +173,25 @@ class RolloutConfig(Section):
         "pre-monitoring is off (arpo mode, or aepo without it), 1..k; None: k // 2, at least 1 (paper: 6 of 12).",
     )
     premonitor: bool = Field(True, description="Entropy pre-monitoring decides the global/branch split.")
-    beta: float = Field(0.5, description="β of m = clamp(round(k·σ(β(H_root − H̄_tool))), 1, k).")
+    probe: Literal["reuse", "discard"] = Field(
+        "reuse",
+        description="Pre-monitoring's probe once it has measured the question: reuse keeps it as the first of the m "
+        "global samples, replaying its stored segments one per round beside the other m − 1 globals so that its tool "
+        "steps compete for branches in the same rounds and order as theirs (no tokens paid twice); discard throws "
+        "it away and starts m fresh globals, as the published code does (its tokens are paid and not trained on).",
+    )
+    budget_rule: Literal["paper", "official"] = Field(
+        "paper",
+        description="How pre-monitoring turns the probe into m. paper: m = clamp(round(k·σ(β(H_root − H̄_tool))), 1, "
+        "k), half up, H_root = the probe's first segment, H̄_tool = mean of its segments after a tool result "
+        "(AEPO.md §3). official (the published code): m = min(k, int(k·σ(β(H_root − H̄_tool))) + 1), H̄_tool also "
+        "averages the first segment, H_root = mean token entropy of a separate sample of root_sample_tokens tokens.",
+    )
+    root_sample_tokens: int = Field(
+        50, ge=1, description="budget_rule official: length of the separate sample from the prompt that H_root is "
+        "measured on (the published code's 50)."
+    )
+    beta: float = Field(0.5, description="β of the budget rule's σ(β(H_root − H̄_tool)).")
     entropy_window: int = Field(20, ge=1, description="W: tokens at the start of a segment whose entropy is averaged.")
     gamma: float = Field(0.2, description="γ: weight of ΔH in the branch score.")
     tau: float = Field(0.5, description="τ: branch iff score ≥ τ.")
@@ -219,91 +234,6 @@ class RolloutConfig(Section):
                 "set rollout.entropy_window to at most the cap"
             )
         return self
-
-
-class SearchToolConfig(Section):
-    """The agent's search tool."""
-
-    enabled: bool = Field(True, description="Offer the search tool to the agent.")
-    backend: Literal["bm25", "replay", "http"] = Field(
-        "bm25",
-        description="bm25: a local BM25 index over corpus; replay: recorded results (ARPO's search_cache.json) "
-        "in corpus; http: a Serper-like JSON web-search API at http_url.",
-    )
-    corpus: str | None = Field(None, description="Documents for bm25 (JSONL/Parquet path) or a replay cache JSON.")
-    index_dir: str | None = Field(None, description="Where the BM25 index is cached (default: under the runs dir).")
-    top_k: int = Field(3, ge=1, description="Results returned by one search call.")
-    snippet_chars: int = Field(400, ge=1, description="Each result's snippet is cut to this many characters.")
-    http_url: str | None = Field(None, description="Endpoint of the http backend (required by backend http).")
-    http_api_key_env: str = Field("AEPO_SEARCH_API_KEY", description="Environment variable holding the API key.")
-    http_request_timeout_s: float = Field(
-        10.0, gt=0.0, description="Socket timeout of one HTTP search request (the tool's wall timeout still applies)."
-    )
-    retry_backoff_s: float = Field(
-        0.5, ge=0.0, description="First retry delay for transient search errors; doubles each retry (with jitter)."
-    )
-
-
-class PythonToolConfig(Section):
-    """The agent's Python sandbox: a confined process per call (infra/tools/sandbox/tool.py says how)."""
-
-    enabled: bool = Field(True, description="Offer the Python tool to the agent.")
-    cpu_seconds: int = Field(10, ge=1, description="CPU-time limit of each process of a call (RLIMIT_CPU), in seconds.")
-    memory_mb: int = Field(
-        1024,
-        ge=16,
-        description="Memory of one call, in MiB: all its processes together and the files it writes (they live in "
-        "memory), through a per-call cgroup where the machine allows it; also each process's address space "
-        "(RLIMIT_AS).",
-    )
-    file_size_mb: int = Field(16, ge=1, description="Largest file one call may write (RLIMIT_FSIZE), in MiB.")
-    disk_mb: int = Field(
-        64,
-        ge=1,
-        description="Disk space of one call, in MiB: a size-capped tmpfs holding its working directory, /tmp and "
-        "/dev/shm together (with the private root; nothing reaches the host's disk). Counts towards memory_mb.",
-    )
-    max_processes: int = Field(
-        64,
-        ge=1,
-        description="Processes (and threads) of one call together, through a per-call pids cgroup where the "
-        "machine allows it; also RLIMIT_NPROC of its uid.",
-    )
-    cpu_cores: float = Field(
-        1.0, gt=0.0, description="CPU bandwidth of one call, in cores (per-call cpu cgroup quota, where available)."
-    )
-    unconfined: Literal["refuse", "warn"] = Field(
-        "refuse",
-        description="When this machine cannot confine the code (no mount namespace for the private root, or no "
-        "unprivileged uid): 'refuse' returns an error result for every call without running the code; 'warn' "
-        "runs it with only rlimits and a host temp dir — the code can then read the host's files, gold answers "
-        "included — and logs a warning.",
-    )
-    max_output_chars: int = Field(
-        4000, ge=1, description="stdout and stderr of one call, together, are cut to this many characters."
-    )
-    isolate_network: bool = Field(True, description="Run under `unshare -n` when the OS allows it.")
-    interpreter: str | None = Field(None, description="Python executable for model code (default: the running one).")
-    workdir_root: str | None = Field(
-        None,
-        description="Parent of the per-call temporary working directories when there is no private root (default: "
-        "the system temp dir); with one, the working directory lives in the call's tmpfs.",
-    )
-
-
-class ToolsConfig(Section):
-    """The agent's tools and how their calls run."""
-
-    search: SearchToolConfig = Field(default_factory=SearchToolConfig, description="The search tool.")
-    python: PythonToolConfig = Field(default_factory=PythonToolConfig, description="The Python sandbox tool.")
-    timeout_s: float = Field(30.0, gt=0.0, description="Wall timeout of one tool call.")
-    max_retries: int = Field(2, ge=0, description="Retries for transient tool errors only.")
-    workers: int = Field(8, ge=1, description="Thread pool size for parallel tool calls.")
-    cache: bool = Field(True, description="Cache tool results in SQLite (Python results only with cache_python).")
-    cache_path: str | None = Field(None, description="SQLite tool-result cache (default: under the runs dir).")
-    cache_python: bool = Field(
-        False, description="Also cache Python results; off because model code may be non-deterministic (time, random)."
-    )
 
 
 LossName = Literal["ppo_clip", "dapo", "aepo", "gppo", "ce_gppo", "cispo", "gspo"]

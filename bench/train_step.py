@@ -47,7 +47,8 @@ from typing import Any
 
 import torch
 
-from aepo_core.config import ExperimentConfig, PythonToolConfig, SearchToolConfig
+from aepo_core.config import ExperimentConfig
+from aepo_core.tool_config import PythonToolConfig, SearchToolConfig
 from bench.harness import (
     RESULTS_DIR,
     default_compute,

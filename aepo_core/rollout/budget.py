@@ -20,10 +20,26 @@ def global_budget(k: int, h_root: float, h_tool: float, beta: float) -> int:
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    x = beta * (h_root - h_tool)
-    sig = 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
-    m = math.floor(k * sig + 0.5)
+    m = math.floor(k * _sigmoid(beta * (h_root - h_tool)) + 0.5)
     return max(1, min(k, m))
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+
+
+def official_global_budget(k: int, h_root: float, h_tool: float, beta: float) -> int:
+    """m = min(k, int(k · σ(β · (H_root − H̄_tool))) + 1), the published code's rule: truncation plus one, so m is
+    on average ~0.5 higher than :func:`global_budget`'s rounding and never below 1."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    return min(k, int(k * _sigmoid(beta * (h_root - h_tool))) + 1)
+
+
+def official_tool_entropy(first_segment: float, tool_segment_entropies: Sequence[float]) -> float:
+    """H̄_tool of the published code: the mean over the probe's first segment and its segments after tool results."""
+    finite = [h for h in (first_segment, *tool_segment_entropies) if not math.isnan(h)]
+    return sum(finite) / len(finite) if finite else math.nan
 
 
 def fixed_budget(k: int, initial_rollouts: int) -> int:

@@ -4,9 +4,12 @@ For a batch of questions: batched generate for every active path → dispatch th
 parallel → append results as separately tokenized ids (loss mask 0) → branch decisions → fill the budget.
 
 Modes:
-- ``aepo``: one probe per question first (batched); m = global_budget(H_root, H̄_tool); the probe is kept as
-  the first global sample and its tool steps are eligible for branching like any other path; consecutive
-  branch penalty λ.  With ``premonitor`` off, m = ``initial_rollouts``.
+- ``aepo``: one probe per question first (batched); m from its entropies (``budget_rule``); consecutive branch
+  penalty λ.  With ``premonitor`` off, m = ``initial_rollouts``.  The probe never branches while it measures.
+  ``probe: reuse`` keeps it as the first global sample: when it ends, the question's tree is rewound to the prompt
+  and the probe's stored segments and tool results are replayed one per round beside the m − 1 new globals, so its
+  tool steps are decided in the same rounds, order and budget as theirs (as if all m had started together), and no
+  token is sampled twice.  ``probe: discard`` throws it away and starts m fresh globals (the published code).
 - ``arpo``: m = ``initial_rollouts``, the same branch rule with λ = 0.
 - ``independent``: k global samples, no branching (GRPO-style rollouts).
 
@@ -27,7 +30,13 @@ Phases advance per question (probe → m − 1 globals → fill), never behind a
 question does not hold the others' work back.
 
 Everything that touches the outside world is handed in: the engine (token ids in and out) and the tools.
-Seeds are derived per (question, leaf, segment), so a path's tokens do not depend on batch composition.
+
+Randomness is keyed by what a path is, never by when things happen: a path's identity is ``g<j>`` (the j-th global
+sample), ``f<j>`` (fill), ``probe`` (a discarded probe) or ``<parent>/<step>.<b>`` (the b-th fork made at the
+parent's tool step ``step``).  Segment seeds are derived from (seed, question, path, segment), and each branch
+decision's uniform draw from (seed, question, path, tool step), so a path's tokens do not depend on batch
+composition, and two arms that reach the same decision (same path, same step) draw the same u: their decisions
+are paired.
 """
 
 from __future__ import annotations
@@ -47,7 +56,13 @@ from aepo_core.entropy import segment_entropy
 from aepo_core.interfaces import Engine, GenerationRequest, GenerationResult, SamplingParams, Tool, ToolResult
 from aepo_core.protocol import ANSWER_CLOSE, STOP_STRINGS, ToolCall, parse_tool_call, result_block
 from aepo_core.rollout.branching import BranchDecision, branch_decision, consecutive_branch_count
-from aepo_core.rollout.budget import fixed_budget, global_budget, mean_tool_entropy
+from aepo_core.rollout.budget import (
+    fixed_budget,
+    global_budget,
+    mean_tool_entropy,
+    official_global_budget,
+    official_tool_entropy,
+)
 from aepo_core.rollout.stats import rollout_stats
 from aepo_core.rollout.tree import Leaf, LeafStatus, Node, RolloutTree, SampleKind, ToolEvent
 
@@ -67,6 +82,14 @@ class Question:
 
 
 @dataclass
+class _ProbeRecord:
+    """What a probe got, in order: the engine's results per segment and the tools' results per real call."""
+
+    segments: list[GenerationResult] = field(default_factory=list)
+    tool_results: list[ToolResult] = field(default_factory=list)
+
+
+@dataclass
 class _Path:
     """A trajectory being generated (internal state; becomes a Leaf when done)."""
 
@@ -74,6 +97,7 @@ class _Path:
     leaf_id: int
     node_ids: list[int]
     kind: SampleKind
+    key: str  # the path's identity, which seeds its segments and its decisions (module docstring)
     response_len: int = 0
     tool_calls: int = 0
     segments: int = 0
@@ -83,6 +107,8 @@ class _Path:
     fork_pending: bool = False  # the next segment is a fork's first: its step already branched
     limit_notice: bool = False
     last_tool_failed: bool = False
+    record: _ProbeRecord | None = None  # the probe, while it measures: what it got, for a replay
+    replay: _ProbeRecord | None = None  # the reused probe: served from its record instead of the engine and tools
     status: LeafStatus | None = None
     started: float = field(default_factory=time.perf_counter)
     wall_s: float = 0.0
@@ -93,11 +119,12 @@ class _QuestionState:
     index: int
     question: Question
     nodes: list[Node]
-    rng: random.Random
     paths: list[_Path] = field(default_factory=list)
     m: int = 0
     h_root: float = math.nan
     h_tool: float = math.nan
+    root_sample_entropy: float = math.nan  # budget_rule official: mean token entropy of the separate root sample
+    fills: int = 0
     probing: bool = False  # the pre-monitoring probe is still running (aepo with premonitor)
     fork_points: dict[int, _Path] = field(default_factory=dict)  # real tool-result node → path state just after it
 
@@ -109,6 +136,10 @@ class _QuestionState:
     def globals_started(self) -> int:
         """Global samples started so far (the probe included); forks and fill samples do not count."""
         return sum(1 for p in self.paths if p.kind == "global")
+
+    @property
+    def probe(self) -> _Path:
+        return self.paths[0]
 
 
 @dataclass
@@ -177,20 +208,22 @@ class RolloutScheduler:
         self._generated_tokens = 0
         self._decisions: list[tuple[int, bool]] = []
         self._seed = seed
-        states = [
-            _QuestionState(i, q, [Node(0, None, 0, "prompt", list(q.prompt_ids))], random.Random(derive_seed(seed, i)))
-            for i, q in enumerate(questions)
-        ]
+        states = [_QuestionState(i, q, [Node(0, None, 0, "prompt", list(q.prompt_ids))])
+                  for i, q in enumerate(questions)]
         start = time.perf_counter()
         # Headroom past tool_workers: threads of abandoned (timed-out) calls keep running until their tool returns,
         # and the calls after them must still start at once (_run_calls caps live calls at tool_workers).
         self._pool = ThreadPoolExecutor(max_workers=TOOL_THREAD_HEADROOM * self.tool_workers,
                                         thread_name_prefix="aepo-tool")
         try:
+            premonitor = cfg.mode == "aepo" and cfg.premonitor
+            if premonitor and cfg.budget_rule == "official":
+                self._sample_roots(states, sampling)
             for st in states:
-                if cfg.mode == "aepo" and cfg.premonitor:
+                if premonitor:
                     st.probing = True
-                    self._new_path(st, "global")
+                    probe = self._new_path(st, "global", key="g0" if cfg.probe == "reuse" else "probe")
+                    probe.record = _ProbeRecord()
                 else:
                     st.m = cfg.k if cfg.mode == "independent" else fixed_budget(cfg.k, cfg.initial_rollouts)
                     self._start_globals(st)
@@ -211,19 +244,26 @@ class RolloutScheduler:
         return RolloutResult(trees, stats, by_l)
 
     # ------------------------------------------------------------------ paths
-    def _new_path(self, st: _QuestionState, kind: SampleKind) -> _Path:
-        """A fresh trajectory from the prompt (a global or fill sample)."""
-        path = _Path(qi=st.index, leaf_id=st.leaves_started, node_ids=[0], kind=kind)
+    def _new_path(self, st: _QuestionState, kind: SampleKind, key: str | None = None) -> _Path:
+        """A fresh trajectory from the prompt (a global or fill sample): ``g<j>`` / ``f<j>`` unless ``key``."""
+        if key is None:
+            key = f"g{st.globals_started}" if kind == "global" else f"f{st.fills}"
+        if kind == "fill":
+            st.fills += 1
+        path = _Path(qi=st.index, leaf_id=st.leaves_started, node_ids=[0], kind=kind, key=key)
         st.paths.append(path)
         return path
 
-    def _fork(self, st: _QuestionState, tool_node: int, history: list[bool]) -> _Path:
+    def _fork(self, st: _QuestionState, tool_node: int, history: list[bool], branch: int) -> _Path:
         """A branch from a tool-result node: an exact copy of its path's state right after that result was
         appended (tool calls, notices, whether the call failed, length, h_init), with the step history that
-        the branch decision gave it, sampling its own continuation."""
+        the branch decision gave it, sampling its own continuation (``branch``: its number among the forks of
+        that decision, 1..beam_size − 1)."""
         point = st.fork_points[tool_node]
-        path = replace(point, leaf_id=st.leaves_started, kind="branch", node_ids=list(point.node_ids),
-                       step_history=list(history), fork_pending=True, started=time.perf_counter())
+        key = f"{point.key}/{len(point.step_history)}.{branch}"
+        path = replace(point, leaf_id=st.leaves_started, kind="branch", key=key, node_ids=list(point.node_ids),
+                       step_history=list(history), fork_pending=True, record=None, replay=None,
+                       started=time.perf_counter())
         st.paths.append(path)
         return path
 
@@ -253,10 +293,14 @@ class RolloutScheduler:
                 self._dispatch_tools(tool_jobs)
 
     def _advance(self, st: _QuestionState) -> bool:
-        """A question with no active path: probe done → budget and globals; else fill up to k. False: done."""
+        """A question with no active path: probe done → budget, rewind, globals; else fill up to k. False: done."""
         if st.probing:
             st.probing = False
             self._premonitor(st)
+            record = st.probe.record
+            st.nodes, st.paths, st.fork_points = st.nodes[:1], [], {}
+            if self.cfg.probe == "reuse":
+                self._new_path(st, "global").replay = record
             self._start_globals(st)
             return True
         if st.leaves_started >= self.cfg.k:
@@ -273,6 +317,22 @@ class RolloutScheduler:
 
     def _generate(self, states: list[_QuestionState], active: list[tuple[_QuestionState, _Path]],
                   sampling: SamplingParams) -> list[GenerationResult]:
+        """The next segment of every active path: from the engine, or from its record for a replayed probe."""
+        results: list[GenerationResult | None] = [
+            p.replay.segments[p.segments] if p.replay and p.segments < len(p.replay.segments) else None
+            for _, p in active
+        ]
+        live = [i for i, r in enumerate(results) if r is None]
+        if live:
+            sampled = iter(self._sample([active[i] for i in live], sampling))
+            for i in live:
+                results[i] = next(sampled)
+                p = active[i][1]
+                if p.record is not None:
+                    p.record.segments.append(results[i])
+        return [r for r in results if r is not None]
+
+    def _sample(self, active: list[tuple[_QuestionState, _Path]], sampling: SamplingParams) -> list[GenerationResult]:
         cfg = self.cfg
         requests = []
         for st, p in active:
@@ -280,8 +340,7 @@ class RolloutScheduler:
             cap = min(remaining, cfg.max_segment_tokens) if cfg.max_segment_tokens else remaining
             ids = [t for i in p.node_ids for t in st.nodes[i].token_ids]
             requests.append(
-                GenerationRequest(ids, max(1, cap), STOP_STRINGS,
-                                  seed=derive_seed(self._seed, p.qi, p.leaf_id, p.segments))
+                GenerationRequest(ids, max(1, cap), STOP_STRINGS, seed=derive_seed(self._seed, p.qi, p.key, p.segments))
             )
         t0 = time.perf_counter()
         try:
@@ -292,6 +351,7 @@ class RolloutScheduler:
             log.warning("batched generation failed (%s); retrying %d rows one by one", exc, len(requests))
             results = [self._generate_one(r, sampling) for r in requests]
         self._timers["generate_s"] += time.perf_counter() - t0
+        self._generated_tokens += sum(len(r.token_ids) for r in results)  # engine work, tokens cut later included
         return results
 
     def _generate_one(self, request: GenerationRequest, sampling: SamplingParams) -> GenerationResult:
@@ -313,7 +373,6 @@ class RolloutScheduler:
             self._close(p, "engine_error")
             log.warning("engine error on question %s leaf %d: %s", st.question.question_id, p.leaf_id, res.error)
             return None
-        self._generated_tokens += len(res.token_ids)  # engine work, tokens cut below included
         res = self._cut_at_first_stop(self._turn_text(st, p), res)
         parent = st.nodes[p.node_ids[-1]]
         text = self.engine.decode(res.token_ids)
@@ -419,7 +478,7 @@ class RolloutScheduler:
         l_count = consecutive_branch_count(p.step_history)
         h_init = p.h_init if p.h_init is not None else node.segment_entropy
         delta = node.segment_entropy - h_init
-        u = st.rng.random()
+        u = random.Random(derive_seed(self._seed, p.qi, p.key, "u", len(p.step_history))).random()
         d: BranchDecision = branch_decision(u, delta, l_count, gamma=cfg.gamma, tau=cfg.tau, lam=lam)
         branched = d.branch and budget_left > 0
         node.delta_entropy = delta
@@ -432,22 +491,27 @@ class RolloutScheduler:
         if branched:
             fork_from = node.parent_id
             assert fork_from is not None
-            for _ in range(min(cfg.beam_size - 1, budget_left)):
-                self._fork(st, fork_from, [*p.step_history, True])
+            for b in range(1, min(cfg.beam_size - 1, budget_left) + 1):
+                self._fork(st, fork_from, [*p.step_history, True], b)
         p.step_history.append(branched)
 
     def _dispatch_tools(self, jobs: list[tuple[_QuestionState, _Path, ToolCall | None, str | None]]) -> None:
         """Run the round's tool calls in parallel and append each result (or notice) to its path, in job order."""
         t0 = time.perf_counter()
-        results = iter(self._run_calls([call for _, _, call, _ in jobs if call is not None]))
-        for st, p, call, notice in jobs:
+        replayed = [p.replay.tool_results[p.tool_calls] if call is not None and p.replay
+                    and p.tool_calls < len(p.replay.tool_results) else None for _, p, call, _ in jobs]
+        results = iter(self._run_calls([call for (_, _, call, _), r in zip(jobs, replayed, strict=True)
+                                        if call is not None and r is None]))
+        for (st, p, call, notice), cached in zip(jobs, replayed, strict=True):
             if call is None:
                 assert notice is not None
                 name = "limit" if p.limit_notice else "invalid"
                 result = ToolResult(notice, ok=False, error=name)
                 event = ToolEvent(name, "", False, name, 0.0, False, len(notice))
             else:
-                result = next(results)
+                result = cached or next(results)
+                if p.record is not None:
+                    p.record.tool_results.append(result)
                 event = ToolEvent(call.name, call.argument, result.ok, result.error, result.latency_s,
                                   result.cache_hit, len(result.text))
                 p.tool_calls += 1
@@ -538,20 +602,32 @@ class RolloutScheduler:
 
     # ------------------------------------------------------------------ budget
     def _premonitor(self, st: _QuestionState) -> None:
-        """m from the probe (path 0), then the probe's own tool steps get their branch decisions."""
-        probe = st.paths[0]
-        nodes = [st.nodes[i] for i in probe.node_ids]
-        model_nodes = [n for n in nodes if n.kind == "model"]
-        st.h_root = model_nodes[0].segment_entropy if model_nodes else math.nan
-        post_tool = [n for n in model_nodes if self._is_tool_step(st, n)]
+        """m from the probe's entropies under ``budget_rule`` (H_root and H̄_tool are what the tree records)."""
+        cfg = self.cfg
+        model_nodes = [st.nodes[i] for i in st.probe.node_ids if st.nodes[i].kind == "model"]
+        first = model_nodes[0].segment_entropy if model_nodes else math.nan
+        post_tool = [n.segment_entropy for n in model_nodes if self._is_tool_step(st, n)]
+        if cfg.budget_rule == "official":
+            st.h_root, st.h_tool = st.root_sample_entropy, official_tool_entropy(first, post_tool)
+            h_root = 0.0 if math.isnan(st.h_root) else st.h_root
+            st.m = official_global_budget(cfg.k, h_root, h_root if math.isnan(st.h_tool) else st.h_tool, cfg.beta)
+            return
+        st.h_root = first
         h_root = st.h_root if not math.isnan(st.h_root) else 0.0
-        st.h_tool = mean_tool_entropy(h_root, [n.segment_entropy for n in post_tool])
-        st.m = global_budget(self.cfg.k, h_root, st.h_tool, self.cfg.beta)
-        # The probe's tool steps are decided in order, as they would have been live; forks from the probe
-        # must not eat the budget of the m − 1 global samples that have not started yet.
-        reserved = st.m - 1
-        for n in post_tool:
-            self._decide(st, probe, n, budget_left=self.cfg.k - st.leaves_started - reserved)
+        st.h_tool = mean_tool_entropy(h_root, post_tool)
+        st.m = global_budget(cfg.k, h_root, st.h_tool, cfg.beta)
+
+    def _sample_roots(self, states: list[_QuestionState], sampling: SamplingParams) -> None:
+        """budget_rule official: H_root of each question from a separate sample of ``root_sample_tokens`` tokens
+        from the prompt (no stop strings), the mean entropy of its tokens; its tokens are paid and not kept."""
+        requests = [GenerationRequest(list(st.question.prompt_ids), self.cfg.root_sample_tokens, (),
+                                      seed=derive_seed(self._seed, st.index, "root")) for st in states]
+        t0 = time.perf_counter()
+        results = self.engine.generate(requests, sampling)
+        self._timers["generate_s"] += time.perf_counter() - t0
+        for st, res in zip(states, results, strict=True):
+            self._generated_tokens += len(res.token_ids)
+            st.root_sample_entropy = sum(res.entropies) / len(res.entropies) if res.entropies else math.nan
 
     @staticmethod
     def _is_tool_step(st: _QuestionState, node: Node) -> bool:

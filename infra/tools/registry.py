@@ -8,8 +8,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from aepo_core.config import ToolsConfig
 from aepo_core.interfaces import Tool
+from aepo_core.tool_config import ToolsConfig
 
 from .cache import CachedTool, ToolResultCache
 from .sandbox.tool import PythonSandbox

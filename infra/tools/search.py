@@ -34,8 +34,8 @@ from typing import Any, Protocol, runtime_checkable
 import bm25s
 from bm25s.stopwords import STOPWORDS_EN
 
-from aepo_core.config import SearchToolConfig
 from aepo_core.interfaces import ToolResult
+from aepo_core.tool_config import SearchToolConfig
 from infra.atomic import atomic_dir
 
 # bm25s sets its own logger to DEBUG at import ("Building index from tokens" on every index build, past the

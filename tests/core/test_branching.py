@@ -12,7 +12,13 @@ from aepo_core.rollout.branching import (
     consecutive_branch_count,
     consecutive_branch_penalty,
 )
-from aepo_core.rollout.budget import fixed_budget, global_budget, mean_tool_entropy
+from aepo_core.rollout.budget import (
+    fixed_budget,
+    global_budget,
+    mean_tool_entropy,
+    official_global_budget,
+    official_tool_entropy,
+)
 
 GAMMA, TAU, LAM = 0.2, 0.5, 0.05
 
@@ -28,6 +34,21 @@ def test_global_budget_closed_form_and_boundaries():
     assert global_budget(5, 1.0, 1.0, 0.5) == 3  # 2.5 rounds half-up
     with pytest.raises(ValueError):
         global_budget(0, 1.0, 1.0, 0.5)
+
+
+def test_official_budget_rule_truncates_and_adds_one():
+    """The published code's m = min(k, int(k·σ) + 1): ~0.5 above the rounded rule on average, never below 1."""
+    assert official_global_budget(12, 1.0, 1.0, 0.5) == 7  # int(6) + 1 (rounded rule: 6)
+    assert official_global_budget(12, 3.0, 1.0, 0.5) == 9  # int(8.77) + 1 (rounded: 9)
+    assert official_global_budget(12, 1.0, 3.0, 0.5) == 4  # int(3.23) + 1 (rounded: 3)
+    assert official_global_budget(12, 1000.0, 0.0, 0.5) == 12  # capped at k
+    assert official_global_budget(12, 0.0, 1000.0, 0.5) == 1
+    rng = random.Random(0)
+    gaps = [rng.uniform(-6, 6) for _ in range(20_000)]
+    mean_excess = sum(official_global_budget(12, g, 0.0, 0.5) - global_budget(12, g, 0.0, 0.5) for g in gaps) / 20_000
+    assert 0.4 < mean_excess < 0.6
+    assert official_tool_entropy(1.0, [2.0, 3.0]) == 2.0  # the first segment counts
+    assert official_tool_entropy(1.0, []) == 1.0
 
 
 def test_no_tool_calls_means_h_tool_is_h_root():

@@ -13,7 +13,7 @@ import pytest
 from capabilities import IN_CI
 from datasets import Dataset, DatasetDict
 
-from aepo_core.config import SearchToolConfig
+from aepo_core.tool_config import SearchToolConfig
 from infra.data.loaders import (
     DATA_ROOT_ENV,
     dataset_key,

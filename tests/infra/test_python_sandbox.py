@@ -17,8 +17,8 @@ import psutil
 import pytest
 from capabilities import IN_CI, require
 
-from aepo_core.config import PythonToolConfig
 from aepo_core.interfaces import Tool
+from aepo_core.tool_config import PythonToolConfig
 from infra.tools.sandbox.capabilities import SandboxCapabilities, sandbox_capabilities
 from infra.tools.sandbox.tool import NO_OUTPUT, PythonSandbox
 

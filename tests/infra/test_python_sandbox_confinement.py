@@ -23,7 +23,7 @@ import psutil
 import pytest
 from capabilities import require
 
-from aepo_core.config import PythonToolConfig
+from aepo_core.tool_config import PythonToolConfig
 from infra.tools.sandbox import tool as sandbox_tool
 from infra.tools.sandbox.capabilities import SandboxCapabilities
 from infra.tools.sandbox.tool import PythonSandbox
@@ -105,7 +105,7 @@ def test_host_files_are_invisible_and_numpy_sympy_import(
 
 _CALLER_SCRIPT = """
 import json, os, sys
-from aepo_core.config import PythonToolConfig
+from aepo_core.tool_config import PythonToolConfig
 from infra.tools.sandbox.tool import PythonSandbox
 victim_dir, uid = sys.argv[1], int(sys.argv[2])
 os.setgroups([]); os.setresgid(uid, uid, uid); os.setresuid(uid, uid, uid)
@@ -276,7 +276,7 @@ def test_disk_budget_holds_for_the_whole_call(caps: SandboxCapabilities, tmp_pat
 
 _TRAINER_SCRIPT = """
 import sys
-from aepo_core.config import PythonToolConfig
+from aepo_core.tool_config import PythonToolConfig
 from infra.tools.sandbox.tool import PythonSandbox
 sandbox = PythonSandbox(PythonToolConfig(workdir_root=sys.argv[1]), timeout_s=60.0)
 sandbox.capabilities

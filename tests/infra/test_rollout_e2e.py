@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from aepo_core.config import OptimConfig, RolloutConfig, SFTConfig, ToolsConfig
+from aepo_core.config import OptimConfig, RolloutConfig, SFTConfig
 from aepo_core.interfaces import SamplingParams
 from aepo_core.protocol import SYSTEM_PROMPT
 from aepo_core.rollout.scheduler import Question, RolloutScheduler
+from aepo_core.tool_config import ToolsConfig
 from infra.data.synthetic import SyntheticTask, oracle_transcript
 from infra.engines.hf import HFEngine
 from infra.models import load_policy

@@ -15,8 +15,8 @@ from typing import ClassVar
 import pytest
 from capabilities import require
 
-from aepo_core.config import SearchToolConfig
 from aepo_core.interfaces import Tool
+from aepo_core.tool_config import SearchToolConfig
 from infra.tools.search import (
     Bm25Backend,
     HttpSearchBackend,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from aepo_core.config import DataConfig, PythonToolConfig, RewardConfig, SearchToolConfig, SyntheticDataConfig
+from aepo_core.config import DataConfig, RewardConfig, SyntheticDataConfig
 from aepo_core.protocol import (
     STOP_STRINGS,
     SYSTEM_PROMPT,
@@ -22,6 +22,7 @@ from aepo_core.protocol import (
     tool_calls_in,
 )
 from aepo_core.rewards import deepsearch_reward
+from aepo_core.tool_config import PythonToolConfig, SearchToolConfig
 from infra.data.rows import QuestionRow
 from infra.data.synthetic import (
     COMPANY_SUFFIXES,

@@ -151,7 +151,7 @@ def test_cached_tool_sets_cache_hit_and_skips_errors(tmp_path: Path) -> None:
 
 
 def test_build_tools_wraps_search_in_the_cache(tmp_path: Path) -> None:
-    from aepo_core.config import ToolsConfig
+    from aepo_core.tool_config import ToolsConfig
     from infra.tools.registry import build_tools
     from infra.tools.sandbox.tool import PythonSandbox
 

@@ -54,8 +54,8 @@ import signal
 import sys
 import time
 
-from aepo_core.config import PythonToolConfig
 from aepo_core.interfaces import ToolResult
+from aepo_core.tool_config import PythonToolConfig
 
 from .capabilities import SandboxCapabilities, sandbox_capabilities
 from .cgroups import CallCgroup, CgroupRoots
