@@ -41,6 +41,9 @@ ROWS: tuple[tuple[str, str], ...] = (
     ("distinct tool seqs", "distinct_tool_sequences"), ("distinct answers", "distinct_answers"),
     ("Pass@k", "pass_at_k"), ("leaf accuracy", "accuracy"), ("informative", "informative"),
     ("m", "global_budget"), ("model tokens/q", "model_tokens"),
+    ("high-H step after high-H", "consecutive_high_entropy_share"),
+    ("branch samples, top-1 root", "branch_samples_top1_root"), ("top-2 roots", "branch_samples_top2_root"),
+    ("top-3 roots", "branch_samples_top3_root"), ("penalized decisions/q", "penalized"),
 )
 
 
@@ -69,6 +72,8 @@ def report(summary: dict[str, Any]) -> None:
                 [[name, *(_ci(summary["paired"][p][q], signed=True) for p in pairs)] for name, q in ROWS])
     hist = [[a, ", ".join(f"l={k}: {n}" for k, n in arms[a]["consecutive_histogram"].items()) or "–"] for a in labels]
     print_table("Branches created by consecutive-branch count l", ["arm", "branches"], hist)
+    rates = [[a, *(_ci(arms[a].get("branch_rate_by_l", {}).get(str(l_count))) for l_count in range(3))] for a in labels]
+    print_table("P(branch | l, budget open), pooled over questions [95% CI]", ["arm", "l = 0", "l = 1", "l = 2"], rates)
 
 
 def policy_dir(runs: Path) -> Path:

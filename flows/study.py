@@ -10,9 +10,11 @@ arpo − independent.
 Outputs, under ``<runs_dir>/studies/<run name>/`` and logged to an MLflow run of its own (tag
 ``kind=rollout-study``, metrics ``study/k<k>/<mode>/<quantity>``, the folder as artifacts ``study/``):
 
+- ``study.json``: the study's settings (policy, questions, seed, each arm's rollout section), written first;
 - ``profiles.parquet``: one row per (k, mode, question) (:data:`~infra.run.study.PROFILE_SCHEMA`), and ``costs.json``
-  (each arm's wall, engine and tool seconds and generated tokens), both rewritten after every arm, so a stopped
-  study keeps the arms it finished;
+  (each arm's wall, engine and tool seconds and generated tokens), both rewritten after every chunk.  A study run
+  again under the same run name resumes: the chunks already in ``profiles.parquet`` are kept, and only the rest is
+  sampled (the settings must be the same, else it is an error naming the first that differs);
 - ``summary.json``: estimates, histograms of consecutive-branch counts, budget correlations, paired differences,
   and each arm's cost (wall, engine and tool seconds, generated tokens);
 - ``rollout_study.png`` and ``budget_split.png``.
@@ -31,6 +33,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 
 from aepo_core.config import ExperimentConfig, RolloutConfig, default_initial_rollouts
+from aepo_core.overrides import apply_overrides
 from aepo_core.rollout.study import GroupProfile
 from flows.common import flow_runs_dir, rename_flow_run, run_origin
 from flows.evaluate import eval_storage, resolve_checkpoint, resolve_eval_config
@@ -41,6 +44,8 @@ from infra.run.study import (
     Arm,
     ArmCost,
     StudySummary,
+    read_costs,
+    read_profiles,
     summarize_study,
     write_costs,
     write_profiles,
@@ -73,10 +78,34 @@ class StudyResult:
 
 def arm_rollout(base: RolloutConfig, arm: Arm) -> RolloutConfig:
     """The rollout config of an arm: the base with its mode and k; fixed global samples (arpo, aepo without
-    pre-monitoring) at the paper's k/2, since the base's initial_rollouts was chosen for its own k."""
-    # Validated (model_copy(update=…) is not): an unknown mode or a k < 1 fails here, before anything starts.
-    return RolloutConfig.model_validate({**base.model_dump(), "mode": arm.mode, "k": arm.k,
-                                         "initial_rollouts": default_initial_rollouts(arm.k)})
+    pre-monitoring) at the paper's k/2, since the base's initial_rollouts was chosen for its own k.
+
+    An arm's mode may carry rollout settings after ``@``, comma-separated: ``aepo@branch_penalty=0.2,premonitor=false``
+    (the whole string is the arm's label), for ablations that share every other setting and the seeds."""
+    mode, _, settings = arm.mode.partition("@")
+    tree = {**base.model_dump(), "mode": mode, "k": arm.k, "initial_rollouts": default_initial_rollouts(arm.k)}
+    apply_overrides(tree, [item for item in settings.split(",") if item], f"study arm {arm.label}")
+    # Validated (model_copy(update=…) is not): an unknown mode or setting fails here, before anything starts.
+    return RolloutConfig.model_validate(tree)
+
+
+def resumed_profiles(out_dir: Path, meta: dict[str, Any]
+                     ) -> tuple[dict[Arm, list[GroupProfile]], dict[Arm, ArmCost], dict[str, Any]]:
+    """What an earlier run of this study (same folder) sampled, when its settings are these: its profiles, costs
+    and arms' rollout settings; empty when the study is new."""
+    settings = out_dir / "study.json"
+    if not settings.is_file():
+        return {}, {}, {}
+    old = json.loads(settings.read_text())
+    for key in ("policy", "seed", "datasets", "chunk_questions", "engine"):
+        if old.get(key) != meta[key]:
+            raise ValueError(f"study {out_dir.name} exists with {key}={old.get(key)!r}, not {meta[key]!r}: resume it "
+                             "with the same settings or choose another run name")
+    profiles = read_profiles(out_dir / "profiles.parquet") if (out_dir / "profiles.parquet").is_file() else {}
+    for arm in profiles:
+        if old["rollout"].get(arm.label) != meta["rollout"].get(arm.label, old["rollout"].get(arm.label)):
+            raise ValueError(f"study {out_dir.name}: arm {arm.label} was sampled with other rollout settings")
+    return profiles, read_costs(out_dir / "costs.json"), dict(old["rollout"])
 
 
 def study_questions(runtime: PolicyRuntime, datasets: list[str], max_questions: int) -> list[QuestionRow]:
@@ -100,12 +129,13 @@ def total_cost(costs: list[ArmCost]) -> ArmCost:
 
 
 def study_metrics(summary: StudySummary, costs: dict[Arm, ArmCost]) -> dict[str, float]:
-    """``study/k<k>/<mode>/<quantity>`` (means), ``…/wall_s`` and ``…/tokens_generated``, and
+    """``study/k<k>/<mode>/<quantity>`` (means), ``…/branch_rate_l<l>``, ``…/wall_s`` and ``…/tokens_generated``, and
     ``study/k<k>/<a>-<b>/<quantity>`` (paired differences)."""
     out: dict[str, float] = {}
     for arm, s in summary.arms.items():
         out.update({f"study/{arm.label}/{q}": e.mean for q, e in s.estimates.items()})
         out[f"study/{arm.label}/budget_correlation"] = s.budget_correlation.mean
+        out.update({f"study/{arm.label}/branch_rate_l{l_count}": e.mean for l_count, e in s.branch_rate_by_l.items()})
         if arm in costs:
             out[f"study/{arm.label}/wall_s"] = costs[arm].wall_s
             out[f"study/{arm.label}/tokens_generated"] = costs[arm].tokens_generated
@@ -160,19 +190,20 @@ def rollout_study(
             runtime.load_checkpoint_weights(ckpt)
         specs = list(datasets or DEFAULT_DATASETS)
         rows = study_questions(runtime, specs, max_questions)
-        tracker = Tracker.from_config(cfg, runs, system_metrics=False)
         what = str(ckpt) if ckpt is not None else cfg.model.name
+        meta = {"policy": what, "questions": len(rows), "datasets": specs, "seed": seed, "engine": cfg.rollout.engine,
+                "arms": [a.label for a in arms], "chunk_questions": chunk_questions,
+                "rollout": {a.label: r.model_dump(exclude={"vllm", "remote"}) for a, r in rollouts.items()}}
+        done, done_costs, earlier = resumed_profiles(out_dir, meta)  # a mismatch fails before any run starts
+        with atomic_file(out_dir / "study.json", "w") as fh:
+            json.dump({**meta, "rollout": {**earlier, **meta["rollout"]}}, fh, indent=1)
+        tracker = Tracker.from_config(cfg, runs, system_metrics=False)
         run_id = tracker.start(cfg, run_name=name, tags={"kind": "rollout-study", "checkpoint": str(ckpt or ""),
                                                          **runtime.numerics.tags()},
                                params=runtime.numerics.params(),
                                origin=run_origin("flows/study.py:rollout_study",
                                                  f"Rollout study of {what}: {', '.join(a.label for a in arms)} on "
                                                  f"{len(rows)} questions."))
-        meta = {"policy": what, "questions": len(rows), "datasets": specs, "seed": seed, "engine": cfg.rollout.engine,
-                "arms": [a.label for a in arms], "chunk_questions": chunk_questions,
-                "rollout": {a.label: {"k": r.k, "initial_rollouts": r.initial_rollouts, "premonitor": r.premonitor,
-                                      "branch_penalty": r.branch_penalty, "beta": r.beta, "tau": r.tau,
-                                      "gamma": r.gamma} for a, r in rollouts.items()}}
         logger.info("rollout study %s: %s on %d questions → MLflow run %s, files in %s", name,
                     ", ".join(a.label for a in arms), len(rows), run_id, out_dir)
         profiles: dict[Arm, list[GroupProfile]] = {}
@@ -180,15 +211,26 @@ def rollout_study(
         with tracker:
             tracker.log_params({"study.questions": len(rows), "study.arms": ",".join(a.label for a in arms),
                                 "study.seed": seed, "study.datasets": ",".join(specs)})
+            ids = [r.id for r in rows]
+            profiles.update({arm: ps for arm, ps in done.items() if arm not in arms})  # arms of an earlier run
+            costs.update({arm: c for arm, c in done_costs.items() if arm not in arms})
             for arm in arms:
-                chunks = [study_chunk(runtime, rows[i: i + chunk_questions], rollouts[arm], seed,
-                                      i // chunk_questions, arm.label)
-                          for i in range(0, len(rows), chunk_questions)]
-                profiles[arm] = [p for c in chunks for p in c.profiles]
-                costs[arm] = total_cost([c.cost for c in chunks])
-                # A stopped study keeps its finished arms, and what they cost.
-                write_profiles(out_dir / "profiles.parquet", profiles)
-                write_costs(out_dir / "costs.json", costs)
+                kept = done.get(arm, [])
+                if [p.question_id for p in kept] != ids[: len(kept)] or (len(kept) % chunk_questions and \
+                        len(kept) != len(ids)):
+                    raise ValueError(f"study {name}: arm {arm.label} holds questions that are not this study's first "
+                                     f"{len(kept)} in chunks of {chunk_questions}")
+                profiles[arm], costs[arm] = list(kept), done_costs.get(arm, ArmCost(0.0, 0.0, 0.0, 0.0))
+                if kept:
+                    logger.info("study %s: arm %s resumes after %d questions", name, arm.label, len(kept))
+                for i in range(len(kept), len(rows), chunk_questions):
+                    chunk = study_chunk(runtime, rows[i: i + chunk_questions], rollouts[arm], seed,
+                                        i // chunk_questions, arm.label)
+                    profiles[arm].extend(chunk.profiles)
+                    costs[arm] = total_cost([costs[arm], chunk.cost])
+                    # A stopped study keeps every chunk it finished, and what it cost.
+                    write_profiles(out_dir / "profiles.parquet", profiles)
+                    write_costs(out_dir / "costs.json", costs)
             summary = summarize_study(profiles, cfg.eval.bootstrap_samples, cfg.seed)
             data = write_summary(out_dir / "summary.json", summary, costs, meta)
             figures = write_study_figures(summary, profiles, out_dir, f"rollout study, {len(rows)} questions")

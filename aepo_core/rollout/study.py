@@ -15,7 +15,13 @@ with the same seeds, paired differences. The quantities:
   correct, k = the group's leaves);
 - **informative groups**: the group's rewards are not all equal, so GRPO-style group advantages are not all 0;
 - **budget split** (AEPO's pre-monitoring): the number of global samples m against H_root − H̄_tool;
-- **cost**: model tokens the tree sampled (shared prefixes counted once).
+- **cost**: model tokens the tree sampled (shared prefixes counted once);
+- **the paper's own quantities**: (a) of the high-entropy tool steps (ΔH > 0: the feedback raised the entropy
+  above the path's first segment's) that have a tool step before them on their path, the share whose previous
+  tool step was high-entropy too (the paper reports 56.5% for ARPO); (b) the share of a group's branch samples
+  descending from its top-1, top-2 and top-3 global roots (the first segment a branch's path starts with; the
+  paper: 93.4% on 1–3 trajectories); (c) the decisions the penalty turned off (``penalized``: the score before
+  the penalty reached τ) and P(branch | l, budget open), pooled over questions: the direct effect of λ.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import numpy as np
 
 from aepo_core.metrics import bootstrap_ci, paired_bootstrap_diff
 from aepo_core.rewards import normalize_answer, predicted_answer
-from aepo_core.rollout.tree import RolloutTree
+from aepo_core.rollout.tree import Node, RolloutTree
 from aepo_core.scoring import model_text
 
 TOP_PATHS = 3
@@ -53,6 +59,12 @@ class GroupProfile:
     global_budget: int  # m
     entropy_gap: float  # H_root − H̄_tool (NaN when the tree has no measured root entropy)
     model_tokens: int  # tokens the model sampled for this tree, shared prefixes once
+    high_entropy_steps: int = 0  # tool steps with ΔH > 0 that have a tool step before them on their path
+    high_entropy_after_high: int = 0  # of those, the ones whose previous tool step had ΔH > 0 too
+    branch_samples_by_root: tuple[int, ...] = ()  # branch leaves per global root that has any, most first
+    penalized: int = 0  # decisions the consecutive-branch penalty turned off
+    open_decisions_by_l: tuple[int, ...] = ()  # index l: branch decisions taken with the budget open
+    branches_by_l: tuple[int, ...] = ()  # index l: of those, the ones that branched
 
     @property
     def pass_at_k(self) -> float:
@@ -86,6 +98,55 @@ def concentration(per_leaf: Sequence[frozenset[int]], top: int = TOP_PATHS) -> t
     return len(every), best / len(every), len(covered) / len(every), best
 
 
+HIGH_ENTROPY_DELTA = 0.0
+"""A tool step is high-entropy when its ΔH (segment entropy − its path's first segment's) is above this."""
+OPEN_DECISIONS = ("branch", "below_tau", "penalized")  # branch reasons of decisions taken with the budget open
+
+
+def consecutive_high_entropy(tree: RolloutTree) -> tuple[int, int]:
+    """(high-entropy tool steps with a tool step before them on their path, those whose previous one was high
+    too), every node counted once (a node's path from the prompt is unique)."""
+    steps = after_high = 0
+    for node in tree.nodes:
+        if not _is_tool_step(tree, node):
+            continue
+        path = _ancestors(tree, node)
+        first = next(n for n in path if n.kind == "model")
+        earlier = [n for n in path[:-1] if _is_tool_step(tree, n)]
+        if earlier and node.segment_entropy - first.segment_entropy > HIGH_ENTROPY_DELTA:
+            steps += 1
+            after_high += earlier[-1].segment_entropy - first.segment_entropy > HIGH_ENTROPY_DELTA
+    return steps, after_high
+
+
+def _is_tool_step(tree: RolloutTree, node: Node) -> bool:
+    parent = tree.nodes[node.parent_id] if node.parent_id is not None else None
+    return node.kind == "model" and parent is not None and parent.tool is not None and not parent.tool.is_notice
+
+
+def _ancestors(tree: RolloutTree, node: Node) -> list[Node]:
+    """The path from the prompt to ``node``, both included."""
+    path = [node]
+    while path[-1].parent_id is not None:
+        path.append(tree.nodes[path[-1].parent_id])
+    return path[::-1]
+
+
+def branch_samples_by_root(tree: RolloutTree) -> tuple[int, ...]:
+    """Branch leaves per global root (the first model segment of their path), most first; roots without any left
+    out."""
+    roots = Counter(leaf.node_ids[1] for leaf in tree.leaves if leaf.sample_kind == "branch" and len(leaf.node_ids) > 1)
+    return tuple(sorted(roots.values(), reverse=True))
+
+
+def decisions_by_l(tree: RolloutTree) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(decisions taken with the budget open, those that branched), each indexed by l."""
+    open_l = Counter(n.consecutive_branches for n in tree.nodes if n.branch_reason in OPEN_DECISIONS)
+    branched = Counter(n.consecutive_branches for n in tree.nodes if n.branch_reason == "branch")
+    top = max(open_l, default=-1) + 1
+    return tuple(open_l[i] for i in range(top)), tuple(branched[i] for i in range(top))
+
+
 def profile_group(tree: RolloutTree, rewards: Sequence[float], correct: Sequence[bool]) -> GroupProfile:
     """The measures of one tree, given its leaves' rewards and correctness (aligned with ``tree.leaves``)."""
     if not len(rewards) == len(correct) == len(tree.leaves):
@@ -100,6 +161,8 @@ def profile_group(tree: RolloutTree, rewards: Sequence[float], correct: Sequence
         if answer is not None and normalize_answer(answer):
             answers.add(normalize_answer(answer))
     finite = [r for r in rewards if not math.isnan(r)]
+    high_steps, after_high = consecutive_high_entropy(tree)
+    open_l, branched_l = decisions_by_l(tree)
     return GroupProfile(
         question_id=tree.question_id,
         leaves=len(tree.leaves),
@@ -115,6 +178,12 @@ def profile_group(tree: RolloutTree, rewards: Sequence[float], correct: Sequence
         global_budget=tree.global_budget,
         entropy_gap=tree.h_root - tree.h_tool,
         model_tokens=sum(len(n.token_ids) for n in tree.nodes if n.kind == "model"),
+        high_entropy_steps=high_steps,
+        high_entropy_after_high=after_high,
+        branch_samples_by_root=branch_samples_by_root(tree),
+        penalized=sum(1 for n in tree.nodes if n.branch_reason == "penalized"),
+        open_decisions_by_l=open_l,
+        branches_by_l=branched_l,
     )
 
 
@@ -150,7 +219,19 @@ QUANTITIES: dict[str, Callable[[GroupProfile], float]] = {
     "informative": lambda p: float(p.mixed_rewards),
     "global_budget": lambda p: float(p.global_budget),
     "model_tokens": lambda p: float(p.model_tokens),
+    "consecutive_high_entropy_share": lambda p: (p.high_entropy_after_high / p.high_entropy_steps
+                                                 if p.high_entropy_steps else math.nan),
+    "branch_samples_top1_root": lambda p: _top_roots_share(p, 1),
+    "branch_samples_top2_root": lambda p: _top_roots_share(p, 2),
+    "branch_samples_top3_root": lambda p: _top_roots_share(p, 3),
+    "penalized": lambda p: float(p.penalized),
 }
+
+
+def _top_roots_share(p: GroupProfile, top: int) -> float:
+    """Share of the group's branch samples descending from its ``top`` global roots with most; NaN without any."""
+    total = sum(p.branch_samples_by_root)
+    return sum(p.branch_samples_by_root[:top]) / total if total else math.nan
 
 
 def estimate(values: Sequence[float], n_resamples: int, seed: int) -> Estimate:
@@ -169,6 +250,7 @@ class ModeSummary:
     estimates: dict[str, Estimate]  # by QUANTITIES name
     consecutive_histogram: dict[int, int]  # l → branches created with l consecutive branches before them
     budget_correlation: Estimate  # Pearson r of m and H_root − H̄_tool over questions (bootstrap CI)
+    branch_rate_by_l: dict[int, Estimate]  # l → P(branch | l, budget open), pooled over questions (ratio_estimate)
 
 
 def pearson(x: Sequence[float], y: Sequence[float]) -> float:
@@ -201,7 +283,29 @@ def summarize_mode(profiles: Sequence[GroupProfile], n_resamples: int = 1000, se
     histogram = Counter(c for p in profiles for c in p.consecutive)
     corr = correlation_estimate([p.entropy_gap for p in profiles], [float(p.global_budget) for p in profiles],
                                 n_resamples, seed)
-    return ModeSummary(estimates, dict(sorted(histogram.items())), corr)
+    top = max((len(p.open_decisions_by_l) for p in profiles), default=0)
+    rates = {l_count: ratio_estimate([_at(p.branches_by_l, l_count) for p in profiles],
+                                     [_at(p.open_decisions_by_l, l_count) for p in profiles], n_resamples, seed)
+             for l_count in range(top)}
+    return ModeSummary(estimates, dict(sorted(histogram.items())), corr, rates)
+
+
+def _at(values: Sequence[int], i: int) -> int:
+    return values[i] if i < len(values) else 0
+
+
+def ratio_estimate(numerators: Sequence[float], denominators: Sequence[float], n_resamples: int,
+                   seed: int) -> Estimate:
+    """Σ numerators / Σ denominators over the questions with a denominator, with a percentile-bootstrap CI that
+    resamples those questions (``n``: how many)."""
+    pairs = np.asarray([(a, b) for a, b in zip(numerators, denominators, strict=True) if b > 0], dtype=float)
+    if not len(pairs):
+        return NAN_ESTIMATE
+    rng = np.random.default_rng(seed)
+    draws = pairs[rng.integers(0, len(pairs), (n_resamples, len(pairs)))]
+    ratios = draws[..., 0].sum(1) / draws[..., 1].sum(1)
+    low, high = np.quantile(ratios, [0.025, 0.975])
+    return Estimate(float(pairs[:, 0].sum() / pairs[:, 1].sum()), float(low), float(high), len(pairs))
 
 
 def paired_difference(a: Sequence[GroupProfile], b: Sequence[GroupProfile], quantity: str,

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 from aepo_core.rollout.rows import null_nan
 from aepo_core.rollout.study import (
+    NAN_ESTIMATE,
     QUANTITIES,
     Estimate,
     GroupProfile,
@@ -53,11 +54,28 @@ PROFILE_SCHEMA = pa.schema(
         pa.field("entropy_gap", pa.float64()).with_metadata({"doc": "H_root − H̄_tool of the tree"}),
         pa.field("model_tokens", pa.int64(), nullable=False).with_metadata(
             {"doc": "tokens the model sampled for the tree, shared prefixes once"}),
+        pa.field("high_entropy_steps", pa.int32(), nullable=False).with_metadata(
+            {"doc": "tool steps with ΔH > 0 (entropy above the path's first segment's) that have a tool step "
+                    "before them on their path"}),
+        pa.field("high_entropy_after_high", pa.int32(), nullable=False).with_metadata(
+            {"doc": "of high_entropy_steps, those whose previous tool step had ΔH > 0 too"}),
+        pa.field("branch_samples_by_root", pa.list_(pa.int32()), nullable=False).with_metadata(
+            {"doc": "branch leaves per global root (first segment of their path) that has any, most first"}),
+        pa.field("penalized", pa.int32(), nullable=False).with_metadata(
+            {"doc": "branch decisions the consecutive-branch penalty turned off"}),
+        pa.field("open_decisions_by_l", pa.list_(pa.int32()), nullable=False).with_metadata(
+            {"doc": "index l: branch decisions taken with the budget open"}),
+        pa.field("branches_by_l", pa.list_(pa.int32()), nullable=False).with_metadata(
+            {"doc": "index l: of open_decisions_by_l, the ones that branched"}),
     ],
     metadata={"doc": "aepo rollout study: one row per (k, mode, question), see aepo_core/rollout/study.py"},
 )
 
 PROFILE_FIELDS = tuple(f.name for f in fields(GroupProfile))
+LIST_FIELDS = tuple(f.name for f in PROFILE_SCHEMA if pa.types.is_list(f.type))
+ADDED_IN_ISSUE_26 = ("high_entropy_steps", "high_entropy_after_high", "branch_samples_by_root", "penalized",
+                     "open_decisions_by_l", "branches_by_l")
+"""Columns a study written before them lacks; read back as their empty defaults."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +104,7 @@ def write_profiles(path: str | Path, profiles: Mapping[Arm, Sequence[GroupProfil
     """The per-question table, atomically (complete or absent)."""
     rows = [
         {"k": arm.k, "mode": arm.mode,
-         **{name: (list(v) if name == "consecutive" else null_nan(v) if isinstance(v, float) else v)
+         **{name: (list(v) if name in LIST_FIELDS else null_nan(v) if isinstance(v, float) else v)
             for name, v in asdict(p).items()}}
         for arm, ps in profiles.items() for p in ps
     ]
@@ -99,11 +117,15 @@ def write_profiles(path: str | Path, profiles: Mapping[Arm, Sequence[GroupProfil
 def read_profiles(path: str | Path) -> dict[Arm, list[GroupProfile]]:
     """The per-question table back, by arm (rows in file order)."""
     out: dict[Arm, list[GroupProfile]] = {}
-    for row in pq.read_table(path, schema=PROFILE_SCHEMA).to_pylist():
-        values = {name: row[name] for name in PROFILE_FIELDS}
+    present = set(pq.read_schema(path).names)
+    schema = pa.schema([f for f in PROFILE_SCHEMA if f.name in present or f.name not in ADDED_IN_ISSUE_26])
+    for row in pq.read_table(path, schema=schema).to_pylist():
+        values = {name: row[name] for name in PROFILE_FIELDS if name in row}
         for name in ("top1_share", "top3_share", "entropy_gap"):
             values[name] = math.nan if values[name] is None else values[name]
-        values["consecutive"] = tuple(values["consecutive"])
+        for name in LIST_FIELDS:
+            if name in values:
+                values[name] = tuple(values[name])
         out.setdefault(Arm(row["k"], row["mode"]), []).append(GroupProfile(**values))
     return out
 
@@ -132,8 +154,12 @@ def read_costs(path: str | Path) -> dict[Arm, ArmCost]:
     return out
 
 
-# Paired comparisons reported per k: (a, b) means a − b on the same questions.
-PAIRS: tuple[tuple[str, str], ...] = (("aepo", "arpo"), ("aepo", "independent"), ("arpo", "independent"))
+def study_pairs(modes: Sequence[str]) -> list[tuple[str, str]]:
+    """The paired differences (a, b), a − b on the same questions, reported at a k with these arms: every arm but
+    the baselines against arpo, then every arm but independent against independent (with the default arms: aepo −
+    arpo, aepo − independent, arpo − independent)."""
+    pairs = [(a, "arpo") for a in modes if a not in ("arpo", "independent") and "arpo" in modes]
+    return pairs + [(a, "independent") for a in modes if a != "independent" and "independent" in modes]
 
 
 @dataclass(frozen=True)
@@ -156,6 +182,7 @@ class StudySummary:
                                "consecutive_histogram": {str(l_count): n for l_count, n
                                                          in s.consecutive_histogram.items()},
                                "budget_correlation": est(s.budget_correlation),
+                               "branch_rate_by_l": {str(l_count): est(e) for l_count, e in s.branch_rate_by_l.items()},
                                "cost": _cost_json(costs[arm]) if costs and arm in costs else None}
         paired = {f"k{k}/{a}-{b}": {q: est(e) for q, e in d.items()} for (k, a, b), d in self.diffs.items()}
         return {"arms": arms, "paired": paired}
@@ -167,7 +194,7 @@ def summarize_study(profiles: Mapping[Arm, Sequence[GroupProfile]], n_resamples:
     arms = {arm: summarize_mode(ps, n_resamples, seed) for arm, ps in profiles.items()}
     diffs: dict[tuple[int, str, str], dict[str, Estimate]] = {}
     for k in sorted({arm.k for arm in profiles}):
-        for a, b in PAIRS:
+        for a, b in study_pairs([arm.mode for arm in profiles if arm.k == k]):
             if Arm(k, a) in profiles and Arm(k, b) in profiles:
                 diffs[(k, a, b)] = {q: paired_difference(profiles[Arm(k, a)], profiles[Arm(k, b)], q, n_resamples,
                                                          seed) for q in QUANTITIES}
@@ -193,6 +220,13 @@ def study_panels(summary: StudySummary) -> dict[str, dict[str, dict[str, Estimat
                               "informative (rewards differ)": series("informative"),
                               "leaf accuracy": series("accuracy")},
         "cost per question": {"model tokens sampled": series("model_tokens")},
+        "the paper's quantities": {
+            "high-entropy tool step after a high-entropy one": series("consecutive_high_entropy_share"),
+            "branch samples from the top-3 global roots": series("branch_samples_top3_root")},
+        "P(branch | l, budget open)": {
+            f"l = {l_count}": {arm.label: s.branch_rate_by_l.get(l_count, NAN_ESTIMATE)
+                               for arm, s in summary.arms.items()}
+            for l_count in sorted({l_count for s in summary.arms.values() for l_count in s.branch_rate_by_l})[:3]},
     }
 
 

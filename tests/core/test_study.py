@@ -139,3 +139,55 @@ def test_correlation_ci_brackets_a_noisy_linear_relation():
     y = x + rng.normal(size=200)
     est = correlation_estimate(list(x), list(y), n_resamples=300, seed=1)
     assert est.low < 1 / math.sqrt(2) < est.high and est.excludes_zero()
+
+
+# ---------------------------------------------------------------- the paper's own quantities (issue 26 §5)
+def _step(node_id: int, parent: int, h: float, reason: str = "", l_count: int = 0) -> Node:
+    """A model segment with segment entropy ``h`` and the branch decision ``reason`` taken at it."""
+    return Node(node_id, parent, 0, "model", [7] * 3, text="<search>x</search>", segment_entropy=h,
+                branch_reason=reason, branched=reason == "branch", consecutive_branches=l_count)
+
+
+def paper_tree() -> RolloutTree:
+    """Global A: 1 (H 1) → 2 → 3 (H 2, branch) → 4 → 5 (H 3, penalized at l = 1) → 6 → 7 (H 0.5, below τ)
+    → 8 → 9 (H 4, branch); forks: 10 from 2 (H 1.5), 11 from 8 (H 1.1).
+    Global B: 12 (H 2) → 13 → 14 (H 3, budget full) ; fork 15 from 13 (an earlier decision made it; H 2.5).
+
+    ΔH = H − H_init (1 on A's paths, 2 on B's).  High-entropy tool steps (ΔH > 0) with a tool step before them
+    on their path: 5 (before it 3: high), 7? no (ΔH < 0), 9 (before it 7: low), 11 (before it 7: low) → 1 of 3.
+    Tool steps 3, 10, 14, 15 have no tool step before them.  Branch samples per global root: A 2, B 1.
+    Decisions with the budget open: l = 0: 3 (branch), 7 (below τ), 9 (branch); l = 1: 5 (penalized)."""
+    nodes = [Node(0, None, 0, "prompt", [9])]
+    nodes += [_step(1, 0, 1.0), _tool(2, 1, "a"), _step(3, 2, 2.0, "branch"), _tool(4, 3, "b"),
+              _step(5, 4, 3.0, "penalized", 1), _tool(6, 5, "c"), _step(7, 6, 0.5, "below_tau"), _tool(8, 7, "d"),
+              _step(9, 8, 4.0, "branch"), _step(10, 2, 1.5, "fork"), _step(11, 8, 1.1, "fork"),
+              _step(12, 0, 2.0), _tool(13, 12, "e"), _step(14, 13, 3.0, "budget_full"), _step(15, 13, 2.5, "fork")]
+    leaves = [Leaf(0, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], "global", "answered", 2),
+              Leaf(1, [0, 1, 2, 10], "branch", "answered", 1),
+              Leaf(2, [0, 1, 2, 3, 4, 5, 6, 7, 8, 11], "branch", "answered", 2),
+              Leaf(3, [0, 12, 13, 14], "global", "answered", 0),
+              Leaf(4, [0, 12, 13, 15], "branch", "answered", 1)]
+    return RolloutTree("q-paper", [9], nodes, leaves, global_budget=2, h_root=1.0, h_tool=2.0)
+
+
+def test_the_papers_rollout_quantities_on_a_hand_built_tree():
+    p = profile_group(paper_tree(), rewards=[0.0] * 5, correct=[False] * 5)
+    assert (p.high_entropy_steps, p.high_entropy_after_high) == (3, 1)
+    assert p.branch_samples_by_root == (2, 1)
+    assert p.penalized == 1
+    assert p.open_decisions_by_l == (3, 1) and p.branches_by_l == (2, 0)
+    s = summarize_mode([p], n_resamples=50)
+    assert s.estimates["consecutive_high_entropy_share"].mean == pytest.approx(1 / 3)
+    assert s.estimates["branch_samples_top1_root"].mean == pytest.approx(2 / 3)
+    assert s.estimates["branch_samples_top2_root"].mean == pytest.approx(1.0)
+    assert s.estimates["penalized"].mean == 1.0
+    assert s.branch_rate_by_l[0].mean == pytest.approx(2 / 3) and s.branch_rate_by_l[1].mean == 0.0
+
+
+def test_branch_rate_by_l_pools_decisions_over_questions():
+    """P(branch | l, budget open) = Σ branches / Σ open decisions over the questions (a question with one decision
+    weighs one decision), with a bootstrap CI over questions."""
+    a = profile_group(paper_tree(), rewards=[0.0] * 5, correct=[False] * 5)
+    b = profile_group(spread_tree(), rewards=[0.0] * 4, correct=[False] * 4)  # no decision reasons set: none
+    s = summarize_mode([a, a, b], n_resamples=50)
+    assert s.branch_rate_by_l[0].mean == pytest.approx(4 / 6) and s.branch_rate_by_l[0].n == 2

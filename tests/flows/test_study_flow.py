@@ -96,3 +96,34 @@ def test_an_unknown_mode_fails_before_any_work(prefect_harness: Any, tmp_path: P
         rollout_study(config=str(TINY), overrides=FAST, runs_dir=str(tmp_path), modes=["beam"], ks=[2],
                       max_questions=1)
     assert not (tmp_path / "studies").exists()
+
+
+def test_an_arm_with_settings_and_a_study_that_resumes(prefect_harness: Any, tmp_path: Path) -> None:
+    """``aepo@branch_penalty=0.5,premonitor=false`` is an arm of its own, paired against arpo; run again under the
+    same name, a study keeps the chunks it has and samples only the rest (a stopped study loses one chunk at
+    most), and refuses to resume with other settings."""
+    from flows.study import rollout_study
+    from infra.run.study import Arm, read_costs, read_profiles, write_costs, write_profiles
+
+    arm = "aepo@branch_penalty=0.5,premonitor=false"
+    kw = dict(config=str(TINY), overrides=FAST, runs_dir=str(tmp_path), datasets=["synthetic:train"], ks=[2],
+              max_questions=4, chunk_questions=2, seed=3, run_name="resume-test")
+    first = rollout_study(modes=["arpo", arm], **kw)
+    out = Path(first.out_dir)
+    assert set(first.summary["paired"]) == {f"k2/{arm}-arpo"}
+    assert first.summary["rollout"][f"k2/{arm}"]["branch_penalty"] == 0.5
+    full = read_profiles(out / "profiles.parquet")
+    # Stop after one chunk of the second arm: keep its first 2 questions and a cost of 1 s.
+    partial = {Arm(2, "arpo"): full[Arm(2, "arpo")], Arm(2, arm): full[Arm(2, arm)][:2]}
+    write_profiles(out / "profiles.parquet", partial)
+    costs = read_costs(out / "costs.json")
+    write_costs(out / "costs.json", {**costs, Arm(2, arm): costs[Arm(2, arm)].__class__(1.0, 0.0, 0.0, 5.0)})
+    again = rollout_study(modes=["arpo", arm], **kw)
+    resumed = read_profiles(out / "profiles.parquet")
+    assert resumed == full  # the same questions, the kept chunk kept, the rest sampled again with the same seeds
+    after = read_costs(out / "costs.json")
+    assert after[Arm(2, "arpo")] == costs[Arm(2, "arpo")]  # nothing of arpo was sampled again
+    assert after[Arm(2, arm)].tokens_generated > 5.0 and after[Arm(2, arm)].wall_s > 1.0
+    assert again.summary["arms"].keys() == first.summary["arms"].keys()
+    with pytest.raises(ValueError, match="seed=3, not 4"):
+        rollout_study(modes=["arpo"], **{**kw, "seed": 4})
