@@ -152,6 +152,13 @@ class RolloutConfig(Section):
     remote: RemoteEngineConfig = Field(
         default_factory=RemoteEngineConfig, description="The completions server used when engine is remote."
     )
+    exact_entropy: bool = Field(
+        True,
+        description="vllm and remote engines: replace the entropies estimated from the server's top-k log-probs "
+        "(an overestimate) by the exact full-vocabulary ones, from a forward of the policy in this process that "
+        "reuses the KV of the path's earlier segments, so branch decisions and the budget read the same entropies "
+        "on every engine (cost: bench/README.md, exact entropies). false: the estimate, flagged on every segment.",
+    )
     kv_reuse: bool = Field(
         True,
         description="hf engine: keep each finished row's KV cache and let later prompts that start with the same "

@@ -53,15 +53,14 @@ import torch
 from aepo_core.config import (
     ModelConfig,
     OptimConfig,
-    PythonToolConfig,
     RemoteEngineConfig,
     RolloutConfig,
-    SearchToolConfig,
     SFTConfig,
 )
 from aepo_core.interfaces import GenerationRequest, GenerationResult, SamplingParams, Tool
 from aepo_core.protocol import SYSTEM_PROMPT
 from aepo_core.rollout.scheduler import Question, RolloutScheduler
+from aepo_core.tool_config import PythonToolConfig, SearchToolConfig
 from bench.harness import (
     RESULTS_DIR,
     default_compute,

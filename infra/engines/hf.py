@@ -58,12 +58,13 @@ Semantics (documented choices):
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +80,9 @@ from infra.engines.weights import PolicyWeights, WeightSource
 from infra.models import chat_prompt_ids, load_model_weights, load_policy
 
 log = logging.getLogger(__name__)
+
+SCORE_LOGIT_FLOATS = 2**26
+"""Most logits :meth:`HFEngine.score` keeps at once (256 MB of float32; SmolLM2's 49k vocabulary: ~1300 tokens)."""
 
 
 @dataclass
@@ -305,27 +309,92 @@ class HFEngine:
             rows.append(_Row(index=i, prompt=[int(t) for t in req.prompt_ids], max_tokens=int(req.max_tokens),
                              stop=tuple(s for s in req.stop if s), seed=int(seed)))
         runnable = [r for r in rows if self._admit(r)]
-        if self._prefixes is not None and (now := self._weights_fingerprint()) != self._prefix_weights:
-            self._prefixes.clear()  # KV computed with other weights is stale
-            self._prefix_weights = now
+        self._drop_stale_kv()
         step = self.max_batch_size or max(1, len(runnable))
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            device_type = next(self.model.parameters()).device.type
-            with torch.autocast(device_type, dtype=self.autocast_dtype or torch.float32,
-                                enabled=self.autocast_dtype is not None):
-                for start in range(0, len(runnable), step):
-                    self._run_isolated(runnable[start:start + step], sampling, stats)
-        finally:
-            if was_training:
-                self.model.train()
+        with self._inference():
+            for start in range(0, len(runnable), step):
+                self._run_isolated(runnable[start:start + step], sampling, stats)
         stats.seconds = time.perf_counter() - t0
         stats.new_tokens = sum(len(r.ids) for r in rows)
         log.debug("generated %d tokens for %d rows in %.2f s (%.1f tok/s, %d passes, %d row-steps)",
                   stats.new_tokens, stats.rows, stats.seconds, stats.tokens_per_s, stats.forward_passes,
                   stats.row_steps)
         return [r.result() for r in rows]
+
+    def score(self, rows: Sequence[tuple[Sequence[int], Sequence[int]]],
+              sampling: SamplingParams | None = None) -> list[list[float]]:
+        """Per row ``(prompt, tokens)``: the entropy of the distribution each token was sampled from (temperature
+        then top-k and top-p, as :meth:`generate` samples), teacher-forced: one forward over the part of
+        ``prompt + tokens[:-1]`` the prefix store does not hold.  With KV reuse each row's fed tokens are stored,
+        so the next segment of the same path (its prompt starts with them) feeds only what is new.
+
+        Memory: the logits kept are rows × tokens × V floats per batch, at most :data:`SCORE_LOGIT_FLOATS`."""
+        sampling = sampling or SamplingParams()
+        t0 = time.perf_counter()
+        self.last_stats = stats = GenerationStats(rows=len(rows))
+        self._drop_stale_kv()
+        out: list[list[float]] = [[] for _ in rows]
+        todo = [i for i, (prompt, tokens) in enumerate(rows) if tokens and prompt]
+        with self._inference():
+            while todo:
+                size, longest = 1, len(rows[todo[0]][1])
+                while size < len(todo) and (size + 1) * max(longest, len(rows[todo[size]][1])) * self.vocab_size \
+                        <= SCORE_LOGIT_FLOATS:
+                    longest = max(longest, len(rows[todo[size]][1]))
+                    size += 1
+                batch, todo = todo[:size], todo[size:]
+                for i, entropies in zip(batch, self._score_batch([rows[i] for i in batch], sampling, stats),
+                                        strict=True):
+                    out[i] = entropies
+        stats.seconds = time.perf_counter() - t0
+        stats.new_tokens = sum(len(e) for e in out)
+        return out
+
+    @torch.inference_mode()
+    def _score_batch(self, rows: list[tuple[Sequence[int], Sequence[int]]], sampling: SamplingParams,
+                     stats: GenerationStats) -> list[list[float]]:
+        """One forward for :meth:`score`, in :meth:`_run_batch`'s layout (reused KV right-aligned, then the rest
+        of each row right-aligned), keeping the logits of each row's last ``len(tokens)`` positions only."""
+        device = self.model.device
+        fed = [[int(t) for t in (*prompt, *tokens[:-1])] for prompt, tokens in rows]
+        needed = [len(tokens) for _, tokens in rows]
+        # at most all but the prompt's last token: its logits score the first token
+        reused = self._reusable_prefixes(fed, [len(f) - n for f, n in zip(fed, needed, strict=True)])
+        input_ids, attention, positions, cached, width = self._layout(fed, reused, stats)
+        keep = max(needed)
+        past = {self._cache_kwarg: self._batch_cache(reused, cached)} if cached else {}
+        kept = ({"logits_to_keep": torch.arange(width - keep, width, device=device)}
+                if self._keep_arg == "logits_to_keep" else {})
+        out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True,
+                         **kept, **past)
+        stats.forward_passes += 1
+        stats.row_steps += len(rows)
+        logits = out.logits[:, -keep:, :]
+        cache = _cache_of(out)
+        if self._prefixes is not None and _is_plain_dynamic(cache):
+            for i, f in enumerate(fed):
+                self._store(f, cache, attention[i], i)
+        return [sampling_distribution(logits[i, keep - n:], sampling)[1].tolist() for i, n in enumerate(needed)]
+
+    @contextlib.contextmanager
+    def _inference(self) -> Iterator[None]:
+        """Eval mode (restored after) under the engine's autocast, if any."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            device_type = next(self.model.parameters()).device.type
+            with torch.autocast(device_type, dtype=self.autocast_dtype or torch.float32,
+                                enabled=self.autocast_dtype is not None):
+                yield
+        finally:
+            if was_training:
+                self.model.train()
+
+    def _drop_stale_kv(self) -> None:
+        """Forget the retained KV when the weights changed since it was computed."""
+        if self._prefixes is not None and (now := self._weights_fingerprint()) != self._prefix_weights:
+            self._prefixes.clear()
+            self._prefix_weights = now
 
     def _admit(self, row: _Row) -> bool:
         """Finish rows that need no model call (nothing to generate) or cannot run (bad ids)."""
@@ -378,20 +447,9 @@ class HFEngine:
         do not depend on its neighbours' lengths.  Without reuse, ``cached`` is 0: plain left padding.
         """
         device = self.model.device
-        reused = self._reusable_prefixes(rows)
-        cached = max(n for _, n in reused)
-        width = max(len(r.prompt) - n for r, (_, n) in zip(rows, reused, strict=True))
-        input_ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)
-        attention = torch.zeros((len(rows), cached + width), dtype=torch.long)
-        for i, (row, (_, n)) in enumerate(zip(rows, reused, strict=True)):
-            rest = row.prompt[n:]
-            input_ids[i, width - len(rest):] = torch.tensor(rest, dtype=torch.long)
-            attention[i, cached - n:cached] = 1
-            attention[i, cached + width - len(rest):] = 1
-            stats.prefill_tokens += len(rest)
-            stats.reused_tokens += n
-        input_ids, attention = input_ids.to(device), attention.to(device)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, cached:]
+        # at most all but the last prompt token, whose logits the first sample needs
+        reused = self._reusable_prefixes([r.prompt for r in rows], [len(r.prompt) - 1 for r in rows])
+        input_ids, attention, positions, cached, width = self._layout([r.prompt for r in rows], reused, stats)
         generators = [torch.Generator(device=device).manual_seed(r.seed) for r in rows]
         windows = [_stop_window(r.stop) for r in rows]
 
@@ -469,12 +527,32 @@ class HFEngine:
             return {"logits_to_keep": torch.tensor([width - 1], device=self.model.device)}
         return {self._keep_arg: 1} if self._keep_arg else {}
 
-    def _reusable_prefixes(self, rows: list[_Row]) -> list[tuple[PrefixKV | None, int]]:
-        """Per row, the stored KV its prompt starts with and how many of its tokens to reuse: at most all but
-        the last prompt token, whose logits the first sample needs."""
+    def _reusable_prefixes(self, seqs: list[list[int]], limits: list[int]) -> list[tuple[PrefixKV | None, int]]:
+        """Per sequence, the stored KV it starts with and how many of its tokens to reuse (at most its limit)."""
         if self._prefixes is None or not len(self._prefixes):
-            return [(None, 0)] * len(rows)
-        return [self._prefixes.longest(np.asarray(r.prompt, dtype=np.int64), len(r.prompt) - 1) for r in rows]
+            return [(None, 0)] * len(seqs)
+        return [self._prefixes.longest(np.asarray(seq, dtype=np.int64), limit)
+                for seq, limit in zip(seqs, limits, strict=True)]
+
+    def _layout(self, seqs: list[list[int]], reused: list[tuple[PrefixKV | None, int]], stats: GenerationStats
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+        """(input ids, attention mask, positions, cached, width) of a batch in :meth:`_run_batch`'s layout: each
+        sequence's reused KV right-aligned in ``cached`` columns, the rest right-aligned in ``width`` new ones."""
+        cached = max(n for _, n in reused)
+        width = max(len(seq) - n for seq, (_, n) in zip(seqs, reused, strict=True))
+        input_ids = torch.full((len(seqs), width), self._pad_id, dtype=torch.long)
+        attention = torch.zeros((len(seqs), cached + width), dtype=torch.long)
+        for i, (seq, (_, n)) in enumerate(zip(seqs, reused, strict=True)):
+            rest = seq[n:]
+            input_ids[i, width - len(rest):] = torch.tensor(rest, dtype=torch.long)
+            attention[i, cached - n:cached] = 1
+            attention[i, cached + width - len(rest):] = 1
+            stats.prefill_tokens += len(rest)
+            stats.reused_tokens += n
+        device = self.model.device
+        attention = attention.to(device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, cached:]
+        return input_ids.to(device), attention, positions, cached, width
 
     def _batch_cache(self, reused: list[tuple[PrefixKV | None, int]], cached: int) -> DynamicCache:
         """A cache ``cached`` positions wide holding each row's reused KV right-aligned (zeros where masked)."""
@@ -494,11 +572,14 @@ class HFEngine:
     def _retain(self, row: _Row, cache: DynamicCache, attention: torch.Tensor, j: int) -> None:
         """Keep the KV of the finished row at batch index ``j``: its real positions (the mask's ones) hold the
         tokens it fed, the prompt and every generated token but the last (never fed)."""
+        self._store(row.prompt + row.ids[:-1], cache, attention, j)
+
+    def _store(self, fed: list[int], cache: DynamicCache, attention: torch.Tensor, j: int) -> None:
+        """Keep the KV at batch index ``j`` of the tokens ``fed``: its real positions (the mask's ones)."""
         assert self._prefixes is not None
         real = attention.nonzero().squeeze(-1)
-        fed = row.prompt + row.ids[:-1]
         if len(real) != len(fed):  # cannot happen with a plain dynamic cache; never store misaligned KV
-            log.warning("not retaining the KV of row %d: %d cached positions for %d tokens", row.index, len(real),
+            log.warning("not retaining the KV of batch row %d: %d cached positions for %d tokens", j, len(real),
                         len(fed))
             return
         self._prefixes.put(fed, [(layer.keys[j].index_select(1, real), layer.values[j].index_select(1, real))

@@ -8,6 +8,9 @@
   (:attr:`BuiltEngine.server`);
 - ``remote``: a completions server someone else runs (``rollout.remote``), behind a ``RemoteEngine``.
 
+Both server engines are wrapped in an :class:`~infra.engines.exact_entropy.ExactEntropyEngine` unless
+``rollout.exact_entropy`` is off.
+
 The remote and vLLM modules are imported only by the builders that need them (as the runtime did before).
 """
 
@@ -91,7 +94,7 @@ def _vllm(cfg: ExperimentConfig, numerics: Numerics, model: torch.nn.Module, tok
                                 top_logprobs=cfg.rollout.vllm.top_logprobs)
     engine = RemoteEngine(served, tokenizer, receiver=server.control, weights_dir=weights_dir,
                           loaded_version=INITIAL_VERSION)
-    return BuiltEngine(engine, server)
+    return BuiltEngine(_exact_entropies(cfg, numerics, model, tokenizer, engine), server)
 
 
 def _remote(cfg: ExperimentConfig, numerics: Numerics, model: torch.nn.Module, tokenizer: object,
@@ -108,7 +111,21 @@ def _remote(cfg: ExperimentConfig, numerics: Numerics, model: torch.nn.Module, t
     elif r.reload_url:
         receiver = ReloadEndpoint(r.reload_url)
     section = r.model_copy(update={"model": r.model or cfg.model.name})
-    return BuiltEngine(RemoteEngine(section, tokenizer, receiver=receiver, weights_dir=weights_dir))
+    engine = RemoteEngine(section, tokenizer, receiver=receiver, weights_dir=weights_dir)
+    return BuiltEngine(_exact_entropies(cfg, numerics, model, tokenizer, engine))
+
+
+def _exact_entropies(cfg: ExperimentConfig, numerics: Numerics, model: torch.nn.Module, tokenizer: object,
+                     engine: PolicyEngine) -> PolicyEngine:
+    """``engine`` with exact entropies from the policy in this process (``rollout.exact_entropy``), or as it is."""
+    if not cfg.rollout.exact_entropy:
+        return engine
+    from infra.engines.exact_entropy import ExactEntropyEngine
+    from infra.engines.hf import HFEngine
+
+    scorer = HFEngine(model, tokenizer, seed=cfg.seed, autocast_dtype=autocast_dtype(numerics.compute_dtype),
+                      kv_reuse_mb=cfg.rollout.kv_reuse_max_mb)
+    return ExactEntropyEngine(engine, scorer)
 
 
 ENGINES: dict[str, EngineBuilder] = {"hf": _hf, "vllm": _vllm, "remote": _remote}

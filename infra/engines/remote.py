@@ -290,8 +290,14 @@ class RemoteEngine:
         lp = choice.get("logprobs") or {}
         tokens = lp.get("tokens") or []
         token_ids = [self._token_id(t) for t in tokens]
-        logprobs = [float(x) if x is not None else 0.0 for x in lp.get("token_logprobs") or []]
-        tops = lp.get("top_logprobs") or [{}] * len(tokens)
+        logprobs = lp.get("token_logprobs") or []
+        tops = lp.get("top_logprobs") or ([{}] * len(tokens) if not self.top_logprobs else [])
+        for name, values in (("log-prob", logprobs), ("top log-probs", tops)):
+            if len(values) != len(tokens) or None in values:
+                at = values.index(None) if None in values else min(len(values), len(tokens))
+                raise RemoteEngineError(f"the server sent no {name} of token {at + 1} of {len(tokens)}: a sampled "
+                                        "token's probability is never assumed")
+        logprobs = [float(x) for x in logprobs]
         entropies = [topk_entropy_estimate(list(top.values()), self.vocab_size) for top in tops]
         finish = choice.get("finish_reason") or "length"
         stop_reason = choice.get("stop_reason")

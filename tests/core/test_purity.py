@@ -216,6 +216,7 @@ def test_engines_are_built_in_one_place_and_checkpoints_located_in_one():
     """``rollout.engine`` picks its engine in infra/engines/registry.py alone; where a run's checkpoints live is
     said by infra/run/checkpoints.py alone."""
     owners = {"HFEngine": {"infra/engines/registry.py"}, "RemoteEngine": {"infra/engines/registry.py"},
+              "ExactEntropyEngine": {"infra/engines/registry.py"},
               "VLLMServer": {"infra/engines/registry.py", "infra/engines/vllm_server.py"},  # (its __main__ check)
               "CheckpointStore": {"infra/run/checkpoints.py", "infra/training/checkpoint_store.py"}}
     for path in _product_files():

@@ -19,9 +19,11 @@ from infra.engines.hf import HFEngine
 
 
 class CompletionsServer:
-    def __init__(self, engine: HFEngine, fail_first: int = 0) -> None:
+    def __init__(self, engine: HFEngine, fail_first: int = 0, missing_logprob: bool = False) -> None:
+        """``missing_logprob``: answer with the last token's log-prob as null (a server bug)."""
         self.engine = engine
         self.fail_first = fail_first
+        self.missing_logprob = missing_logprob
         self.requests: list[dict[str, Any]] = []
         self.connections: set[tuple[str, int]] = set()  # client (host, port) pairs: one per TCP connection
         self.lock = threading.Lock()  # one generation at a time (the model is shared)
@@ -71,6 +73,9 @@ class CompletionsServer:
         with self.lock:
             (res,) = self.engine.generate([req], sampling)
             tops = self._top_logprobs(prompt, res.token_ids, sampling.temperature, int(body.get("logprobs") or 0))
+        logprobs: list[float | None] = list(res.logprobs)
+        if self.missing_logprob and logprobs:
+            logprobs[-1] = None
         finish = "length" if res.finish_reason == "length" else "stop"
         choice = {
             "index": 0,
@@ -79,7 +84,7 @@ class CompletionsServer:
             "stop_reason": res.stop_string,
             "logprobs": {
                 "tokens": [f"token_id:{t}" for t in res.token_ids],
-                "token_logprobs": res.logprobs,
+                "token_logprobs": logprobs,
                 "top_logprobs": tops,
             },
         }

@@ -52,6 +52,16 @@ def test_transient_errors_are_retried_and_bad_rows_fail_alone(tiny_policy, tiny_
     assert res.finish_reason == "error" and "cannot reach" in (res.error or "")
 
 
+def test_a_missing_log_prob_is_an_error_not_zero(tiny_policy):
+    """A null log-prob (or null top log-probs) for a sampled token fails that row, naming the position; it used to
+    become log-prob 0.0 (probability 1) and an entropy of log V."""
+    model, tokenizer = tiny_policy
+    with CompletionsServer(HFEngine(model, tokenizer), missing_logprob=True) as srv:
+        remote = RemoteEngine(RemoteEngineConfig(url=srv.url, model="tiny", top_logprobs=5), tokenizer)
+        (res,) = remote.generate([GenerationRequest([1, 2, 3], 4, (), seed=0)], SamplingParams())
+    assert res.finish_reason == "error" and "log-prob of token 4 of 4" in (res.error or "")
+
+
 def test_scheduler_runs_on_the_remote_engine(server, tiny_policy, tiny_engine):
     _, tokenizer = tiny_policy
     remote = RemoteEngine(RemoteEngineConfig(url=server.url, model="tiny"), tokenizer)

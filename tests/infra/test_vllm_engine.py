@@ -82,7 +82,9 @@ def test_a_rollout_runs_through_the_scheduler_on_the_server_with_real_tools(runt
     result = runtime.sample(rows, runtime.cfg.rollout, seed=3)
     assert len(result.trees) == 2 and all(len(t.leaves) == 2 for t in result.trees)
     model_nodes = [n for t in result.trees for n in t.nodes if n.kind == "model"]
-    assert model_nodes and all(n.token_ids and n.entropy_is_estimate for n in model_nodes)
+    # rollout.exact_entropy (the default): every entropy is the full-vocabulary one, from the policy in process.
+    assert model_nodes and all(n.token_ids and not n.entropy_is_estimate for n in model_nodes)
+    assert all(0.0 <= h <= 10.9 for n in model_nodes for h in n.entropies)  # ≤ log(49152) = 10.8
     assert {n.weight_version for n in model_nodes} == {"0"}  # stamped from the server's /weight_info
     assert result.stats["stale_segments"] == 0 and result.stats["weight_version"] == 0
     # Sampling log-probs are those of the sampled token under the temperature-1 distribution: negative, finite.
