@@ -10,7 +10,8 @@ arpo − independent.
 Outputs, under ``<runs_dir>/studies/<run name>/`` and logged to an MLflow run of its own (tag
 ``kind=rollout-study``, metrics ``study/k<k>/<mode>/<quantity>``, the folder as artifacts ``study/``):
 
-- ``study.json``: the study's settings (policy, questions, seed, each arm's rollout section), written first;
+- ``study.json``: the study's settings (the policy and a digest of its weights, the numerics and the machine, the
+  questions, seed, each arm's rollout section), written first;
 - ``profiles.parquet``: one row per (k, mode, question) (:data:`~infra.run.study.PROFILE_SCHEMA`), and ``costs.json``
   (each arm's wall, engine and tool seconds and generated tokens), both rewritten after every chunk.  A study run
   again under the same run name resumes: the chunks already in ``profiles.parquet`` are kept, and only the rest is
@@ -39,6 +40,7 @@ from flows.common import flow_runs_dir, rename_flow_run, run_origin
 from flows.evaluate import eval_storage, resolve_checkpoint, resolve_eval_config
 from infra.atomic import atomic_file
 from infra.data.rows import QuestionRow
+from infra.models import weights_digest
 from infra.run.runtime import PolicyRuntime, build_runtime
 from infra.run.study import (
     Arm,
@@ -97,7 +99,7 @@ def resumed_profiles(out_dir: Path, meta: dict[str, Any]
     if not settings.is_file():
         return {}, {}, {}
     old = json.loads(settings.read_text())
-    for key in ("policy", "seed", "datasets", "chunk_questions", "engine"):
+    for key in ("policy_digest", "numerics", "seed", "datasets", "chunk_questions", "engine"):
         if old.get(key) != meta[key]:
             raise ValueError(f"study {out_dir.name} exists with {key}={old.get(key)!r}, not {meta[key]!r}: resume it "
                              "with the same settings or choose another run name")
@@ -191,7 +193,9 @@ def rollout_study(
         specs = list(datasets or DEFAULT_DATASETS)
         rows = study_questions(runtime, specs, max_questions)
         what = str(ckpt) if ckpt is not None else cfg.model.name
-        meta = {"policy": what, "questions": len(rows), "datasets": specs, "seed": seed, "engine": cfg.rollout.engine,
+        meta = {"policy": what, "policy_digest": weights_digest(runtime.model), "numerics": runtime.numerics.params(),
+                "cpu": runtime.numerics.tags(), "questions": len(rows), "datasets": specs, "seed": seed,
+                "engine": cfg.rollout.engine,
                 "arms": [a.label for a in arms], "chunk_questions": chunk_questions,
                 "rollout": {a.label: r.model_dump(exclude={"vllm", "remote"}) for a, r in rollouts.items()}}
         done, done_costs, earlier = resumed_profiles(out_dir, meta)  # a mismatch fails before any run starts

@@ -110,6 +110,17 @@ def load_policy(cfg: ModelConfig) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+def weights_digest(model: Any) -> str:
+    """A digest of the model's weights (every tensor's name, dtype, shape and bytes): the same policy, whatever
+    path it was loaded from (SmolLM2-135M in float32: ~1 s)."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().to("cpu").contiguous().reshape(-1)
+        h.update(f"{name}:{t.dtype}:{tuple(tensor.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def chat_prompt_text(tokenizer: Any, question: str, system_prompt: str | None = SYSTEM_PROMPT) -> str:
     """The text of one rollout prompt: :func:`aepo_core.protocol.chat_messages` through the chat template, ending
     with the assistant header."""
