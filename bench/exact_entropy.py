@@ -39,7 +39,15 @@ from aepo_core.rollout.budget import global_budget, mean_tool_entropy
 from aepo_core.rollout.scheduler import RolloutScheduler
 from aepo_core.rollout.tree import Node, RolloutTree
 from bench.harness import RESULTS_DIR, environment, print_table, set_threads, write_result
-from bench.rollout import TASK_KW, _start_vllm, bench_questions, build_bench_tools, model_config, tool_policy
+from bench.rollout import (
+    TASK_KW,
+    ToolPolicy,
+    _start_vllm,
+    bench_questions,
+    build_bench_tools,
+    model_config,
+    tool_policy,
+)
 from infra.data.synthetic import SyntheticTask
 from infra.engines.exact_entropy import ExactEntropyEngine
 from infra.engines.hf import HFEngine
@@ -150,6 +158,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch threads in this process (0: torch's default)")
     p.add_argument("--compute", default="float32", help="the exact forward's compute dtype (default %(default)s)")
     p.add_argument("--model-cache", default=None)
+    p.add_argument("--policy", type=Path, default=None,
+                   help="a policy checkpoint directory (e.g. the rollout study's shared SFT start) instead of "
+                        "bench/rollout.py's 4-step SFT")
     p.add_argument("--sft-steps", type=int, default=4)
     p.add_argument("--sft-batch", type=int, default=4)
     p.add_argument("--sft-lr", type=float, default=2e-5)
@@ -166,8 +177,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = environment(threads=args.threads)
     task = SyntheticTask(**TASK_KW)
     workdir = Path(tempfile.mkdtemp(prefix="bench-exact-"))
-    model, tokenizer = load_policy(model_config(BUILTIN_SMOLLM2, args.model_cache))
-    policy = tool_policy(BUILTIN_SMOLLM2, model, tokenizer, args.compute, args, task, workdir)
+    if args.policy is not None:
+        model, tokenizer = load_policy(model_config(str(args.policy), args.model_cache))
+        policy = ToolPolicy(model, tokenizer, args.policy.name, None)
+    else:
+        model, tokenizer = load_policy(model_config(BUILTIN_SMOLLM2, args.model_cache))
+        policy = tool_policy(BUILTIN_SMOLLM2, model, tokenizer, args.compute, args, task, workdir)
     model_dir = export_hf_checkpoint(policy.model, policy.tokenizer, workdir / "vllm-policy")
     server, start_s = _start_vllm(model_dir, workdir / "vllm.log", eager=True, cache_root=None)
     try:

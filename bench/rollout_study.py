@@ -123,6 +123,21 @@ def log_to_study_run(runs: Path, study_dir: Path) -> dict[str, str] | None:
     return {"run_id": run_id, "tracking_uri": tracker.tracking_uri}
 
 
+STUDY_FILES = ("study.json", "profiles.parquet", "costs.json")
+
+
+def seed_study(source: Path, target: Path) -> None:
+    """Copy a kept study's files into its folder under the runs dir, unless that folder already has a study."""
+    if (target / "study.json").is_file():
+        log.info("%s already holds a study: resuming it, not %s", target, source)
+        return
+    target.mkdir(parents=True, exist_ok=True)
+    for name in STUDY_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, target / name)
+    log.info("resuming the study kept in %s", source)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--questions", type=int, default=200)
@@ -134,6 +149,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "bench-study")
     p.add_argument("--run-name", default=None)
+    p.add_argument("--resume-from", type=Path, default=None,
+                   help="a study folder kept elsewhere (study.json, profiles.parquet, costs.json, e.g. committed under "
+                        "bench/results/): copied into <runs>/studies/<--run-name> when that has none, then resumed")
     p.add_argument("--analyse-only", action="store_true", help="re-analyse --study-dir; sample nothing")
     p.add_argument("--study-dir", type=Path, default=None, help="with --analyse-only: <runs>/studies/<name>")
     p.add_argument("--bootstrap", type=int, default=1000)
@@ -158,8 +176,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             data = analyse(study_dir, args.bootstrap)
             data = {**data, "mlflow": log_to_study_run(runs, study_dir)}
         else:
-            from flows.study import rollout_study
+            from flows.study import STUDIES_DIR, rollout_study
 
+            if args.resume_from is not None:
+                if args.run_name is None:
+                    raise SystemExit("--resume-from needs --run-name (the study's name)")
+                seed_study(args.resume_from, runs / STUDIES_DIR / args.run_name)
             sets = [f"model.name={policy_dir(runs)}", "train.sft.enabled=false",
                     f"eval.bootstrap_samples={args.bootstrap}", *(VLLM_SETS if args.engine == "vllm" else []),
                     *args.sets]
