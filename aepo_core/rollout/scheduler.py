@@ -608,7 +608,9 @@ class RolloutScheduler:
         first = model_nodes[0].segment_entropy if model_nodes else math.nan
         post_tool = [n.segment_entropy for n in model_nodes if self._is_tool_step(st, n)]
         if cfg.budget_rule == "official":
-            st.h_root, st.h_tool = st.root_sample_entropy, official_tool_entropy(first, post_tool)
+            # a failed root sample (engine error): the probe's first segment stands in
+            root = first if math.isnan(st.root_sample_entropy) else st.root_sample_entropy
+            st.h_root, st.h_tool = root, official_tool_entropy(first, post_tool)
             h_root = 0.0 if math.isnan(st.h_root) else st.h_root
             st.m = official_global_budget(cfg.k, h_root, h_root if math.isnan(st.h_tool) else st.h_tool, cfg.beta)
             return
@@ -623,7 +625,11 @@ class RolloutScheduler:
         requests = [GenerationRequest(list(st.question.prompt_ids), self.cfg.root_sample_tokens, (),
                                       seed=derive_seed(self._seed, st.index, "root")) for st in states]
         t0 = time.perf_counter()
-        results = self.engine.generate(requests, sampling)
+        try:
+            results = self.engine.generate(requests, sampling)
+        except Exception as exc:  # as in _sample: one bad row must not fail the step
+            log.warning("batched root samples failed (%s); retrying %d rows one by one", exc, len(requests))
+            results = [self._generate_one(r, sampling) for r in requests]
         self._timers["generate_s"] += time.perf_counter() - t0
         for st, res in zip(states, results, strict=True):
             self._generated_tokens += len(res.token_ids)

@@ -154,3 +154,21 @@ def test_official_budget_rule_reads_a_separate_root_sample():
     paper = RolloutScheduler(ScriptedEngine(script), {"search": EchoSearch()},
                              RolloutConfig(mode="aepo", premonitor=True, **BASE)).run(questions, seed=0).trees[0]
     assert (paper.h_tool, paper.global_budget) == (2.0, 4)
+
+
+def test_official_budget_rule_without_a_root_sample_uses_the_probes_first_segment():
+    """A root sample the engine fails on does not fail the step: H_root falls back to the probe's first segment."""
+    from scripted_engine import tool_then_answer
+
+    class NoRoots(ScriptedEngine):
+        def generate(self, reqs, sampling):
+            if any(not r.stop for r in reqs):
+                raise RuntimeError("root samples unsupported")
+            return super().generate(reqs, sampling)
+
+    script = tool_then_answer(1, h_first=3.0, h_after_tool=1.0)
+    cfg = RolloutConfig(mode="aepo", premonitor=True, budget_rule="official", **BASE)
+    questions = [Question("q0", [ord(c) for c in "Q: what is x?\n"])]
+    (tree,) = RolloutScheduler(NoRoots(script), {"search": EchoSearch()}, cfg).run(questions, seed=0).trees
+    assert tree.h_root == 3.0 and tree.h_tool == 2.0  # H̄_tool = (3 + 1) / 2: the first segment counts
+    assert [leaf.status for leaf in tree.leaves] == ["answered"] * 8  # the step went on
