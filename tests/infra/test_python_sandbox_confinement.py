@@ -161,8 +161,8 @@ def test_non_root_caller_files_are_untouched() -> None:
 
 
 class _PeakRss(threading.Thread):
-    """Largest summed RSS of the descendants this test process starts while the monitor runs (the sandbox's
-    processes). Descendants already there are not counted, nor anything they start: in the full suite the
+    """Largest summed unique memory (USS) of the descendants this test process starts while the monitor runs (the
+    sandbox's processes). Descendants already there are not counted, nor anything they start: in the full suite the
     session's Prefect test server is a child of the test process (~400 MB, which failed this test once)."""
 
     def __init__(self) -> None:
@@ -184,7 +184,9 @@ class _PeakRss(threading.Thread):
                 if child.pid in others:
                     continue
                 try:
-                    total += child.memory_info().rss
+                    # USS, not RSS: a child forked from this test process counts the parent's resident pages in its
+                    # RSS until it execs (1.7 GB once a worker had loaded models: failed the suite on 2026-12-02)
+                    total += child.memory_full_info().uss
                 except psutil.Error:
                     pass
             self.peak = max(self.peak, total)

@@ -35,10 +35,10 @@ def taught(tiny_cfg, tmp_path_factory):
     return engine, tools, row, prompt, segments
 
 
-def rollout(taught, seed: int, mode: str = "aepo"):
+def rollout(taught, seed: int, mode: str = "aepo", **rule: float):
     engine, tools, row, prompt, _ = taught
     cfg = RolloutConfig(mode=mode, k=3, initial_rollouts=1, max_response_tokens=700, max_tool_calls=4,
-                        temperature=0.3)
+                        temperature=0.3, **rule)
     return RolloutScheduler(engine, tools, cfg, tool_timeout_s=10.0).run(
         [Question(row.id, prompt)], seed=seed, sampling=SamplingParams(temperature=0.3)
     )
@@ -83,9 +83,10 @@ def test_kv_reuse_gives_the_same_rollout_tree(taught, mode):
     engine, tools, row, prompt, _ = taught
     reuse = HFEngine(engine.model, engine.tokenizer, seed=0, kv_reuse_mb=64)
     trees, counts = [], []
+    # τ = 0, γ = 0: every tool step with budget left branches (score u ≥ 0), so a branch is certain, not a seed's luck
     for eng in (engine, reuse):
         counting = _CountingEngine(eng)
-        res = rollout((counting, tools, row, prompt, None), seed=3, mode=mode)
+        res = rollout((counting, tools, row, prompt, None), seed=3, mode=mode, tau=0.0, gamma=0.0)
         trees.append(res.trees[0])
         counts.append((counting.prefill, counting.reused))
     plain, reused = trees
