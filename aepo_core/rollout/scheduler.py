@@ -17,7 +17,7 @@ A branch is decided on the model segment that follows a real tool result (never 
 'limit'/'invalid' notices), from the entropy of its first W tokens; it forks ``beam_size − 1`` paths from the
 tool-result node, each an exact copy of the path's state right after that result, which sample their own
 continuation.  No question ever gets more than k leaves; when all its paths are done with budget left, fresh
-global samples fill it.  Forks made from the probe come out of the branch budget: m globals always start.
+global samples fill it.  All m global samples start before any branch decision of their question.
 
 Tool calls of a round run in parallel, at most ``tool_workers`` at a time; each is timed out
 ``tool_timeout_s`` after its own start, so waiting for a worker never counts against it.
@@ -26,8 +26,8 @@ A turn the segment cap (``max_segment_tokens``) cuts into several segments is on
 found in the text of the whole turn, and a segment that runs past a stop string split across the cap boundary
 is cut right after the token that completes it (engines see only their own request's tokens).
 
-Phases advance per question (probe → m − 1 globals → fill), never behind a batch-wide barrier, so one slow
-question does not hold the others' work back.
+Phases advance per question (probe → m globals, the probe replayed or discarded → fill), never behind a batch-wide
+barrier, so one slow question does not hold the others' work back.
 
 Everything that touches the outside world is handed in: the engine (token ids in and out) and the tools.
 
