@@ -37,7 +37,7 @@ from aepo_core.entropy import segment_entropy
 from aepo_core.interfaces import GenerationRequest, GenerationResult, SamplingParams
 from aepo_core.rollout.budget import global_budget, mean_tool_entropy
 from aepo_core.rollout.scheduler import RolloutScheduler
-from aepo_core.rollout.tree import Node, RolloutTree
+from aepo_core.rollout.tree import Node, RolloutTree, is_tool_step
 from bench.harness import RESULTS_DIR, environment, print_table, set_threads, write_result
 from bench.rollout import (
     TASK_KW,
@@ -92,18 +92,6 @@ class Recording(ExactEntropyEngine):
         raise KeyError(f"no recorded result for node {node.node_id}")
 
 
-def _path(tree: RolloutTree, node: Node) -> list[Node]:
-    path = [node]
-    while path[-1].parent_id is not None:
-        path.append(tree.nodes[path[-1].parent_id])
-    return path[::-1]
-
-
-def _is_tool_step(tree: RolloutTree, node: Node) -> bool:
-    parent = tree.nodes[node.parent_id] if node.parent_id is not None else None
-    return node.kind == "model" and parent is not None and parent.tool is not None and not parent.tool.is_notice
-
-
 def _threshold(delta: float, penalty: float, cfg: RolloutConfig) -> float:
     """The u above which a decision branches, clipped to [0, 1] (1: never)."""
     if penalty <= 0:
@@ -122,7 +110,7 @@ def agreement(trees: Sequence[RolloutTree], engine: Recording, cfg: RolloutConfi
         for node in tree.nodes:
             if node.kind != "model":
                 continue
-            path = _path(tree, node)
+            path = tree.ancestors(node)
             prompt = [t for n in path[:-1] for t in n.token_ids]
             est[node.node_id] = engine.estimate(prompt, node, cfg.entropy_window)
             if not math.isnan(node.segment_entropy):
@@ -131,13 +119,13 @@ def agreement(trees: Sequence[RolloutTree], engine: Recording, cfg: RolloutConfi
         for node in tree.nodes:
             if node.branch_reason not in ("branch", "below_tau", "penalized", "budget_full"):
                 continue
-            first = next(n for n in _path(tree, node) if n.kind == "model")
+            first = next(n for n in tree.ancestors(node) if n.kind == "model")
             penalty = max(0.0, 1.0 - cfg.branch_penalty * node.consecutive_branches)
             delta_est = est[node.node_id] - est[first.node_id]
             flips.append(abs(_threshold(node.delta_entropy, penalty, cfg) - _threshold(delta_est, penalty, cfg)))
         probe = [tree.nodes[i] for i in tree.leaves[0].node_ids if tree.nodes[i].kind == "model"]
         h_root = est[probe[0].node_id]
-        h_tool = mean_tool_entropy(h_root, [est[n.node_id] for n in probe if _is_tool_step(tree, n)])
+        h_tool = mean_tool_entropy(h_root, [est[n.node_id] for n in probe if is_tool_step(tree.nodes, n)])
         m_same += global_budget(cfg.k, h_root, h_tool, cfg.beta) == tree.global_budget
     return {
         "decisions": len(flips),

@@ -64,7 +64,7 @@ from aepo_core.rollout.budget import (
     official_tool_entropy,
 )
 from aepo_core.rollout.stats import rollout_stats
-from aepo_core.rollout.tree import Leaf, LeafStatus, Node, RolloutTree, SampleKind, ToolEvent
+from aepo_core.rollout.tree import Leaf, LeafStatus, Node, RolloutTree, SampleKind, ToolEvent, is_tool_step
 
 log = logging.getLogger(__name__)
 
@@ -342,6 +342,10 @@ class RolloutScheduler:
             requests.append(
                 GenerationRequest(ids, max(1, cap), STOP_STRINGS, seed=derive_seed(self._seed, p.qi, p.key, p.segments))
             )
+        return self._engine_generate(requests, sampling)
+
+    def _engine_generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationResult]:
+        """The engine's results, timed and their tokens counted; a batch that fails is retried row by row."""
         t0 = time.perf_counter()
         try:
             results = self.engine.generate(requests, sampling)
@@ -606,7 +610,7 @@ class RolloutScheduler:
         cfg = self.cfg
         model_nodes = [st.nodes[i] for i in st.probe.node_ids if st.nodes[i].kind == "model"]
         first = model_nodes[0].segment_entropy if model_nodes else math.nan
-        post_tool = [n.segment_entropy for n in model_nodes if self._is_tool_step(st, n)]
+        post_tool = [n.segment_entropy for n in model_nodes if is_tool_step(st.nodes, n)]
         if cfg.budget_rule == "official":
             # a failed root sample (engine error): the probe's first segment stands in
             root = first if math.isnan(st.root_sample_entropy) else st.root_sample_entropy
@@ -624,29 +628,14 @@ class RolloutScheduler:
         from the prompt (no stop strings), the mean entropy of its tokens; its tokens are paid and not kept."""
         requests = [GenerationRequest(list(st.question.prompt_ids), self.cfg.root_sample_tokens, (),
                                       seed=derive_seed(self._seed, st.index, "root")) for st in states]
-        t0 = time.perf_counter()
-        try:
-            results = self.engine.generate(requests, sampling)
-        except Exception as exc:  # as in _sample: one bad row must not fail the step
-            log.warning("batched root samples failed (%s); retrying %d rows one by one", exc, len(requests))
-            results = [self._generate_one(r, sampling) for r in requests]
-        self._timers["generate_s"] += time.perf_counter() - t0
-        for st, res in zip(states, results, strict=True):
-            self._generated_tokens += len(res.token_ids)
+        for st, res in zip(states, self._engine_generate(requests, sampling), strict=True):
             st.root_sample_entropy = sum(res.entropies) / len(res.entropies) if res.entropies else math.nan
-
-    @staticmethod
-    def _is_tool_step(st: _QuestionState, node: Node) -> bool:
-        """A model segment right after a real tool result (not a notice): where a branch is decided and what
-        H̄_tool averages."""
-        parent = st.nodes[node.parent_id] if node.parent_id is not None else None
-        return node.kind == "model" and parent is not None and parent.tool is not None and not parent.tool.is_notice
 
     def _finish(self, st: _QuestionState) -> RolloutTree:
         if math.isnan(st.h_root) and st.paths:
             first = [st.nodes[i] for i in st.paths[0].node_ids if st.nodes[i].kind == "model"]
             st.h_root = first[0].segment_entropy if first else math.nan
-            post = [n.segment_entropy for n in st.nodes if self._is_tool_step(st, n)]
+            post = [n.segment_entropy for n in st.nodes if is_tool_step(st.nodes, n)]
             st.h_tool = mean_tool_entropy(st.h_root, post) if not math.isnan(st.h_root) else math.nan
         leaves = []
         for p in st.paths:

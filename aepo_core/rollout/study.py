@@ -35,7 +35,7 @@ import numpy as np
 
 from aepo_core.metrics import bootstrap_ci, paired_bootstrap_diff
 from aepo_core.rewards import normalize_answer, predicted_answer
-from aepo_core.rollout.tree import Node, RolloutTree
+from aepo_core.rollout.tree import RolloutTree, is_tool_step
 from aepo_core.scoring import model_text
 
 TOP_PATHS = 3
@@ -108,28 +108,15 @@ def consecutive_high_entropy(tree: RolloutTree) -> tuple[int, int]:
     too), every node counted once (a node's path from the prompt is unique)."""
     steps = after_high = 0
     for node in tree.nodes:
-        if not _is_tool_step(tree, node):
+        if not is_tool_step(tree.nodes, node):
             continue
-        path = _ancestors(tree, node)
+        path = tree.ancestors(node)
         first = next(n for n in path if n.kind == "model")
-        earlier = [n for n in path[:-1] if _is_tool_step(tree, n)]
+        earlier = [n for n in path[:-1] if is_tool_step(tree.nodes, n)]
         if earlier and node.segment_entropy - first.segment_entropy > HIGH_ENTROPY_DELTA:
             steps += 1
             after_high += earlier[-1].segment_entropy - first.segment_entropy > HIGH_ENTROPY_DELTA
     return steps, after_high
-
-
-def _is_tool_step(tree: RolloutTree, node: Node) -> bool:
-    parent = tree.nodes[node.parent_id] if node.parent_id is not None else None
-    return node.kind == "model" and parent is not None and parent.tool is not None and not parent.tool.is_notice
-
-
-def _ancestors(tree: RolloutTree, node: Node) -> list[Node]:
-    """The path from the prompt to ``node``, both included."""
-    path = [node]
-    while path[-1].parent_id is not None:
-        path.append(tree.nodes[path[-1].parent_id])
-    return path[::-1]
 
 
 def branch_samples_by_root(tree: RolloutTree) -> tuple[int, ...]:

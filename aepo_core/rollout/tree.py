@@ -7,6 +7,7 @@ leaf (ids, loss mask, sampling log-probs, entropies) are derived from its path, 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -82,6 +83,13 @@ class Leaf:
     wall_s: float = 0.0
 
 
+def is_tool_step(nodes: Sequence[Node], node: Node) -> bool:
+    """A model segment right after a real tool result (not a notice): where a branch is decided and what H̄_tool
+    averages.  ``nodes``: the tree's nodes by id."""
+    parent = nodes[node.parent_id] if node.parent_id is not None else None
+    return node.kind == "model" and parent is not None and parent.tool is not None and not parent.tool.is_notice
+
+
 @dataclass
 class RolloutTree:
     question_id: str
@@ -94,6 +102,13 @@ class RolloutTree:
 
     def path(self, leaf: Leaf) -> list[Node]:
         return [self.nodes[i] for i in leaf.node_ids]
+
+    def ancestors(self, node: Node) -> list[Node]:
+        """The path from the prompt to ``node``, both included."""
+        path = [node]
+        while path[-1].parent_id is not None:
+            path.append(self.nodes[path[-1].parent_id])
+        return path[::-1]
 
     def response_ids(self, leaf: Leaf) -> list[int]:
         return [t for n in self.path(leaf) if n.kind != "prompt" for t in n.token_ids]
