@@ -104,8 +104,8 @@ def resumed_profiles(out_dir: Path, meta: dict[str, Any]
             raise ValueError(f"study {out_dir.name} exists with {key}={old.get(key)!r}, not {meta[key]!r}: resume it "
                              "with the same settings or choose another run name")
     profiles = read_profiles(out_dir / "profiles.parquet") if (out_dir / "profiles.parquet").is_file() else {}
-    for arm in profiles:
-        if old["rollout"].get(arm.label) != meta["rollout"].get(arm.label, old["rollout"].get(arm.label)):
+    for arm in profiles:  # this run's arms must be sampled as before; an earlier run's other arms are kept
+        if arm.label in meta["rollout"] and old["rollout"].get(arm.label) != meta["rollout"][arm.label]:
             raise ValueError(f"study {out_dir.name}: arm {arm.label} was sampled with other rollout settings")
     return profiles, read_costs(out_dir / "costs.json"), dict(old["rollout"])
 
