@@ -42,6 +42,7 @@ ROWS: tuple[tuple[str, str], ...] = (
     ("Pass@k", "pass_at_k"), ("leaf accuracy", "accuracy"), ("informative", "informative"),
     ("m", "global_budget"), ("model tokens/q", "model_tokens"),
     ("high-H step after high-H", "consecutive_high_entropy_share"),
+    ("  chance: any step after high-H", "consecutive_high_entropy_chance"),
     ("branch samples, top-1 root", "branch_samples_top1_root"), ("top-2 roots", "branch_samples_top2_root"),
     ("top-3 roots", "branch_samples_top3_root"), ("penalized decisions/q", "penalized"),
 )

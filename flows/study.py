@@ -1,7 +1,7 @@
 """The rollout study flow: one policy, several sampling modes and group sizes, the same questions and seeds (issue 16).
 
-For every (k, mode) arm the flow samples the study's questions in chunks (one retryable ``study-chunk`` task each),
-scores every leaf with the run's reward function and profiles every question's group
+The flow samples the study's questions in chunks (one retryable ``study-chunk`` task each), chunk by chunk with
+every (k, mode) arm in turn, scores every leaf with the run's reward function and profiles every question's group
 (:mod:`aepo_core.rollout.study`: branch concentration, exploration, informative groups, budget split, cost). Seeds
 derive from (seed, chunk), never from the arm, so arms are paired question by question. Then, with bootstrap 95%
 CIs over questions: every arm's means, and per k the paired differences aepo − arpo, aepo − independent and
@@ -89,6 +89,13 @@ def arm_rollout(base: RolloutConfig, arm: Arm) -> RolloutConfig:
     apply_overrides(tree, [item for item in settings.split(",") if item], f"study arm {arm.label}")
     # Validated (model_copy(update=…) is not): an unknown mode or setting fails here, before anything starts.
     return RolloutConfig.model_validate(tree)
+
+
+def chunks_to_sample(arms: list[Arm], kept: dict[Arm, int], questions: int, chunk: int) -> list[tuple[Arm, int]]:
+    """(arm, first question) of every chunk still to sample: chunk by chunk, every arm in turn, so a study stopped
+    at any point holds the same questions in every arm but one (and its paired differences are usable); an arm
+    resumes after the ``kept`` questions it has."""
+    return [(arm, i) for i in range(0, questions, chunk) for arm in arms if kept.get(arm, 0) <= i]
 
 
 def resumed_profiles(out_dir: Path, meta: dict[str, Any]
@@ -227,14 +234,15 @@ def rollout_study(
                 profiles[arm], costs[arm] = list(kept), done_costs.get(arm, ArmCost(0.0, 0.0, 0.0, 0.0))
                 if kept:
                     logger.info("study %s: arm %s resumes after %d questions", name, arm.label, len(kept))
-                for i in range(len(kept), len(rows), chunk_questions):
-                    chunk = study_chunk(runtime, rows[i: i + chunk_questions], rollouts[arm], seed,
-                                        i // chunk_questions, arm.label)
-                    profiles[arm].extend(chunk.profiles)
-                    costs[arm] = total_cost([costs[arm], chunk.cost])
-                    # A stopped study keeps every chunk it finished, and what it cost.
-                    write_profiles(out_dir / "profiles.parquet", profiles)
-                    write_costs(out_dir / "costs.json", costs)
+            for arm, i in chunks_to_sample(arms, {a: len(p) for a, p in profiles.items()}, len(rows),
+                                           chunk_questions):
+                chunk = study_chunk(runtime, rows[i: i + chunk_questions], rollouts[arm], seed, i // chunk_questions,
+                                    arm.label)
+                profiles[arm].extend(chunk.profiles)
+                costs[arm] = total_cost([costs[arm], chunk.cost])
+                # A stopped study keeps every chunk it finished, and what it cost.
+                write_profiles(out_dir / "profiles.parquet", profiles)
+                write_costs(out_dir / "costs.json", costs)
             summary = summarize_study(profiles, cfg.eval.bootstrap_samples, cfg.seed)
             data = write_summary(out_dir / "summary.json", summary, costs, meta)
             figures = write_study_figures(summary, profiles, out_dir, f"rollout study, {len(rows)} questions")

@@ -16,12 +16,16 @@ with the same seeds, paired differences. The quantities:
 - **informative groups**: the group's rewards are not all equal, so GRPO-style group advantages are not all 0;
 - **budget split** (AEPO's pre-monitoring): the number of global samples m against H_root − H̄_tool;
 - **cost**: model tokens the tree sampled (shared prefixes counted once);
-- **the paper's own quantities**: (a) of the high-entropy tool steps (ΔH > 0: the feedback raised the entropy
-  above the path's first segment's) that have a tool step before them on their path, the share whose previous
-  tool step was high-entropy too (the paper reports 56.5% for ARPO); (b) the share of a group's branch samples
-  descending from its top-1, top-2 and top-3 global roots (the first segment a branch's path starts with; the
-  paper: 93.4% on 1–3 trajectories); (c) the decisions the penalty turned off (``penalized``: the score before
-  the penalty reached τ) and P(branch | l, budget open), pooled over questions: the direct effect of λ.
+- **the paper's own quantities**: (a) of the high-entropy tool steps that have a tool step before them on their
+  path, the share whose previous tool step was high-entropy too (the paper reports 56.5% for ARPO), beside its
+  chance level, the share of all such steps whose previous tool step was high-entropy. A tool step is
+  high-entropy when its ΔH (segment entropy − its path's first segment's) is above the median ΔH of its tree's
+  tool steps: the top half, so the chance level is near 0.5 on every policy (with ΔH > 0 as the test, nearly
+  every step of the demo's SFT policy was high and the share was 0.99 in every arm); (b) the share of a group's
+  branch samples descending from its top-1, top-2 and top-3 global roots (the first segment a branch's path
+  starts with; the paper: 93.4% on 1–3 trajectories); (c) the decisions the penalty turned off (``penalized``:
+  the score before the penalty reached τ) and P(branch | l, budget open), pooled over questions: the direct
+  effect of λ.
 """
 
 from __future__ import annotations
@@ -59,8 +63,10 @@ class GroupProfile:
     global_budget: int  # m
     entropy_gap: float  # H_root − H̄_tool (NaN when the tree has no measured root entropy)
     model_tokens: int  # tokens the model sampled for this tree, shared prefixes once
-    high_entropy_steps: int = 0  # tool steps with ΔH > 0 that have a tool step before them on their path
-    high_entropy_after_high: int = 0  # of those, the ones whose previous tool step had ΔH > 0 too
+    high_entropy_steps: int = 0  # high-entropy tool steps (ΔH above the tree's median) with a tool step before them
+    high_entropy_after_high: int = 0  # of those, the ones whose previous tool step was high-entropy too
+    steps_after_tool: int = 0  # tool steps with a tool step before them on their path, high-entropy or not
+    steps_after_high: int = 0  # of those, the ones whose previous tool step was high-entropy (the chance level)
     branch_samples_by_root: tuple[int, ...] = ()  # branch leaves per global root that has any, most first
     penalized: int = 0  # decisions the consecutive-branch penalty turned off
     open_decisions_by_l: tuple[int, ...] = ()  # index l: branch decisions taken with the budget open
@@ -98,25 +104,46 @@ def concentration(per_leaf: Sequence[frozenset[int]], top: int = TOP_PATHS) -> t
     return len(every), best / len(every), len(covered) / len(every), best
 
 
-HIGH_ENTROPY_DELTA = 0.0
-"""A tool step is high-entropy when its ΔH (segment entropy − its path's first segment's) is above this."""
 OPEN_DECISIONS = ("branch", "below_tau", "penalized")  # branch reasons of decisions taken with the budget open
 
 
-def consecutive_high_entropy(tree: RolloutTree) -> tuple[int, int]:
-    """(high-entropy tool steps with a tool step before them on their path, those whose previous one was high
-    too), every node counted once (a node's path from the prompt is unique)."""
-    steps = after_high = 0
+@dataclass(frozen=True)
+class ConsecutiveHighEntropy:
+    """Quantity (a)'s counts for one tree, over its tool steps that have a tool step before them on their path."""
+
+    steps: int  # such tool steps
+    after_high: int  # of those, the ones whose previous tool step was high-entropy
+    high: int  # of those, the high-entropy ones
+    high_after_high: int  # of the high-entropy ones, those whose previous tool step was high-entropy too
+
+
+def consecutive_high_entropy(tree: RolloutTree) -> ConsecutiveHighEntropy:
+    """Quantity (a)'s counts, every node counted once (a node's path from the prompt is unique).
+
+    A tool step is high-entropy when ΔH (its segment entropy − its path's first segment's) is above the median
+    ΔH of the tree's tool steps."""
+    delta: dict[int, float] = {}
+    previous: dict[int, int] = {}  # tool step → the tool step before it on its path
     for node in tree.nodes:
         if not is_tool_step(tree.nodes, node):
             continue
         path = tree.ancestors(node)
         first = next(n for n in path if n.kind == "model")
+        delta[node.node_id] = node.segment_entropy - first.segment_entropy
         earlier = [n for n in path[:-1] if is_tool_step(tree.nodes, n)]
-        if earlier and node.segment_entropy - first.segment_entropy > HIGH_ENTROPY_DELTA:
-            steps += 1
-            after_high += earlier[-1].segment_entropy - first.segment_entropy > HIGH_ENTROPY_DELTA
-    return steps, after_high
+        if earlier:
+            previous[node.node_id] = earlier[-1].node_id
+    if not delta:
+        return ConsecutiveHighEntropy(0, 0, 0, 0)
+    threshold = float(np.median(list(delta.values())))
+    high = {i for i, d in delta.items() if d > threshold}
+    high_now = [i for i in previous if i in high]
+    return ConsecutiveHighEntropy(
+        steps=len(previous),
+        after_high=sum(previous[i] in high for i in previous),
+        high=len(high_now),
+        high_after_high=sum(previous[i] in high for i in high_now),
+    )
 
 
 def branch_samples_by_root(tree: RolloutTree) -> tuple[int, ...]:
@@ -148,7 +175,7 @@ def profile_group(tree: RolloutTree, rewards: Sequence[float], correct: Sequence
         if answer is not None and normalize_answer(answer):
             answers.add(normalize_answer(answer))
     finite = [r for r in rewards if not math.isnan(r)]
-    high_steps, after_high = consecutive_high_entropy(tree)
+    runs = consecutive_high_entropy(tree)
     open_l, branched_l = decisions_by_l(tree)
     return GroupProfile(
         question_id=tree.question_id,
@@ -165,8 +192,10 @@ def profile_group(tree: RolloutTree, rewards: Sequence[float], correct: Sequence
         global_budget=tree.global_budget,
         entropy_gap=tree.h_root - tree.h_tool,
         model_tokens=sum(len(n.token_ids) for n in tree.nodes if n.kind == "model"),
-        high_entropy_steps=high_steps,
-        high_entropy_after_high=after_high,
+        high_entropy_steps=runs.high,
+        high_entropy_after_high=runs.high_after_high,
+        steps_after_tool=runs.steps,
+        steps_after_high=runs.after_high,
         branch_samples_by_root=branch_samples_by_root(tree),
         penalized=sum(1 for n in tree.nodes if n.branch_reason == "penalized"),
         open_decisions_by_l=open_l,
@@ -208,6 +237,8 @@ QUANTITIES: dict[str, Callable[[GroupProfile], float]] = {
     "model_tokens": lambda p: float(p.model_tokens),
     "consecutive_high_entropy_share": lambda p: (p.high_entropy_after_high / p.high_entropy_steps
                                                  if p.high_entropy_steps else math.nan),
+    "consecutive_high_entropy_chance": lambda p: (p.steps_after_high / p.steps_after_tool
+                                                  if p.steps_after_tool else math.nan),
     "branch_samples_top1_root": lambda p: _top_roots_share(p, 1),
     "branch_samples_top2_root": lambda p: _top_roots_share(p, 2),
     "branch_samples_top3_root": lambda p: _top_roots_share(p, 3),

@@ -55,10 +55,15 @@ PROFILE_SCHEMA = pa.schema(
         pa.field("model_tokens", pa.int64(), nullable=False).with_metadata(
             {"doc": "tokens the model sampled for the tree, shared prefixes once"}),
         pa.field("high_entropy_steps", pa.int32(), nullable=False).with_metadata(
-            {"doc": "tool steps with ΔH > 0 (entropy above the path's first segment's) that have a tool step "
-                    "before them on their path"}),
+            {"doc": "high-entropy tool steps (ΔH, the entropy rise over the path's first segment, above the median "
+                    "of the tree's tool steps) that have a tool step before them on their path"}),
         pa.field("high_entropy_after_high", pa.int32(), nullable=False).with_metadata(
-            {"doc": "of high_entropy_steps, those whose previous tool step had ΔH > 0 too"}),
+            {"doc": "of high_entropy_steps, those whose previous tool step was high-entropy too"}),
+        pa.field("steps_after_tool", pa.int32(), nullable=False).with_metadata(
+            {"doc": "tool steps that have a tool step before them on their path, high-entropy or not"}),
+        pa.field("steps_after_high", pa.int32(), nullable=False).with_metadata(
+            {"doc": "of steps_after_tool, those whose previous tool step was high-entropy (the chance level of "
+                    "high_entropy_after_high / high_entropy_steps)"}),
         pa.field("branch_samples_by_root", pa.list_(pa.int32()), nullable=False).with_metadata(
             {"doc": "branch leaves per global root (first segment of their path) that has any, most first"}),
         pa.field("penalized", pa.int32(), nullable=False).with_metadata(
@@ -73,9 +78,12 @@ PROFILE_SCHEMA = pa.schema(
 
 PROFILE_FIELDS = tuple(f.name for f in fields(GroupProfile))
 LIST_FIELDS = tuple(f.name for f in PROFILE_SCHEMA if pa.types.is_list(f.type))
-ADDED_IN_ISSUE_26 = ("high_entropy_steps", "high_entropy_after_high", "branch_samples_by_root", "penalized",
-                     "open_decisions_by_l", "branches_by_l")
+ADDED_IN_ISSUE_26 = ("high_entropy_steps", "high_entropy_after_high", "steps_after_tool", "steps_after_high",
+                     "branch_samples_by_root", "penalized", "open_decisions_by_l", "branches_by_l")
 """Columns a study written before them lacks; read back as their empty defaults."""
+HIGH_BY_MEDIAN = ("high_entropy_steps", "high_entropy_after_high")
+"""Written with ΔH > 0 as the high-entropy test before steps_after_tool existed (and the median replaced it):
+such files' values are not read, so quantity (a) is undefined for them rather than misread."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +126,8 @@ def read_profiles(path: str | Path) -> dict[Arm, list[GroupProfile]]:
     """The per-question table back, by arm (rows in file order)."""
     out: dict[Arm, list[GroupProfile]] = {}
     present = set(pq.read_schema(path).names)
+    if "steps_after_tool" not in present:
+        present -= set(HIGH_BY_MEDIAN)
     schema = pa.schema([f for f in PROFILE_SCHEMA if f.name in present or f.name not in ADDED_IN_ISSUE_26])
     for row in pq.read_table(path, schema=schema).to_pylist():
         values = {name: row[name] for name in PROFILE_FIELDS if name in row}

@@ -153,9 +153,11 @@ def paper_tree() -> RolloutTree:
     → 8 → 9 (H 4, branch); forks: 10 from 2 (H 1.5), 11 from 8 (H 1.1).
     Global B: 12 (H 2) → 13 → 14 (H 3, budget full) ; fork 15 from 13 (an earlier decision made it; H 2.5).
 
-    ΔH = H − H_init (1 on A's paths, 2 on B's).  High-entropy tool steps (ΔH > 0) with a tool step before them
-    on their path: 5 (before it 3: high), 7? no (ΔH < 0), 9 (before it 7: low), 11 (before it 7: low) → 1 of 3.
-    Tool steps 3, 10, 14, 15 have no tool step before them.  Branch samples per global root: A 2, B 1.
+    ΔH = H − H_init (1 on A's paths, 2 on B's): 3: 1, 5: 2, 7: −0.5, 9: 3, 10: 0.5, 11: 0.1, 14: 1, 15: 0.5;
+    the median is 0.75, so the high-entropy tool steps are 3, 5, 9 and 14.  Tool steps with a tool step before
+    them on their path: 5 (before it 3: high), 7 (5: high), 9 (7: low), 11 (7: low); of them high: 5 and 9, one
+    after a high step → 1 of 2, against a chance level of 2 of 4.  (With ΔH > 0 as the test, 5, 9 and 11 would
+    be high.)  Tool steps 3, 10, 14, 15 have no tool step before them.  Branch samples per global root: A 2, B 1.
     Decisions with the budget open: l = 0: 3 (branch), 7 (below τ), 9 (branch); l = 1: 5 (penalized)."""
     nodes = [Node(0, None, 0, "prompt", [9])]
     nodes += [_step(1, 0, 1.0), _tool(2, 1, "a"), _step(3, 2, 2.0, "branch"), _tool(4, 3, "b"),
@@ -172,12 +174,14 @@ def paper_tree() -> RolloutTree:
 
 def test_the_papers_rollout_quantities_on_a_hand_built_tree():
     p = profile_group(paper_tree(), rewards=[0.0] * 5, correct=[False] * 5)
-    assert (p.high_entropy_steps, p.high_entropy_after_high) == (3, 1)
+    assert (p.high_entropy_steps, p.high_entropy_after_high) == (2, 1)
+    assert (p.steps_after_tool, p.steps_after_high) == (4, 2)
     assert p.branch_samples_by_root == (2, 1)
     assert p.penalized == 1
     assert p.open_decisions_by_l == (3, 1) and p.branches_by_l == (2, 0)
     s = summarize_mode([p], n_resamples=50)
-    assert s.estimates["consecutive_high_entropy_share"].mean == pytest.approx(1 / 3)
+    assert s.estimates["consecutive_high_entropy_share"].mean == pytest.approx(1 / 2)
+    assert s.estimates["consecutive_high_entropy_chance"].mean == pytest.approx(2 / 4)
     assert s.estimates["branch_samples_top1_root"].mean == pytest.approx(2 / 3)
     assert s.estimates["branch_samples_top2_root"].mean == pytest.approx(1.0)
     assert s.estimates["penalized"].mean == 1.0

@@ -127,3 +127,15 @@ def test_an_arm_with_settings_and_a_study_that_resumes(prefect_harness: Any, tmp
     assert again.summary["arms"].keys() == first.summary["arms"].keys()
     with pytest.raises(ValueError, match="seed=3, not 4"):
         rollout_study(modes=["arpo"], **{**kw, "seed": 4})
+
+
+def test_chunks_are_sampled_chunk_by_chunk_every_arm_in_turn() -> None:
+    """A stopped study holds the same questions in every arm but the one it was sampling, so its paired differences
+    stay usable; arm by arm, a stop after the first arm would leave nothing to pair."""
+    from flows.study import chunks_to_sample
+    from infra.run.study import Arm
+
+    a, b = Arm(8, "arpo"), Arm(8, "aepo")
+    assert chunks_to_sample([a, b], {}, 5, 2) == [(a, 0), (b, 0), (a, 2), (b, 2), (a, 4), (b, 4)]
+    assert chunks_to_sample([a, b], {a: 4, b: 2}, 5, 2) == [(b, 2), (a, 4), (b, 4)]
+    assert chunks_to_sample([a, b], {a: 5, b: 5}, 5, 2) == []

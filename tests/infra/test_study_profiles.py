@@ -14,7 +14,8 @@ from aepo_core.rollout.study import GroupProfile
 from infra.run.study import ADDED_IN_ISSUE_26, PROFILE_SCHEMA, Arm, read_profiles, write_profiles
 
 PROFILE = GroupProfile("q1", 8, 3, 0.5, 1.0, 2, (0, 1, 0), 5, 2, 1, True, 4, -0.25, 321,
-                       high_entropy_steps=4, high_entropy_after_high=3, branch_samples_by_root=(3, 1),
+                       high_entropy_steps=4, high_entropy_after_high=3, steps_after_tool=9, steps_after_high=5,
+                       branch_samples_by_root=(3, 1),
                        penalized=2, open_decisions_by_l=(5, 2), branches_by_l=(3, 0))
 
 
@@ -36,3 +37,14 @@ def test_a_study_from_before_the_papers_quantities_reads_with_them_empty(tmp_pat
     assert back.consecutive == (0, 1, 0) and back.model_tokens == 321
     assert (back.high_entropy_steps, back.branch_samples_by_root, back.branches_by_l) == (0, (), ())
     assert pa.types.is_list(PROFILE_SCHEMA.field("branches_by_l").type)
+
+
+def test_quantity_a_of_a_file_from_before_the_median_threshold_is_not_misread(tmp_path: Path) -> None:
+    """Files written while ΔH > 0 was the high-entropy test (no steps_after_tool column) keep every other field,
+    but their high-entropy counts meant something else: read as absent, so quantity (a) is undefined for them."""
+    write_profiles(tmp_path / "p.parquet", {Arm(8, "arpo"): [PROFILE]})
+    old = pq.read_table(tmp_path / "p.parquet").drop_columns(["steps_after_tool", "steps_after_high"])
+    pq.write_table(old, tmp_path / "old.parquet")
+    (back,), = read_profiles(tmp_path / "old.parquet").values()
+    assert (back.high_entropy_steps, back.high_entropy_after_high) == (0, 0)
+    assert back.branch_samples_by_root == (3, 1) and back.penalized == 2
