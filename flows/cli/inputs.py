@@ -13,7 +13,7 @@ import typer
 from aepo_core.config import RUNS_DIR_ENV, ExperimentConfig
 from aepo_core.config_keys import ConfigError
 from aepo_core.overrides import build_config
-from flows.cli.render import fail, is_http
+from flows.cli.render import OutputFormat, fail, is_http
 
 RUNS_ENV = RUNS_DIR_ENV
 DEFAULT_RUNS_DIR = "runs"
@@ -23,6 +23,8 @@ SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="Dotted ov
 RunsOpt = Annotated[str | None, typer.Option("--runs-dir", envvar=RUNS_ENV, show_envvar=True,
                                              help="Where all state goes (default: the config's storage.runs_dir, "
                                                   "./runs).")]
+FormatOpt = Annotated[OutputFormat, typer.Option("--format", help="table (for a person), csv or json (every value "
+                                                "unrounded, for a program).")]
 TrackingOpt = Annotated[str | None, typer.Option("--tracking-uri", help="MLflow tracking URI, e.g. an `mlflow "
                                                  "server` (http://host:5000, `aepo ui`); default: the runs dir's "
                                                  "SQLite store.")]

@@ -1,15 +1,22 @@
-"""What the commands print: the consoles, a user error's one line and exit status, the result tables, and the
-progress bar that the flows' structured progress events drive."""
+"""What the commands print: the consoles, a user error's one line and exit status, the result tables (or their
+rows as CSV or JSON), and the progress bar that the flows' structured progress events drive."""
 
 from __future__ import annotations
 
+import csv
+import enum
+import json
 import logging
 import math
+import os
+import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
+import numpy as np
 import typer
 from rich import box
 from rich.console import Console
@@ -27,12 +34,68 @@ CLI_TAGS = ("aepo", "cli")
 """Prefect tags of the flow runs the CLI starts (deployments' runs carry ``aepo`` alone)."""
 
 
+PLAIN_WIDTH = 100_000
+"""The console width when the stream is not a terminal and COLUMNS is unset: unlimited in practice. Rich's default
+there is 80 columns, which split numbers across lines (``-0.76`` / ``4``), broke question ids into 4-character
+chunks and cut the run id in ``aepo runs | cat``; a table is only as wide as its cells, so nothing else changes."""
+
+
+def _console(stderr: bool) -> Console:
+    console = Console(stderr=stderr)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        return Console(stderr=stderr, width=PLAIN_WIDTH)
+    return console
+
+
 def out() -> Console:
-    return Console()
+    """stdout: the results."""
+    return _console(stderr=False)
 
 
 def err() -> Console:
-    return Console(stderr=True)
+    """stderr: progress and errors."""
+    return _console(stderr=True)
+
+
+class OutputFormat(str, enum.Enum):
+    """How a command prints its rows (``--format``)."""
+
+    table = "table"  # for a person: aligned, numbers rounded
+    csv = "csv"  # one header line, then a line per row, values unrounded
+    json = "json"  # a list of objects, values unrounded, unknown as null
+
+
+def print_records(title: str, records: Sequence[dict[str, Any]], output: OutputFormat,
+                  cell: Callable[[str, Any], str] | None = None, right: Sequence[str] = (),
+                  fold: Sequence[str] = ()) -> None:
+    """Rows (one dict per row, the same keys in each; the keys are the columns) on stdout: as a table whose cells
+    ``cell(column, value)`` renders (default :func:`fmt`), with the ``right`` columns right-aligned and the
+    ``fold`` ones allowed to fold on a narrow terminal; or as CSV or JSON with the values as they are (NaN as
+    empty / null), for a program to read back."""
+    columns = list(records[0]) if records else []
+    if output is OutputFormat.json:
+        sys.stdout.write(json.dumps([{k: _plain(v) for k, v in r.items()} for r in records], indent=1) + "\n")
+        return
+    if output is OutputFormat.csv:
+        writer = csv.writer(sys.stdout, lineterminator="\n")
+        writer.writerow(columns)
+        writer.writerows([["" if _plain(v) is None else _plain(v) for v in r.values()] for r in records])
+        return
+    render = cell or (lambda _col, v: fmt(v))
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in columns:
+        table.add_column(col, justify="right" if col in right else "left", no_wrap=col not in fold,
+                         overflow="fold")
+    for r in records:
+        table.add_row(*(render(k, v) for k, v in r.items()))
+    out().print(table)
+
+
+def _plain(value: Any) -> Any:
+    """A value for CSV/JSON: NaN as None, numpy scalars as Python's."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    return None if isinstance(value, float) and math.isnan(value) else value
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
@@ -132,8 +195,10 @@ def flow_progress(label: str, total: int | None,
 
     # -v: the libraries' log lines instead of a bar (their console handlers write to the stderr they saw at import,
     # past rich's redirection, and would tear a live bar).
-    progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=err(), transient=False, disable=verbosity() > 0)
+    console = err()
+    progress = (Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                         TimeElapsedColumn(), console=console, transient=False, disable=verbosity() > 0)
+                if console.is_terminal or verbosity() > 0 else ProgressLines(console))
     task = progress.add_task(label, total=total)
     handler = ProgressHandler(lambda event: on_event(progress, task, event))
     loggers = [logging.getLogger("prefect.task_runs"), logging.getLogger("prefect.flow_runs")]
@@ -145,3 +210,30 @@ def flow_progress(label: str, total: int | None,
     finally:
         for lg in loggers:
             lg.removeHandler(handler)
+
+
+class ProgressLines(Progress):
+    """The progress of a run whose stderr is not a terminal (a log file, a pipe, CI): no live bar (rich draws one
+    line there, at the end: `make demo > log` showed a single spinner line in 46 minutes) but one plain,
+    timestamped line each time the description changes (a stage, a step, an evaluation)."""
+
+    def __init__(self, console: Console) -> None:
+        super().__init__(console=console, disable=True)
+        self._said: dict[Any, str] = {}
+
+    def add_task(self, description: str, *args: Any, **kwargs: Any) -> Any:
+        task_id = super().add_task(description, *args, **kwargs)
+        self.update(task_id)
+        return task_id
+
+    def update(self, task_id: Any, *args: Any, **kwargs: Any) -> None:
+        super().update(task_id, *args, **kwargs)
+        task = next(t for t in self.tasks if t.id == task_id)
+        if self._said.get(task_id) == task.description:
+            return
+        self._said[task_id] = task.description
+        count = f" {task.completed:g}/{task.total:g}" if task.total is not None else ""
+        elapsed = int(task.elapsed or 0)
+        self.console.print(f"{time.strftime('%H:%M:%S')} {task.description}{count} "
+                           f"({elapsed // 3600}:{elapsed // 60 % 60:02d}:{elapsed % 60:02d} elapsed)",
+                           markup=False, highlight=False, soft_wrap=True)

@@ -9,11 +9,9 @@ from collections.abc import Mapping
 from typing import Annotated
 
 import typer
-from rich import box
-from rich.table import Table
 
-from flows.cli.inputs import RunsOpt, TrackingOpt, reading_tracking_uri, resolve_runs_dir
-from flows.cli.render import fmt, out
+from flows.cli.inputs import FormatOpt, RunsOpt, TrackingOpt, reading_tracking_uri, resolve_runs_dir
+from flows.cli.render import OutputFormat, err, fmt, print_records
 
 
 def _first_metric(metrics: Mapping[str, float], pattern: re.Pattern[str]) -> float | None:
@@ -23,35 +21,42 @@ def _first_metric(metrics: Mapping[str, float], pattern: re.Pattern[str]) -> flo
     return None
 
 
+def _cell(column: str, value: object) -> str:
+    """A table cell: the start as month-day hour:minute (CSV and JSON keep the ISO time)."""
+    if column == "started" and isinstance(value, str):
+        return value[5:16].replace("T", " ")
+    return fmt(value)
+
+
 def runs(
     runs_dir: RunsOpt = None,
     experiment: Annotated[str, typer.Option("--experiment", "-e", help="MLflow experiment.")] = "aepo",
     limit: Annotated[int, typer.Option("--limit", "-n", help="Newest N runs.")] = 30,
     tracking_uri: TrackingOpt = None,
+    output: FormatOpt = OutputFormat.table,
 ) -> None:
-    """Table of MLflow runs: name, kind, status, algorithm, final Pass@1 and reward."""
+    """Table of MLflow runs: start, name, id, kind, status, algorithm, mode, seed, final Pass@1 and reward.
+
+    Example: ``aepo runs -n 5 --format csv > runs.csv``."""
     rdir = resolve_runs_dir(runs_dir)
     uri = reading_tracking_uri(rdir, tracking_uri)
     assert uri is not None
     from infra.tracking.run_index import newest_runs
 
     found = newest_runs(uri, experiment, limit)
-    table = Table(title=f"MLflow runs in {experiment!r} at {uri}", title_justify="left", box=box.SIMPLE_HEAD,
-                  pad_edge=False)
-    for col in ("started", "name", "run id", "kind", "status", "algorithm", "mode", "seed", "pass@1", "reward"):
-        wraps = col in ("name", "kind")
-        table.add_column(col, overflow="fold", no_wrap=not wraps,
-                         justify="right" if col in ("seed", "pass@1", "reward") else "left")
     pass1 = re.compile(r"^eval/.+/pass_at_1$")
+    records = []
     for run in found:
         kind = run.tags.get("kind") or "train"
         if run.tags.get("sweep_name") and kind == "train":
             kind = f"train ({run.tags['sweep_name']})"
-        started = run.start_time.strftime("%m-%d %H:%M") if run.start_time is not None else "–"
-        table.add_row(started, run.run_name, run.run_id[:12], kind, run.status, run.tags.get("algorithm", "–"),
-                      run.tags.get("mode", "–"), run.tags.get("seed", "–"), fmt(_first_metric(run.metrics, pass1)),
-                      fmt(run.metrics.get("rollout/reward_mean")))
-    console = out()
-    console.print(table)
-    if not found:
-        console.print("no runs yet")
+        records.append({
+            "started": run.start_time.isoformat(timespec="seconds") if run.start_time is not None else None,
+            "name": run.run_name, "run id": run.run_id, "kind": kind, "status": run.status,
+            "algorithm": run.tags.get("algorithm"), "mode": run.tags.get("mode"), "seed": run.tags.get("seed"),
+            "pass@1": _first_metric(run.metrics, pass1), "reward": run.metrics.get("rollout/reward_mean"),
+        })
+    print_records(f"MLflow runs in {experiment!r} at {uri}", records, output, cell=_cell,
+                  right=("seed", "pass@1", "reward"), fold=("name", "kind"))
+    if not found and output is OutputFormat.table:
+        err().print("no runs yet")

@@ -17,8 +17,8 @@ from rich.table import Table
 
 from aepo_core.config_keys import ConfigError
 from flows.cli.environment import prepare_environment, start_prefect_api
-from flows.cli.inputs import DEFAULT_RUNS_DIR, RunsOpt, check_datasets, check_tracking_server, healthy
-from flows.cli.render import fail, flow_progress, fmt, out, ui_hint, where_table
+from flows.cli.inputs import DEFAULT_RUNS_DIR, FormatOpt, RunsOpt, check_datasets, check_tracking_server, healthy
+from flows.cli.render import OutputFormat, err, fail, flow_progress, out, print_records, ui_hint, where_table
 from tasks.progress import Progress as ProgressEvent
 
 
@@ -83,8 +83,11 @@ def sweep_cmd(
                                                     "repeated), e.g. --cells aepo,grpo.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List the runs (cell, seed, run name, overrides) and "
                                           "exit: nothing is started or created.")] = False,
+    output: FormatOpt = OutputFormat.table,
 ) -> None:
-    """Run a grid of training runs (cells × seeds) nested under one MLflow run, then compare them."""
+    """Run a grid of training runs (cells × seeds) nested under one MLflow run, then compare them.
+
+    Example: ``aepo sweep -c configs/sweeps/tiny.yaml --cells aepo,grpo --format csv > sweep.csv``."""
     if not config.is_file():
         fail(f"sweep file not found: {config}")
     from flows.sweep_spec import load_sweep, shard_runs
@@ -129,16 +132,13 @@ def sweep_cmd(
         fail(str(exc))
     except Exception as exc:
         fail(f"sweep failed: {exc}", code=1)
-    table = Table(title=f"aepo sweep: {result.name} (parent MLflow run {result.parent_run_id})",
-                  title_justify="left")
-    for col in ("cell", "seed", "status", "dataset", "pass@1", "95% CI", "pass@k", "tool calls/q", "reward"):
-        table.add_column(col, overflow="fold")
-    for r in result.runs:
-        table.add_row(r["cell"], str(r["seed"]), r["status"], r["dataset"], fmt(r["pass@1"]),
-                      f"[{fmt(r['pass@1_ci_low'])}, {fmt(r['pass@1_ci_high'])}]", fmt(r["pass@k"]),
-                      fmt(r["tool_calls_per_question"], 2), fmt(r["reward_mean"]))
-    console = out()
-    console.print(table)
+    records = [{"cell": r["cell"], "seed": r["seed"], "status": r["status"], "dataset": r["dataset"],
+                "pass@1": r["pass@1"], "pass@1 CI low": r["pass@1_ci_low"], "pass@1 CI high": r["pass@1_ci_high"],
+                "pass@k": r["pass@k"], "tool calls/q": r["tool_calls_per_question"], "reward": r["reward_mean"]}
+               for r in result.runs]
+    print_records(f"aepo sweep: {result.name} (parent MLflow run {result.parent_run_id})", records, output,
+                  right=("seed", "pass@1", "pass@1 CI low", "pass@1 CI high", "pass@k", "tool calls/q", "reward"))
+    console = out() if output is OutputFormat.table else err()  # CSV and JSON keep stdout to the rows
     if result.reused:
         console.print(f"already FINISHED in MLflow, not run again: {', '.join(result.reused)}")
     console.print(where_table([(k, v) for k, v in result.files.items()]))

@@ -6,10 +6,9 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
-from flows.cli.inputs import RunsOpt, TrackingOpt, reading_tracking_uri, resolve_runs_dir
-from flows.cli.render import fail, fmt, out
+from flows.cli.inputs import FormatOpt, RunsOpt, TrackingOpt, reading_tracking_uri, resolve_runs_dir
+from flows.cli.render import OutputFormat, fail, out, print_records
 
 
 def _resolve_store_run(store: Any, run: str, uri: str | None, experiment: str) -> str:
@@ -55,10 +54,13 @@ def trajectories(
                                                   " s3://… works).")] = None,
     experiment: Annotated[str, typer.Option("--experiment", "-e")] = "aepo",
     tracking_uri: TrackingOpt = None,
+    output: FormatOpt = OutputFormat.table,
 ) -> None:
     """Summary of a run's stored rollout trees: per step, or per question with --step; with --show, a question's
     tree or one trajectory's transcript (segments, tool results, entropies, branch points, reward). A run name is
-    resolved through MLflow (--tracking-uri, else the runs dir's SQLite store where there is one)."""
+    resolved through MLflow (--tracking-uri, else the runs dir's SQLite store where there is one).
+
+    Example: ``aepo trajectories my-run --step 3 --format json``; ``--show q-0007/2`` for one trajectory."""
     from infra.store import TrajectoryStore
 
     if show is not None and step is None:
@@ -81,18 +83,16 @@ def trajectories(
     key = "question_id" if per_question else "step"
     title = (f"run {run_id} step {step}: per question" if per_question
              else f"run {run_id}: {traj['step'].nunique()} steps in {store.uri}")
-    table = Table(title=title, title_justify="left")
-    lead = ["question", "m", "H_root"] if per_question else ["step", "questions"]
-    for col in (*lead, "leaves", "global", "branch", "branch points", "mean reward", "tool calls/leaf",
-                "tool errors", "statuses"):
-        table.add_column(col, overflow="fold")
     branches = nodes.groupby(key)["branched"].sum() if not nodes.empty else {}
+    records = []
     for value, g in traj.groupby(key, sort=True):
-        statuses = g["status"].value_counts()
-        first = ([str(value), str(int(g["global_budget"].iloc[0])), fmt(float(g["h_root"].iloc[0]))]
-                 if per_question else [str(value), str(g["question_id"].nunique())])
-        table.add_row(*first, str(len(g)), str(int((g["sample_kind"] == "global").sum())),
-                      str(int((g["sample_kind"] == "branch").sum())), str(int(branches.get(value, 0))),
-                      fmt(float(g["reward"].mean())), fmt(float(g["num_tool_calls"].mean()), 2),
-                      str(int(g["tool_errors"].sum())), ", ".join(f"{s}:{n}" for s, n in statuses.items()))
-    out().print(table)
+        lead = ({"question": value, "m": int(g["global_budget"].iloc[0]), "H_root": float(g["h_root"].iloc[0])}
+                if per_question else {"step": int(value), "questions": int(g["question_id"].nunique())})
+        records.append({**lead, "leaves": len(g), "global": int((g["sample_kind"] == "global").sum()),
+                        "branch": int((g["sample_kind"] == "branch").sum()),
+                        "branch points": int(branches.get(value, 0)), "mean reward": float(g["reward"].mean()),
+                        "tool calls/leaf": float(g["num_tool_calls"].mean()),
+                        "tool errors": int(g["tool_errors"].sum()),
+                        "statuses": ", ".join(f"{s}:{n}" for s, n in g["status"].value_counts().items())})
+    print_records(title, records, output, right=[c for c in records[0] if c not in ("question", "statuses")],
+                  fold=("statuses",))

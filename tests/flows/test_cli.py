@@ -138,6 +138,28 @@ def test_runs_lists_the_run(trained: tuple[Any, Path]) -> None:
     assert "tiny" in row and "FINISHED" in row and "aepo" in row and "train" in row
 
 
+def test_runs_piped_keep_every_cell_whole_and_csv_json_read_back(trained: tuple[Any, Path]) -> None:
+    """stdout not a terminal and COLUMNS unset (``aepo runs | cat``): rich wrapped at 80 columns, cutting the run id
+    and dropping columns; now the table is as wide as its cells. CSV and JSON carry the values unrounded."""
+    import csv
+    import io
+    import json
+
+    _, runs = trained
+    run = _only_run(runs)
+    reward = run["metrics.rollout/reward_mean"]
+    piped = CliRunner().invoke(app, ["runs", "--runs-dir", str(runs)], env={"COLUMNS": None},
+                               catch_exceptions=False)
+    assert piped.exit_code == 0, piped.output
+    row = next(line for line in piped.stdout.splitlines() if run["run_id"] in line)  # the whole id, on one line
+    assert f"{reward:.3f}" in row.split() and "FINISHED" in row
+    as_csv = invoke("runs", "--runs-dir", str(runs), "--format", "csv")
+    (back,) = list(csv.DictReader(io.StringIO(as_csv.stdout)))
+    assert back["run id"] == run["run_id"] and float(back["reward"]) == reward and back["status"] == "FINISHED"
+    (obj,) = json.loads(invoke("runs", "--runs-dir", str(runs), "--format", "json").stdout)
+    assert obj["run id"] == run["run_id"] and obj["reward"] == reward and obj["seed"] == back["seed"]
+
+
 def test_runs_without_a_store_says_so(tmp_path: Path) -> None:
     result = invoke("runs", "--runs-dir", str(tmp_path))
     assert result.exit_code == 1 and "no MLflow store" in result.stderr
@@ -145,6 +167,10 @@ def test_runs_without_a_store_says_so(tmp_path: Path) -> None:
 
 
 def test_trajectories_summarize_steps_and_questions(trained: tuple[Any, Path]) -> None:
+    import csv
+    import io
+    import json
+
     from infra.store import TrajectoryStore
 
     _, runs = trained
@@ -152,9 +178,14 @@ def test_trajectories_summarize_steps_and_questions(trained: tuple[Any, Path]) -
     leaves = TrajectoryStore(runs / "trajectories").read_trajectories(run["run_id"])
     by_name = invoke("trajectories", "tiny", "--runs-dir", str(runs))  # resolved through MLflow's run name
     assert by_name.exit_code == 0, by_name.output
-    step_row = next(line for line in by_name.stdout.splitlines() if line.startswith("│ 1 "))
-    cells = [c.strip() for c in step_row.strip("│ ").split("│")]
-    assert cells[1] == str(leaves["question_id"].nunique()) and cells[2] == str(len(leaves))
+    assert any(line.split()[:3] == ["1", str(leaves["question_id"].nunique()), str(len(leaves))]
+               for line in by_name.stdout.splitlines() if line.strip())
+    as_csv = invoke("trajectories", "tiny", "--runs-dir", str(runs), "--format", "csv")
+    (step_row,) = list(csv.DictReader(io.StringIO(as_csv.stdout)))
+    assert int(step_row["leaves"]) == len(leaves) and float(step_row["mean reward"]) == leaves["reward"].mean()
+    per_q = json.loads(invoke("trajectories", "tiny", "--step", "1", "--runs-dir", str(runs), "--format",
+                              "json").stdout)
+    assert sorted(r["question"] for r in per_q) == sorted(leaves["question_id"].unique())
     detail = invoke("trajectories", run["run_id"][:8], "--step", "1", "--runs-dir", str(runs))
     assert detail.exit_code == 0, detail.output
     for qid in leaves["question_id"].unique():

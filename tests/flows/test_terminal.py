@@ -112,3 +112,38 @@ def test_eval_without_checkpoint_evaluates_the_configured_model(prefect_harness:
     result = invoke("eval", "-c", TINY, "--runs-dir", str(tmp_path / "runs"), *sets(*FAST))
     assert result.exit_code == 0, result.stderr
     assert "synthetic_test" in result.stdout and "(step 0)" in result.stdout
+
+
+def test_a_stream_that_is_not_a_terminal_gets_whole_cells_and_plain_progress_lines(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Written to a file or a pipe with COLUMNS unset, rich wrapped tables at 80 columns (a 12-digit number split
+    over two lines) and drew its progress bar once, at the end; now cells stay whole and every new stage or step
+    is one timestamped line. An explicit COLUMNS is still obeyed."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from flows.cli.render import PLAIN_WIDTH, ProgressLines, out
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    console = out()
+    assert not console.is_terminal and console.width == PLAIN_WIDTH
+    table = Table("question", "value")
+    table.add_row("synthetic_test-q-000123-" * 4, "-0.7641234567891")
+    console.file = io.StringIO()
+    console.print(table)
+    assert "-0.7641234567891" in console.file.getvalue() and "synthetic_test-q-000123-" * 4 in console.file.getvalue()
+    monkeypatch.setenv("COLUMNS", "90")
+    assert out().width == 90
+
+    sink = io.StringIO()
+    lines = ProgressLines(Console(file=sink, width=40))
+    task = lines.add_task("run: starting", total=3)
+    lines.update(task, completed=1, description="step 1 done")
+    lines.update(task, completed=1, description="step 1 done")  # nothing new: nothing said
+    lines.update(task, advance=1, description="step 2 done")
+    said = sink.getvalue().splitlines()
+    assert [line.split(" ", 1)[1].split(" (")[0] for line in said] == ["run: starting 0/3", "step 1 done 1/3",
+                                                                        "step 2 done 2/3"]
+    assert all(line.endswith("elapsed)") for line in said)  # one line each, even at a width of 40
