@@ -620,7 +620,9 @@ class StorageConfig(Section):
     runs_dir: str = Field(
         "runs", description="Root of run outputs: tracking db, checkpoints, trajectories, caches, evaluations."
     )
-    trajectories_uri: str | None = Field(None, description="Default: <runs_dir>/trajectories; s3://bucket/prefix ok.")
+    trajectories_uri: str | None = Field(None, description="Where the trajectory store's two tables go, as "
+                                         "<uri>/trajectories and <uri>/nodes. Default: the runs dir; "
+                                         "s3://bucket/prefix ok.")
     checkpoints_uri: str | None = Field(
         None, description="Root of the checkpoints, <root>/<run name>/<MLflow run id>/ (checkpoint.dir, when set, "
         "replaces <root>/<run name>). Default: <runs_dir>/checkpoints; s3://bucket/prefix ok: committed by uploading "

@@ -67,7 +67,7 @@ class TrainResult:
     runs_dir: str
     checkpoint_dir: str
     tracking_uri: str
-    trajectories: str
+    trajectories: str  # the trajectory store's root: its tables are <root>/trajectories and <root>/nodes
     run_url: str | None = None
     """The MLflow run's page: on the tracking server, or (SQLite store) where ``aepo ui`` shows it."""
     model_version: str | None = None
@@ -143,7 +143,7 @@ def train(
     with runtime:  # stops a managed vLLM server however the flow ends
         datasets = [dataset_record(cfg.data.train, rows, "training"), *check_eval_datasets(runtime)]
         trajectories = (TrajectoryStore.from_config(cfg.storage) if cfg.storage.trajectories_uri
-                        else TrajectoryStore(runs / "trajectories"))
+                        else TrajectoryStore(runs))
         run_id = tracker.start(cfg, run_name=name, resume_run_id=point.run_id if point else None,
                                parent_run_id=parent_run_id,
                                origin=run_origin("flows/train.py:train", run_description(cfg)),
@@ -322,7 +322,7 @@ def summary_markdown(info: TrainResult, cfg: ExperimentConfig) -> str:
         *([f"- registered policy: `{info.model_version}` (`aepo eval --checkpoint {info.model_version}`)"]
           if info.model_version else []),
         f"- checkpoints: `{info.checkpoint_dir}`",
-        f"- trajectories: `{info.trajectories}`",
+        f"- trajectories: `{info.trajectories}/trajectories` (nodes: `{info.trajectories}/nodes`)",
         "",
         "| stage | dataset | pass@1 | 95% CI | pass@k | tool calls/q | answered |",
         "|---|---|---|---|---|---|---|",

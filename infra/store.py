@@ -5,6 +5,12 @@ Layout under the store URI (a local path, ``file://…`` or ``s3://bucket/prefix
     trajectories/<run_id>/step-000003.parquet   one row per leaf (a trajectory)
     nodes/<run_id>/step-000003.parquet          one row per tree node (a segment)
 
+The default URI is the runs dir, so the tables are ``<runs>/trajectories/`` and ``<runs>/nodes/``: siblings, one
+schema each, so that reading a table's directory with any reader gives that table's rows.  (The previous default
+URI, ``<runs>/trajectories``, held both: ``pd.read_parquet("<runs>/trajectories")`` returned node and leaf rows
+mixed under one schema, DuckDB's glob counted both, polars raised a schema error.  Stores in that layout are
+still read, and the next write moves them: :meth:`TrajectoryStore.adopt_nested_layout`.)
+
 Every part carries ``run_id`` and ``step`` as columns and the directories are not hive keys (no ``key=value``),
 so the files alone define the columns and every reader sees the same ones, with the types written:
 ``pandas.read_parquet(root + "/trajectories")``, ``polars.read_parquet(root + "/trajectories/**/*.parquet")``,
@@ -42,6 +48,7 @@ import json
 import logging
 import os
 import re
+import shutil
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,6 +195,9 @@ _INT32_MAX = 2**31 - 1
 # A part's path under its table root, in the current layout and in the previous (hive) one.
 _PART_RE = re.compile(r"^(?P<run>[A-Za-z0-9][A-Za-z0-9._-]*)/step-(?P<step>[0-9]+)\.parquet$")
 _LEGACY_PART_RE = re.compile(r"^run_id=(?P<run>[^/]+)/step=(?P<step>[0-9]+)/part-00000\.parquet$")
+NESTED_ROOT = "trajectories"
+"""The previous default root, ``<runs>/trajectories``, held both tables (``<runs>/trajectories/trajectories/`` and
+``<runs>/trajectories/nodes/``): still read, and moved to the current layout by the next write."""
 
 
 class StoreError(ValueError):
@@ -314,9 +324,10 @@ class TrajectoryStore:
 
     @classmethod
     def from_config(cls, storage: StorageConfig, storage_options: Mapping[str, Any] | None = None) -> TrajectoryStore:
-        """The store of ``cfg.storage``: ``trajectories_uri``, else ``<runs_dir>/trajectories``; an S3 endpoint
-        (MinIO, moto, …) from ``s3_endpoint_url`` unless ``storage_options`` already name one."""
-        uri = storage.trajectories_uri or str(Path(storage.runs_dir) / "trajectories")
+        """The store of ``cfg.storage``: ``trajectories_uri``, else the runs dir (its ``trajectories/`` and
+        ``nodes/``); an S3 endpoint (MinIO, moto, …) from ``s3_endpoint_url`` unless ``storage_options`` already
+        name one."""
+        uri = storage.trajectories_uri or str(storage.runs_dir)
         return cls(uri, fs_options(storage, uri, storage_options))
 
     def __repr__(self) -> str:
@@ -330,28 +341,56 @@ class TrajectoryStore:
             raise StoreError(f"unknown table {table!r}; expected one of {TABLES}")
         return f"{self.root}/{table}"
 
+    def table_uri(self, table: TableName) -> str:
+        """Where a table's directory is, as a user would type it (``s3://…`` on S3)."""
+        return self.table_root(table) if self.local else self._url(self.table_root(table))
+
     def part_path(self, table: TableName, run_id: str, step: int) -> str:
         """The (single, deterministic) part file of one step: ``<table>/<run_id>/step-000003.parquet``."""
         return f"{self.table_root(table)}/{check_run_id(run_id)}/step-{check_step(step):06d}.parquet"
 
     def parts(self, table: TableName, run_id: str | None = None) -> list[StoredPart]:
-        """The part files of ``table`` (of one run, or all), by (run, step); where a step has a part in both
-        layouts (a run resumed across the layout change), the current one."""
-        root = self.table_root(table)
-        if not self.local:
-            forget_listings(self.fs, root)
-        # One recursive listing per prefix (on S3 a paginated LIST, where a glob per layout would list twice).
-        prefixes = [root] if run_id is None else [f"{root}/{check_run_id(run_id)}", f"{root}/run_id={run_id}"]
-        listed = [path[len(root) + 1:] for prefix in prefixes for path in self.fs.find(prefix)
-                  if path.startswith(root + "/")]
+        """The part files of ``table`` (of one run, or all), by (run, step); where a step has a part in more than
+        one layout (a run resumed across a layout change), the current one."""
         found: dict[tuple[str, int], StoredPart] = {}
-        for is_legacy in (True, False):  # the current part of a step, listed last, wins
-            for rel in listed:
-                m = (_LEGACY_PART_RE if is_legacy else _PART_RE).match(rel)
-                if m is not None:
-                    key = (m["run"], int(m["step"]))
-                    found[key] = StoredPart(key[0], key[1], f"{root}/{rel}", is_legacy)
+        # Oldest first, so that the current part of a step, listed last, wins; only a local root was ever nested.
+        roots = [f"{self.root}/{NESTED_ROOT}/{table}"] if self.local else []
+        for root in [*roots, self.table_root(table)]:
+            if not self.local:
+                forget_listings(self.fs, root)
+            # One recursive listing per prefix (on S3 a paginated LIST, where a glob per layout would list twice).
+            prefixes = [root] if run_id is None else [f"{root}/{check_run_id(run_id)}", f"{root}/run_id={run_id}"]
+            listed = [path[len(root) + 1:] for prefix in prefixes for path in self.fs.find(prefix)
+                      if path.startswith(root + "/")]
+            for is_legacy in (True, False):
+                for rel in listed:
+                    m = (_LEGACY_PART_RE if is_legacy else _PART_RE).match(rel)
+                    if m is not None:
+                        key = (m["run"], int(m["step"]))
+                        found[key] = StoredPart(key[0], key[1], f"{root}/{rel}", is_legacy)
         return [found[k] for k in sorted(found)]
+
+    def adopt_nested_layout(self) -> bool:
+        """Move the parts of the previous default layout (``<runs>/trajectories/{trajectories,nodes}/``, both tables
+        under one directory that plain readers mixed) to the current one (``<runs>/{trajectories,nodes}/``); a part
+        the current layout already has for that step stays where it is and the old one is dropped. Local stores
+        only (a remote root was always given by the user, never nested); True when something moved."""
+        nested = Path(self.root) / NESTED_ROOT
+        if not self.local or not all((nested / t).is_dir() for t in TABLES):
+            return False
+        for table in ("nodes", "trajectories"):  # nodes first: a step is complete when its trajectories part is
+            source, target = nested / table, Path(self.table_root(table))
+            for part in sorted(p for p in source.rglob("*") if p.is_file()):
+                dest = target / part.relative_to(source)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                if dest.exists():
+                    part.unlink()
+                else:
+                    os.replace(part, dest)
+            shutil.rmtree(source)
+        log.info("moved the trajectory store under %s to its current layout (%s/trajectories and %s/nodes)",
+                 nested, self.root, self.root)
+        return True
 
     # ---- writing -----------------------------------------------------------------------------------------
 
@@ -361,6 +400,7 @@ class TrajectoryStore:
         """Write (or replace) one step's trees and, when given, their leaves' scores (aligned with ``trees``) and
         their questions (question id → row); returns the written part paths (nodes, then trajectories)."""
         tables = trees_to_tables(run_id, step, trees, scores, questions)
+        self.adopt_nested_layout()
         written = []
         for name in ("nodes", "trajectories"):  # trajectories last: its part marks the step complete
             path = self.part_path(name, run_id, step)
@@ -480,8 +520,8 @@ class TrajectoryStore:
     def delete_run(self, run_id: str) -> None:
         """Remove every part of a run (both tables, both layouts)."""
         for table in TABLES:
-            for path in (f"{self.table_root(table)}/{check_run_id(run_id)}",
-                         f"{self.table_root(table)}/run_id={run_id}"):
-                if self.fs.exists(path):
-                    self.fs.rm(path, recursive=True)
+            for root in (self.table_root(table), f"{self.root}/{NESTED_ROOT}/{table}"):
+                for path in (f"{root}/{check_run_id(run_id)}", f"{root}/run_id={run_id}"):
+                    if self.fs.exists(path):
+                        self.fs.rm(path, recursive=True)
         log.info("deleted run %s from %s", run_id, self.uri)

@@ -5,7 +5,7 @@ All state lives under one runs directory (``--runs-dir``, else ``$AEPO_RUNS_DIR`
 
     runs/mlflow.db  runs/mlartifacts/   MLflow tracking store and artifacts
     runs/prefect/                       PREFECT_HOME (the ephemeral API's SQLite database, results, profiles)
-    runs/trajectories/                  Parquet trajectory store (trajectories/ and nodes/ tables)
+    runs/trajectories/  runs/nodes/     Parquet trajectory store: one table each (a leaf a row, a node a row)
     runs/checkpoints/<run name>/<run id>/   checkpoints, one folder per MLflow run (storage.checkpoints_uri:
                                         elsewhere, s3:// too)
     runs/eval/<run name>/<dataset>.parquet   per-question evaluation results (storage.evaluations_uri: elsewhere)

@@ -109,7 +109,7 @@ def train(
         ("MLflow run", f"{result.run_id}  ({result.tracking_uri})"),
         *([("registered policy", result.model_version)] if result.model_version else []),
         ("checkpoints", result.checkpoint_dir),
-        ("trajectories", result.trajectories),
+        ("trajectories", f"{result.trajectories}/trajectories  (nodes: {result.trajectories}/nodes)"),
         ("runs dir", result.runs_dir),
     ]))
     console.print(escape(ui_hint(result.tracking_uri, runs)))

@@ -50,8 +50,9 @@ def trajectories(
     show: Annotated[str | None, typer.Option("--show", help="With --step: the transcript of <question> (its tree) "
                                              "or <question>/<leaf> (one trajectory, in full).")] = None,
     runs_dir: RunsOpt = None,
-    store_uri: Annotated[str | None, typer.Option("--store", help="Trajectory store (default: <runs>/trajectories;"
-                                                  " s3://… works).")] = None,
+    store_uri: Annotated[str | None, typer.Option(
+        "--store", help="Trajectory store: the directory holding trajectories/ and nodes/ (default: the runs dir; "
+                        "s3://… works).")] = None,
     experiment: Annotated[str, typer.Option("--experiment", "-e")] = "aepo",
     tracking_uri: TrackingOpt = None,
     output: FormatOpt = OutputFormat.table,
@@ -67,7 +68,7 @@ def trajectories(
         fail("--show needs --step N (the step whose tree to show)")
     rdir = resolve_runs_dir(runs_dir)
     uri = reading_tracking_uri(rdir, tracking_uri, required=False)
-    store = TrajectoryStore(store_uri or rdir / "trajectories")
+    store = TrajectoryStore(store_uri or rdir)
     run_id = _resolve_store_run(store, run, uri, experiment)
     if show is not None and step is not None:
         _show(store, run_id, step, show)
@@ -82,7 +83,8 @@ def trajectories(
     per_question = step is not None
     key = "question_id" if per_question else "step"
     title = (f"run {run_id} step {step}: per question" if per_question
-             else f"run {run_id}: {traj['step'].nunique()} steps in {store.uri}")
+             else f"run {run_id}: {traj['step'].nunique()} steps in {store.table_uri('trajectories')} (leaves) and "
+                  f"{store.table_uri('nodes')} (nodes)")
     branches = nodes.groupby(key)["branched"].sum() if not nodes.empty else {}
     records = []
     for value, g in traj.groupby(key, sort=True):

@@ -56,9 +56,9 @@ def test_train_leaves_mlflow_run_parquet_and_checkpoint(trained: tuple[Any, Path
     run = _only_run(runs)
     assert run["run_name"] == "tiny" and run["status"] == "FINISHED"
     assert run["params.storage.runs_dir"] == str(runs)
-    store = TrajectoryStore(runs / "trajectories")
+    store = TrajectoryStore(runs)
     assert store.steps(run["run_id"]) == [1]
-    assert (runs / "trajectories" / "nodes" / run["run_id"] / "step-000001.parquet").is_file()
+    assert (runs / "nodes" / run["run_id"] / "step-000001.parquet").is_file()
     assert (runs / "checkpoints" / "tiny" / run["run_id"] / "step-000001" / "manifest.json").is_file()
     out = result.stdout
     assert "evaluations (1 RL steps)" in out and "synthetic_test" in out and "95% CI" in out
@@ -175,7 +175,7 @@ def test_trajectories_summarize_steps_and_questions(trained: tuple[Any, Path]) -
 
     _, runs = trained
     run = _only_run(runs)
-    leaves = TrajectoryStore(runs / "trajectories").read_trajectories(run["run_id"])
+    leaves = TrajectoryStore(runs).read_trajectories(run["run_id"])
     by_name = invoke("trajectories", "tiny", "--runs-dir", str(runs))  # resolved through MLflow's run name
     assert by_name.exit_code == 0, by_name.output
     assert any(line.split()[:3] == ["1", str(leaves["question_id"].nunique()), str(len(leaves))]

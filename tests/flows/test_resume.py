@@ -85,7 +85,7 @@ def test_resume_before_the_first_checkpoint_continues_the_same_run_from_step_0(
     assert out.run_id == killed.info.run_id and out.steps == 2
     (run,) = _runs(tmp_path)
     assert run.info.status == "FINISHED"
-    store = TrajectoryStore(tmp_path / "trajectories")
+    store = TrajectoryStore(tmp_path)
     assert store.run_ids() == [out.run_id] and store.steps(out.run_id) == [1, 2]
     steps = _steps_logged(tmp_path, out.run_id)
     assert steps["train/loss"] == [1, 2]

@@ -307,6 +307,7 @@ def test_kill_after_checkpoint_and_resume_on_another_worker_from_s3_is_bit_ident
     assert _run_id(resumed) == run_id and json.loads((resumed / "result.json").read_text())["steps"] == 6
     assert mlflow.tracking.MlflowClient(tracking_uri).get_run(run_id).info.status == "FINISHED"
     assert not (resumed / "checkpoints").exists() and not (resumed / "trajectories").exists()
+    assert not (resumed / "nodes").exists()
     assert (resumed / "cache" / "checkpoints" / "s3" / "aepo" / "ckpt" / "tiny" / run_id / "step-000004").is_dir()
 
     # The comparison is not vacuous: rewards differed (some gradient), and the weights still moved after the kill.
@@ -319,7 +320,7 @@ def test_kill_after_checkpoint_and_resume_on_another_worker_from_s3_is_bit_ident
     # Data order: every step saw the same questions, none replayed, none skipped; one Parquet part per step.
     store = TrajectoryStore(f"{s3_bucket}/traj", s3)
     assert store.steps(run_id) == [1, 2, 3, 4, 5, 6]
-    ta, tb = TrajectoryStore(straight / "trajectories").read_trajectories(_run_id(straight)), \
+    ta, tb = TrajectoryStore(straight).read_trajectories(_run_id(straight)), \
         store.read_trajectories(run_id)
     qa, qb = _questions_by_step(ta), _questions_by_step(tb)
     assert qa == qb and sorted(qa) == [1, 2, 3, 4, 5, 6]

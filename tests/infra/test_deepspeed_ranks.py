@@ -168,7 +168,8 @@ def test_aepo_train_on_two_ranks_logs_once_and_resumes(tmp_path, prefect_api_url
     assert checkpoints == ["step-000001", "step-000002"]
     saved = torch.load(folder / "step-000002" / "optimizer.pt", weights_only=True)
     assert saved["world_size"] == 2 and len(saved["ranks"]) == 2
-    parts = sorted(p.relative_to(runs) for p in (runs / "trajectories").rglob("*.parquet"))
-    assert {p.parts[2] for p in parts} == {run.info.run_id}
-    assert sum(1 for p in parts if p.parts[1] == "trajectories") == 2  # one part per step, written by rank 0
+    parts = sorted(p.relative_to(runs) for table in ("trajectories", "nodes")
+                   for p in (runs / table).rglob("*.parquet"))
+    assert {p.parts[1] for p in parts} == {run.info.run_id}
+    assert sum(1 for p in parts if p.parts[0] == "trajectories") == 2  # one part per step, written by rank 0
     assert (runs / "prefect-rank1").is_dir() and not (runs / "mlflow-rank1").exists()

@@ -263,14 +263,68 @@ def test_s3_round_trip_through_moto(moto_s3: str, trees: list[RolloutTree], scor
 def test_from_config_defaults_under_runs_dir(tmp_path: Path, trees: list[RolloutTree]) -> None:
     store = TrajectoryStore.from_config(StorageConfig(runs_dir=str(tmp_path / "runs")))
     store.write_step("r1", 0, trees[:1])
-    root = tmp_path / "runs" / "trajectories"  # the store root; the two tables live under it
-    assert (root / "trajectories" / "r1" / "step-000000.parquet").is_file()
-    assert (root / "nodes" / "r1" / "step-000000.parquet").is_file()
+    runs = tmp_path / "runs"  # the store root: two sibling tables, one schema each
+    assert (runs / "trajectories" / "r1" / "step-000000.parquet").is_file()
+    assert (runs / "nodes" / "r1" / "step-000000.parquet").is_file()
 
 
-def write_two_runs(root: Path, trees: list[RolloutTree], scores: list[list[LeafScore]]) -> int:
+def _read_every_way(directory: Path) -> dict[str, pd.DataFrame]:
+    """The four readers on one directory, as a researcher calls them."""
+    import duckdb
+    import polars as pl
+
+    return {
+        "pandas": pd.read_parquet(directory),
+        "polars": pl.read_parquet(f"{directory}/**/*.parquet").to_pandas(),
+        "pyarrow": ds.dataset(directory, partitioning="hive").to_table().to_pandas(),
+        "duckdb": duckdb.sql(f"SELECT * FROM read_parquet('{directory}/**/*.parquet', hive_partitioning=true)").df(),
+    }
+
+
+def test_every_reader_on_every_directory_of_the_store_reads_one_table(
+        tmp_path: Path, trees: list[RolloutTree], scores: list[list[LeafScore]]) -> None:
+    """The default store, under the runs dir: every directory of it (a table, a run) read with pandas, polars,
+    pyarrow and DuckDB gives exactly that table's rows. Before, the default root ``<runs>/trajectories`` held both
+    tables: pandas returned node and leaf rows mixed (563 rows = 443 nodes + 120 leaves in the issue's run)."""
+    runs = tmp_path / "runs"
+    n_leaves = write_two_runs(runs, trees, scores, TrajectoryStore.from_config(StorageConfig(runs_dir=str(runs))))
+    n_nodes = 4 * sum(len(t.nodes) for t in trees)
+    directories = sorted(d for d in runs.rglob("*") if d.is_dir())
+    assert [d.relative_to(runs).as_posix() for d in directories] == [
+        "nodes", "nodes/run-a", "nodes/run-b", "trajectories", "trajectories/run-a", "trajectories/run-b"]
+    for directory in directories:
+        table, *run = directory.relative_to(runs).parts
+        schema = TRAJECTORY_SCHEMA if table == "trajectories" else NODE_SCHEMA
+        rows = (n_leaves if table == "trajectories" else n_nodes) // (2 if run else 1)
+        for reader, df in _read_every_way(directory).items():
+            assert list(df.columns) == schema.names and len(df) == rows, (directory, reader)
+
+
+def test_a_store_of_the_previous_default_layout_is_read_then_moved_by_the_next_write(
+        tmp_path: Path, trees: list[RolloutTree], scores: list[list[LeafScore]]) -> None:
+    """``<runs>/trajectories/{trajectories,nodes}/`` (written here as a store rooted at ``<runs>/trajectories``, as
+    the previous default did): read in place; the next write moves both tables to ``<runs>/{trajectories,nodes}``,
+    after which a plain reader of ``<runs>/trajectories`` sees leaves only."""
+    runs = tmp_path / "runs"
+    n_leaves = write_two_runs(runs / "trajectories", trees, scores)
+    assert len(pd.read_parquet(runs / "trajectories")) > n_leaves  # the old layout: nodes and leaves mixed
+    store = TrajectoryStore(runs)
+    assert store.run_ids() == ["run-a", "run-b"] and store.steps("run-a") == [1, 2]
+    assert len(store.read_trajectories()) == n_leaves
+    store.write_step("run-c", 0, trees[:1])
+    assert not (runs / "trajectories" / "trajectories").exists() and not (runs / "trajectories" / "nodes").exists()
+    assert store.run_ids() == ["run-a", "run-b", "run-c"]
+    assert len(store.read_nodes(run_id="run-b")) == 2 * sum(len(t.nodes) for t in trees)
+    for reader, df in _read_every_way(runs / "trajectories").items():
+        assert list(df.columns) == TRAJECTORY_SCHEMA.names and len(df) == n_leaves + len(trees[0].leaves), reader
+    store.delete_run("run-a")
+    assert store.run_ids() == ["run-b", "run-c"]
+
+
+def write_two_runs(root: Path, trees: list[RolloutTree], scores: list[list[LeafScore]],
+                   store: TrajectoryStore | None = None) -> int:
     """Runs run-a and run-b, steps 1 and 2 each, with questions; returns the number of trajectory rows."""
-    store = TrajectoryStore(root)
+    store = store or TrajectoryStore(root)
     questions = make_questions(trees)
     for run in ("run-a", "run-b"):
         for step in (1, 2):
