@@ -80,9 +80,15 @@ class TrainResult:
         return self.evals.get("final", {})
 
 
-def _log_eval(tracker: RunLogger, report_: EvalReport, step: int, label: str) -> None:
-    """Log one evaluation: metrics at ``step``, the full report as JSON."""
-    tracker.log_metrics(report_.metrics(), step)
+BEFORE_SFT = "eval_start"
+"""The metric prefix of the evaluation before cold-start SFT. ``eval/…`` is the RL curve, one point per step: at
+step 0 the policy RL starts from (the SFT policy when SFT runs), so the start evaluation gets its own names
+instead of a second point at step 0 (every eval chart began with a vertical segment)."""
+
+
+def _log_eval(tracker: RunLogger, report_: EvalReport, step: int, label: str, prefix: str) -> None:
+    """Log one evaluation: metrics at ``step`` under ``prefix``, the full report as JSON."""
+    tracker.log_metrics(report_.metrics(prefix), step)
     log_eval_traces(tracker, report_, step, label)
     tracker.log_dict({"summary": report_.summary, "by_family": report_.by_family,
                       "questions": [o.as_dict() for o in report_.outcomes]}, f"eval/{label}/{report_.key}.json")
@@ -99,12 +105,12 @@ class _Evaluations:
         self.summaries: Summaries = {}
         self.per_question: Summaries = {}
 
-    def run(self, label: str, step: int) -> None:
+    def run(self, label: str, step: int, prefix: str = "eval") -> None:
         where = ResultsDir.of(self.runtime.cfg.storage, self.runs, f"{self.run_name}/{label}")
         source = EvalSource(self.tracker.run_id, self.run_name, None, step)
         for ds in self.runtime.eval_datasets():
             result = evaluate.with_options(timeout_seconds=self.timeout_s)(self.runtime, ds, label)
-            _log_eval(self.tracker, result, step, label)
+            _log_eval(self.tracker, result, step, label, prefix)
             write_eval_results(self.runtime, result, source, where)
             self.tracker.log_artifact(where.local_file(result.key), f"eval/{label}")
             self.summaries.setdefault(label, {})[result.key] = result.summary
@@ -237,7 +243,7 @@ def _train_loop(trainer: Trainer, name: str, tracker: RunLogger, trajectories: T
     # with the in-process engine under several ranks).
     if not resumed and trainer.ranks.is_main:
         if cfg.eval.at_start:
-            evals.run("start", 0)
+            evals.run("start", 0, BEFORE_SFT if cfg.train.sft.enabled else "eval")
         if cfg.train.sft.enabled:
             tracker.log_metrics(sft(runtime, trainer.rows).metrics(), 0)
             if cfg.eval.at_start:

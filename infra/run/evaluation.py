@@ -107,9 +107,9 @@ class EvalReport:
     questions: dict[str, QuestionRow] = field(default_factory=dict)
     traced: TracedSamples | None = None
 
-    def metrics(self) -> dict[str, float]:
-        """``eval/<key>/<summary name>``: the names under which MLflow records this report."""
-        return {f"eval/{self.key}/{name}": value for name, value in self.summary.items()}
+    def metrics(self, prefix: str = "eval") -> dict[str, float]:
+        """``<prefix>/<key>/<summary name>``: the names under which MLflow records this report."""
+        return {f"{prefix}/{self.key}/{name}": value for name, value in self.summary.items()}
 
 
 def eval_rollout_config(rollout: RolloutConfig, ev: EvalConfig) -> RolloutConfig:

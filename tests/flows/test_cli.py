@@ -35,7 +35,9 @@ def trained(prefect_harness: Any, tmp_path_factory: pytest.TempPathFactory) -> t
     import flows.train  # noqa: F401
 
     runs = tmp_path_factory.mktemp("cli-runs")
-    result = invoke("train", "-c", TINY, "--runs-dir", str(runs), *sets("train.steps=1", "eval.at_start=true", *FAST))
+    result = invoke("train", "-c", TINY, "--runs-dir", str(runs), *sets("train.steps=1", "eval.at_start=true",
+                                                                        "train.sft.enabled=true",
+                                                                        "train.sft.max_examples=4", *FAST))
     return result, runs
 
 
@@ -63,7 +65,7 @@ def test_train_leaves_mlflow_run_parquet_and_checkpoint(trained: tuple[Any, Path
     out = result.stdout
     assert "evaluations (1 RL steps)" in out and "synthetic_test" in out and "95% CI" in out
     stages = [line.split()[0] for line in out.splitlines() if line.split()[1:2] == ["synthetic_test"]]
-    assert stages == ["start", "final"], out
+    assert stages == ["start", "sft", "final"], out
     assert "final minus start on synthetic_test: pass@1" in out and "(paired over 2 questions)" in out
     assert run["run_id"] in out and "aepo ui --runs-dir" in out
     assert str(runs / "checkpoints" / "tiny" / run["run_id"]) in out
@@ -158,6 +160,23 @@ def test_runs_piped_keep_every_cell_whole_and_csv_json_read_back(trained: tuple[
     assert back["run id"] == run["run_id"] and float(back["reward"]) == reward and back["status"] == "FINISHED"
     (obj,) = json.loads(invoke("runs", "--runs-dir", str(runs), "--format", "json").stdout)
     assert obj["run id"] == run["run_id"] and obj["reward"] == reward and obj["seed"] == back["seed"]
+
+
+def test_each_evaluation_stage_has_its_own_point(trained: tuple[Any, Path]) -> None:
+    """Start (before SFT), SFT and final evaluations: ``eval/…`` is the RL curve with one point per step (the SFT
+    policy at step 0, the final one at the last step); the start evaluation is ``eval_start/…``. Before, start and
+    SFT were both logged at step 0 and every eval chart began with a vertical segment."""
+    from mlflow.tracking import MlflowClient
+
+    from infra.tracking.client import tracking_uri_for
+
+    _, runs = trained
+    run = _only_run(runs)
+    client = MlflowClient(tracking_uri_for(runs))
+    curve = client.get_metric_history(run["run_id"], "eval/synthetic_test/pass_at_1")
+    assert sorted(m.step for m in curve) == [0, 1]
+    (start,) = client.get_metric_history(run["run_id"], "eval_start/synthetic_test/pass_at_1")
+    assert start.step == 0
 
 
 def test_runs_without_a_store_says_so(tmp_path: Path) -> None:
