@@ -42,7 +42,7 @@ from infra.run.resume import ResumePoint, find_resume_point
 from infra.run.runtime import PolicyRuntime, build_runtime
 from infra.run.trainer import Trainer
 from infra.store import TrajectoryStore
-from infra.tracking.registry import log_model, register_model
+from infra.tracking.registry import PolicyProvenance, log_model, register_model
 from infra.tracking.run import RankTracker, RunLogger, Tracker
 from tasks.data import prepare_data, source_fingerprint
 from tasks.progress import Progress, report
@@ -212,7 +212,10 @@ def _log_policy(tracker: Tracker, runtime: PolicyRuntime, cfg: ExperimentConfig,
     if not cfg.tracking.registered_model:
         return None
     metrics = {f"eval/{ds}/{key}": value for ds, summary in final.items() for key, value in summary.items()}
-    return register_model(tracker, logged, cfg.tracking.registered_model, metrics, step, run_description(cfg))
+    provenance = PolicyProvenance(cfg.algorithm.loss, cfg.rollout.mode, cfg.model.name, cfg.seed, cfg.config_hash(),
+                                  f"eval/{next(iter(final), 'none')}/pass_at_1")
+    return register_model(tracker, logged, cfg.tracking.registered_model, metrics, step, run_description(cfg),
+                          provenance)
 
 
 def _sample_round(trainer: Trainer, step: int, rounds: list[RolloutResult], attempt: int

@@ -2,13 +2,19 @@
 fetched back (with its agent protocol and its training run's config) to be evaluated.
 
 A logged policy carries its :class:`~aepo_core.protocol.AgentProtocol` in its MLmodel metadata
-(:data:`PROTOCOL_METADATA`); a registered version is tagged with its evaluation metrics, its training step and the
-LoggedModel it came from (:data:`VERSION_TAG_MODEL_ID`), by which an evaluation run links to it.
+(:data:`PROTOCOL_METADATA`); a registered version is tagged with its evaluation metrics, its training step, what
+made it (:class:`PolicyProvenance`: algorithm, rollout mode, base model, seed, config hash) and the LoggedModel it
+came from (:data:`VERSION_TAG_MODEL_ID`), by which an evaluation run links to it. The link goes both ways: the
+LoggedModel lists its versions (MLflow 3's ``mlflow.modelVersions`` tag, which its page reads: without it the page
+said "Not registered" and offered to register a duplicate). The alias ``best`` follows the highest
+:attr:`PolicyProvenance.selection_metric` so far (``models:/<name>@best``); the newest version needs none
+(``models:/<name>/latest``, and MLflow reserves the alias name ``latest``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -50,6 +56,25 @@ class LoggedPolicy:
 
     uri: str
     model_id: str
+
+
+@dataclass(frozen=True)
+class PolicyProvenance:
+    """What made a registered policy, as version tags: enough to tell versions apart in the registry's list."""
+
+    algorithm: str  # algorithm.loss
+    rollout_mode: str  # rollout.mode
+    base_model: str  # model.name
+    seed: int
+    config_hash: str  # ExperimentConfig.config_hash()
+    selection_metric: str  # the final-evaluation metric the ``best`` alias follows (higher is better)
+
+    def tags(self) -> dict[str, str]:
+        return {"algorithm": self.algorithm, "rollout_mode": self.rollout_mode, "base_model": self.base_model,
+                "seed": str(self.seed), "config_hash": self.config_hash, "selection_metric": self.selection_metric}
+
+
+ALIAS_BEST = "best"
 
 
 @dataclass(frozen=True)
@@ -107,9 +132,10 @@ def log_model(tracker: Tracker, model: Any, tokenizer: Any, name: str = "model",
 
 
 def register_model(tracker: Tracker, logged: LoggedPolicy, name: str, metrics: Mapping[str, float], step: int,
-                   description: str) -> str:
+                   description: str, provenance: PolicyProvenance) -> str:
     """Register ``logged`` as a new version of ``name`` (created when absent), tagged with ``metrics`` (MLflow
-    names) and its training ``step``; returns ``models:/<name>/<version>``."""
+    names), its training ``step`` and its ``provenance``; link the LoggedModel back to it and point ``best`` at it
+    when its selection metric is at least the best's; returns ``models:/<name>/<version>``."""
     try:
         tracker.client.create_registered_model(name, description="AEPO policies: each version the final policy "
                                                "of a training run, with its evaluation metrics as tags.")
@@ -119,15 +145,37 @@ def register_model(tracker: Tracker, logged: LoggedPolicy, name: str, metrics: M
     tags = {metric_key(k): f"{v:.6g}" for k, v in metrics.items() if math.isfinite(v)}
     tags["step"] = str(step)
     tags[VERSION_TAG_MODEL_ID] = logged.model_id  # the SQL registry stores no model_id of its own (3.17)
+    tags.update(provenance.tags())
     # The source is the model's artifact location, not its models:/m-… URI: MLflow's SQL registry resolves
     # the latter through the process-global tracking URI (its own TODO), not this client's.
     source = tracker.client.get_logged_model(logged.model_id).artifact_location
     version = tracker.client.create_model_version(name, source=source, run_id=tracker.run_id, tags=tags,
                                                   description=description, model_id=logged.model_id)
     uri = f"{REGISTRY_SCHEME}{name}/{version.version}"
+    _link_logged_model(tracker, logged.model_id, name, str(version.version))
+    client = tracker.client
+    score = metrics.get(provenance.selection_metric, math.nan)
+    try:
+        best = client.get_model_version_by_alias(name, ALIAS_BEST)
+        best_score = float(best.tags.get(metric_key(provenance.selection_metric), "nan"))
+    except MlflowException:  # no best yet
+        best_score = -math.inf
+    if math.isfinite(score) and not score < best_score:  # a best without that metric (NaN) is replaced
+        client.set_registered_model_alias(name, ALIAS_BEST, version.version)
     tracker.set_tags({TAG_REGISTERED_MODEL: uri})
     log.info("registered %s (run %s)", uri, tracker.run_id)
     return uri
+
+
+def _link_logged_model(tracker: Tracker, model_id: str, name: str, version: str) -> None:
+    """Append (name, version) to the LoggedModel's ``mlflow.modelVersions`` tag, as ``mlflow.register_model`` does
+    (we call the client's ``create_model_version``, which does not: see :func:`register_model`)."""
+    from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
+
+    model = tracker.client.get_logged_model(model_id)
+    listed = json.loads(model.tags.get(MLFLOW_MODEL_VERSIONS, "[]"))
+    tracker.client.set_logged_model_tags(model_id, {MLFLOW_MODEL_VERSIONS: json.dumps(
+        [*listed, {"name": name, "version": version}])})
 
 
 def fetch_registered(tracker: Tracker, uri: str, cache_dir: str | os.PathLike[str]) -> RegisteredPolicy:
@@ -193,5 +241,6 @@ def _quieter(logger: str, level: int) -> Iterator[None]:
         lg.setLevel(before)
 
 
-__all__ = ["LoggedPolicy", "RegisteredPolicy", "RegistryError", "fetch_registered", "is_registered_model",
+__all__ = ["ALIAS_BEST", "LoggedPolicy", "PolicyProvenance", "RegisteredPolicy", "RegistryError",
+           "fetch_registered", "is_registered_model",
            "link_model", "load_model", "log_model", "register_model"]

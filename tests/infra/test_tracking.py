@@ -35,7 +35,7 @@ from infra.tracking.client import (
     resolve_tracking,
     tracking_uri_for,
 )
-from infra.tracking.registry import load_model, log_model
+from infra.tracking.registry import PolicyProvenance, load_model, log_model, register_model
 from infra.tracking.run import Tracker
 
 
@@ -271,6 +271,18 @@ def test_log_model_is_loadable(runs_dir: Path, tmp_path: Path, monkeypatch: pyte
     tracker.start(cfg, run_name="with-model")
     logged = log_model(tracker, model, tokenizer, name="policy", protocol=AgentProtocol(system_prompt="Be {brief}."))
     uri = logged.uri
+    # Registered twice, the second version scoring lower: linked both ways, tagged with what made it, `best` on
+    # the better one (the newest is models:/<name>/latest, built in).
+    made = PolicyProvenance("aepo", "aepo", "tiny-random", 7, cfg.config_hash(), "eval/synthetic_test/pass_at_1")
+    for score in (0.5, 0.25):
+        register_model(tracker, logged, "policy-reg", {"eval/synthetic_test/pass_at_1": score}, 3, "test", made)
+    client = tracker.client
+    v1, v2 = (client.get_model_version("policy-reg", v) for v in ("1", "2"))
+    assert {k: v1.tags[k] for k in made.tags()} == made.tags() and v1.tags["seed"] == "7"
+    assert v2.tags["eval/synthetic_test/pass_at_1"] == "0.25"
+    assert client.get_model_version_by_alias("policy-reg", "best").version == v1.version
+    versions = json.loads(client.get_logged_model(logged.model_id).tags["mlflow.modelVersions"])
+    assert versions == [{"name": "policy-reg", "version": "1"}, {"name": "policy-reg", "version": "2"}]
     tracker.finish()
 
     local = download_artifacts(tracker.tracking_uri, uri, tmp_path / "dl")
