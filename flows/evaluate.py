@@ -203,7 +203,7 @@ def evaluate(
     registered = (fetch_registered_policy(checkpoint, config, overrides, located)
                   if checkpoint is not None and is_registered_model(checkpoint) else None)
     ckpt = resolve_checkpoint(checkpoint if registered is None else None, given, located)
-    source = checkpoint if registered is not None else checkpoint_source(checkpoint, ckpt)
+    source = registered.uri if registered is not None else checkpoint_source(checkpoint, ckpt)
     cfg = resolve_eval_config(config, ckpt, overrides, datasets, registered)
     previous = read_question_results(compare_to, cfg.storage) if compare_to else None
     runs = flow_runs_dir(runs_dir, cfg.storage.runs_dir)

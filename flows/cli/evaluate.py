@@ -35,7 +35,8 @@ def eval_(
     checkpoint: Annotated[str | None, typer.Option("--checkpoint", help="Checkpoint dir (step-NNNNNN) or a run's "
                                                    "checkpoint root (its newest), local or s3://… (the endpoint from "
                                                    "--config / --set storage.s3_endpoint_url), or a registered "
-                                                   "policy models:/<name>/<version> (the registry of --set "
+                                                   "policy models:/<name>/<version>, /latest or @best (the "
+                                                   "registry of --set "
                                                    "tracking.tracking_uri, default the runs dir's); omit for the "
                                                    "configured model.")] = None,
     config: Annotated[Path | None, typer.Option("--config", "-c", help="Config YAML (default: the checkpoint's).")

@@ -82,7 +82,7 @@ class RegisteredPolicy:
     """A registered policy version fetched for evaluation: where it lies locally (the MLflow model directory, HF
     weights in ``model/``), its protocol, the training run that logged it and that run's resolved config."""
 
-    uri: str
+    uri: str  # models:/<name>/<version>, the version resolved (a /latest or @alias given)
     name: str
     version: str
     local_dir: Path
@@ -154,10 +154,11 @@ def register_model(tracker: Tracker, logged: LoggedPolicy, name: str, metrics: M
     uri = f"{REGISTRY_SCHEME}{name}/{version.version}"
     _link_logged_model(tracker, logged.model_id, name, str(version.version))
     client = tracker.client
-    score = metrics.get(provenance.selection_metric, math.nan)
+    selection = metric_key(provenance.selection_metric)  # summaries say pass@1, MLflow names pass_at_1
+    score = {metric_key(k): v for k, v in metrics.items()}.get(selection, math.nan)
     try:
         best = client.get_model_version_by_alias(name, ALIAS_BEST)
-        best_score = float(best.tags.get(metric_key(provenance.selection_metric), "nan"))
+        best_score = float(best.tags.get(selection, "nan"))
     except MlflowException:  # no best yet
         best_score = -math.inf
     if math.isfinite(score) and not score < best_score:  # a best without that metric (NaN) is replaced
@@ -178,23 +179,42 @@ def _link_logged_model(tracker: Tracker, model_id: str, name: str, version: str)
         [*listed, {"name": name, "version": version}])})
 
 
-def fetch_registered(tracker: Tracker, uri: str, cache_dir: str | os.PathLike[str]) -> RegisteredPolicy:
-    """A registered policy version (``models:/<name>/<version>``) downloaded under ``cache_dir/<name>/<version>``
-    (reused when already there), with its protocol and its training run's config; :class:`RegistryError` when
-    the version does not exist or is not an AEPO policy."""
-    from mlflow.models import Model
-
-    name, _, version = uri.removeprefix(REGISTRY_SCHEME).rpartition("/")
-    if not name or not version.isdigit():
-        raise RegistryError(f"{uri}: expected models:/<name>/<version> (a version number)")
+def _model_version(tracker: Tracker, uri: str) -> Any:
+    """The version ``uri`` names: ``models:/<name>/<version>``, ``models:/<name>/latest`` or ``models:/<name>@<alias>``
+    (e.g. ``@best``); :class:`RegistryError` when there is none."""
+    rest = uri.removeprefix(REGISTRY_SCHEME)
+    name, at, alias = rest.rpartition("@")
+    if not at:
+        name, _, version = rest.rpartition("/")
+    if not name or not ((at and alias) or version.isdigit() or version == "latest"):
+        raise RegistryError(f"{uri}: expected models:/<name>/<version>, models:/<name>/latest or "
+                            "models:/<name>@<alias>")
+    client = tracker.client
     try:
-        mv = tracker.client.get_model_version(name, version)
+        if at:
+            return client.get_model_version_by_alias(name, alias)
+        if version == "latest":
+            versions = client.search_model_versions(f"name = '{name}'")
+            if not versions:
+                raise RegistryError(f"{uri}: registered model {name!r} has no versions at {tracker.tracking_uri}")
+            return max(versions, key=lambda v: int(v.version))
+        return client.get_model_version(name, version)
     except MlflowException as exc:
         raise RegistryError(f"{uri}: no such registered model version at {tracker.tracking_uri} "
                             f"({exc.message})") from None
+
+
+def fetch_registered(tracker: Tracker, uri: str, cache_dir: str | os.PathLike[str]) -> RegisteredPolicy:
+    """A registered policy version (``models:/<name>/<version>``, ``/latest`` or ``@<alias>``) downloaded under
+    ``cache_dir/<name>/<version>`` (reused when already there), with its protocol and its training run's config;
+    :class:`RegistryError` when the version does not exist or is not an AEPO policy."""
+    from mlflow.models import Model
+
+    mv = _model_version(tracker, uri)
+    name, version = mv.name, str(mv.version)
     local = Path(cache_dir) / name / version
     if not (local / "MLmodel").is_file():
-        download_artifacts(tracker.tracking_uri, uri, local)
+        download_artifacts(tracker.tracking_uri, f"{REGISTRY_SCHEME}{name}/{version}", local)  # the version resolved
     metadata = Model.load(str(local / "MLmodel")).metadata or {}
     if PROTOCOL_METADATA not in metadata:
         raise RegistryError(f"{uri}: not an AEPO policy (its MLmodel carries no {PROTOCOL_METADATA})")
@@ -206,8 +226,8 @@ def fetch_registered(tracker: Tracker, uri: str, cache_dir: str | os.PathLike[st
     if mv.run_id:
         text = tracker.client.download_artifacts(mv.run_id, "config.yaml", str(local))
         config = yaml.safe_load(Path(text).read_text()) or {}
-    return RegisteredPolicy(uri, name, version, local, protocol, mv.run_id, mv.tags.get(VERSION_TAG_MODEL_ID),
-                            int(mv.tags.get("step", "0")), config)
+    return RegisteredPolicy(f"{REGISTRY_SCHEME}{name}/{version}", name, version, local, protocol, mv.run_id,
+                            mv.tags.get(VERSION_TAG_MODEL_ID), int(mv.tags.get("step", "0")), config)
 
 
 def link_model(tracker: Tracker, policy: RegisteredPolicy) -> None:

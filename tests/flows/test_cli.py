@@ -413,7 +413,7 @@ def test_registered_policy_loads_in_mlflow_and_through_aepo_eval(trained: tuple[
     registered = parts["model"].state_dict()
     assert all(torch.equal(registered[k].float(), v.float()) for k, v in checkpoint.items())
 
-    result = invoke("eval", "--checkpoint", "models:/aepo-policy/1", "--runs-dir", str(runs),
+    result = invoke("eval", "--checkpoint", "models:/aepo-policy@best", "--runs-dir", str(runs),
                     *sets("eval.max_questions=1", "eval.top_p=1.0"), "--run-name", "registry-eval")
     assert result.exit_code == 0, result.output
     assert "aepo eval: registry-eval (step 1)" in result.stdout

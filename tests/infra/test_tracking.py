@@ -275,7 +275,7 @@ def test_log_model_is_loadable(runs_dir: Path, tmp_path: Path, monkeypatch: pyte
     # the better one (the newest is models:/<name>/latest, built in).
     made = PolicyProvenance("aepo", "aepo", "tiny-random", 7, cfg.config_hash(), "eval/synthetic_test/pass_at_1")
     for score in (0.5, 0.25):
-        register_model(tracker, logged, "policy-reg", {"eval/synthetic_test/pass_at_1": score}, 3, "test", made)
+        register_model(tracker, logged, "policy-reg", {"eval/synthetic_test/pass@1": score}, 3, "test", made)
     client = tracker.client
     v1, v2 = (client.get_model_version("policy-reg", v) for v in ("1", "2"))
     assert {k: v1.tags[k] for k in made.tags()} == made.tags() and v1.tags["seed"] == "7"
