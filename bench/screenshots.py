@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from aepo_core.rollout.tree import NOTICE_EVENTS
+from infra.tracking.client import ML_WORKFLOW
 
 ROOT = Path(__file__).resolve().parents[1]
-ML_WORKFLOW = "workflowType=machine_learning"  # MLflow 3.17's UI: the "Model training" side of its GenAI switch
 OUT = ROOT / "bench" / "results" / "screenshots"
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -43,14 +44,41 @@ def flow_run_id() -> str | None:
     return str(ctx.flow_run.id) if ctx is not None and ctx.flow_run is not None else None
 
 
+UI_PREFECT_PORT = 4200
+"""The port of the Prefect server ``aepo ui`` starts by default (its ``--prefect-port``)."""
+
+
+def prefect_ui_base() -> str:
+    """Where the Prefect UI showing this process's flow runs is: ``PREFECT_UI_URL``; else the server of
+    ``PREFECT_API_URL`` without its ``/api``; else (the CLI's temporary API server, which has no UI and dies with
+    the run) ``aepo ui``'s on this machine, which serves the same database (``<runs>/prefect``)."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
+
+    if PREFECT_UI_URL.value():
+        return str(PREFECT_UI_URL.value()).rstrip("/")
+    api = str(PREFECT_API_URL.value() or "").rstrip("/")
+    if api.endswith("/api"):
+        return api.removesuffix("/api")
+    return f"http://127.0.0.1:{UI_PREFECT_PORT}"
+
+
+def flow_run_url(run_id: str) -> str:
+    """The Prefect UI page of flow run ``run_id``."""
+    return f"{prefect_ui_base()}/runs/flow-run/{run_id}"
+
+
 def run_origin(source_name: str, description: str) -> RunOrigin:
     """The origin an MLflow run records: ``source_name`` (the flow's entrypoint), ``description``, and the Prefect
-    flow run this code runs in, with its UI URL (None where Prefect has no UI, e.g. its temporary API server)."""
-    from prefect.settings import PREFECT_UI_URL
-
+    flow run this code runs in, with its UI URL (:func:`flow_run_url`; before, a run under the CLI's temporary
+    API server had none)."""
     run_id = flow_run_id()
-    has_ui = run_id is not None and PREFECT_UI_URL.value() is not None  # else Prefect's URL starts "None/…"
-    return RunOrigin(source_name, description, run_id, flow_run.ui_url if has_ui else None)
+    return RunOrigin(source_name, description, run_id, flow_run_url(run_id) if run_id is not None else None)
+
+
+def artifact_key(kind: str, name: str) -> str:
+    """A Prefect artifact key (lowercase letters, digits and dashes): ``<kind>-<name>``; an artifact with a key is
+    listed on Prefect's Artifacts page, with its earlier versions (a resumed run's, a re-run sweep's)."""
+    return f"{kind}-{re.sub(r'[^a-z0-9-]+', '-', name.lower()).strip('-') or 'run'}"
 
 
 def train_flow_run_name() -> str:

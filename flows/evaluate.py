@@ -34,7 +34,14 @@ from prefect.cache_policies import NO_CACHE
 from aepo_core.config import ExperimentConfig, StorageConfig
 from aepo_core.evaluation import paired_comparison
 from aepo_core.overrides import build_config
-from flows.common import check_eval_datasets, flow_runs_dir, log_eval_traces, rename_flow_run, run_origin
+from flows.common import (
+    artifact_key,
+    check_eval_datasets,
+    flow_runs_dir,
+    log_eval_traces,
+    rename_flow_run,
+    run_origin,
+)
 from infra.config_files import load_config
 from infra.fs import is_remote, open_fs, storage_errors, storage_options
 from infra.judge import LLMJudge, Verdict
@@ -134,7 +141,7 @@ def read_question_results(path: str | os.PathLike[str], storage: StorageConfig |
 # ---------------------------------------------------------------------------------------------- tasks
 
 
-@task(name="judge", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
+@task(name="judge", task_run_name="judge-{dataset}", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
 def judge_answers(url: str, model: str | None, dataset: str,
                   items: list[tuple[str, list[str], str | None]]) -> list[Verdict]:
     """Every final answer through the LLM judge (verdicts in input order)."""
@@ -251,7 +258,8 @@ def evaluate(
                     result.judge[report.key] = _judge_pass1(verdicts)
                     metrics[f"eval/{report.key}/judge_pass@1"] = result.judge[report.key]
                 source_info = EvalSource(run_id, name, result.checkpoint, step)
-                result.files[report.key] = write_eval_results(runtime, report, source_info, results, verdicts)
+                result.files[report.key] = write_eval_results(runtime, report, source_info, results, "eval",
+                                                              verdicts)
                 if previous is not None and ds in previous:
                     cmp = paired_comparison(report.per_question_pass1, previous[ds],
                                             n_resamples=cfg.eval.bootstrap_samples, seed=cfg.seed)
@@ -266,7 +274,8 @@ def evaluate(
             tracker.log_artifact(results.local, "eval")
             tracker.log_dict({"summary": result.summary, "by_family": result.by_family, "judge_pass@1": result.judge,
                               "compare": result.compare, "compare_to": compare_to}, "eval/summary.json")
-    create_table_artifact(table=table, key=None, description=f"evaluation {name} of {source or cfg.model.name}")
+    create_table_artifact(table=table, key=artifact_key("eval", name),
+                          description=f"evaluation {name} of {source or cfg.model.name}")
     return result
 
 

@@ -36,7 +36,7 @@ from prefect.artifacts import create_table_artifact
 from aepo_core.config import ExperimentConfig, RolloutConfig, default_initial_rollouts
 from aepo_core.overrides import apply_overrides
 from aepo_core.rollout.study import GroupProfile
-from flows.common import flow_runs_dir, rename_flow_run, run_origin
+from flows.common import artifact_key, flow_runs_dir, rename_flow_run, run_origin
 from flows.evaluate import eval_storage, resolve_checkpoint, resolve_eval_config
 from infra.atomic import atomic_file
 from infra.data.rows import QuestionRow
@@ -248,7 +248,8 @@ def rollout_study(
             figures = write_study_figures(summary, profiles, out_dir, f"rollout study, {len(rows)} questions")
             tracker.log_metrics(study_metrics(summary, costs), 0)
             tracker.log_artifact(out_dir, "study")
-    create_table_artifact(table=_table(summary, costs), key=None, description=f"rollout study {name}")
+    create_table_artifact(table=_table(summary, costs), key=artifact_key("study", name),
+                          description=f"rollout study {name}")
     return StudyResult(run_id, name, tracker.tracking_uri, str(out_dir), len(rows), data, [str(f) for f in figures])
 
 

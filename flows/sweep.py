@@ -76,7 +76,7 @@ from prefect.runtime import flow_run
 
 from aepo_core.config import ExperimentConfig
 from aepo_core.config_keys import ConfigError
-from flows.common import flow_runs_dir, run_origin
+from flows.common import artifact_key, flow_runs_dir, run_origin
 from flows.sweep_spec import SweepRun, SweepSpec, load_sweep, parse_shard, shard_runs
 from flows.train import train
 from infra.plots import save_png
@@ -200,10 +200,6 @@ def comparison_figure(runs: pd.DataFrame, title: str) -> Figure:
     return fig
 
 
-def _slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-") or "sweep"
-
-
 # ---------------------------------------------------------------------------------------------- the flow
 
 
@@ -300,7 +296,7 @@ def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None, shard
             failed = _fan_out(spec, todo, configs, runs, parent, deployment, max_parallel, watch, logger)
         _end_abandoned(tracker, parent, failed, logger)
         per_run, summary, markdown, files = _compare(spec, tracker, parent, out_dir)
-        artifact_id = create_markdown_artifact(markdown=markdown, key=f"sweep-{_slug(spec.name)}",
+        artifact_id = create_markdown_artifact(markdown=markdown, key=artifact_key("sweep", spec.name),
                                                description=f"comparison of sweep {spec.name}")
         if failed:  # the parent run ends FAILED; the comparison of the runs that finished is written
             raise RuntimeError(f"sweep {spec.name}: {len(failed)} of {len(spec.runs)} runs failed: "

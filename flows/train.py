@@ -26,6 +26,7 @@ from aepo_core.rollout.scheduler import RolloutResult, merge_results
 from aepo_core.rollout.tree import RolloutTree
 from aepo_core.scoring import StepScores, fill_informative
 from flows.common import (
+    artifact_key,
     check_eval_datasets,
     dataset_record,
     flow_runs_dir,
@@ -111,7 +112,7 @@ class _Evaluations:
         for ds in self.runtime.eval_datasets():
             result = evaluate.with_options(timeout_seconds=self.timeout_s)(self.runtime, ds, label)
             _log_eval(self.tracker, result, step, label, prefix)
-            write_eval_results(self.runtime, result, source, where)
+            write_eval_results(self.runtime, result, source, where, label)
             self.tracker.log_artifact(where.local_file(result.key), f"eval/{label}")
             self.summaries.setdefault(label, {})[result.key] = result.summary
             self.per_question.setdefault(label, {})[result.key] = result.per_question_pass1
@@ -182,7 +183,8 @@ def train(
                                                 trainer.step)
     result = TrainResult(run_id, name, trainer.step, str(runs), checkpoints.uri, tracker.tracking_uri,
                          str(trajectories.uri), run_url, model_version, evals.summaries, comparisons)
-    create_markdown_artifact(key=None, markdown=summary_markdown(result, cfg), description=f"summary of {name}")
+    create_markdown_artifact(key=artifact_key("train", name), markdown=summary_markdown(result, cfg),
+                             description=f"summary of {name}")
     return result
 
 
@@ -240,7 +242,7 @@ def _train_loop(trainer: Trainer, name: str, tracker: RunLogger, trajectories: T
     report(logger, Progress("start", done=trainer.step, total=total, name=name),
            "run %s (MLflow %s): %d RL steps%s", name, trainer.run_id, total,
            f", resumed at step {trainer.step}" if resumed else "")
-    progress_id = create_progress_artifact(progress=100.0 * trainer.step / total, key=None,
+    progress_id = create_progress_artifact(progress=100.0 * trainer.step / total, key=artifact_key("progress", name),
                                            description=f"RL steps of {name}")
     # Evaluations run on rank 0 alone (its weights are whole under ZeRO 0–2; the Trainer refuses SFT and ZeRO-3
     # with the in-process engine under several ranks).

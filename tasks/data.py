@@ -24,8 +24,8 @@ def source_fingerprint(spec: str, data_root: str | None) -> str:
     return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
-@task(name="prepare_data", cache_policy=INPUTS + TASK_SOURCE, persist_result=True, retries=1,
-      retry_condition_fn=transient_only)
+@task(name="prepare_data", task_run_name="prepare-data", cache_policy=INPUTS + TASK_SOURCE, persist_result=True,
+      retries=1, retry_condition_fn=transient_only)
 def prepare_data(spec: str, data: DataConfig, fingerprint: str) -> list[QuestionRow]:
     """Validated rows (bad rows fail or are skipped with a count, as ``data.on_bad_row`` says); the result is
     cached on the inputs, so a re-run (or a resume) reads a large training file once."""

@@ -76,7 +76,7 @@ def checkpoint(trainer: Trainer) -> str:
     return str(path)
 
 
-@task(name="sft", cache_policy=NO_CACHE, retries=0)
+@task(name="sft", task_run_name="sft", cache_policy=NO_CACHE, retries=0)
 def sft(runtime: PolicyRuntime, rows: Sequence[QuestionRow]) -> SFTReport:
     result = run_sft(runtime, rows)
     get_run_logger().info("cold-start SFT: batch loss %.3f → %.3f over %d steps", result.loss_first_batch,
@@ -99,11 +99,12 @@ def evaluate(runtime: PolicyRuntime, dataset: str, label: str) -> EvalReport:
     return result
 
 
-@task(name="write_eval_results", cache_policy=NO_CACHE, retries=1)
-def write_eval_results(runtime: PolicyRuntime, report: EvalReport, source: EvalSource, where: ResultsDir,
+@task(name="write_eval_results", task_run_name="write-eval-results-{stage}-{report.key}", cache_policy=NO_CACHE,
+      retries=1)
+def write_eval_results(runtime: PolicyRuntime, report: EvalReport, source: EvalSource, where: ResultsDir, stage: str,
                        verdicts: Mapping[str, Sequence[Verdict]] | None = None) -> str:
-    """The per-question Parquet of one evaluated dataset (``aepo eval`` and evaluations during training alike);
-    returns its location."""
+    """The per-question Parquet of one evaluated dataset (``aepo eval`` and evaluations during training alike;
+    ``stage``: start, sft, stepN, final, eval); returns its location."""
     cfg = runtime.cfg
     written = write_question_results(report, cfg.eval.pass_k, source, where, cfg.storage, verdicts)
     get_run_logger().info("wrote %d question rows of %s to %s", len(report.outcomes), report.key, written)

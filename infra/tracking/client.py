@@ -118,9 +118,13 @@ UI_MLFLOW_PORT = 5000
 """The port of the MLflow server ``aepo ui`` starts by default (its ``--mlflow-port``)."""
 
 
+ML_WORKFLOW = "workflowType=machine_learning"
+"""MLflow 3.17's UI opens its GenAI layout unless the URL says otherwise (:data:`TAG_EXPERIMENT_KIND`)."""
+
+
 def run_page(server_url: str, experiment_id: str, run_id: str) -> str:
-    """The URL of a run's page in the MLflow UI at ``server_url``."""
-    return f"{server_url.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    """The URL of a run's page in the MLflow UI at ``server_url``, in the classic ("Model training") layout."""
+    return f"{server_url.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{ML_WORKFLOW}"
 
 
 def ui_run_url(experiment_id: str, run_id: str) -> str:
