@@ -32,7 +32,8 @@ from flows.cli import config, evaluate, runs, serve, sweep, train, trajectories,
 from flows.cli.environment import set_verbosity
 
 app = typer.Typer(name="aepo", help="Agentic entropy-balanced policy optimization: experiments on Prefect + MLflow.",
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  rich_markup_mode=None)
 app.add_typer(config.config_app, name="config")
 
 

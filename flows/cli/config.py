@@ -9,7 +9,7 @@ import typer
 
 from flows.cli.inputs import SetOpt, load_checked_config
 
-config_app = typer.Typer(help="Inspect experiment configs.", no_args_is_help=True)
+config_app = typer.Typer(help="Inspect experiment configs.", no_args_is_help=True, rich_markup_mode=None)
 
 
 @config_app.command("show")
@@ -19,6 +19,10 @@ def config_show(config: Annotated[Path | None, typer.Option("--config", "-c", he
                 describe: Annotated[bool, typer.Option("--describe", help="Each key preceded by its description "
                                                        "(a comment; the output still loads as the config).")
                                     ] = False) -> None:
-    """Print the resolved config (defaults + file + overrides) as YAML."""
+    """Print the resolved config (defaults + file + overrides) as YAML.
+
+    \b
+    Examples:
+      aepo config show -c configs/demo.yaml --set rollout.k=8 --describe"""
     cfg = load_checked_config(config, set_)
     typer.echo(cfg.to_yaml(describe=describe), nl=False)

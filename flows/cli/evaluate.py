@@ -41,15 +41,23 @@ def eval_(
                                                    "configured model.")] = None,
     config: Annotated[Path | None, typer.Option("--config", "-c", help="Config YAML (default: the checkpoint's).")
                       ] = None,
-    dataset: Annotated[list[str] | None, typer.Option("--dataset", "-d", help="Dataset to evaluate (repeatable; "
-                                                      "default: eval.datasets).")] = None,
+    dataset: Annotated[list[str] | None, typer.Option("--dataset", "-d", metavar="NAME",
+                                                      help="Dataset to evaluate (repeatable; default: eval.datasets)."
+                                                      )] = None,
     set_: SetOpt = None,
     runs_dir: RunsOpt = None,
     run_name: Annotated[str | None, typer.Option("--run-name")] = None,
     compare_to: Annotated[str | None, typer.Option("--compare-to", help="A previous evaluation's per-question "
                                                    "Parquet (or its directory): paired Pass@1 difference.")] = None,
 ) -> None:
-    """Evaluate a checkpoint: Pass@1/Pass@k with CIs, per-question Parquet, optional judge and paired comparison."""
+    """Evaluate a checkpoint: Pass@1/Pass@k with CIs, per-question Parquet, optional judge and paired comparison.
+
+    \b
+    Examples:
+      aepo eval -c configs/tiny.yaml --checkpoint runs/checkpoints/tiny
+      aepo eval --checkpoint models:/aepo-policy@best
+      aepo eval -c configs/tiny.yaml --compare-to runs/eval/tiny/final/
+    """
     base = load_checked_config(config, [], training=False) if config is not None else None
     runs = resolve_runs_dir(runs_dir, base)
     from infra.fs import StorageError, is_remote, probe, storage_options

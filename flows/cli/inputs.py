@@ -19,8 +19,9 @@ RUNS_ENV = RUNS_DIR_ENV
 DEFAULT_RUNS_DIR = "runs"
 
 ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="Experiment config YAML.")]
-SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="Dotted override key=value (repeatable).")]
-RunsOpt = Annotated[str | None, typer.Option("--runs-dir", envvar=RUNS_ENV, show_envvar=True,
+SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", metavar="KEY=VALUE",
+                                                  help="Dotted override key=value (repeatable).")]
+RunsOpt = Annotated[str | None, typer.Option("--runs-dir", envvar=RUNS_ENV, show_envvar=True, metavar="DIR",
                                              help="Where all state goes (default: the config's storage.runs_dir, "
                                                   "./runs).")]
 FormatOpt = Annotated[OutputFormat, typer.Option("--format", help="table (for a person), csv or json (every value "

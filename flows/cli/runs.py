@@ -37,7 +37,11 @@ def runs(
 ) -> None:
     """Table of MLflow runs: start, name, id, kind, status, algorithm, mode, seed, final Pass@1 and reward.
 
-    Example: ``aepo runs -n 5 --format csv > runs.csv``."""
+    \b
+    Examples:
+      aepo runs -n 5
+      aepo runs --format csv > runs.csv
+    """
     rdir = resolve_runs_dir(runs_dir)
     uri = reading_tracking_uri(rdir, tracking_uri)
     assert uri is not None

@@ -24,7 +24,13 @@ def serve(
     api_url: Annotated[str, typer.Option("--api-url", envvar="PREFECT_API_URL", help="Prefect server API.")
                        ] = "http://127.0.0.1:4200/api",
 ) -> None:
-    """Serve the train / evaluate / sweep deployments from this process (no work pool needed; Ctrl-C stops)."""
+    """Serve the train / evaluate / sweep deployments from this process (no work pool needed; Ctrl-C stops).
+
+    \b
+    Examples:
+      aepo ui &   # a Prefect server at 127.0.0.1:4200
+      PREFECT_API_URL=http://127.0.0.1:4200/api aepo serve
+    """
     load_checked_config(config, [])
     if not sweep_file.is_file():
         fail(f"sweep file not found: {sweep_file}")

@@ -77,17 +77,23 @@ def sweep_cmd(
         "--child-lost-after", help="With --deployment: seconds without a heartbeat after which a running child "
                                    "counts as lost with its worker: marked Crashed and reported failed (default: "
                                    "3 × PREFECT_FLOWS_HEARTBEAT_FREQUENCY, 180 s unless set).")] = None,
-    set_: Annotated[list[str] | None, typer.Option("--set", "-s", help="Dotted override key=value for every cell, "
+    set_: Annotated[list[str] | None, typer.Option("--set", "-s", metavar="KEY=VALUE",
+                                                   help="Dotted override key=value for every cell, "
                                                    "applied after the cell's own (repeatable).")] = None,
-    cells: Annotated[list[str] | None, typer.Option("--cells", help="Run only these cells (comma-separated or "
-                                                    "repeated), e.g. --cells aepo,grpo.")] = None,
+    cells: Annotated[list[str] | None, typer.Option("--cells", metavar="CELL[,CELL…]",
+                                                    help="Run only these cells (comma-separated or repeated), e.g. "
+                                                         "--cells aepo,grpo.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List the runs (cell, seed, run name, overrides) and "
                                           "exit: nothing is started or created.")] = False,
     output: FormatOpt = OutputFormat.table,
 ) -> None:
     """Run a grid of training runs (cells × seeds) nested under one MLflow run, then compare them.
 
-    Example: ``aepo sweep -c configs/sweeps/tiny.yaml --cells aepo,grpo --format csv > sweep.csv``."""
+    \b
+    Examples:
+      aepo sweep -c configs/sweeps/tiny.yaml --dry-run
+      aepo sweep -c configs/sweeps/tiny.yaml --cells aepo,grpo --format csv > sweep.csv
+    """
     if not config.is_file():
         fail(f"sweep file not found: {config}")
     from flows.sweep_spec import load_sweep, shard_runs

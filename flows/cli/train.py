@@ -68,7 +68,14 @@ def train(
     run_name: Annotated[str | None, typer.Option("--run-name", help="Run name (default: the config's).")] = None,
     force_resume: Annotated[bool, typer.Option("--force-resume", help="Resume despite config changes.")] = False,
 ) -> None:
-    """Train a policy (cold-start SFT if configured, RL steps, final evaluation), tracked in MLflow."""
+    """Train a policy (cold-start SFT if configured, RL steps, final evaluation), tracked in MLflow.
+
+    \b
+    Examples:
+      aepo train -c configs/demo.yaml
+      aepo train -c configs/tiny.yaml --set train.steps=4 --set checkpoint.every=1
+      aepo train -c configs/tiny.yaml --resume
+    """
     cfg = load_checked_config(config, set_)
     try:
         cfg.check_trainable()

@@ -61,7 +61,12 @@ def trajectories(
     tree or one trajectory's transcript (segments, tool results, entropies, branch points, reward). A run name is
     resolved through MLflow (--tracking-uri, else the runs dir's SQLite store where there is one).
 
-    Example: ``aepo trajectories my-run --step 3 --format json``; ``--show q-0007/2`` for one trajectory."""
+    \b
+    Examples:
+      aepo trajectories tiny
+      aepo trajectories tiny --step 2 --format json
+      aepo trajectories tiny --step 2 --show <question id>/0
+    """
     from infra.store import TrajectoryStore
 
     if show is not None and step is None:

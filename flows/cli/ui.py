@@ -82,7 +82,13 @@ def ui(
 
     Workers on other machines log to them with --host 0.0.0.0: their runs set tracking.tracking_uri to the
     printed MLflow URL, their Prefect clients PREFECT_API_URL to the printed API URL. Artifacts go through the
-    MLflow server to --artifacts-destination, so the workers need no access to it."""
+    MLflow server to --artifacts-destination, so the workers need no access to it.
+
+    \b
+    Examples:
+      aepo ui --runs-dir runs
+      aepo ui --host 0.0.0.0 --artifacts-destination s3://bucket/mlartifacts
+    """
     rdir = resolve_runs_dir(runs_dir)
     servers = [("mlflow", mlflow_port, "--mlflow-port")] + ([] if no_prefect else [("prefect", prefect_port,
                                                                                      "--prefect-port")])

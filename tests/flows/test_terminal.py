@@ -147,3 +147,16 @@ def test_a_stream_that_is_not_a_terminal_gets_whole_cells_and_plain_progress_lin
     assert [line.split(" ", 1)[1].split(" (")[0] for line in said] == ["run: starting 0/3", "step 1 done 1/3",
                                                                         "step 2 done 2/3"]
     assert all(line.endswith("elapsed)") for line in said)  # one line each, even at a width of 40
+
+
+@pytest.mark.parametrize("command", [["train"], ["eval"], ["sweep"], ["serve"], ["runs"], ["trajectories"], ["ui"],
+                                     ["config", "show"]])
+def test_every_command_helps_with_an_example_and_no_bool_metavar(command: list[str]) -> None:
+    """Plain help (it survives a pipe): no flag shows a misleading ``<bool>`` value (``--resume <bool>`` read as if
+    it took one), overrides read ``KEY=VALUE``, and every command shows examples."""
+    result = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "100"})
+    assert result.exit_code == 0, result.output
+    assert "<bool>" not in result.stdout and "<list[str]>" not in result.stdout
+    assert "Examples:\n    aepo " in result.stdout or "Examples:\n    PREFECT_API_URL" in result.stdout
+    if "--set" in result.stdout:
+        assert "--set KEY=VALUE" in result.stdout
