@@ -236,7 +236,7 @@ def _sample_round(trainer: Trainer, step: int, rounds: list[RolloutResult], atte
 def _train_loop(trainer: Trainer, name: str, tracker: RunLogger, trajectories: TrajectoryStore, evals: _Evaluations,
                 resumed: bool, logger: Any) -> None:
     """Optional start evaluation and cold-start SFT, the RL steps (checkpoints, periodic evaluations), the final
-    evaluation, and the plots of the last step's rollouts."""
+    evaluation; each step's rollout-tree figure and trajectory sample."""
     runtime, cfg = trainer.runtime, trainer.runtime.cfg
     total = trainer.total_steps
     report(logger, Progress("start", done=trainer.step, total=total, name=name),
@@ -253,7 +253,6 @@ def _train_loop(trainer: Trainer, name: str, tracker: RunLogger, trajectories: T
             tracker.log_metrics(sft(runtime, trainer.rows).metrics(), 0)
             if cfg.eval.at_start:
                 evals.run("sft", 0)
-    last = None
     while trainer.step < total:
         step = trainer.step + 1
         t0 = time.perf_counter()
@@ -266,13 +265,13 @@ def _train_loop(trainer: Trainer, name: str, tracker: RunLogger, trajectories: T
         result = dataclasses.replace(rounds[0], trees=filled.sampled_trees)
         if trainer.ranks.is_main:
             store(trajectories, trainer.run_id, step, result, filled.sampled_scores, trainer.rows_by_id)
+            _log_step_views(tracker, trainer, step, result, filled.sampled_scores)
         n = cfg.tracking.traces_per_step
         tracker.log_rollout_traces(result.trees[:n], filled.sampled_scores.leaves[:n], step=step,
                                    kind="train", label=f"step{step}",
                                    questions=trainer.question_texts(result.trees[:n]))
         tracker.log_metrics({**rounds[0].metrics(), **scores.metrics, **train_metrics,
                              "step/wall_s": time.perf_counter() - t0}, step)
-        last = (result, filled.sampled_scores)
         if step % cfg.checkpoint.every == 0 or step == total:
             checkpoint(trainer)
         if cfg.eval.every and step % cfg.eval.every == 0 and step < total and trainer.ranks.is_main:
@@ -282,14 +281,19 @@ def _train_loop(trainer: Trainer, name: str, tracker: RunLogger, trajectories: T
     if not trainer.ranks.is_main:
         return
     evals.run("final", trainer.step)
-    if last is not None:
-        result, scores = last
-        i = max(range(len(result.trees)), key=lambda j: sum(n.branched for n in result.trees[j].nodes))
-        tree = result.trees[i]
-        tracker.log_figure(rollout_tree_figure(tree, title=f"{tree.question_id} (step {trainer.step})",
-                                               scores=scores.leaves[i]), "plots/rollout_tree.png")
-        tracker.log_trajectory_sample(result.trees, scores.leaves, max_rows=16, step=trainer.step,
-                                      questions=trainer.question_texts(result.trees))
+
+
+def _log_step_views(tracker: RunLogger, trainer: Trainer, step: int, result: RolloutResult,
+                    scores: StepScores) -> None:
+    """What a reader opens for one step: the rollout tree of its question that branched most
+    (``plots/rollout_tree/step-000003.png``) and a sample of its trajectories (``trajectories/step_000003.json``).
+    Before, only the last step had them."""
+    i = max(range(len(result.trees)), key=lambda j: sum(n.branched for n in result.trees[j].nodes))
+    tree = result.trees[i]
+    tracker.log_figure(rollout_tree_figure(tree, title=f"{tree.question_id} (step {step})", scores=scores.leaves[i]),
+                       f"plots/rollout_tree/step-{step:06d}.png")
+    tracker.log_trajectory_sample(result.trees, scores.leaves, max_rows=16, step=step,
+                                  questions=trainer.question_texts(result.trees))
 
 
 def _paired_vs_earlier(per_question: dict[str, dict[str, dict[str, float]]],

@@ -74,7 +74,11 @@ def test_mlflow_run_has_params_metrics_and_artifacts(tiny_run):
     artifacts = {a.path for a in client.list_artifacts(out.run_id)}
     assert "config.yaml" in artifacts
     plots = {a.path for a in client.list_artifacts(out.run_id, "plots")}
-    assert {"plots/curves.png", "plots/rollout_tree.png"} <= plots
+    assert "plots/curves.png" in plots
+    trees = {a.path for a in client.list_artifacts(out.run_id, "plots/rollout_tree")}
+    assert trees == {"plots/rollout_tree/step-000001.png", "plots/rollout_tree/step-000002.png"}  # every step's
+    samples = {a.path for a in client.list_artifacts(out.run_id, "trajectories")}
+    assert {"trajectories/step_000001.json", "trajectories/step_000002.json"} <= samples
     assert Path(runs, "mlartifacts").is_dir() and not Path("mlruns").exists()
 
 
