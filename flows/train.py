@@ -269,7 +269,7 @@ def _train_loop(trainer: Trainer, name: str, tracker: RunLogger, trajectories: T
         n = cfg.tracking.traces_per_step
         tracker.log_rollout_traces(result.trees[:n], filled.sampled_scores.leaves[:n], step=step,
                                    kind="train", label=f"step{step}",
-                                   questions=trainer.question_texts(result.trees[:n]))
+                                   questions=trainer.question_rows(result.trees[:n]))
         tracker.log_metrics({**rounds[0].metrics(), **scores.metrics, **train_metrics,
                              "step/wall_s": time.perf_counter() - t0}, step)
         if step % cfg.checkpoint.every == 0 or step == total:

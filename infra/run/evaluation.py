@@ -80,11 +80,11 @@ QUESTION_SCHEMA = pa.schema(
 @dataclass(frozen=True)
 class TracedSamples:
     """The samples of an evaluation's first questions, kept to be logged as MLflow traces: their trees, each
-    sample's reward and reason (advantage NaN: evaluation computes none), and the questions' texts by id."""
+    sample's reward and reason (advantage NaN: evaluation computes none), and the questions' rows by id."""
 
     trees: list[RolloutTree]
     scores: list[list[LeafScore]]
-    questions: dict[str, str]
+    questions: dict[str, QuestionRow]
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ def evaluate_dataset(runtime: PolicyRuntime, dataset: str, rows: Sequence[Questi
             if len(traced.trees) < traces:
                 traced.trees.append(tree)
                 traced.scores.append([LeafScore(r.score, r.reason, math.nan, is_correct(r)) for r in rewards])
-                traced.questions[row.id] = row.question
+                traced.questions[row.id] = row
     summary = summarize(outcomes, ev.pass_k, n_resamples=ev.bootstrap_samples, seed=seed)
     by_family = summarize_by(outcomes, "family", ev.pass_k, n_resamples=ev.bootstrap_samples, seed=seed)
     pass1 = {o.question_id: o.correct / o.n for o in outcomes}

@@ -89,9 +89,13 @@ class Trainer:
         """Optimizer updates done so far (RL steps; 0 before the first)."""
         return self._step
 
+    def question_rows(self, trees: Sequence[RolloutTree]) -> dict[str, QuestionRow]:
+        """Question id → row of ``trees``' questions (a trace's inputs: the text and the gold answers)."""
+        return {t.question_id: self.rows_by_id[t.question_id] for t in trees}
+
     def question_texts(self, trees: Sequence[RolloutTree]) -> dict[str, str]:
-        """Question id → text of ``trees``' questions (what a trace shows as its input)."""
-        return {t.question_id: self.rows_by_id[t.question_id].question for t in trees}
+        """Question id → text of ``trees``' questions (a trajectory sample's column)."""
+        return {qid: row.question for qid, row in self.question_rows(trees).items()}
 
     def next_batch(self) -> list[QuestionRow]:
         """The rows of the next step; advances the data cursor."""

@@ -33,6 +33,7 @@ from mlflow.exceptions import MlflowException
 from aepo_core.config import ExperimentConfig
 from aepo_core.rollout.rows import SAMPLE_COLUMNS, leaf_row, sample_row
 from aepo_core.scoring import check_aligned
+from infra.data.rows import QuestionRow
 from infra.tracking.client import (
     EXPERIMENT_KIND,
     MAX_KEY,
@@ -172,7 +173,7 @@ class RunLogger(Protocol):
         return None
 
     def log_rollout_traces(self, trees: Sequence[RolloutTree], scores: Sequence[Sequence[LeafScore]] | None, *,
-                           step: int, kind: TraceKind, label: str, questions: Mapping[str, str]
+                           step: int, kind: TraceKind, label: str, questions: Mapping[str, QuestionRow]
                            ) -> Future[list[str]] | None:
         """Rollout trees as traces of the run at ``step``; the future holds the trace ids (None: none written)."""
         return None
@@ -501,7 +502,7 @@ class Tracker(RunLogger):
         return df
 
     def log_rollout_traces(self, trees: Sequence[RolloutTree], scores: Sequence[Sequence[LeafScore]] | None, *,
-                           step: int, kind: TraceKind, label: str, questions: Mapping[str, str]
+                           step: int, kind: TraceKind, label: str, questions: Mapping[str, QuestionRow]
                            ) -> Future[list[str]] | None:
         """Each of ``trees`` as an MLflow trace of the run at ``step`` (:mod:`infra.tracking.traces`), built and
         written in the background; the future holds the trace ids. ``kind``/``label`` say what produced them
@@ -522,7 +523,7 @@ class Tracker(RunLogger):
         return future
 
     def _write_traces(self, target: TraceTarget, trees: Sequence[RolloutTree],
-                      scores: Sequence[Sequence[LeafScore]] | None, questions: Mapping[str, str], end_ns: int
+                      scores: Sequence[Sequence[LeafScore]] | None, questions: Mapping[str, QuestionRow], end_ns: int
                       ) -> list[str]:
         """Build and write the traces; their cost is the metric ``traces/<kind>_s`` at their step."""
         t0 = time.perf_counter()

@@ -1,14 +1,21 @@
-"""Rollout trees as MLflow traces: one trace per question's tree, a span per leaf and per segment of its path.
+"""Rollout trees as MLflow traces: one trace per question's tree, whose span tree *is* the rollout tree.
 
 A trace is built after the fact from what the rollout recorded, so the MLflow UI's trace view can browse tool
 calls, search queries and Python results of a step's (or an evaluation's) group of samples::
 
-    q17 step 3                              AGENT   the question: inputs its text, outputs each leaf's outcome
-      ├─ leaf 0                             CHAIN   a trajectory: its ``trajectories`` row (no token arrays)
-      │    ├─ generate                      LLM     a model segment: its ``nodes`` row (entropy, ΔH, branch …)
-      │    ├─ search                        TOOL    a tool call: its ``nodes`` row (argument, latency, cache …)
-      │    └─ generate                      LLM
-      └─ leaf 1 …
+    q17 · step 3                                     AGENT  the question, its gold answers, the stage and step
+      ├─ generate                                    LLM    a model segment: its ``nodes`` row (entropy, ΔH …)
+      │    └─ search                                 TOOL   a tool call: its ``nodes`` row (argument, latency …)
+      │         ├─ generate                          LLM    the global path goes on …
+      │         │    └─ leaf 0 · global · correct · r=1.00   CHAIN  a trajectory: its ``trajectories`` row
+      │         └─ generate                          LLM    … and a branch forks at the tool result it shares
+      │              └─ leaf 5 · branch · wrong · r=0.00
+      └─ generate …                                         the next global path
+
+Every segment is one span, once, under the segment it follows (a shared prefix is not repeated per leaf, and a
+branch point is where the span tree forks); each trajectory ends in a zero-length CHAIN span named by its kind,
+reward reason and reward. Before, each leaf repeated its whole path (a shared node showed up under three leaves with
+three different durations), branch points were visible only in attributes, and leaves were named ``leaf 1``.
 
 Why a trace per tree, not per leaf: the group is what GRPO-style advantages compare (rewards and advantages of
 the leaves side by side), and writing a trace costs one store transaction (≈ 60 ms on SQLite, loaded 2-core CPU):
@@ -18,13 +25,14 @@ Span attributes are the Parquet rows of :mod:`infra.store` (:func:`~aepo_core.ro
 :func:`~aepo_core.rollout.rows.leaf_row`; same names, same values), so a span joins its Parquet row on
 (run_id, step, question_id, node_id / leaf_id). Left out of the attributes: the token arrays and the texts; a
 text is the span's output instead (the segment's text, the tool's result, the response), cut to
-:data:`TEXT_CHARS` characters (the Parquet row keeps it whole). A shared prefix appears under each leaf on it.
+:data:`TEXT_CHARS` characters (the Parquet row keeps it whole); an LLM span's input is the tail of the text it
+continued (:data:`CONTEXT_CHARS`).
 
 Timing: the rollout records a latency per tool call and a wall time per trajectory (from its fork, for a
-branch), not per model segment (generation is batched across paths). Tool spans last their measured latency; the
-model segments share the rest of the trajectory's wall time in proportion to their tokens
-(``aepo.duration_estimated`` on their spans); each leaf's segments are laid end to end so that every leaf, and
-the trace, ends at ``end_ns`` (the leaves ran concurrently).
+branch), not per model segment (generation is batched across paths). Tool spans last their measured latency; model
+segments share the rest of a trajectory's wall time in proportion to their tokens (``aepo.duration_estimated``;
+a shared segment is timed by the first trajectory through it); a segment starts when the one it follows ends, and
+the latest-ending path ends at ``end_ns``.
 
 Spans are MLflow's own span entities (:class:`~mlflow.entities.LiveSpan` over OpenTelemetry spans of a private
 tracer provider, so nothing goes through MLflow's process-global tracer, trace manager or asynchronous exporter):
@@ -35,7 +43,7 @@ tracer provider, so nothing goes through MLflow's process-global tracer, trace m
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -52,6 +60,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from aepo_core.rollout.rows import leaf_row, node_row
 from aepo_core.rollout.tree import Leaf, Node, RolloutTree
 from aepo_core.scoring import LeafScore
+from infra.data.rows import QuestionRow
 
 TraceKind = Literal["train", "eval"]
 TEXT_CHARS = 4000  # a span's output text; a Python result or a search page rarely needs more to be read
@@ -60,12 +69,14 @@ _ROW_ONLY = frozenset({"prompt_tokens", "response_tokens", "loss_mask", "logprob
                        "text", "dataset", "question", "golds", "family"})
 """Parquet columns not copied into attributes: token arrays; texts are outputs; the question (the root span's input)
 and its golds, dataset and family, which the trace does not carry per leaf."""
-_SEGMENT_KEYS_ON_LEAF = frozenset({"run_id", "step", "question_id"})  # said once, on the leaf span
+_SEGMENT_KEYS = frozenset({"run_id", "step", "question_id"})  # said once, on the root span
+CONTEXT_CHARS = 600  # an LLM span's input: the tail of the text it continued
 
 # Trace tags (searchable in the UI's traces table): what the trace is and where it belongs.
 TAG_KIND = "aepo.kind"
 TAG_STEP = "aepo.step"
 TAG_LABEL = "aepo.label"
+TAG_STAGE = "aepo.stage"  # start, sft, step<N>, final, eval (the label without its dataset)
 TAG_QUESTION = "aepo.question_id"
 
 # Private: no processors, nothing exported by OpenTelemetry; its resource names the service (trace tags).
@@ -93,62 +104,93 @@ def cut(text: str, limit: int = TEXT_CHARS) -> str:
 
 
 def rollout_traces(target: TraceTarget, trees: Sequence[RolloutTree], scores: Sequence[Sequence[LeafScore]] | None,
-                   questions: Mapping[str, str], end_ns: int) -> list[Trace]:
+                   questions: Mapping[str, QuestionRow], end_ns: int) -> list[Trace]:
     """One trace per tree (``scores[i][j]``: leaf ``j`` of ``trees[i]``, None: unscored), each ending at
-    ``end_ns``; ``questions`` maps question ids to their text (the root span's input)."""
-    return [tree_trace(target, tree, None if scores is None else scores[i], questions.get(tree.question_id, ""),
-                       end_ns) for i, tree in enumerate(trees)]
+    ``end_ns``; ``questions`` maps question ids to their rows (the root span's inputs: text and gold answers)."""
+    return [tree_trace(target, tree, None if scores is None else scores[i], questions.get(tree.question_id), end_ns)
+            for i, tree in enumerate(trees)]
 
 
-def tree_trace(target: TraceTarget, tree: RolloutTree, scores: Sequence[LeafScore] | None, question: str,
-               end_ns: int) -> Trace:
-    """The trace of one question's rollout tree: an AGENT root span, a CHAIN span per leaf, and under each leaf a
-    span per segment of its path after the prompt (a shared prefix appears under every leaf that shares it)."""
-    name = f"{tree.question_id} step {target.step}" if target.kind == "train" else f"{tree.question_id} {target.label}"
-    leaves = [(leaf, None if scores is None else scores[j]) for j, leaf in enumerate(tree.leaves)]
-    start_ns = end_ns - max((sum(_durations_ns(_segments(tree, leaf), leaf)) for leaf in tree.leaves), default=0)
+def trace_name(target: TraceTarget, question_id: str) -> str:
+    """``q17 · step 3`` (a training step's rollout) or ``q17 · final/gsm8k · step 40`` (an evaluation)."""
+    return (f"{question_id} · step {target.step}" if target.kind == "train"
+            else f"{question_id} · {target.label} · step {target.step}")
+
+
+def tree_trace(target: TraceTarget, tree: RolloutTree, scores: Sequence[LeafScore] | None,
+               question: QuestionRow | None, end_ns: int) -> Trace:
+    """The trace of one question's rollout tree: an AGENT root span, a span per segment under the segment it
+    follows, and a CHAIN span per leaf under its last segment (see the module docstring)."""
+    name = trace_name(target, tree.question_id)
+    text = question.question if question is not None else ""
+    golds = list(question.golds) if question is not None else []
+    rows = [leaf_row(target.run_id, target.step, tree, leaf, None if scores is None else scores[j])
+            for j, leaf in enumerate(tree.leaves)]
+    duration = _node_durations_ns(tree)
+    by_id = {n.node_id: n for n in tree.nodes}
+    offset: dict[int, tuple[int, int]] = {}  # node id → (start, end) from the prompt, in ns
+    for n in sorted(tree.nodes, key=lambda n: n.node_id):  # a node is created after the one it follows
+        start = offset[n.parent_id][1] if n.parent_id in offset else 0
+        offset[n.node_id] = (start, start + (0 if n.kind == "prompt" else duration.get(n.node_id, 0)))
+    start_ns = end_ns - max((e for _, e in offset.values()), default=0)
     root = _start(name, SpanType.AGENT, None, start_ns)
-    root.set_inputs({"question_id": tree.question_id, "question": question})
-    rows = [leaf_row(target.run_id, target.step, tree, leaf, score) for leaf, score in leaves]
+    root.set_inputs({"question_id": tree.question_id, "question": text, "golds": golds, "stage": target.label,
+                     "step": target.step})
     root.set_attributes({"run_id": target.run_id, "step": target.step, "question_id": tree.question_id,
                          "num_leaves": len(tree.leaves), "global_budget": tree.global_budget,
                          **{k: rows[0][k] for k in ("h_root", "h_tool") if rows}})
-    spans = [root]
-    for (leaf, _), row in zip(leaves, rows, strict=True):
-        spans.extend(_leaf_spans(target, tree, leaf, row, root, end_ns))
+    spans, finished = [root], []
+    span_of: dict[int, LiveSpan] = {}
+    for n in sorted(tree.nodes, key=lambda n: n.node_id):
+        if n.kind == "prompt":
+            continue
+        parent = span_of.get(n.parent_id, root) if n.parent_id is not None else root
+        begin, end = offset[n.node_id]
+        span, ended = _segment_span(target, tree, n, parent, start_ns + begin, start_ns + end,
+                                    _context_tail(tree, by_id, n, text))
+        span_of[n.node_id] = span
+        spans.append(span)
+        finished.append(ended)
+    for leaf, row in zip(tree.leaves, rows, strict=True):
+        last = leaf.node_ids[-1]
+        at = start_ns + offset[last][1] if last in offset else end_ns
+        span = _start(_leaf_name(leaf, row), SpanType.CHAIN, span_of.get(last, root), at)
+        span.set_inputs({"sample_kind": leaf.sample_kind, "path": list(leaf.node_ids)})
+        span.set_attributes({k: v for k, v in row.items() if k not in _ROW_ONLY})
+        span.end(outputs=cut(row["response_text"]), status=_leaf_status(leaf), end_time_ns=at)
+        spans.append(span)
+    for end_segment in finished:
+        end_segment()
     outcomes = [{k: row[k] for k in ("leaf_id", "status", "reward", "reward_reason", "advantage", "num_tool_calls")}
                 for row in rows]
     root.end(outputs=outcomes, status=SpanStatus(SpanStatusCode.OK), end_time_ns=end_ns)
     info = TraceInfo(
         trace_id=root.trace_id, trace_location=TraceLocation.from_experiment_id(target.experiment_id),
         request_time=start_ns // 1_000_000, execution_duration=(end_ns - start_ns) // 1_000_000, state=TraceState.OK,
-        request_preview=cut(question, PREVIEW_CHARS), response_preview=cut(_outcome_line(rows), PREVIEW_CHARS),
+        request_preview=cut(f"[{target.label} · step {target.step}] {text}", PREVIEW_CHARS),
+        response_preview=cut(_outcome_line(rows), PREVIEW_CHARS),
         trace_metadata={TraceMetadataKey.SOURCE_RUN: target.run_id},
         tags={TraceTagKey.TRACE_NAME: name, TAG_KIND: target.kind, TAG_STEP: str(target.step),
-              TAG_LABEL: target.label, TAG_QUESTION: tree.question_id},
+              TAG_LABEL: target.label, TAG_STAGE: target.label.split("/")[0], TAG_QUESTION: tree.question_id},
     )
     return Trace(info=info, data=TraceData(spans=[s.to_immutable_span() for s in spans]))
 
 
-def _segments(tree: RolloutTree, leaf: Leaf) -> list[Node]:
-    return [n for n in tree.path(leaf) if n.kind != "prompt"]
+def _leaf_name(leaf: Leaf, row: Mapping[str, Any]) -> str:
+    """``leaf 5 · branch · wrong · r=0.00``: the trajectory's kind, how it ended and its reward."""
+    reward = f" · r={row['reward']:.2f}" if row["reward"] is not None else ""
+    return f"leaf {leaf.leaf_id} · {leaf.sample_kind} · {row['reward_reason'] or leaf.status}{reward}"
 
 
-def _leaf_spans(target: TraceTarget, tree: RolloutTree, leaf: Leaf, row: Mapping[str, Any], root: LiveSpan,
-                end_ns: int) -> list[LiveSpan]:
-    """A leaf's CHAIN span (its ``trajectories`` row) and its segments' spans, laid end to end up to ``end_ns``."""
-    segments = _segments(tree, leaf)
-    durations = _durations_ns(segments, leaf)
-    t = end_ns - sum(durations)
-    span = _start(f"leaf {leaf.leaf_id}", SpanType.CHAIN, root, t)
-    span.set_inputs({"sample_kind": leaf.sample_kind, "path": list(leaf.node_ids)})
-    span.set_attributes({k: v for k, v in row.items() if k not in _ROW_ONLY})
-    out = [span]
-    for node, d in zip(segments, durations, strict=True):
-        out.append(_segment_span(target, tree, node, span, t, t + d))
-        t += d
-    span.end(outputs=cut(row["response_text"]), status=_leaf_status(leaf), end_time_ns=end_ns)
-    return out
+def _context_tail(tree: RolloutTree, by_id: Mapping[int, Node], node: Node, question: str) -> str:
+    """The last :data:`CONTEXT_CHARS` characters of what ``node`` continued: the question, then the texts of the
+    segments before it on its path (the chat template around them is left out)."""
+    texts, at = [], by_id.get(node.parent_id) if node.parent_id is not None else None
+    while at is not None and at.kind != "prompt" and sum(map(len, texts)) < CONTEXT_CHARS:
+        texts.append(at.text)
+        at = by_id.get(at.parent_id) if at.parent_id is not None else None
+    context = question + "".join(reversed(texts))
+    return context if len(context) <= CONTEXT_CHARS else f"…{context[-CONTEXT_CHARS:]}"
 
 
 def _outcome_line(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -167,14 +209,15 @@ def _start(name: str, span_type: str, parent: LiveSpan | None, start_ns: int) ->
 
 
 def _segment_span(target: TraceTarget, tree: RolloutTree, node: Node, parent: LiveSpan, start_ns: int,
-                  end_ns: int) -> LiveSpan:
-    """A model segment (LLM span: entropy, ΔH, branch decision) or a tool call (TOOL span: argument, result,
-    latency, cache hit, error; GUARDRAIL for the scheduler's notices), with its ``nodes`` row as attributes."""
+                  end_ns: int, context: str) -> tuple[LiveSpan, Callable[[], None]]:
+    """A model segment (LLM span: entropy, ΔH, branch decision; input: the tail of the text it continued) or a tool
+    call (TOOL span: argument, result, latency, cache hit, error; GUARDRAIL for the scheduler's notices), with its
+    ``nodes`` row as attributes; returned with the call that ends it (after its children are started)."""
     row = node_row(target.run_id, target.step, tree, node)
-    attrs = {k: v for k, v in row.items() if k not in _ROW_ONLY and k not in _SEGMENT_KEYS_ON_LEAF}
+    attrs = {k: v for k, v in row.items() if k not in _ROW_ONLY and k not in _SEGMENT_KEYS}
     if node.tool is None:
         span = _start("generate", SpanType.LLM, parent, start_ns)
-        span.set_inputs({"context_tokens": node.token_start})
+        span.set_inputs({"context": context, "context_tokens": node.token_start})
         attrs = {k: v for k, v in attrs.items() if not k.startswith("tool_")}
         attrs["aepo.duration_estimated"] = True
         status = SpanStatus(SpanStatusCode.OK)
@@ -185,8 +228,7 @@ def _segment_span(target: TraceTarget, tree: RolloutTree, node: Node, parent: Li
         status = (SpanStatus(SpanStatusCode.OK) if node.tool.ok
                   else SpanStatus(SpanStatusCode.ERROR, node.tool.error or "tool call failed"))
     span.set_attributes(attrs)
-    span.end(outputs=cut(node.text), status=status, end_time_ns=end_ns)
-    return span
+    return span, lambda: span.end(outputs=cut(node.text), status=status, end_time_ns=end_ns)
 
 
 def _leaf_status(leaf: Leaf) -> SpanStatus:
@@ -198,9 +240,9 @@ def _leaf_status(leaf: Leaf) -> SpanStatus:
 
 
 def _durations_ns(segments: Sequence[Node], leaf: Leaf) -> list[int]:
-    """Each segment's duration: tool calls their latency, model segments the rest of the leaf's wall time
-    shared by token count (all zero when the leaf has no wall time, e.g. a scripted engine). Rounded at the
-    cumulative boundaries, so they add up to the leaf's time to the nanosecond."""
+    """Each segment's duration on ``leaf``'s path: tool calls their latency, model segments the rest of the leaf's
+    wall time shared by token count (all zero when the leaf has no wall time, e.g. a scripted engine). Rounded at
+    the cumulative boundaries, so they add up to the leaf's time to the nanosecond."""
     tool_s = sum(n.tool.latency_s for n in segments if n.tool is not None)
     model_tokens = sum(len(n.token_ids) for n in segments if n.tool is None) or 1
     model_s = max(0.0, leaf.wall_s - tool_s)
@@ -209,6 +251,16 @@ def _durations_ns(segments: Sequence[Node], leaf: Leaf) -> list[int]:
         t += n.tool.latency_s if n.tool is not None else model_s * len(n.token_ids) / model_tokens
         bounds.append(round(t * 1e9))
     return [b - a for a, b in itertools.pairwise(bounds)]
+
+
+def _node_durations_ns(tree: RolloutTree) -> dict[int, int]:
+    """Each segment's duration, from the first leaf whose path holds it (:func:`_durations_ns`)."""
+    out: dict[int, int] = {}
+    for leaf in tree.leaves:
+        segments = [n for n in tree.path(leaf) if n.kind != "prompt"]
+        for node, d in zip(segments, _durations_ns(segments, leaf), strict=True):
+            out.setdefault(node.node_id, d)
+    return out
 
 
 def write_traces(tracking_uri: str, traces: Sequence[Trace]) -> list[str]:
@@ -238,4 +290,5 @@ def attributes(span: Any) -> dict[str, Any]:
     return {k: v for k, v in span.attributes.items() if not k.startswith("mlflow.")}
 
 
-__all__ = ["TEXT_CHARS", "TraceTarget", "attributes", "cut", "rollout_traces", "tree_trace", "write_traces"]
+__all__ = ["TEXT_CHARS", "TraceTarget", "attributes", "cut", "rollout_traces", "trace_name", "tree_trace",
+           "write_traces"]

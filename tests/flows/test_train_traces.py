@@ -46,32 +46,38 @@ def test_step_traces_match_the_parquet_rows_of_their_leaves(prefect_harness, tmp
     tool_spans = 0
     for trace in traces:
         spans = trace.data.spans
+        by_id = {s.span_id: s for s in spans}
+        root = next(s for s in spans if s.parent_id is None)
+        assert root.inputs["golds"] and root.inputs["stage"] == "step1"  # the gold answers, what and when
         for leaf_span in (s for s in spans if s.span_type == "CHAIN"):
             attrs = attributes(leaf_span)
             row = leaves[(attrs["question_id"], attrs["leaf_id"])]
             assert attrs == {k: row[k] for k in attrs}, leaf_span.name
             assert {"reward", "reward_reason", "advantage", "status", "wall_ms"} <= set(attrs)
-            children = sorted((s for s in spans if s.parent_id == leaf_span.span_id),
-                              key=lambda s: (s.start_time_ns, attributes(s)["node_id"]))
-            assert [attributes(s)["node_id"] for s in children] == row["path"][1:]  # the leaf's segments, in order
-            for span in children:
-                seg = attributes(span)
-                node = nodes[(attrs["question_id"], seg["node_id"])]
-                assert {k: v for k, v in seg.items() if not k.startswith("aepo.")} == {
-                    k: node[k] for k in seg if not k.startswith("aepo.")}, span.name
-                if node["kind"] == "model":
-                    assert span.span_type == "LLM"
-                    assert {"segment_entropy", "delta_entropy", "branched", "branch_reason"} <= set(seg)
-                elif span.span_type == "GUARDRAIL":  # the scheduler's notice: no tool ran
-                    assert span.name in ("limit", "invalid") and span.name == node["tool_name"]
-                else:
-                    assert span.span_type == "TOOL" and span.name == node["tool_name"]
-                    tool_spans += 1
-                    assert span.inputs == {"argument": node["tool_argument"]}
-                    assert span.outputs == node["text"] or span.outputs.startswith(node["text"][:4000])
-                    assert (span.end_time_ns - span.start_time_ns) == pytest.approx(node["tool_latency_ms"] * 1e6,
-                                                                                      abs=2)
-                    assert {"tool_latency_ms", "tool_cache_hit", "tool_error", "tool_ok"} <= set(seg)
+            walk, up = [], by_id[leaf_span.parent_id]  # the leaf hangs under its path's last segment
+            while up is not root:
+                walk.append(attributes(up)["node_id"])
+                up = by_id[up.parent_id]
+            assert walk[::-1] == row["path"][1:]
+        question = root.attributes["question_id"]
+        for span in (s for s in spans if s.span_type in ("LLM", "TOOL", "GUARDRAIL")):
+            seg = attributes(span)
+            node = nodes[(question, seg["node_id"])]
+            assert {k: v for k, v in seg.items() if not k.startswith("aepo.")} == {
+                k: node[k] for k in seg if not k.startswith("aepo.")}, span.name
+            if node["kind"] == "model":
+                assert span.span_type == "LLM" and span.inputs["context"]  # the text it continued
+                assert {"segment_entropy", "delta_entropy", "branched", "branch_reason"} <= set(seg)
+            elif span.span_type == "GUARDRAIL":  # the scheduler's notice: no tool ran
+                assert span.name in ("limit", "invalid") and span.name == node["tool_name"]
+            else:
+                assert span.span_type == "TOOL" and span.name == node["tool_name"]
+                tool_spans += 1
+                assert span.inputs == {"argument": node["tool_argument"]}
+                assert span.outputs == node["text"] or span.outputs.startswith(node["text"][:4000])
+                assert (span.end_time_ns - span.start_time_ns) == pytest.approx(node["tool_latency_ms"] * 1e6,
+                                                                                  abs=2)
+                assert {"tool_latency_ms", "tool_cache_hit", "tool_error", "tool_ok"} <= set(seg)
     assert tool_spans >= 1
     assert [m.step for m in client.get_metric_history(out.run_id, "traces/train_s")] == [1]
     # ΔH exists only at tool steps: logged because this policy called tools (test_train_flow's random policy never

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from dataclasses import replace
@@ -16,12 +15,14 @@ from test_store import make_scores, make_trees
 from aepo_core.config import ExperimentConfig
 from aepo_core.rollout.tree import RolloutTree, ToolEvent
 from aepo_core.scoring import LeafScore
+from infra.data.rows import QuestionRow
 from infra.store import TrajectoryStore
 from infra.tracking.run import Tracker
 from infra.tracking.traces import (
     TAG_KIND,
     TAG_LABEL,
     TAG_QUESTION,
+    TAG_STAGE,
     TAG_STEP,
     TEXT_CHARS,
     TraceTarget,
@@ -40,10 +41,14 @@ def scored() -> tuple[list[RolloutTree], list[list[LeafScore]]]:
 
 def test_logged_traces_carry_the_parquet_rows_of_their_leaves(
         tmp_path: Path, scored: tuple[list[RolloutTree], list[list[LeafScore]]]) -> None:
+    """The span tree is the rollout tree: every segment one span under the segment it follows (a shared prefix
+    once, a branch forking where its tree forks), a leaf span under its path's last segment, named by kind, reason
+    and reward; span attributes are the Parquet rows; the root holds the question, its golds, the stage and step."""
     trees, scores = scored
     tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", artifact_location=(tmp_path / "art").as_uri())
     run_id = tracker.start(ExperimentConfig())
-    questions = {t.question_id: f"text of {t.question_id}" for t in trees}
+    questions = {t.question_id: QuestionRow(t.question_id, f"text of {t.question_id}", ("gold", "alias"), "synthetic")
+                 for t in trees}
     future = tracker.log_rollout_traces(trees[:2], scores[:2], step=3, kind="train", label="step3",
                                         questions=questions)
     ids = future.result()
@@ -54,40 +59,61 @@ def test_logged_traces_carry_the_parquet_rows_of_their_leaves(
 
     found = tracker.client.search_traces(locations=[tracker.experiment_id()], run_id=run_id)
     assert sorted(t.info.trace_id for t in found) == sorted(ids) and len(ids) == 2
-    errors = 0
+    errors = shared = 0
     for trace, tree in zip(sorted(found, key=lambda t: t.info.tags[TAG_QUESTION]), trees[:2], strict=True):
         info = trace.info
         assert info.trace_metadata["mlflow.sourceRun"] == run_id
-        assert (info.tags[TAG_KIND], info.tags[TAG_STEP], info.tags[TAG_LABEL]) == ("train", "3", "step3")
-        assert info.request_preview == questions[tree.question_id]
-        root = trace.data.spans[0]
-        assert root.parent_id is None and root.span_type == "AGENT"
-        assert root.inputs == {"question_id": tree.question_id, "question": questions[tree.question_id]}
-        leaf_spans = sorted((s for s in trace.data.spans if s.parent_id == root.span_id),
-                            key=lambda s: attributes(s)["leaf_id"])  # the store lists spans by start time
-        assert [attributes(s)["leaf_id"] for s in leaf_spans] == [leaf.leaf_id for leaf in tree.leaves]
-        for span, leaf in zip(leaf_spans, tree.leaves, strict=True):
-            row = leaves[(tree.question_id, leaf.leaf_id)]
-            attrs = attributes(span)
-            assert attrs == {k: row[k] for k in attrs}
+        assert (info.tags[TAG_KIND], info.tags[TAG_STEP], info.tags[TAG_LABEL], info.tags[TAG_STAGE]) == (
+            "train", "3", "step3", "step3")
+        assert info.request_preview == f"[step3 · step 3] text of {tree.question_id}"
+        spans = trace.data.spans
+        by_id = {s.span_id: s for s in spans}
+        root = next(s for s in spans if s.parent_id is None)
+        assert root.span_type == "AGENT" and root.name == f"{tree.question_id} · step 3"
+        assert root.inputs == {"question_id": tree.question_id, "question": f"text of {tree.question_id}",
+                               "golds": ["gold", "alias"], "stage": "step3", "step": 3}
+        segments = [s for s in spans if s.span_type in ("LLM", "TOOL", "GUARDRAIL")]
+        node_ids = [attributes(s)["node_id"] for s in segments]
+        assert sorted(node_ids) == [n.node_id for n in tree.nodes if n.kind != "prompt"]  # each segment once
+        span_of = dict(zip(node_ids, segments, strict=True))
+        for node in tree.nodes:
+            if node.kind == "prompt":
+                continue
+            parent = by_id[span_of[node.node_id].parent_id]
+            parent_node = next(n for n in tree.nodes if n.node_id == node.parent_id)
+            assert (parent is root) if parent_node.kind == "prompt" else (
+                attributes(parent)["node_id"] == node.parent_id)
+            seg = span_of[node.node_id]
+            row = nodes[(tree.question_id, node.node_id)]
+            assert {k: v for k, v in attributes(seg).items() if k != "aepo.duration_estimated"} == {
+                k: row[k] for k in attributes(seg) if k != "aepo.duration_estimated"}
+            assert seg.outputs == row["text"] and seg.start_time_ns >= parent.start_time_ns
+            if row["kind"] == "tool":
+                assert seg.span_type == "TOOL" and seg.name == row["tool_name"] == "search"
+                assert seg.end_time_ns - seg.start_time_ns == pytest.approx(row["tool_latency_ms"] * 1e6, abs=2)
+                assert (seg.status.status_code == "ERROR") == (not row["tool_ok"])
+                errors += not row["tool_ok"]
+            else:
+                assert seg.span_type == "LLM" and attributes(seg)["aepo.duration_estimated"] is True
+                assert seg.inputs["context"].startswith(f"text of {tree.question_id}") or seg.inputs[
+                    "context"].startswith("…")
+        leaf_spans = [s for s in spans if s.span_type == "CHAIN"]
+        assert sorted(attributes(s)["leaf_id"] for s in leaf_spans) == [leaf.leaf_id for leaf in tree.leaves]
+        for span in leaf_spans:
+            row = leaves[(tree.question_id, attributes(span)["leaf_id"])]
+            assert attributes(span) == {k: row[k] for k in attributes(span)}
             assert span.outputs == row["response_text"]  # short texts are whole
-            assert span.end_time_ns == root.end_time_ns
-            segs = sorted((s for s in trace.data.spans if s.parent_id == span.span_id),
-                          key=lambda s: (s.start_time_ns, attributes(s)["node_id"]))  # laid end to end in path order
-            assert [attributes(s)["node_id"] for s in segs] == row["path"][1:]
-            for seg in segs:
-                node = nodes[(tree.question_id, attributes(seg)["node_id"])]
-                assert {k: v for k, v in attributes(seg).items() if k != "aepo.duration_estimated"} == {
-                    k: node[k] for k in attributes(seg) if k != "aepo.duration_estimated"}
-                assert seg.outputs == node["text"]
-                if node["kind"] == "tool":
-                    assert seg.span_type == "TOOL" and seg.name == node["tool_name"] == "search"
-                    assert seg.end_time_ns - seg.start_time_ns == pytest.approx(node["tool_latency_ms"] * 1e6, abs=2)
-                    assert (seg.status.status_code == "ERROR") == (not node["tool_ok"])
-                    errors += not node["tool_ok"]
-                else:
-                    assert seg.span_type == "LLM" and attributes(seg)["aepo.duration_estimated"] is True
+            reason = row["reward_reason"] or row["status"]
+            reward = "" if row["reward"] is None else f" · r={row['reward']:.2f}"
+            assert span.name == f"leaf {row['leaf_id']} · {row['sample_kind']} · {reason}{reward}"
+            walk, up = [], by_id[span.parent_id]  # up from the leaf: its path, last segment first
+            while up is not root:
+                walk.append(attributes(up)["node_id"])
+                up = by_id[up.parent_id]
+            assert walk[::-1] == row["path"][1:]
+        shared += sum(1 for n in tree.nodes if sum(n.node_id in leaf.node_ids for leaf in tree.leaves) > 1)
     assert errors  # the scripted search fails on q1: failed calls are ERROR spans
+    assert shared  # trees with shared prefixes: each such segment is still a single span
     exp = tracker.client.get_experiment(tracker.experiment_id())
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
     assert [m.step for m in tracker.client.get_metric_history(run_id, "traces/train_s")] == [3]
@@ -116,12 +142,14 @@ def test_long_texts_are_cut_and_timing_is_rebuilt(scored: tuple[list[RolloutTree
     leaves = [replace(leaf, wall_s=2.0) for leaf in tree.leaves]
     tree = replace(tree, nodes=nodes, leaves=leaves)
     end = time.time_ns()
-    trace = tree_trace(TraceTarget("0", "r", 1, "eval", "final/x"), tree, None, "q?", end)
+    trace = tree_trace(TraceTarget("0", "r", 1, "eval", "final/x"), tree, None, None, end)
     spans = trace.data.spans
     seg = next(s for s in spans if s.span_type == "TOOL" and attributes(s)["node_id"] == tool.node_id)
     assert seg.outputs == cut(long) and seg.outputs.endswith(f"[{len(long)} characters]")
     assert seg.end_time_ns - seg.start_time_ns == 500_000_000 and attributes(seg)["tool_cache_hit"] is True
     for leaf_span in (s for s in spans if s.span_type == "CHAIN"):
-        assert leaf_span.end_time_ns == end and leaf_span.end_time_ns - leaf_span.start_time_ns == 2_000_000_000
+        assert leaf_span.end_time_ns == leaf_span.start_time_ns <= end  # a leaf ends its path, its time is the path's
         assert attributes(leaf_span)["reward"] is None and attributes(leaf_span)["reward_reason"] == ""
-    assert trace.info.tags[TAG_KIND] == "eval" and math.isclose(trace.info.execution_duration, 2000)
+    # The first leaf's path is timed by its own wall time (2 s), the latest-ending path ends the trace.
+    assert max(s.end_time_ns for s in spans) == end and trace.info.execution_duration >= 2000
+    assert trace.info.tags[TAG_KIND] == "eval" and trace.data.spans[0].name == f"{tree.question_id} · final/x · step 1"
