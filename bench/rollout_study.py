@@ -92,6 +92,13 @@ def analyse(study_dir: Path, n_resamples: int) -> dict[str, Any]:
     from infra.run.study import Arm, read_costs, read_profiles, summarize_study, write_study_figures
 
     profiles = read_profiles(study_dir / "profiles.parquet")
+    # A stopped study (chunk by chunk, every arm in turn) holds one chunk more in some arms: every arm is
+    # summarized on the questions all of them have, so the arms' means are over the same questions.
+    common = min(len(ps) for ps in profiles.values())
+    if any(len(ps) > common for ps in profiles.values()):
+        log.warning("a stopped study: every arm summarized on its first %d questions (%s)", common,
+                    ", ".join(f"{a.label} {len(ps)}" for a, ps in profiles.items()))
+    profiles = {arm: ps[:common] for arm, ps in profiles.items()}
     old = json.loads((study_dir / "summary.json").read_text()) if (study_dir / "summary.json").is_file() else {}
     costs = read_costs(study_dir / "costs.json")
     meta = {k: v for k, v in old.items() if k not in ("arms", "paired")}
