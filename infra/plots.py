@@ -195,7 +195,9 @@ def rollout_tree_figure(tree: RolloutTree, title: str | None = None,
     pos = _layout(tree)
     max_depth = max(x for x, _ in pos.values())
     rows = max(y for _, y in pos.values()) + 1
-    fig = Figure(figsize=(min(3.0 + 2.0 * (max_depth + 2.5), 60), min(1.6 + 0.75 * rows, 60)))
+    # 1.3 in a segment column and 0.8 in a row, text at 8.5 pt: MLflow's artifact view shows the PNG at its width,
+    # and at 2 in a column and 6.5 pt a 5-deep tree was 1800 × 460 px with text too small to read there.
+    fig = Figure(figsize=(min(2.0 + 1.3 * (max_depth + 3.6), 60), min(1.8 + 0.8 * rows, 60)))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     for n in tree.nodes:
@@ -213,16 +215,16 @@ def rollout_tree_figure(tree: RolloutTree, title: str | None = None,
             edge, lw = BRANCH_EDGE, 2.4
         elif n.branch_reason == "fork":
             edge, lw, ls = BRANCH_EDGE, 1.4, "dashed"
-        ax.text(x, y, _node_label(n), ha="center", va="center", fontsize=6.5, zorder=3,
+        ax.text(x, y, _node_label(n), ha="center", va="center", fontsize=8.5, zorder=3,
                 bbox={"boxstyle": "round,pad=0.35", "fc": colour, "ec": edge, "lw": lw, "ls": ls})
     for j, leaf in enumerate(tree.leaves):
         if not leaf.node_ids or leaf.node_ids[-1] not in pos:
             continue
         x, y = pos[leaf.node_ids[-1]]
         reward = f"r={scores[j].reward:.2f}" if scores is not None and math.isfinite(scores[j].reward) else "r=–"
-        ax.text(x + 0.45, y, f"leaf {leaf.leaf_id} ({leaf.sample_kind}) · {leaf.status} · {reward}", ha="left",
-                va="center", fontsize=7, color="#1a7f37" if leaf.status == "answered" else BRANCH_EDGE, zorder=3)
-    ax.set_xlim(-0.7, max_depth + 2.6)
+        ax.text(x + 0.6, y, f"leaf {leaf.leaf_id} ({leaf.sample_kind}) · {leaf.status} · {reward}", ha="left",
+                va="center", fontsize=9, color="#1a7f37" if leaf.status == "answered" else BRANCH_EDGE, zorder=3)
+    ax.set_xlim(-0.7, max_depth + 2.9)
     ax.set_ylim(rows - 0.4, -0.6)
     ax.axis("off")
     h_root = f"{tree.h_root:.2f}" if math.isfinite(tree.h_root) else "–"
@@ -233,7 +235,7 @@ def rollout_tree_figure(tree: RolloutTree, title: str | None = None,
                (("prompt", "prompt"), ("model", "model"), ("tool", "tool ok"), ("tool_error", "tool failed"))]
     handles += [Line2D([], [], color=BRANCH_EDGE, lw=2.4, label="branched step"),
                 Line2D([], [], color=BRANCH_EDGE, lw=1.4, ls="dashed", label="fork")]
-    ax.legend(handles=handles, loc="upper left", fontsize=7, frameon=False, ncols=3, bbox_to_anchor=(0, -0.01))
+    ax.legend(handles=handles, loc="upper left", fontsize=8.5, frameon=False, ncols=3, bbox_to_anchor=(0, -0.01))
     return fig
 
 
