@@ -341,6 +341,12 @@ class TrajectoryStore:
             raise StoreError(f"unknown table {table!r}; expected one of {TABLES}")
         return f"{self.root}/{table}"
 
+    def _table_roots(self, table: TableName) -> list[str]:
+        """Where ``table``'s parts may be, oldest layout first: under the previous default root (local stores only:
+        a remote root was always the user's, never nested), then the current one."""
+        nested = [f"{self.root}/{NESTED_ROOT}/{table}"] if self.local else []
+        return [*nested, self.table_root(table)]
+
     def table_uri(self, table: TableName) -> str:
         """Where a table's directory is, as a user would type it (``s3://…`` on S3)."""
         return self.table_root(table) if self.local else self._url(self.table_root(table))
@@ -353,9 +359,7 @@ class TrajectoryStore:
         """The part files of ``table`` (of one run, or all), by (run, step); where a step has a part in more than
         one layout (a run resumed across a layout change), the current one."""
         found: dict[tuple[str, int], StoredPart] = {}
-        # Oldest first, so that the current part of a step, listed last, wins; only a local root was ever nested.
-        roots = [f"{self.root}/{NESTED_ROOT}/{table}"] if self.local else []
-        for root in [*roots, self.table_root(table)]:
+        for root in self._table_roots(table):  # oldest first: the current part of a step, listed last, wins
             if not self.local:
                 forget_listings(self.fs, root)
             # One recursive listing per prefix (on S3 a paginated LIST, where a glob per layout would list twice).
@@ -375,11 +379,10 @@ class TrajectoryStore:
         under one directory that plain readers mixed) to the current one (``<runs>/{trajectories,nodes}/``); a part
         the current layout already has for that step stays where it is and the old one is dropped. Local stores
         only (a remote root was always given by the user, never nested); True when something moved."""
-        nested = Path(self.root) / NESTED_ROOT
-        if not self.local or not all((nested / t).is_dir() for t in TABLES):
+        if not self.local or not all(Path(self._table_roots(t)[0]).is_dir() for t in TABLES):
             return False
         for table in ("nodes", "trajectories"):  # nodes first: a step is complete when its trajectories part is
-            source, target = nested / table, Path(self.table_root(table))
+            source, target = Path(self._table_roots(table)[0]), Path(self.table_root(table))
             for part in sorted(p for p in source.rglob("*") if p.is_file()):
                 dest = target / part.relative_to(source)
                 dest.parent.mkdir(parents=True, exist_ok=True)
@@ -388,8 +391,8 @@ class TrajectoryStore:
                 else:
                     os.replace(part, dest)
             shutil.rmtree(source)
-        log.info("moved the trajectory store under %s to its current layout (%s/trajectories and %s/nodes)",
-                 nested, self.root, self.root)
+        log.info("moved the trajectory store under %s/%s to its current layout (%s/trajectories and %s/nodes)",
+                 self.root, NESTED_ROOT, self.root, self.root)
         return True
 
     # ---- writing -----------------------------------------------------------------------------------------
@@ -520,7 +523,7 @@ class TrajectoryStore:
     def delete_run(self, run_id: str) -> None:
         """Remove every part of a run (both tables, both layouts)."""
         for table in TABLES:
-            for root in (self.table_root(table), f"{self.root}/{NESTED_ROOT}/{table}"):
+            for root in self._table_roots(table):
                 for path in (f"{root}/{check_run_id(run_id)}", f"{root}/run_id={run_id}"):
                     if self.fs.exists(path):
                         self.fs.rm(path, recursive=True)

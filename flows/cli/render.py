@@ -79,7 +79,7 @@ def print_records(title: str, records: Sequence[dict[str, Any]], output: OutputF
     if output is OutputFormat.csv:
         writer = csv.writer(sys.stdout, lineterminator="\n")
         writer.writerow(columns)
-        writer.writerows([["" if _plain(v) is None else _plain(v) for v in r.values()] for r in records])
+        writer.writerows([["" if v is None else v for v in map(_plain, r.values())] for r in records])
         return
     render = cell or (lambda _col, v: fmt(v))
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
