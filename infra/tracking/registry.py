@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
 from aepo_core.protocol import AgentProtocol
@@ -179,11 +180,12 @@ def _link_logged_model(tracker: Tracker, model_id: str, name: str, version: str)
         [*listed, {"name": name, "version": version}])})
 
 
-def _model_version(tracker: Tracker, uri: str) -> Any:
+def resolve_version(tracker: Tracker, uri: str) -> ModelVersion:
     """The version ``uri`` names: ``models:/<name>/<version>``, ``models:/<name>/latest`` or ``models:/<name>@<alias>``
     (e.g. ``@best``); :class:`RegistryError` when there is none."""
     rest = uri.removeprefix(REGISTRY_SCHEME)
     name, at, alias = rest.rpartition("@")
+    version = ""
     if not at:
         name, _, version = rest.rpartition("/")
     if not name or not ((at and alias) or version.isdigit() or version == "latest"):
@@ -210,7 +212,7 @@ def fetch_registered(tracker: Tracker, uri: str, cache_dir: str | os.PathLike[st
     :class:`RegistryError` when the version does not exist or is not an AEPO policy."""
     from mlflow.models import Model
 
-    mv = _model_version(tracker, uri)
+    mv = resolve_version(tracker, uri)
     name, version = mv.name, str(mv.version)
     local = Path(cache_dir) / name / version
     if not (local / "MLmodel").is_file():
@@ -261,6 +263,17 @@ def _quieter(logger: str, level: int) -> Iterator[None]:
         lg.setLevel(before)
 
 
-__all__ = ["ALIAS_BEST", "LoggedPolicy", "PolicyProvenance", "RegisteredPolicy", "RegistryError",
-           "fetch_registered", "is_registered_model",
-           "link_model", "load_model", "log_model", "register_model"]
+__all__ = [
+    "ALIAS_BEST",
+    "LoggedPolicy",
+    "PolicyProvenance",
+    "RegisteredPolicy",
+    "RegistryError",
+    "fetch_registered",
+    "is_registered_model",
+    "link_model",
+    "load_model",
+    "log_model",
+    "register_model",
+    "resolve_version",
+]

@@ -35,7 +35,14 @@ from infra.tracking.client import (
     resolve_tracking,
     tracking_uri_for,
 )
-from infra.tracking.registry import PolicyProvenance, load_model, log_model, register_model
+from infra.tracking.registry import (
+    PolicyProvenance,
+    RegistryError,
+    load_model,
+    log_model,
+    register_model,
+    resolve_version,
+)
 from infra.tracking.run import Tracker
 
 
@@ -280,6 +287,11 @@ def test_log_model_is_loadable(runs_dir: Path, tmp_path: Path, monkeypatch: pyte
     v1, v2 = (client.get_model_version("policy-reg", v) for v in ("1", "2"))
     assert {k: v1.tags[k] for k in made.tags()} == made.tags() and v1.tags["seed"] == "7"
     assert v2.tags["eval/synthetic_test/pass_at_1"] == "0.25"
+    assert resolve_version(tracker, "models:/policy-reg@best").version == v1.version
+    assert resolve_version(tracker, "models:/policy-reg/latest").version == v2.version
+    for bad in ("models:/policy-reg@", "models:/policy-reg/newest", "models:/policy-reg@worst"):
+        with pytest.raises(RegistryError, match="policy-reg"):
+            resolve_version(tracker, bad)
     assert client.get_model_version_by_alias("policy-reg", "best").version == v1.version
     versions = json.loads(client.get_logged_model(logged.model_id).tags["mlflow.modelVersions"])
     assert versions == [{"name": "policy-reg", "version": "1"}, {"name": "policy-reg", "version": "2"}]
