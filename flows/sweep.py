@@ -76,6 +76,7 @@ from prefect.runtime import flow_run
 
 from aepo_core.config import ExperimentConfig
 from aepo_core.config_keys import ConfigError
+from aepo_core.cost import COST_PREFIX, TOTAL
 from flows.common import artifact_key, flow_runs_dir, run_origin
 from flows.sweep_spec import SweepRun, SweepSpec, load_sweep, parse_shard, shard_runs
 from flows.train import train
@@ -92,9 +93,11 @@ POLL_S = 2.0  # seconds between two reads of the children's states in a fan-out 
 HEARTBEAT_CHECK_S = 5.0  # seconds between two reads of a running child's newest heartbeat event
 LOST_HEARTBEATS = 3  # default child_lost_after_s: this many heartbeat intervals (as Prefect's zombie automation)
 HEARTBEAT_EVENT = "prefect.flow-run.heartbeat"
+BUDGET_COLUMNS = ("generated_tokens", "tool_calls", "cpu_s")
+"""What each run spent in all (``cost/total_<name>``, :mod:`aepo_core.cost`): arms are compared at their spend."""
 RUN_COLUMNS = ["cell", "seed", "run_name", "run_id", "status", "dataset", "pass@1", "pass@1_ci_low",
                "pass@1_ci_high", "k", "pass@k", "tool_calls_per_question", "answered_rate", "reward_mean",
-               "branch_samples", "max_branches_per_path"]
+               "branch_samples", "max_branches_per_path", *BUDGET_COLUMNS]
 _PASS1_RE = re.compile(r"^metrics\.eval/(?P<ds>.+)/pass_at_1$")
 
 
@@ -119,7 +122,8 @@ def comparison_frame(children: pd.DataFrame, spec: SweepSpec) -> pd.DataFrame:
         common = {"cell": run.cell, "seed": run.seed, "run_name": run.run_name, "run_id": child["run_id"],
                   "status": child["status"], "k": k, "reward_mean": _metric(child, "rollout/reward_mean"),
                   "branch_samples": _metric(child, "rollout/branch_samples"),
-                  "max_branches_per_path": _metric(child, "rollout/max_branches_per_path")}
+                  "max_branches_per_path": _metric(child, "rollout/max_branches_per_path"),
+                  **{name: _metric(child, f"{COST_PREFIX}{TOTAL}{name}") for name in BUDGET_COLUMNS}}
         for ds in datasets or [""]:
             rows.append({**common, "dataset": ds, "pass@1": _metric(child, f"eval/{ds}/pass_at_1"),
                          "pass@1_ci_low": _metric(child, f"eval/{ds}/pass_at_1_ci_low"),
@@ -134,15 +138,18 @@ def comparison_frame(children: pd.DataFrame, spec: SweepSpec) -> pd.DataFrame:
 
 
 def summary_frame(runs: pd.DataFrame) -> pd.DataFrame:
-    """Per (cell, dataset): runs, mean / std (over seeds) / min / max Pass@1, mean Pass@k, reward, tool calls."""
+    """Per (cell, dataset): runs, mean / std (over seeds) / min / max Pass@1, mean Pass@k, reward, tool calls, and
+    the mean spend of a run (generated tokens, tool calls, CPU seconds)."""
     if runs.empty:
         return pd.DataFrame(columns=["cell", "dataset", "runs", "pass@1_mean", "pass@1_std", "pass@1_min",
-                                     "pass@1_max", "pass@k_mean", "reward_mean", "tool_calls_per_question"])
+                                     "pass@1_max", "pass@k_mean", "reward_mean", "tool_calls_per_question",
+                                     *BUDGET_COLUMNS])
     g = runs.groupby(["cell", "dataset"], sort=False)
     out = g.agg(runs=("run_name", "count"), **{"pass@1_mean": ("pass@1", "mean"), "pass@1_std": ("pass@1", "std"),
                                                "pass@1_min": ("pass@1", "min"), "pass@1_max": ("pass@1", "max"),
                                                "pass@k_mean": ("pass@k", "mean")},
-                reward_mean=("reward_mean", "mean"), tool_calls_per_question=("tool_calls_per_question", "mean"))
+                reward_mean=("reward_mean", "mean"), tool_calls_per_question=("tool_calls_per_question", "mean"),
+                **{name: (name, "mean") for name in BUDGET_COLUMNS})
     out["pass@1_std"] = out["pass@1_std"].fillna(0.0)
     return out.reset_index()
 
@@ -175,16 +182,19 @@ def comparison_markdown(spec: SweepSpec, parent_run_id: str, tracking_uri: str, 
         "## Per run",
         "",
         markdown_table(runs, ["cell", "seed", "status", "dataset", "pass@1", "pass@1_ci_low", "pass@1_ci_high",
-                              "pass@k", "tool_calls_per_question", "reward_mean", "run_id"]),
+                              "pass@k", "tool_calls_per_question", "reward_mean", *BUDGET_COLUMNS, "run_id"]),
     ])
 
 
 def comparison_figure(runs: pd.DataFrame, title: str) -> Figure:
-    """Mean Pass@1 per cell (bars, ± std over seeds) with each seed's value as a dot; one panel per dataset."""
+    """Per dataset, two panels: mean Pass@1 per cell (bars, ± std over seeds) with each seed's value as a dot; and
+    each run's Pass@1 against the generated tokens it spent (a cell's colour in both)."""
     datasets = list(dict.fromkeys(runs["dataset"])) or [""]
-    fig = Figure(figsize=(max(5.0, 1.1 * runs["cell"].nunique() + 2), 3.2 * len(datasets)))
+    fig = Figure(figsize=(max(5.0, 1.1 * runs["cell"].nunique() + 2) + 5.0, 3.2 * len(datasets)))
+    colours = {cell: f"C{i % 10}" for i, cell in enumerate(dict.fromkeys(runs["cell"]))}
     for i, ds in enumerate(datasets):
-        ax = fig.add_subplot(len(datasets), 1, i + 1)
+        _pass1_vs_tokens(fig.add_subplot(len(datasets), 2, 2 * i + 2), runs[runs["dataset"] == ds], colours)
+        ax = fig.add_subplot(len(datasets), 2, 2 * i + 1)
         sub = runs[runs["dataset"] == ds]
         cells = list(dict.fromkeys(sub["cell"]))
         stats = sub.groupby("cell", sort=False)["pass@1"].agg(["mean", "std"]).reindex(cells).fillna(0.0)
@@ -198,6 +208,17 @@ def comparison_figure(runs: pd.DataFrame, title: str) -> Figure:
         ax.set_title(f"{title} — {ds}" if ds else title)
     fig.tight_layout()
     return fig
+
+
+def _pass1_vs_tokens(ax: Any, runs: pd.DataFrame, colours: Mapping[str, str]) -> None:
+    """Each run's final Pass@1 against its cumulative generated tokens, one colour per cell."""
+    for cell, sub in runs.groupby("cell", sort=False):
+        ax.scatter(sub["generated_tokens"], sub["pass@1"], color=colours[str(cell)], s=18, label=str(cell))
+    ax.set_xlabel("generated tokens (the run's total)")
+    ax.set_ylabel("pass@1")
+    ax.set_title("pass@1 vs tokens spent")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
 
 
 # ---------------------------------------------------------------------------------------------- the flow

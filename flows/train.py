@@ -21,6 +21,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
 from aepo_core.config import ExperimentConfig
+from aepo_core.cost import COST_PREFIX, TOTAL
 from aepo_core.evaluation import paired_comparison
 from aepo_core.rollout.scheduler import RolloutResult, merge_results
 from aepo_core.rollout.tree import RolloutTree
@@ -53,6 +54,9 @@ log = logging.getLogger(__name__)
 
 CURVE_METRICS = ("rollout/reward_mean", "rollout/accuracy", "train/entropy_mean", "rollout/delta_h_mean",
                  "rollout/branch_samples", "rollout/max_branches_per_path", "train/loss", "train/clip_frac_high")
+
+TOKENS_SPENT = f"{COST_PREFIX}{TOTAL}generated_tokens"
+"""The x of the curves against the run's budget (:mod:`aepo_core.cost`)."""
 
 Summaries = dict[str, dict[str, dict[str, float]]]
 """stage (start, sft, stepN, final) or comparison name → dataset key → summary."""
@@ -175,8 +179,10 @@ def train(
                 for cmp_name, by_ds in comparisons.items():
                     tracker.log_metrics({f"eval/{ds}/{cmp_name}_{key}": value
                                          for ds, c in by_ds.items() for key, value in c.items()}, trainer.step)
-                history = tracker.metric_history(list(CURVE_METRICS))
-                tracker.log_figure(curves_figure({k: v for k, v in history.items() if v}, title=name),
+                pass1 = [f"eval/{ds}/pass_at_1" for ds in evals.summaries.get("final", {})]
+                history = tracker.metric_history([*CURVE_METRICS, *pass1, TOKENS_SPENT])
+                tokens = dict(history.pop(TOKENS_SPENT))
+                tracker.log_figure(curves_figure({k: v for k, v in history.items() if v}, title=name, tokens=tokens),
                                    "plots/curves.png")
                 if cfg.tracking.log_model:
                     model_version = _log_policy(tracker, runtime, cfg, evals.summaries.get("final", {}),
@@ -255,13 +261,15 @@ def _train_loop(trainer: Trainer, name: str, tracker: RunLogger, trajectories: T
                 evals.run("sft", 0)
     while trainer.step < total:
         step = trainer.step + 1
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), runtime.cpu_seconds()
         rounds: list[RolloutResult] = []
         filled = fill_informative(functools.partial(_sample_round, trainer, step, rounds), cfg.train.batch_size,
                                   cfg.algorithm)
         scores = filled.scores
+        t1, cpu1 = time.perf_counter(), runtime.cpu_seconds()
         train_metrics = update.with_options(timeout_seconds=cfg.train.update_timeout_s)(
             trainer, dataclasses.replace(rounds[0], trees=filled.trees), scores, step)
+        spent = trainer.account(rounds, cpu1 - cpu0, runtime.cpu_seconds() - cpu1, t1 - t0, time.perf_counter() - t1)
         result = dataclasses.replace(rounds[0], trees=filled.sampled_trees)
         if trainer.ranks.is_main:
             store(trajectories, trainer.run_id, step, result, filled.sampled_scores, trainer.rows_by_id)
@@ -270,7 +278,7 @@ def _train_loop(trainer: Trainer, name: str, tracker: RunLogger, trajectories: T
         tracker.log_rollout_traces(result.trees[:n], filled.sampled_scores.leaves[:n], step=step,
                                    kind="train", label=f"step{step}",
                                    questions=trainer.question_rows(result.trees[:n]))
-        tracker.log_metrics({**rounds[0].metrics(), **scores.metrics, **train_metrics,
+        tracker.log_metrics({**rounds[0].metrics(), **scores.metrics, **train_metrics, **spent,
                              "step/wall_s": time.perf_counter() - t0}, step)
         if step % cfg.checkpoint.every == 0 or step == total:
             checkpoint(trainer)

@@ -33,18 +33,20 @@ Band = tuple[int, float, float, float]
 ArmCurves = Mapping[str, Sequence[Band]]
 """arm → its curve, one :data:`Band` per step."""
 
+REWARD_GROUP = "reward / accuracy"
+BY_TOKENS = f"{REWARD_GROUP} vs generated tokens"
 # (group title, substrings); the first group with a matching substring wins, so training-side names that also
 # mention entropy (train/clip_frac_high_entropy) land in "training" before "entropy" is tried.
 CURVE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("training", ("loss", "grad_norm", "clip", "tokens_per_s", "/lr", "kl")),
-    ("reward / accuracy", ("reward", "accuracy", "pass", "f1")),
+    (REWARD_GROUP, ("reward", "accuracy", "pass", "f1")),
     ("entropy", ("entropy", "h_root", "h_tool", "delta_h")),
     ("branching", ("branch", "global_samples", "fill_samples", "budget")),
     ("tools", ("tool",)),
     ("system", ("system/",)),
 )
 OTHER_GROUP = "other"
-DISPLAY_ORDER = ("reward / accuracy", "entropy", "branching", "tools", "training", "system", OTHER_GROUP)
+DISPLAY_ORDER = (REWARD_GROUP, "entropy", "branching", "tools", "training", "system", OTHER_GROUP)
 
 NODE_COLOURS = {"prompt": "#d9d9d9", "model": "#9ecae1", "tool": "#fdd0a2", "tool_error": "#fc9272"}
 BRANCH_EDGE = "#d62728"
@@ -68,8 +70,12 @@ def save_png(fig: Figure, path: str | os.PathLike[str], dpi: int = 100) -> Path:
     return out
 
 
-def curves_figure(history: History, title: str | None = None) -> Figure:
-    """One subplot per metric group (reward/accuracy, entropy, branching, tools, training, …), a line per metric."""
+def curves_figure(history: History, title: str | None = None, tokens: Mapping[int, float] | None = None) -> Figure:
+    """One subplot per metric group (reward/accuracy, entropy, branching, tools, training, …), a line per metric.
+
+    ``tokens`` (step → the run's cumulative generated tokens through that step; 0 at step 0) adds the
+    reward/accuracy group once more against that budget: arms that branch spend more per step, and a curve over
+    steps alone favours the one that spends more."""
     groups: dict[str, list[tuple[str, list[tuple[int, float]]]]] = {}
     for name, points in history.items():
         clean = sorted((int(s), float(v)) for s, v in points if v is not None and math.isfinite(float(v)))
@@ -78,11 +84,21 @@ def curves_figure(history: History, title: str | None = None) -> Figure:
     if not groups:
         raise ValueError("no finite metric values to plot (history is empty or all NaN)")
     titles = sorted(groups, key=DISPLAY_ORDER.index)
+    by_tokens = {0: 0.0, **tokens} if tokens else {}
+    if by_tokens and REWARD_GROUP in groups:
+        titles.insert(titles.index(REWARD_GROUP) + 1, BY_TOKENS)
     fig, axes = _panel_grid(titles, "step", 3.4, title)
     for ax, group in zip(axes, titles, strict=True):
-        for name, pts in sorted(groups[group]):
-            steps, values = zip(*pts, strict=True)
-            ax.plot(steps, values, marker="o" if len(pts) <= 30 else None, markersize=3, linewidth=1.4, label=name)
+        for name, pts in sorted(groups[REWARD_GROUP if group == BY_TOKENS else group]):
+            if group == BY_TOKENS:
+                pts = [(by_tokens[s], v) for s, v in pts if s in by_tokens]  # type: ignore[misc]
+            if not pts:
+                continue
+            x, values = zip(*pts, strict=True)
+            ax.plot(x, values, marker="o" if len(pts) <= 30 else None, markersize=3, linewidth=1.4, label=name)
+        if group == BY_TOKENS:
+            ax.set_xlabel("generated tokens, cumulative")
+            ax.xaxis.set_major_locator(MaxNLocator())
         ax.legend(fontsize=7, loc="best")
     return fig
 

@@ -162,7 +162,7 @@ def merge_results(parts: Sequence[RolloutResult]) -> RolloutResult:
     """One rollout from the shards that data-parallel ranks rolled out (trees in rank order).
 
     The tree statistics are recomputed over all trees; wall, generate and tool seconds are the slowest shard's
-    (the ranks ran concurrently), generated tokens and stale segments are summed; the branch rate by
+    (the ranks ran concurrently), generated and prompt tokens and stale segments are summed; the branch rate by
     consecutive-branch count and any other statistic are the first shard's (the decisions behind them are not in
     a result).
     """
@@ -172,7 +172,7 @@ def merge_results(parts: Sequence[RolloutResult]) -> RolloutResult:
     stats = {**parts[0].stats, **rollout_stats(trees)[0]}
     for key in ("wall_s", "generate_s", "tools_s"):
         stats[key] = max(p.stats.get(key, 0.0) for p in parts)
-    for key in ("tokens_generated", "stale_segments"):
+    for key in ("tokens_generated", "prompt_tokens", "stale_segments"):
         if any(key in p.stats for p in parts):
             stats[key] = sum(p.stats.get(key, 0.0) for p in parts)
     return RolloutResult(trees, stats, dict(parts[0].branch_rate_by_consecutive))
@@ -206,6 +206,7 @@ class RolloutScheduler:
         sampling = sampling or SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k)
         self._timers = {"generate_s": 0.0, "tools_s": 0.0}
         self._generated_tokens = 0
+        self._prompt_tokens = 0
         self._decisions: list[tuple[int, bool]] = []
         self._seed = seed
         states = [_QuestionState(i, q, [Node(0, None, 0, "prompt", list(q.prompt_ids))])
@@ -239,6 +240,7 @@ class RolloutScheduler:
                 "generate_s": self._timers["generate_s"],
                 "tools_s": self._timers["tools_s"],
                 "tokens_generated": float(self._generated_tokens),
+                "prompt_tokens": float(self._prompt_tokens),
             }
         )
         return RolloutResult(trees, stats, by_l)
@@ -347,6 +349,7 @@ class RolloutScheduler:
     def _engine_generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationResult]:
         """The engine's results, timed and their tokens counted; a batch that fails is retried row by row."""
         t0 = time.perf_counter()
+        self._prompt_tokens += sum(len(r.prompt_ids) for r in requests)  # sent, whether or not retried row by row
         try:
             results = self.engine.generate(requests, sampling)
             if len(results) != len(requests):

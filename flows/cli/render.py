@@ -104,6 +104,11 @@ def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
     raise typer.Exit(code)
 
 
+def as_count(x: float | None) -> int | None:
+    """A count logged as a float metric (tokens, tool calls) as an int; None when missing or NaN."""
+    return None if x is None or math.isnan(x) else round(x)
+
+
 def fmt(x: Any, digits: int = 3) -> str:
     if x is None:
         return "–"

@@ -1,5 +1,5 @@
 """``aepo runs``: the newest MLflow runs of an experiment in a table (name, kind, status, algorithm, final Pass@1,
-reward)."""
+reward, spend)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from flows.cli.inputs import FormatOpt, RunsOpt, TrackingOpt, reading_tracking_uri, resolve_runs_dir
-from flows.cli.render import OutputFormat, err, fmt, print_records
+from flows.cli.render import OutputFormat, as_count, err, fmt, print_records
 
 
 def _first_metric(metrics: Mapping[str, float], pattern: re.Pattern[str]) -> float | None:
@@ -35,7 +35,8 @@ def runs(
     tracking_uri: TrackingOpt = None,
     output: FormatOpt = OutputFormat.table,
 ) -> None:
-    """Table of MLflow runs: start, name, id, kind, status, algorithm, mode, seed, final Pass@1 and reward.
+    """Table of MLflow runs: start, name, id, kind, status, algorithm, mode, seed, final Pass@1, reward, and what
+    each training run spent (generated tokens, tool calls, CPU seconds).
 
     \b
     Examples:
@@ -59,8 +60,12 @@ def runs(
             "name": run.run_name, "run id": run.run_id, "kind": kind, "status": run.status,
             "algorithm": run.tags.get("algorithm"), "mode": run.tags.get("mode"), "seed": run.tags.get("seed"),
             "pass@1": _first_metric(run.metrics, pass1), "reward": run.metrics.get("rollout/reward_mean"),
+            # what the run spent in all (aepo_core.cost): compare runs at their budget, not only their steps
+            "tokens": as_count(run.metrics.get("cost/total_generated_tokens")),
+            "tool calls": as_count(run.metrics.get("cost/total_tool_calls")),
+            "CPU s": run.metrics.get("cost/total_cpu_s"),
         })
     print_records(f"MLflow runs in {experiment!r} at {uri}", records, output, cell=_cell,
-                  right=("seed", "pass@1", "reward"), fold=("name", "kind"))
+                  right=("seed", "pass@1", "reward", "tokens", "tool calls", "CPU s"), fold=("name", "kind"))
     if not found and output is OutputFormat.table:
         err().print("no runs yet")

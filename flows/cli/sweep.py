@@ -18,7 +18,17 @@ from rich.table import Table
 from aepo_core.config_keys import ConfigError
 from flows.cli.environment import prepare_environment, start_prefect_api
 from flows.cli.inputs import DEFAULT_RUNS_DIR, FormatOpt, RunsOpt, check_datasets, check_tracking_server, healthy
-from flows.cli.render import OutputFormat, err, fail, flow_progress, out, print_records, ui_hint, where_table
+from flows.cli.render import (
+    OutputFormat,
+    as_count,
+    err,
+    fail,
+    flow_progress,
+    out,
+    print_records,
+    ui_hint,
+    where_table,
+)
 from tasks.progress import Progress as ProgressEvent
 
 
@@ -140,10 +150,12 @@ def sweep_cmd(
         fail(f"sweep failed: {exc}", code=1)
     records = [{"cell": r["cell"], "seed": r["seed"], "status": r["status"], "dataset": r["dataset"],
                 "pass@1": r["pass@1"], "pass@1 CI low": r["pass@1_ci_low"], "pass@1 CI high": r["pass@1_ci_high"],
-                "pass@k": r["pass@k"], "tool calls/q": r["tool_calls_per_question"], "reward": r["reward_mean"]}
+                "pass@k": r["pass@k"], "tool calls/q": r["tool_calls_per_question"], "reward": r["reward_mean"],
+                "tokens": as_count(r["generated_tokens"]), "CPU s": r["cpu_s"]}
                for r in result.runs]
     print_records(f"aepo sweep: {result.name} (parent MLflow run {result.parent_run_id})", records, output,
-                  right=("seed", "pass@1", "pass@1 CI low", "pass@1 CI high", "pass@k", "tool calls/q", "reward"))
+                  right=("seed", "pass@1", "pass@1 CI low", "pass@1 CI high", "pass@k", "tool calls/q", "reward",
+                         "tokens", "CPU s"))
     console = out() if output is OutputFormat.table else err()  # CSV and JSON keep stdout to the rows
     if result.reused:
         console.print(f"already FINISHED in MLflow, not run again: {', '.join(result.reused)}")

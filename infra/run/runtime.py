@@ -36,6 +36,7 @@ from infra.engines.registry import build_engine
 from infra.engines.weights import PolicyEngine, PolicyWeights, WeightSource
 from infra.models import chat_prompt_ids, load_model_weights, load_policy
 from infra.numerics import Numerics, numerics_for
+from infra.processes import cpu_seconds
 from infra.tools.registry import build_tools
 from infra.training.checkpoint import CheckpointState, load_checkpoint
 from infra.training.memory import release_memory
@@ -90,6 +91,19 @@ class PolicyRuntime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds used so far by this process, its finished children (sandboxed code) and the managed vLLM
+        server's processes; a phase's are the difference of two readings (:func:`infra.processes.cpu_seconds`)."""
+        server = self.server.pid if self.server is not None else None
+        return cpu_seconds([server] if server is not None else [])
+
+    @property
+    def gpus(self) -> int:
+        """GPUs this process computes on (1 when the policy lives on CUDA, else 0): the common budget's GPU-seconds
+        are a phase's wall seconds times this, summed over ranks. A managed vLLM server on its own GPU is not
+        counted (every run here samples on the trainer's device or on CPU)."""
+        return int(next(self.model.parameters()).device.type == "cuda")
 
     def prompt_ids(self, question: str) -> list[int]:
         """The rollout prompt of ``question``: the chat template is applied once per question; the transcript then

@@ -14,6 +14,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from aepo_core.cost import Spend, cost_metrics, tool_calls_by_tool
 from aepo_core.rollout.scheduler import RolloutResult
 from aepo_core.rollout.tree import RolloutTree
 from aepo_core.scoring import StepScores
@@ -83,6 +84,8 @@ class Trainer:
                         cfg.algorithm.loss, cfg.optim.mini_batch_size, cfg.train.batch_size)
         self.cursor: DataCursor = self.order.start()
         self._step = 0
+        self.spent = Spend()
+        """The run's spend through the last step (:mod:`aepo_core.cost`); checkpointed, so a resumed run goes on."""
 
     @property
     def step(self) -> int:
@@ -111,6 +114,21 @@ class Trainer:
         self.runtime.weights_changed(self.weights())
         return metrics
 
+    def account(self, rounds: Sequence[RolloutResult], rollout_cpu_s: float, update_cpu_s: float,
+                rollout_wall_s: float, update_wall_s: float) -> dict[str, float]:
+        """Add one step's spend to the run's and return both as ``cost/…`` metrics: ``rounds`` are every rollout
+        of the step (DAPO refills included; tokens already summed over ranks), the seconds this rank's. Every rank
+        calls it (CPU and GPU seconds are summed over ranks, a collective)."""
+        per_rank = self.ranks.all_gather((rollout_cpu_s, update_cpu_s,
+                                          self.runtime.gpus * (rollout_wall_s + update_wall_s)))
+        step = Spend(generated_tokens=sum(r.stats.get("tokens_generated", 0.0) for r in rounds),
+                     prompt_tokens=sum(r.stats.get("prompt_tokens", 0.0) for r in rounds),
+                     tool_calls=tool_calls_by_tool([t for r in rounds for t in r.trees], sorted(self.runtime.tools)),
+                     rollout_cpu_s=sum(c[0] for c in per_rank), update_cpu_s=sum(c[1] for c in per_rank),
+                     gpu_s=sum(c[2] for c in per_rank))
+        self.spent = self.spent + step
+        return cost_metrics(step, self.spent)
+
     def weights(self) -> PolicyWeights:
         return PolicyWeights(self.runtime.model, self._step, self.backend.full_state_dict)
 
@@ -136,7 +154,8 @@ class Trainer:
             path = self.checkpoints.save(
                 self._step, model=rt.model, tokenizer=rt.tokenizer, config=rt.cfg,
                 optimizer=saved_optimizer, scheduler=scheduler, data_cursor=self.cursor, run_id=self.run_id,
-                extra={"order": self.order.state_dict(), "world_size": self.ranks.world_size},
+                extra={"order": self.order.state_dict(), "world_size": self.ranks.world_size,
+                       "spent": self.spent.state_dict()},
                 keep=rt.cfg.checkpoint.keep, state_dict=weights,
             )
         return str(self.ranks.broadcast(str(path)))
@@ -154,6 +173,11 @@ class Trainer:
             self.order.check_resumable(saved_order)
         self._step = state.step
         self.cursor = state.data_cursor or self.order.start()
+        spent = state.extra.get("spent")
+        if spent is None and self._step > 0:
+            log.warning("checkpoint %s predates the run's spend: the cost/total_* metrics count from step %d on",
+                        path, self._step + 1)
+        self.spent = Spend.from_state_dict(spent) if isinstance(spent, dict) else Spend()
         self.runtime.weights_changed(self.weights())
         log.info("resumed %s at step %d (data cursor %s)", path, self._step, self.cursor)
         return self._step

@@ -160,6 +160,11 @@ def test_runs_piped_keep_every_cell_whole_and_csv_json_read_back(trained: tuple[
     assert back["run id"] == run["run_id"] and float(back["reward"]) == reward and back["status"] == "FINISHED"
     (obj,) = json.loads(invoke("runs", "--runs-dir", str(runs), "--format", "json").stdout)
     assert obj["run id"] == run["run_id"] and obj["reward"] == reward and obj["seed"] == back["seed"]
+    # What the run spent (issue 27 §4): whole tokens and tool calls, as MLflow has them.
+    assert obj["tokens"] == run["metrics.cost/total_generated_tokens"] > 0 and isinstance(obj["tokens"], int)
+    assert obj["tool calls"] == run["metrics.cost/total_tool_calls"]
+    assert obj["CPU s"] == run["metrics.cost/total_cpu_s"] > 0 and int(back["tokens"]) == obj["tokens"]
+    assert str(obj["tokens"]) in row.split()
 
 
 def test_each_evaluation_stage_has_its_own_point(trained: tuple[Any, Path]) -> None:

@@ -52,7 +52,11 @@ def test_sweep_of_two_cells_nests_runs_and_compares(prefect_harness: Any, tmp_pa
         for column, metric in (("pass@1", "pass_at_1"), ("pass@k", "pass_at_2"), ("answered_rate", "answered_rate"),
                                ("tool_calls_per_question", "tool_calls_per_question")):
             assert row[column] == pytest.approx(child[f"metrics.eval/synthetic_test/{metric}"]), (row["cell"], column)
-    assert len(pd.read_csv(out / "summary.csv")) == 2
+        for column in ("generated_tokens", "tool_calls", "cpu_s"):  # what the run spent in all
+            assert row[column] == pytest.approx(child[f"metrics.cost/total_{column}"]), (row["cell"], column)
+        assert row["generated_tokens"] > 0 and row["cpu_s"] > 0
+    summary = pd.read_csv(out / "summary.csv")
+    assert len(summary) == 2 and (summary["generated_tokens"] > 0).all()
     assert (out / "comparison.png").stat().st_size > 1000
     logged = {f.path for f in tracker.client.list_artifacts(result.parent_run_id, "comparison")}
     assert {"comparison/comparison.csv", "comparison/comparison.png", "comparison/comparison.md"} <= logged

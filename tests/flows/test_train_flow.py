@@ -65,6 +65,17 @@ def test_mlflow_run_has_params_metrics_and_artifacts(tiny_run):
     for name in REQUIRED:
         steps = [m.step for m in client.get_metric_history(out.run_id, name)]
         assert steps == [1, 2], name
+    # The common budget: each step's spend and the running total (issue 27 §4).
+    def values(name: str) -> list[float]:
+        return [m.value for m in sorted(client.get_metric_history(out.run_id, name), key=lambda m: m.step)]
+
+    generated = values("cost/generated_tokens")
+    assert generated == values("rollout/tokens_generated") and all(g > 0 for g in generated)  # one round per step
+    for name in ("generated_tokens", "prompt_tokens", "tool_calls", "rollout_cpu_s", "update_cpu_s", "cpu_s"):
+        step, total = values(f"cost/{name}"), values(f"cost/total_{name}")
+        assert len(step) == 2 and total == pytest.approx([step[0], step[0] + step[1]]), name
+    assert values("cost/prompt_tokens")[0] > generated[0] and min(values("cost/update_cpu_s")) > 0.1
+    assert not client.get_metric_history(out.run_id, "cost/gpu_s")  # CPU only
     tool_calls = [m.value for m in client.get_metric_history(out.run_id, "rollout/tool_calls_mean")]
     delta = client.get_metric_history(out.run_id, "rollout/delta_h_mean")
     # ΔH only exists at tool steps: logged whenever a step had any. The random tiny policy rarely calls tools, so
@@ -280,10 +291,13 @@ def _responses(df: Any, step: int) -> list[tuple[str, str, list[int]]]:
     return sorted((r.question_id, r.leaf_id, list(r.response_tokens)) for r in rows.itertuples())
 
 
+def _history(runs: Path, name: str, tracking_uri: str | None = None) -> list[tuple[int, float]]:
+    client = mlflow.tracking.MlflowClient(tracking_uri or tracking_uri_for(runs))
+    return sorted((m.step, m.value) for m in client.get_metric_history(_run_id(runs), name))
+
+
 def _grad_norms(runs: Path) -> list[float]:
-    client = mlflow.tracking.MlflowClient(tracking_uri_for(runs))
-    run_id = json.loads((runs / "result.json").read_text())["run_id"]
-    return [m.value for m in sorted(client.get_metric_history(run_id, "train/grad_norm"), key=lambda m: m.step)]
+    return [value for _step, value in _history(runs, "train/grad_norm")]
 
 
 @pytest.mark.slow
@@ -346,3 +360,7 @@ def test_kill_after_checkpoint_and_resume_on_another_worker_from_s3_is_bit_ident
     assert all(_responses(ta, s) == _responses(tb, s) for s in (5, 6))
     first_epoch = [q for s in (1, 2, 3, 4) for q in qa[s]]
     assert len(first_epoch) == len(set(first_epoch)) == 8
+    # The run's spend went on from the checkpoint's: the same running totals as the straight run, step by step.
+    for name in ("cost/total_generated_tokens", "cost/total_prompt_tokens", "cost/total_tool_calls"):
+        assert _history(resumed, name, tracking_uri) == _history(straight, name), name
+    assert _history(straight, "cost/total_tool_calls")[-1][1] > 0  # (the tool user called tools)

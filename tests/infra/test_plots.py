@@ -68,6 +68,13 @@ def test_curves_png_groups_metrics(tmp_path: Path) -> None:
     assert metric_group("something/else") == "other"
     fig = plots.curves_figure(history)
     assert isinstance(fig, Figure) and len(fig.axes) == 5
+    # Against the run's budget: the reward/accuracy panel again, x = cumulative generated tokens (0 at step 0).
+    fig = plots.curves_figure(history, tokens={1: 1500.0, 2: 4200.0})
+    assert [ax.get_title() for ax in fig.axes][:2] == ["reward / accuracy", "reward / accuracy vs generated tokens"]
+    by_tokens = {line.get_label(): list(line.get_xdata()) for line in fig.axes[1].get_lines()}
+    assert by_tokens["rollout/reward_mean"] == [0.0, 1500.0, 4200.0]
+    assert by_tokens["eval/synthetic/pass@1"] == [4200.0]
+    assert len(fig.axes) == 6
     with pytest.raises(ValueError, match="no finite metric values"):
         plot_curves({"a": [(0, math.nan)], "b": []}, tmp_path / "empty.png")
     assert not (tmp_path / "empty.png").exists()
