@@ -35,6 +35,11 @@ re-parented: its ``mlflow.parentRunId`` tag is moved to the new parent run (the 
 ``sweep_previous_parent_run_id`` tag), so the comparison, which selects the children by parent, and the MLflow
 UI both show the whole sweep under the newest parent; the earlier parent's logged comparison is unchanged.
 
+``--resume`` (flow parameter ``resume``) continues a stopped sweep instead — Ctrl-C, SIGKILL, a lost worker, the
+end of a working session: in the same parent run (the newest of the sweep's name), skipping the finished children
+as above, and resuming each child that started and did not finish (same config) from its last checkpoint in its own
+MLflow run (the train flow's resume). The final table equals an uninterrupted sweep's (``tests/flows/test_sweep.py``).
+
 Sweep file (YAML; relative paths are relative to the sweep file)::
 
     name: algorithms              # parent MLflow run name; output directory <runs_dir>/sweeps/<name>/
@@ -81,6 +86,7 @@ from flows.common import artifact_key, flow_runs_dir, run_origin
 from flows.sweep_spec import SweepRun, SweepSpec, load_sweep, parse_shard, shard_runs
 from flows.train import train
 from infra.plots import save_png
+from infra.run.resume import NothingToResumeError
 from infra.tracking.run import Tracker
 from tasks.progress import Progress, report
 
@@ -269,7 +275,7 @@ def sweep_flow_run_name() -> str:
 def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None, shard: str | None = None,
           deployment: str | None = None, max_parallel: int = 4,
           child_timeout_s: float | None = None, child_lost_after_s: float | None = None,
-          overrides: list[str] | None = None, cells: list[str] | None = None) -> SweepResult:
+          overrides: list[str] | None = None, cells: list[str] | None = None, resume: bool = False) -> SweepResult:
     """Run every (cell, seed) of the sweep — or of one shard ``"i/N"`` — as a nested training run, then compare
     them; returns the tables' paths. ``overrides`` (``"key=value"``) apply to every cell after its own;
     ``cells`` keeps only those cells.
@@ -280,7 +286,11 @@ def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None, shard
     then none for ``child_lost_after_s`` (None: 3 × this process's ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY``, which
     the workers should share) is lost with its worker: marked Crashed and reported failed. None runs them here,
     one after another.
-    Children that already FINISHED in MLflow with the same run name, sweep name and config are not run again."""
+    Children that already FINISHED in MLflow with the same run name, sweep name and config are not run again.
+
+    ``resume`` continues a stopped sweep (Ctrl-C, SIGKILL, a lost worker, the end of a working session) in its own
+    parent MLflow run, the newest of this sweep's name: finished children are skipped as above, and a child that
+    started and did not finish (same config) resumes from its last checkpoint in its own MLflow run."""
     logger = get_run_logger()
     spec = sweep_spec(sweep_config, shard, overrides, cells)
     if max_parallel < 1:
@@ -295,7 +305,8 @@ def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None, shard
     configs = {r.run_name: child_config(r.config, tracker) for r in spec.runs}
     if deployment is not None:
         check_deployment(deployment, tracker.tracking_uri, logger)
-    parent = tracker.start(spec.base, run_name=spec.name, group=True, origin=run_origin(
+    previous = sweep_to_resume(tracker, spec) if resume else None
+    parent = tracker.start(spec.base, run_name=spec.name, group=True, resume_run_id=previous, origin=run_origin(
                                "flows/sweep.py:sweep", f"AEPO sweep {spec.name}: {len(spec.cells)} cells × "
                                f"{len(spec.seeds)} seeds, one nested training run each."),
                            tags={"kind": "sweep", TAG_SWEEP: spec.name, "sweep_cells": len(spec.cells),
@@ -306,15 +317,19 @@ def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None, shard
         tracker.log_dict(spec.as_dict(), "sweep.json")
         done = finished_children(tracker, spec, configs)
         for name, old in done.items():  # re-parent: the new parent run shows the whole sweep (see the docstring)
-            tracker.client.set_tag(old.run_id, "mlflow.parentRunId", parent)
-            tracker.client.set_tag(old.run_id, TAG_PREVIOUS_PARENT, old.parent_run_id)
+            if old.parent_run_id != parent:  # (a resumed sweep's own children stay as they are)
+                tracker.client.set_tag(old.run_id, "mlflow.parentRunId", parent)
+                tracker.client.set_tag(old.run_id, TAG_PREVIOUS_PARENT, old.parent_run_id)
             logger.info("sweep run %s already FINISHED in MLflow (run %s): not run again", name, old.run_id)
         todo = [r for r in spec.runs if r.run_name not in done]
+        started = started_children(tracker, spec, configs, parent) if resume else set()
+        for name in sorted(started & {r.run_name for r in todo}):
+            logger.info("sweep run %s started and did not finish: it resumes from its last checkpoint", name)
         if deployment is None:
-            failed = _run_children(spec, todo, configs, runs, parent, logger)
+            failed = _run_children(spec, todo, configs, runs, parent, started, logger)
         else:
             watch = _Watch(child_timeout_s, _lost_after(child_lost_after_s))
-            failed = _fan_out(spec, todo, configs, runs, parent, deployment, max_parallel, watch, logger)
+            failed = _fan_out(spec, todo, configs, runs, parent, deployment, max_parallel, watch, started, logger)
         _end_abandoned(tracker, parent, failed, logger)
         per_run, summary, markdown, files = _compare(spec, tracker, parent, out_dir)
         artifact_id = create_markdown_artifact(markdown=markdown, key=artifact_key("sweep", spec.name),
@@ -362,6 +377,27 @@ def finished_children(tracker: Tracker, spec: SweepSpec, configs: Mapping[str, E
     return out
 
 
+def sweep_to_resume(tracker: Tracker, spec: SweepSpec) -> str:
+    """The parent run ``resume`` continues: the newest sweep run of this name (a shard's name for a shard). Raises
+    :class:`NothingToResumeError`: starting a new sweep instead would hide a wrong name, runs dir or tracking URI."""
+    found = tracker.search_runs(filter_string=f"tags.kind = 'sweep' AND tags.{TAG_SWEEP} = '{spec.name}'")
+    found = found[found["run_name"] == spec.name] if not found.empty else found
+    if found.empty:
+        raise NothingToResumeError(f"nothing to resume: no sweep named {spec.name!r} in experiment "
+                                   f"{tracker.experiment!r} at {tracker.tracking_uri} (drop --resume to start it)")
+    return str(found.iloc[0]["run_id"])  # newest first
+
+
+def started_children(tracker: Tracker, spec: SweepSpec, configs: Mapping[str, ExperimentConfig], parent: str
+                     ) -> set[str]:
+    """Run names of ``parent``'s children that started with the config they would run with now and did not finish
+    (RUNNING when their process was killed, FAILED, KILLED): they resume from their last checkpoint."""
+    found = tracker.search_runs(filter_string=f"tags.mlflow.parentRunId = '{parent}' AND "
+                                              "attributes.status != 'FINISHED'")
+    names = {str(row["run_name"]): row.get("tags.config_hash") for _, row in found.iterrows()}
+    return {name for name, digest in names.items() if name in configs and digest == configs[name].config_hash()}
+
+
 @dataclass(frozen=True)
 class ChildFailure:
     """A child that did not complete: its run name and the final state (a Prefect state name, or why)."""
@@ -371,15 +407,17 @@ class ChildFailure:
 
 
 def _run_children(spec: SweepSpec, todo: Sequence[SweepRun], configs: Mapping[str, ExperimentConfig], runs: Path,
-                  parent: str, logger: Any) -> list[ChildFailure]:
-    """Every (cell, seed) as a child ``train`` flow run nested under ``parent``; returns the failed runs."""
+                  parent: str, started: set[str], logger: Any) -> list[ChildFailure]:
+    """Every (cell, seed) as a child ``train`` flow run nested under ``parent`` (resumed when ``started``);
+    returns the failed runs."""
     failed = []
     for i, run in enumerate(todo):
         report(logger, Progress("cell", done=i, total=len(todo), name=run.run_name),
                "sweep cell %d/%d: %s (%s)", i + 1, len(todo), run.run_name,
                ", ".join(f"{k}={v}" for k, v in run.overrides.items()))
         state = train(config=configs[run.run_name], runs_dir=str(runs), run_name=run.run_name,
-                      parent_run_id=parent, tags=_child_tags(spec, run), return_state=True)
+                      parent_run_id=parent, tags=_child_tags(spec, run), resume=run.run_name in started,
+                      return_state=True)
         if not state.is_completed():
             failed.append(ChildFailure(run.run_name, state.name or state.type.value))
             logger.error("sweep run %s ended %s: %s", run.run_name, state.type.value, state.message)
@@ -474,7 +512,8 @@ def _newest_heartbeat(client: Any, flow_run_id: UUID) -> Any:
 
 
 def _fan_out(spec: SweepSpec, todo: Sequence[SweepRun], configs: Mapping[str, ExperimentConfig], runs: Path,
-             parent: str, deployment: str, max_parallel: int, watch: _Watch, logger: Any) -> list[ChildFailure]:
+             parent: str, deployment: str, max_parallel: int, watch: _Watch, started: set[str], logger: Any
+             ) -> list[ChildFailure]:
     """Every (cell, seed) as a flow run of ``deployment`` (named like its MLflow run), at most ``max_parallel``
     submitted and unfinished at once; polls their states and returns the runs that did not complete (ended in
     another state, timed out, or lost: see :class:`_Watch`). If the sweep itself is stopped (an exception,
@@ -484,6 +523,7 @@ def _fan_out(spec: SweepSpec, todo: Sequence[SweepRun], configs: Mapping[str, Ex
     from prefect.states import Cancelling, Crashed
 
     pending = list(todo)
+    invocation = flow_run.id
     in_flight: dict[UUID, _Child] = {}
     failed: list[ChildFailure] = []
     finished = 0
@@ -492,16 +532,19 @@ def _fan_out(spec: SweepSpec, todo: Sequence[SweepRun], configs: Mapping[str, Ex
             while pending or in_flight:
                 while pending and len(in_flight) < max_parallel:
                     run = pending.pop(0)
-                    flow_run = run_deployment(
+                    resume = run.run_name in started
+                    submitted = run_deployment(
                         deployment, timeout=0, flow_run_name=run.run_name, tags=["aepo-sweep", spec.name],
-                        idempotency_key=f"{parent}/{run.run_name}",
+                        # one child flow run per child and sweep flow run: a retry of this flow run submits
+                        # nothing twice, a resumed sweep (another flow run) submits afresh
+                        idempotency_key=f"{parent}/{run.run_name}/{invocation}",
                         parameters={"config": configs[run.run_name].to_dict(), "runs_dir": str(runs),
                                     "run_name": run.run_name, "parent_run_id": parent, "overrides": [],
-                                    "resume": False, "tags": _child_tags(spec, run)})
-                    in_flight[flow_run.id] = _Child(run, time.monotonic())
+                                    "resume": resume, "tags": _child_tags(spec, run)})
+                    in_flight[submitted.id] = _Child(run, time.monotonic())
                     report(logger, Progress("cell", done=finished, total=len(todo), name=run.run_name),
                            "sweep run %s submitted to %s as flow run %s (%d in flight)", run.run_name, deployment,
-                           flow_run.id, len(in_flight))
+                           submitted.id, len(in_flight))
                 time.sleep(POLL_S)
                 for flow_run_id_, child in list(in_flight.items()):
                     run, now = child.run, time.monotonic()

@@ -51,6 +51,25 @@ def _sweep_runs_dir(option: str | None, path: Path) -> Path:
     return Path(DEFAULT_RUNS_DIR).resolve()
 
 
+def _check_resume(config: Path, shard: str | None, set_: list[str] | None, only: list[str] | None,
+                  runs: Path) -> None:
+    """``--resume`` needs the sweep's parent run in the tracking store: exits 2 when there is none, before a server
+    starts or a run is created."""
+    from flows.sweep import sweep_spec, sweep_to_resume
+    from infra.run.resume import NothingToResumeError
+    from infra.tracking.client import resolve_tracking
+    from infra.tracking.run import Tracker
+
+    spec = sweep_spec(str(config.resolve()), shard, list(set_ or []), only)
+    uri, _ = resolve_tracking(spec.base, runs)
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        fail(f"--resume: nothing to resume: no tracking store at {uri} (drop --resume to start the sweep)")
+    try:
+        sweep_to_resume(Tracker.from_config(spec.base, runs, system_metrics=False), spec)
+    except NothingToResumeError as exc:
+        fail(f"--resume: {exc}")
+
+
 def _sweep_plan(spec: Any, selected: Sequence[Any]) -> Table:
     """``aepo sweep --dry-run``: the runs a sweep (a ``SweepSpec``) would start, each with its cell's overrides;
     the ones every cell shares in the caption."""
@@ -95,6 +114,9 @@ def sweep_cmd(
                                                          "--cells aepo,grpo.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List the runs (cell, seed, run name, overrides) and "
                                           "exit: nothing is started or created.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue a stopped sweep in its own parent MLflow run: "
+                                         "finished runs are skipped, a run that started resumes from its last "
+                                         "checkpoint.")] = False,
     output: FormatOpt = OutputFormat.table,
 ) -> None:
     """Run a grid of training runs (cells × seeds) nested under one MLflow run, then compare them.
@@ -103,6 +125,7 @@ def sweep_cmd(
     Examples:
       aepo sweep -c configs/sweeps/tiny.yaml --dry-run
       aepo sweep -c configs/sweeps/tiny.yaml --cells aepo,grpo --format csv > sweep.csv
+      aepo sweep -c configs/sweeps/tiny.yaml --resume     # after Ctrl-C, a kill or the end of a session
     """
     if not config.is_file():
         fail(f"sweep file not found: {config}")
@@ -132,6 +155,8 @@ def sweep_cmd(
     from tasks.retry import USER_ERRORS
 
     check_tracking_server(spec.base.tracking.tracking_uri)
+    if resume:
+        _check_resume(config, shard, set_, only, runs)
     start_prefect_api()  # after every check: bad input exits without starting a server
 
     def on_event(bar: Progress, task: Any, event: ProgressEvent) -> None:
@@ -142,7 +167,8 @@ def sweep_cmd(
         with flow_progress(f"sweep {spec.name}", len(selected), on_event) as progress:
             result = sweep(sweep_config=str(config.resolve()), runs_dir=str(runs), shard=shard,
                            deployment=deployment, max_parallel=max_parallel, child_timeout_s=child_timeout,
-                           child_lost_after_s=child_lost_after, overrides=list(set_ or []) or None, cells=only)
+                           child_lost_after_s=child_lost_after, overrides=list(set_ or []) or None, cells=only,
+                           resume=resume)
             progress.update(progress.task_ids[0], completed=len(selected), description=f"sweep {result.name} done")
     except USER_ERRORS as exc:  # the user's input (a bad row, a bad config), found by the flow: as before it
         fail(str(exc))
