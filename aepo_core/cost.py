@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 
 from aepo_core.rollout.tree import RolloutTree
 
@@ -61,8 +61,7 @@ class Spend:
 
     def state_dict(self) -> dict[str, object]:
         """JSON-able, for a checkpoint (a resumed run's totals go on from the checkpoint's)."""
-        return {f.name: (dict(getattr(self, f.name)) if f.name == "tool_calls" else getattr(self, f.name))
-                for f in fields(self)}
+        return asdict(self)
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, object]) -> Spend:

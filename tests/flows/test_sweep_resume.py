@@ -9,10 +9,8 @@ without its optimizer state or spend, would give another table."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -20,6 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from flow_processes import kill_group, log_tail
 
 from infra.tracking.client import tracking_uri_for
 from infra.training.checkpoint_store import CheckpointStore
@@ -47,17 +46,6 @@ def _sweep(runs: Path, policy: Path, model_cache: Path, api_url: str, resume: bo
                             start_new_session=True)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
-def _tail(runs: Path, name: str = "run.log") -> str:
-    path = runs / name
-    return path.read_text()[-3000:] if path.exists() else ""
-
-
 def _runs(runs: Path) -> pd.DataFrame:
     from infra.tracking.run import Tracker
 
@@ -81,21 +69,21 @@ def test_a_sweep_killed_mid_cell_resumes_to_the_uninterrupted_table(
         store = CheckpointStore(killed / "checkpoints" / KILLED_CELL)
         deadline = time.time() + 600
         while not any(1 in store.child(r).steps() for r in store.run_folders()):
-            assert procs[1].poll() is None, _tail(killed)
-            assert time.time() < deadline, _tail(killed)
+            assert procs[1].poll() is None, log_tail(killed)
+            assert time.time() < deadline, log_tail(killed)
             time.sleep(0.2)
         time.sleep(random.Random(0).uniform(0.0, 1.0))
-        _kill_group(procs[1])
+        kill_group(procs[1])
         before = _runs(killed)
-        assert procs[0].wait(timeout=600) == 0, _tail(straight)
+        assert procs[0].wait(timeout=600) == 0, log_tail(straight)
         (child,) = before[before["run_name"] == KILLED_CELL]["run_id"]
         assert before.set_index("run_id").loc[child, "status"] == "RUNNING"  # killed mid-cell, short of the end
         assert _steps_logged(killed, child)[-1:] != [STEPS]
         procs.append(_sweep(killed, resume=True, **run))  # type: ignore[arg-type]
-        assert procs[-1].wait(timeout=600) == 0, _tail(killed, "resume.log")
+        assert procs[-1].wait(timeout=600) == 0, log_tail(killed, "resume.log")
     finally:
         for proc in procs:  # whatever happened, no sweep process outlives the test
-            _kill_group(proc)
+            kill_group(proc)
 
     after = _runs(killed)
     parents = after[after["tags.kind"] == "sweep"]

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +17,7 @@ from typing import Any
 import mlflow
 import pyarrow.dataset as pads
 import pytest
+from flow_processes import kill_group, log_tail
 from safetensors.torch import load_file
 
 from infra.config_files import load_config
@@ -261,17 +260,6 @@ def _run(runs: Path, resume: bool, steps: int, model_cache: Path, policy: Path, 
     return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
-def _tail(runs: Path, name: str = "run.log") -> str:
-    path = runs / name
-    return path.read_text()[-3000:] if path.exists() else ""
-
-
 def _run_id(runs: Path) -> str:
     return str(json.loads((runs / "result.json").read_text())["run_id"])
 
@@ -322,17 +310,17 @@ def test_kill_after_checkpoint_and_resume_on_another_worker_from_s3_is_bit_ident
     try:
         deadline = time.time() + 600
         while not any(4 in by_name.child(r).steps() for r in by_name.run_folders()):
-            assert p_killed.poll() is None, _tail(killed)
+            assert p_killed.poll() is None, log_tail(killed)
             assert time.time() < deadline
             time.sleep(0.2)
         time.sleep(random.Random(0).uniform(0.0, 1.5))  # a random point after the checkpoint
-        _kill_group(p_killed)
-        assert p_straight.wait(timeout=600) == 0, _tail(straight)
+        kill_group(p_killed)
+        assert p_straight.wait(timeout=600) == 0, log_tail(straight)
         procs.append(run(resumed, True, 6, storage=on_s3))
-        assert procs[-1].wait(timeout=600) == 0, _tail(resumed, "resume.log")
+        assert procs[-1].wait(timeout=600) == 0, log_tail(resumed, "resume.log")
     finally:
         for proc in procs:  # whatever happened, no flow process or Prefect server outlives the test
-            _kill_group(proc)
+            kill_group(proc)
 
     # The same MLflow run went on, from S3: nothing of it on the fresh worker's disk but its checkpoint cache.
     (run_id,) = by_name.run_folders()
