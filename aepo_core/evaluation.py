@@ -11,8 +11,10 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 from aepo_core.interfaces import RewardResult
-from aepo_core.metrics import bootstrap_ci, paired_bootstrap_diff, pass_at_k
+from aepo_core.metrics import DEFAULT_CONFIDENCE, bootstrap_ci, paired_bootstrap_diff, pass_at_k
 
 CORRECT_REASONS = frozenset({"correct", "equivalent"})
 
@@ -80,3 +82,35 @@ def paired_comparison(
     point, low, high = paired_bootstrap_diff([a[q] for q in common], [b[q] for q in common],
                                              n_resamples=n_resamples, seed=seed)
     return {"diff": point, "ci_low": low, "ci_high": high, "questions": float(len(common))}
+
+
+def pooled_paired_comparison(
+    pairs: Sequence[tuple[Mapping[str, float], Mapping[str, float]]], *, n_resamples: int = 1000, seed: int = 0,
+    confidence: float = DEFAULT_CONFIDENCE,
+) -> dict[str, float]:
+    """The mean over S runs of each run's paired difference, D = (1/S)·Σ_s mean_q (a_sq − b_sq), on the questions
+    both sides of that run answered (e.g. final vs SFT evaluation of one training seed), with a stratified
+    bootstrap CI: every resample redraws each run's questions with replacement within that run, so each run keeps
+    its weight 1/S and its pairing.
+
+    The runs are strata, not resampled: the interval is about these S runs' mean, not a new seed's (with S = 3 a
+    bootstrap over seeds would have 10 distinct resamples).  ``positive`` counts the runs whose own mean
+    difference is > 0."""
+    if not pairs:
+        raise ValueError("pooled_paired_comparison needs at least one pair of runs")
+    diffs = []
+    for i, (a, b) in enumerate(pairs):
+        common = sorted(set(a) & set(b))
+        if not common:
+            raise ValueError(f"pair {i}: the two runs share no questions")
+        diffs.append(np.array([a[q] - b[q] for q in common], dtype=float))
+    rng = np.random.default_rng(seed)
+    stats = np.zeros(n_resamples)
+    for d in diffs:
+        stats += d[rng.integers(0, d.size, size=(n_resamples, d.size))].mean(axis=1)
+    stats /= len(diffs)
+    tail = (1.0 - confidence) / 2.0
+    low, high = np.quantile(stats, [tail, 1.0 - tail])
+    return {"diff": float(np.mean([d.mean() for d in diffs])), "ci_low": float(low), "ci_high": float(high),
+            "runs": float(len(diffs)), "positive": float(sum(d.mean() > 0 for d in diffs)),
+            "questions": float(sum(d.size for d in diffs))}

@@ -7,7 +7,14 @@ import random
 
 import pytest
 
-from aepo_core.evaluation import QuestionOutcome, is_correct, paired_comparison, summarize, summarize_by
+from aepo_core.evaluation import (
+    QuestionOutcome,
+    is_correct,
+    paired_comparison,
+    pooled_paired_comparison,
+    summarize,
+    summarize_by,
+)
 from aepo_core.interfaces import RewardResult
 
 
@@ -52,3 +59,47 @@ def test_is_correct():
     assert is_correct(RewardResult(1.1, "correct", {"em": 1.0}))
     assert not is_correct(RewardResult(0.8, "partial", {"em": 0.0}))
     assert is_correct(RewardResult(1.0, "equivalent"))
+
+
+def test_pooled_comparison_of_one_run_is_the_paired_comparison():
+    rng = random.Random(3)
+    a = {f"q{i}": rng.random() for i in range(40)}
+    b = {f"q{i}": rng.random() for i in range(40)}
+    pooled = pooled_paired_comparison([(a, b)], n_resamples=500, seed=7)
+    single = paired_comparison(a, b, n_resamples=500, seed=7)
+    assert (pooled["diff"], pooled["ci_low"], pooled["ci_high"]) == pytest.approx(
+        (single["diff"], single["ci_low"], single["ci_high"]))
+    assert pooled["runs"] == 1 and pooled["questions"] == 40
+
+
+def test_pooled_comparison_weighs_runs_equally_and_keeps_them_as_strata():
+    # run 1: 10 questions, each +1; run 2: 100 questions, each 0. Pooled by question it would read 10/110 = 0.09;
+    # by run it is 0.5, and since each run's differences are constant no resample moves it (the runs are fixed).
+    r1 = ({f"q{i}": 1.0 for i in range(10)}, {f"q{i}": 0.0 for i in range(10)})
+    r2 = ({f"q{i}": 0.3 for i in range(100)}, {f"q{i}": 0.3 for i in range(100)})
+    res = pooled_paired_comparison([r1, r2], n_resamples=200)
+    assert res["diff"] == pytest.approx(0.5)
+    assert res["ci_low"] == pytest.approx(0.5) and res["ci_high"] == pytest.approx(0.5)
+    assert res["positive"] == 1 and res["runs"] == 2 and res["questions"] == 110
+
+
+def test_pooled_comparison_interval_narrows_with_more_runs():
+    rng = random.Random(0)
+
+    def run() -> tuple[dict[str, float], dict[str, float]]:
+        return ({f"q{i}": float(rng.random() < 0.4) for i in range(24)},
+                {f"q{i}": float(rng.random() < 0.3) for i in range(24)})
+
+    runs = [run() for _ in range(9)]
+    one = pooled_paired_comparison(runs[:1], n_resamples=2000)
+    nine = pooled_paired_comparison(runs, n_resamples=2000)
+    width = lambda r: r["ci_high"] - r["ci_low"]  # noqa: E731
+    assert width(nine) < 0.5 * width(one)  # ~1/3 for 9 equal strata
+    assert nine["ci_low"] <= nine["diff"] <= nine["ci_high"]
+
+
+def test_pooled_comparison_names_the_run_without_shared_questions():
+    with pytest.raises(ValueError, match="pair 1"):
+        pooled_paired_comparison([({"a": 1.0}, {"a": 0.0}), ({"a": 1.0}, {"b": 1.0})])
+    with pytest.raises(ValueError, match="at least one"):
+        pooled_paired_comparison([])

@@ -1,0 +1,269 @@
+"""Does the demo learn on every seed? Its RL gain per seed and micro-batch size, and pooled (issue 27 §1).
+
+Runs a config (default ``configs/demo.yaml``: SFT → evaluation → RL → evaluation) once per ``--seeds`` and, with
+``--micro-batch-tokens``, once per micro-batch size too, through the sweep flow: one nested MLflow run per (size,
+seed) under a parent named ``--name``. The same command continues a stopped one (the sweep's ``--resume``, chosen
+when a sweep of that name is in the runs dir): the runs that FINISHED with the same config are not run again, the
+one in progress resumes from its last checkpoint, in the same parent run. Then, from each run's per-question
+evaluation files (``eval/sft/…``, ``eval/final/…``):
+
+- per run: Pass@1 after SFT and at the end, the paired difference final − sft [bootstrap 95% CI over questions],
+  tool calls per question at both evaluations, tool calls per trajectory at each RL step, the run's wall time;
+- per micro-batch size: how many seeds gained (final − sft > 0), and the pooled difference: the mean of the runs'
+  mean differences, its CI by a stratified bootstrap (each run's questions redrawn within that run;
+  :func:`aepo_core.evaluation.pooled_paired_comparison`). The seeds are the strata, not resampled: the interval
+  says how sure the figure is for these seeds, and "positive on every seed" is reported beside it.
+
+A micro-batch size changes only the order of float sums in the update; a conclusion that changes with it is the
+trajectory's luck, not the algorithm's.
+
+Run: ``.venv/bin/python -m bench.demo_seeds [-c configs/demo.yaml] [--seeds 0 1 2] [--micro-batch-tokens 1024 2048
+4096] [--set optim.lr=2e-5 …] [--analyse-only]``. Prints the tables and writes
+``bench/results/demo_seeds.json`` (``--out``); the runs go to ``--runs-dir`` (default ``runs/bench-demo-seeds``).
+Budget ~15 min a run on 2 idle AMX cores, so 3 seeds × 3 sizes is ~2 h 15 min: stop it at any time and run the
+same command again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.harness import RESULTS_DIR, environment, print_table, write_result
+
+log = logging.getLogger("bench.demo_seeds")
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPO / "configs" / "demo.yaml"
+TOOL_CALLS = "rollout/tool_calls_mean"
+STAGES = ("sft", "final")
+AXIS = "micro_batch"
+
+
+def sweep_spec(config: Path, sets: Sequence[str], seeds: Sequence[int], micro_batches: Sequence[int],
+               name: str) -> dict[str, Any]:
+    """The sweep: the config with ``sets`` on every run, one cell per micro-batch size (``mb<n>``; none given: the
+    config's own, cell ``base``), each at every seed."""
+    overrides = {}
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE")
+        overrides[key] = yaml.safe_load(value)
+    spec: dict[str, Any] = {"name": name, "base": str(config.resolve()), "overrides": overrides,
+                            "seeds": list(seeds)}
+    if micro_batches:
+        spec["grid"] = {AXIS: {f"mb{n}": {"optim.micro_batch_tokens": n} for n in micro_batches}}
+    return spec
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One demo run's result: its Pass@1 per question at each evaluation, tool use, wall time."""
+
+    cell: str
+    seed: int
+    run_name: str
+    run_id: str
+    pass1: Mapping[str, Mapping[str, float]]
+    """stage → question → Pass@1 (correct / samples)."""
+    tool_calls_per_question: Mapping[str, float]
+    """stage → mean tool calls per sampled answer at that evaluation."""
+    tool_calls_by_step: Sequence[tuple[int, float]]
+    """(RL step, tool calls per trajectory in that step's rollouts)."""
+    wall_s: float
+
+    def mean_pass1(self, stage: str) -> float:
+        values = self.pass1[stage].values()
+        return sum(values) / len(values)
+
+
+def read_run(tracker: Any, row: Mapping[str, Any], dataset: str, workdir: Path) -> RunRecord:
+    """A finished run's record from MLflow: the per-question evaluation files and the tool-call history."""
+    from infra.data.loaders import dataset_key
+    from infra.tracking.client import download_artifacts
+
+    rid = row["run_id"]
+    pass1: dict[str, dict[str, float]] = {}
+    calls: dict[str, float] = {}
+    for stage in STAGES:
+        path = download_artifacts(tracker.tracking_uri, f"runs:/{rid}/eval/{stage}/{dataset_key(dataset)}.json",
+                                  workdir / rid / stage)
+        questions = json.loads(Path(path).read_text())["questions"]
+        pass1[stage] = {q["question_id"]: q["correct"] / q["n"] for q in questions}
+        calls[stage] = sum(q["tool_calls_mean"] for q in questions) / len(questions)
+    info = tracker.client.get_run(rid).info
+    wall = (info.end_time - info.start_time) / 1000 if info.end_time else math.nan
+    history = tracker.metric_history([TOOL_CALLS], run_id=rid)[TOOL_CALLS]
+    return RunRecord(row["cell"], int(row["seed"]), row["run_name"], rid, pass1, calls, history, wall)
+
+
+def run_gain(record: RunRecord, n_resamples: int) -> dict[str, float]:
+    from aepo_core.evaluation import paired_comparison
+
+    return paired_comparison(record.pass1["final"], record.pass1["sft"], n_resamples=n_resamples)
+
+
+def cell_summary(records: Sequence[RunRecord], n_resamples: int) -> dict[str, Any]:
+    """A micro-batch size over its seeds: seeds that gained, the pooled final − sft, tool calls, wall time."""
+    from aepo_core.evaluation import pooled_paired_comparison
+
+    pooled = pooled_paired_comparison([(r.pass1["final"], r.pass1["sft"]) for r in records],
+                                      n_resamples=n_resamples)
+    return {"seeds": [r.seed for r in records], "pooled_gain": pooled,
+            "positive_seeds": int(pooled["positive"]),
+            "sft_pass1": statistics.fmean(r.mean_pass1("sft") for r in records),
+            "final_pass1": statistics.fmean(r.mean_pass1("final") for r in records),
+            "tool_calls_per_question": {s: statistics.fmean(r.tool_calls_per_question[s] for r in records)
+                                        for s in STAGES},
+            "wall_s_mean": statistics.fmean(r.wall_s for r in records)}
+
+
+def _ci(d: Mapping[str, float]) -> str:
+    return f"{d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
+
+
+def report(records: Sequence[RunRecord], gains: Mapping[str, Mapping[str, float]],
+           cells: Mapping[str, Mapping[str, Any]], dataset: str) -> None:
+    print_table(f"The demo per run on {dataset} (Pass@1; final − sft paired over questions, 95% bootstrap CI)",
+                ["cell", "seed", "sft", "final", "final − sft [CI]", "tool calls/q sft → final",
+                 "tool calls/traj by RL step", "wall min"],
+                [[r.cell, r.seed, f"{r.mean_pass1('sft'):.3f}", f"{r.mean_pass1('final'):.3f}",
+                  _ci(gains[r.run_name]),
+                  f"{r.tool_calls_per_question['sft']:.2f} → {r.tool_calls_per_question['final']:.2f}",
+                  " ".join(f"{v:.2f}" for _, v in r.tool_calls_by_step), f"{r.wall_s / 60:.1f}"]
+                 for r in records])
+    print_table("Pooled over seeds (mean of the runs' final − sft; CI: questions redrawn within each run)",
+                ["cell", "seeds", "gained", "sft", "final", "final − sft [CI]", "tool calls/q sft → final",
+                 "wall min (mean)"],
+                [[cell, len(c["seeds"]), f"{c['positive_seeds']}/{len(c['seeds'])}", f"{c['sft_pass1']:.3f}",
+                  f"{c['final_pass1']:.3f}", _ci(c["pooled_gain"]),
+                  f"{c['tool_calls_per_question']['sft']:.2f} → {c['tool_calls_per_question']['final']:.2f}",
+                  f"{c['wall_s_mean'] / 60:.1f}"] for cell, c in cells.items()])
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("-c", "--config", type=Path, default=DEFAULT_CONFIG, help="experiment config (%(default)s)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--micro-batch-tokens", type=int, nargs="*", default=[],
+                   help="one cell per size (optim.micro_batch_tokens); none: the config's own")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="override for every run (repeatable)")
+    p.add_argument("--name", default=None, help="the sweep's name (default: <config stem>-seeds)")
+    p.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "bench-demo-seeds")
+    p.add_argument("--analyse-only", action="store_true", help="analyse the finished runs; run nothing")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "demo_seeds.json")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from aepo_core.config_keys import ConfigError
+    from flows.cli.environment import prepare_environment, sigterm_unwinds
+
+    runs = args.runs_dir.resolve()
+    prepare_environment(runs)  # before Prefect is imported
+    try:
+        with sigterm_unwinds():
+            return run(args, runs)
+    except ConfigError as exc:  # a bad config, override or sweep: one line, nothing started
+        print(f"bench.demo_seeds: {exc}", file=sys.stderr)
+        return 2
+
+
+def started(runs: Path, spec: Any) -> bool:
+    """Whether a sweep of this name is in the runs dir already (then it is continued, not started again)."""
+    from flows.sweep import sweep_to_resume
+    from infra.run.resume import NothingToResumeError
+    from infra.tracking.run import Tracker
+
+    try:
+        sweep_to_resume(Tracker.from_config(spec.base, runs, system_metrics=False), spec)
+    except NothingToResumeError:
+        return False
+    return True
+
+
+def check_measurable(spec: Any) -> None:
+    """Every run must evaluate after SFT and at the end: the gain is final − sft on the same questions."""
+    from aepo_core.config_keys import ConfigError
+
+    for run in spec.runs:
+        if not (run.config.train.sft.enabled and run.config.eval.at_start):
+            raise ConfigError(f"run {run.run_name}: the gain final − sft needs train.sft.enabled=true and "
+                              f"eval.at_start=true (the evaluation after SFT); got {run.config.train.sft.enabled} "
+                              f"and {run.config.eval.at_start}")
+
+
+def run(args: argparse.Namespace, runs: Path) -> int:
+    from bench.compare_algorithms import stored_runs
+    from flows.sweep_spec import load_sweep
+    from infra.tracking.run import Tracker
+
+    name = args.name or f"{args.config.stem}-seeds"
+    spec = sweep_spec(args.config, args.sets, args.seeds, args.micro_batch_tokens, name)
+    checked = load_sweep(spec)
+    check_measurable(checked)
+    env = environment(threads=0)
+    t0 = time.perf_counter()
+    if args.analyse_only:
+        rows = stored_runs(runs, checked, None)["runs"]
+    else:
+        from flows.sweep import sweep
+
+        result = sweep(sweep_config=spec, runs_dir=str(runs), resume=started(runs, checked))
+        rows = [{**r, "tracking_uri": result.tracking_uri} for r in result.runs]
+    wall = time.perf_counter() - t0
+    dataset = sorted({r["dataset"] for r in rows})[0]
+    cfg0 = checked.runs[0].config
+    n_resamples = cfg0.eval.bootstrap_samples
+    tracker = Tracker(rows[0]["tracking_uri"])
+    with tempfile.TemporaryDirectory() as tmp:
+        records = [read_run(tracker, r, dataset, Path(tmp)) for r in rows if r["dataset"] == dataset]
+    gains = {r.run_name: run_gain(r, n_resamples) for r in records}
+    cells = {cell: cell_summary([r for r in records if r.cell == cell], n_resamples)
+             for cell in dict.fromkeys(r.cell for r in records)}
+    report(records, gains, cells, dataset)
+    env["load_avg_end"] = list(os.getloadavg())
+    write_result(args.out, {
+        "benchmark": "demo_seeds",
+        "environment": env,
+        "config": str(args.config),
+        "overrides": spec["overrides"],
+        "cells": checked.cells,
+        "seeds": checked.seeds,
+        "dataset": dataset,
+        "regime": {"rl_steps": cfg0.train.steps, "questions_per_step": cfg0.train.batch_size, "k": cfg0.rollout.k,
+                   "mini_batch_size": cfg0.optim.mini_batch_size, "lr": cfg0.optim.lr,
+                   "sft_examples": cfg0.train.sft.max_examples, "sft_epochs": cfg0.train.sft.epochs,
+                   "eval_questions": cfg0.eval.max_questions, "eval_samples": cfg0.eval.n_samples},
+        "analyse_only": args.analyse_only,
+        "wall_s": None if args.analyse_only else wall,
+        "runs": [{"cell": r.cell, "seed": r.seed, "run_name": r.run_name, "run_id": r.run_id,
+                  "pass1": {s: r.mean_pass1(s) for s in STAGES}, "gain": gains[r.run_name],
+                  "tool_calls_per_question": dict(r.tool_calls_per_question),
+                  "tool_calls_by_step": [list(p) for p in r.tool_calls_by_step], "wall_s": r.wall_s}
+                 for r in records],
+        "pooled": cells,
+    })
+    print(f"\nresults: {args.out}\nMLflow: {tracker.tracking_uri}; browse with `aepo ui --runs-dir {runs}`")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,106 @@
+"""bench.demo_seeds: the demo's RL gain per seed and micro-batch size. The sweep it builds; the per-run and pooled
+figures on hand-made records (the formulas); and one real run of it on the tiny config, whose figures are checked
+against what MLflow holds and which a second invocation analyses without training again."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.demo_seeds import RunRecord, cell_summary, main, run_gain, sweep_spec
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny.yaml"
+
+
+def test_one_cell_per_micro_batch_size_or_the_config_s_own() -> None:
+    from flows.sweep_spec import load_sweep
+
+    spec = load_sweep(sweep_spec(TINY, ["optim.lr=2e-5"], [0, 1], [256, 512], "s"))
+    assert list(spec.cells) == ["mb256", "mb512"] and spec.seeds == [0, 1]
+    assert [r.run_name for r in spec.runs] == ["s-mb256-s0", "s-mb256-s1", "s-mb512-s0", "s-mb512-s1"]
+    assert {r.config.optim.micro_batch_tokens for r in spec.runs if r.cell == "mb512"} == {512}
+    assert {r.config.optim.lr for r in spec.runs} == {2e-5}
+    plain = load_sweep(sweep_spec(TINY, [], [3], [], "s"))
+    assert [r.run_name for r in plain.runs] == ["s-base-s3"] and plain.runs[0].config.optim.micro_batch_tokens == 512
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        sweep_spec(TINY, ["optim.lr"], [0], [], "s")
+
+
+def test_a_config_without_the_sft_evaluation_is_refused_before_anything_runs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["-c", str(TINY), "--seeds", "0", "--runs-dir", str(tmp_path), "--out", str(tmp_path / "o.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and "run tiny-seeds-base-s0" in err and "train.sft.enabled=true" in err
+    assert "Traceback" not in err and not (tmp_path / "o.json").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def _record(seed: int, sft: list[float], final: list[float]) -> RunRecord:
+    qs = [f"q{i}" for i in range(len(sft))]
+    pass1 = {"sft": dict(zip(qs, sft, strict=True)), "final": dict(zip(qs, final, strict=True))}
+    return RunRecord("mb1024", seed, f"r{seed}", f"id{seed}", pass1, {"sft": 2.0, "final": 1.0 + seed},
+                     [(1, 2.0), (2, 1.5)], 600.0 + 60 * seed)
+
+
+def test_per_run_gain_and_the_pooled_gain_over_seeds() -> None:
+    # seed 0 gains +0.5 on 4 questions, seed 1 loses 0.25 on 4: 1 of 2 seeds gained, pooled (0.5 − 0.25)/2 = 0.125
+    up = _record(0, [0, 0, 0.5, 1], [1, 0.5, 0.5, 1])
+    down = _record(1, [1, 1, 0, 0], [1, 0, 0, 0])
+    assert run_gain(up, 200)["diff"] == pytest.approx(0.375)
+    assert run_gain(down, 200)["diff"] == pytest.approx(-0.25)
+    cell = cell_summary([up, down], 500)
+    assert cell["pooled_gain"]["diff"] == pytest.approx((0.375 - 0.25) / 2)
+    assert cell["positive_seeds"] == 1 and cell["seeds"] == [0, 1]
+    assert cell["sft_pass1"] == pytest.approx((0.375 + 0.5) / 2) and cell["final_pass1"] == pytest.approx(0.5)
+    assert cell["tool_calls_per_question"] == {"sft": 2.0, "final": 1.5}
+    assert cell["wall_s_mean"] == pytest.approx(630.0)
+    lo, hi = cell["pooled_gain"]["ci_low"], cell["pooled_gain"]["ci_high"]
+    assert lo < 0 < hi  # 8 questions in all: the interval is wide
+
+
+def test_runs_the_seeds_and_reads_them_back_from_mlflow(prefect_harness: Any, model_cache: Path, tool_user: Path,
+                                                        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from infra.tracking.client import tracking_uri_for
+    from infra.tracking.run import Tracker
+
+    # the session's tool-using tiny policy (tests/conftest.py), with a one-batch SFT of its own: the evaluation
+    # after SFT exists, and the policy calls tools from the first step, so the tool-call figures are not all zero
+    sets = [f"model.name={tool_user}", f"model.cache_dir={model_cache}", "train.sft.enabled=true",
+            "train.sft.max_examples=2", "train.sft.epochs=1", "data.max_questions=8", "train.steps=2",
+            "checkpoint.every=2", "eval.at_start=true", "eval.max_questions=2"]
+    args = ["-c", str(TINY), "--seeds", "0", "--micro-batch-tokens", "256", "512", "--name", "tiny-seeds",
+            "--runs-dir", str(tmp_path), *(f"--set={s}" for s in sets)]
+    out = tmp_path / "demo_seeds.json"
+    assert main([*args, "--out", str(out)]) == 0
+    first = json.loads(out.read_text())
+    assert [r["run_name"] for r in first["runs"]] == ["tiny-seeds-mb256-s0", "tiny-seeds-mb512-s0"]
+    tracker = Tracker(tracking_uri_for(tmp_path))
+    for run in first["runs"]:
+        keys = ["eval/synthetic_test/pass_at_1", "eval/synthetic_test/tool_calls_per_question",
+                "rollout/tool_calls_mean"]
+        history = tracker.metric_history(keys, run_id=run["run_id"])
+        # the per-question files agree with MLflow: the SFT evaluation is logged at step 0, the final one at the end
+        for stage, at in (("sft", 0), ("final", -1)):
+            assert run["pass1"][stage] == pytest.approx(history[keys[0]][at][1])
+            assert run["tool_calls_per_question"][stage] == pytest.approx(history[keys[1]][at][1])
+        assert history[keys[0]][0][0] == 0 and history[keys[0]][-1][0] == 2
+        assert [tuple(p) for p in run["tool_calls_by_step"]] == history[keys[2]] and len(history[keys[2]]) == 2
+        assert run["gain"]["diff"] == pytest.approx(run["pass1"]["final"] - run["pass1"]["sft"])
+        assert run["wall_s"] > 0
+    assert sum(r["tool_calls_per_question"]["sft"] for r in first["runs"]) > 0  # the SFT'd policy uses its tools
+    assert set(first["pooled"]) == {"mb256", "mb512"} and first["pooled"]["mb256"]["seeds"] == [0]
+    printed = capsys.readouterr().out
+    assert "Pooled over seeds" in printed and "tiny-seeds" not in printed.split("Pooled over seeds")[1].split("\n")[0]
+
+    # Run again: both runs finished, so nothing trains (the sweep reuses them) and the figures are the same.
+    again = tmp_path / "again.json"
+    assert main([*args, "--out", str(again)]) == 0
+    second = json.loads(again.read_text())
+    assert [r["run_id"] for r in second["runs"]] == [r["run_id"] for r in first["runs"]]
+    assert second["pooled"] == first["pooled"]
+    only = tmp_path / "only.json"
+    assert main([*args, "--analyse-only", "--out", str(only)]) == 0
+    assert json.loads(only.read_text())["runs"] == first["runs"]
