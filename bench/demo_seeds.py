@@ -85,6 +85,9 @@ class RunRecord:
     tool_calls_by_step: Sequence[tuple[int, float]]
     """(RL step, tool calls per trajectory in that step's rollouts)."""
     wall_s: float
+    phases_s: Mapping[str, float]
+    """Wall seconds by phase over the run (:data:`flows.train.PHASE_TIME`): sft, eval (all evaluations), rollout,
+    update (of it scoring_pass, the no-grad π_old forward)."""
 
     def mean_pass1(self, stage: str) -> float:
         values = self.pass1[stage].values()
@@ -93,6 +96,7 @@ class RunRecord:
 
 def read_run(tracker: Any, row: Mapping[str, Any], dataset: str, workdir: Path) -> RunRecord:
     """A finished run's record from MLflow: the per-question evaluation files and the tool-call history."""
+    from flows.train import PHASE_TIME
     from infra.data.loaders import dataset_key
     from infra.tracking.client import download_artifacts
 
@@ -107,8 +111,15 @@ def read_run(tracker: Any, row: Mapping[str, Any], dataset: str, workdir: Path) 
         calls[stage] = sum(q["tool_calls_mean"] for q in questions) / len(questions)
     info = tracker.client.get_run(rid).info
     wall = (info.end_time - info.start_time) / 1000 if info.end_time else math.nan
-    history = tracker.metric_history([TOOL_CALLS], run_id=rid)[TOOL_CALLS]
-    return RunRecord(row["cell"], int(row["seed"]), row["run_name"], rid, pass1, calls, history, wall)
+    metrics = tracker.client.get_run(rid).data.metrics
+    evals = [k for k in metrics if k.startswith(f"{PHASE_TIME}eval_")]
+    steps = {"sft": f"{PHASE_TIME}sft_s", "rollout": f"{PHASE_TIME}rollout_s", "update": f"{PHASE_TIME}update_s",
+             "scoring_pass": "train/scoring_pass_s"}
+    history = tracker.metric_history([TOOL_CALLS, *steps.values(), *evals], run_id=rid)
+    phases = {name: sum(v for _, v in history[key]) for name, key in steps.items()}
+    phases["eval"] = sum(v for key in evals for _, v in history[key])
+    return RunRecord(row["cell"], int(row["seed"]), row["run_name"], rid, pass1, calls, history[TOOL_CALLS], wall,
+                     phases)
 
 
 def run_gain(record: RunRecord, n_resamples: int) -> dict[str, float]:
@@ -140,11 +151,12 @@ def report(records: Sequence[RunRecord], gains: Mapping[str, Mapping[str, float]
            cells: Mapping[str, Mapping[str, Any]], dataset: str) -> None:
     print_table(f"The demo per run on {dataset} (Pass@1; final − sft paired over questions, 95% bootstrap CI)",
                 ["cell", "seed", "sft", "final", "final − sft [CI]", "tool calls/q sft → final",
-                 "tool calls/traj by RL step", "wall min"],
+                 "tool calls/traj by RL step", "wall min", "sft / eval / rollout / update min"],
                 [[r.cell, r.seed, f"{r.mean_pass1('sft'):.3f}", f"{r.mean_pass1('final'):.3f}",
                   _ci(gains[r.run_name]),
                   f"{r.tool_calls_per_question['sft']:.2f} → {r.tool_calls_per_question['final']:.2f}",
-                  " ".join(f"{v:.2f}" for _, v in r.tool_calls_by_step), f"{r.wall_s / 60:.1f}"]
+                  " ".join(f"{v:.2f}" for _, v in r.tool_calls_by_step), f"{r.wall_s / 60:.1f}",
+                  " / ".join(f"{r.phases_s[p] / 60:.1f}" for p in ("sft", "eval", "rollout", "update"))]
                  for r in records])
     print_table("Pooled over seeds (mean of the runs' final − sft; CI: questions redrawn within each run)",
                 ["cell", "seeds", "gained", "sft", "final", "final − sft [CI]", "tool calls/q sft → final",
@@ -257,7 +269,8 @@ def run(args: argparse.Namespace, runs: Path) -> int:
         "runs": [{"cell": r.cell, "seed": r.seed, "run_name": r.run_name, "run_id": r.run_id,
                   "pass1": {s: r.mean_pass1(s) for s in STAGES}, "gain": gains[r.run_name],
                   "tool_calls_per_question": dict(r.tool_calls_per_question),
-                  "tool_calls_by_step": [list(p) for p in r.tool_calls_by_step], "wall_s": r.wall_s}
+                  "tool_calls_by_step": [list(p) for p in r.tool_calls_by_step], "wall_s": r.wall_s,
+                  "phases_s": dict(r.phases_s)}
                  for r in records],
         "pooled": cells,
     })

@@ -55,6 +55,11 @@ log = logging.getLogger(__name__)
 CURVE_METRICS = ("rollout/reward_mean", "rollout/accuracy", "train/entropy_mean", "rollout/delta_h_mean",
                  "rollout/branch_samples", "rollout/max_branches_per_path", "train/loss", "train/clip_frac_high")
 
+PHASE_TIME = "time/"
+"""Wall seconds by phase: ``time/rollout_s`` (sampling and scoring, refill rounds included) and ``time/update_s``
+(the scoring pass, ``train/scoring_pass_s``, included) per RL step; ``time/sft_s`` at step 0;
+``time/eval_<label>_s`` at the evaluation's step (``start``, ``sft``, ``step<N>``, ``final``)."""
+
 TOKENS_SPENT = f"{COST_PREFIX}{TOTAL}generated_tokens"
 """The x of the curves against the run's budget (:mod:`aepo_core.cost`)."""
 
@@ -113,6 +118,7 @@ class _Evaluations:
     def run(self, label: str, step: int, prefix: str = "eval") -> None:
         where = ResultsDir.of(self.runtime.cfg.storage, self.runs, f"{self.run_name}/{label}")
         source = EvalSource(self.tracker.run_id, self.run_name, None, step)
+        t0 = time.perf_counter()
         for ds in self.runtime.eval_datasets():
             result = evaluate.with_options(timeout_seconds=self.timeout_s)(self.runtime, ds, label)
             _log_eval(self.tracker, result, step, label, prefix)
@@ -120,6 +126,7 @@ class _Evaluations:
             self.tracker.log_artifact(where.local_file(result.key), f"eval/{label}")
             self.summaries.setdefault(label, {})[result.key] = result.summary
             self.per_question.setdefault(label, {})[result.key] = result.per_question_pass1
+        self.tracker.log_metrics({f"{PHASE_TIME}eval_{label}_s": time.perf_counter() - t0}, step)
 
 
 @flow(name="aepo-train", flow_run_name=train_flow_run_name, log_prints=True)
@@ -256,7 +263,9 @@ def _train_loop(trainer: Trainer, name: str, tracker: RunLogger, trajectories: T
         if cfg.eval.at_start:
             evals.run("start", 0, BEFORE_SFT if cfg.train.sft.enabled else "eval")
         if cfg.train.sft.enabled:
-            tracker.log_metrics(sft(runtime, trainer.rows).metrics(), 0)
+            t0 = time.perf_counter()
+            metrics = sft(runtime, trainer.rows).metrics()
+            tracker.log_metrics({**metrics, f"{PHASE_TIME}sft_s": time.perf_counter() - t0}, 0)
             if cfg.eval.at_start:
                 evals.run("sft", 0)
     while trainer.step < total:
@@ -269,7 +278,8 @@ def _train_loop(trainer: Trainer, name: str, tracker: RunLogger, trajectories: T
         t1, cpu1 = time.perf_counter(), runtime.cpu_seconds()
         train_metrics = update.with_options(timeout_seconds=cfg.train.update_timeout_s)(
             trainer, dataclasses.replace(rounds[0], trees=filled.trees), scores, step)
-        spent = trainer.account(rounds, cpu1 - cpu0, runtime.cpu_seconds() - cpu1, t1 - t0, time.perf_counter() - t1)
+        t2 = time.perf_counter()
+        spent = trainer.account(rounds, cpu1 - cpu0, runtime.cpu_seconds() - cpu1, t1 - t0, t2 - t1)
         result = dataclasses.replace(rounds[0], trees=filled.sampled_trees)
         if trainer.ranks.is_main:
             store(trajectories, trainer.run_id, step, result, filled.sampled_scores, trainer.rows_by_id)
@@ -279,6 +289,7 @@ def _train_loop(trainer: Trainer, name: str, tracker: RunLogger, trajectories: T
                                    kind="train", label=f"step{step}",
                                    questions=trainer.question_rows(result.trees[:n]))
         tracker.log_metrics({**rounds[0].metrics(), **scores.metrics, **train_metrics, **spent,
+                             f"{PHASE_TIME}rollout_s": t1 - t0, f"{PHASE_TIME}update_s": t2 - t1,
                              "step/wall_s": time.perf_counter() - t0}, step)
         if step % cfg.checkpoint.every == 0 or step == total:
             checkpoint(trainer)

@@ -42,7 +42,8 @@ def _record(seed: int, sft: list[float], final: list[float]) -> RunRecord:
     qs = [f"q{i}" for i in range(len(sft))]
     pass1 = {"sft": dict(zip(qs, sft, strict=True)), "final": dict(zip(qs, final, strict=True))}
     return RunRecord("mb1024", seed, f"r{seed}", f"id{seed}", pass1, {"sft": 2.0, "final": 1.0 + seed},
-                     [(1, 2.0), (2, 1.5)], 600.0 + 60 * seed)
+                     [(1, 2.0), (2, 1.5)], 600.0 + 60 * seed,
+                     {"sft": 60.0, "eval": 200.0, "rollout": 250.0, "update": 80.0, "scoring_pass": 0.0})
 
 
 def test_per_run_gain_and_the_pooled_gain_over_seeds() -> None:
@@ -90,6 +91,10 @@ def test_runs_the_seeds_and_reads_them_back_from_mlflow(prefect_harness: Any, mo
         assert [tuple(p) for p in run["tool_calls_by_step"]] == history[keys[2]] and len(history[keys[2]]) == 2
         assert run["gain"]["diff"] == pytest.approx(run["pass1"]["final"] - run["pass1"]["sft"])
         assert run["wall_s"] > 0
+        phases = run["phases_s"]  # every phase ran and took time; together no more than the run's wall
+        assert min(phases["sft"], phases["eval"], phases["rollout"], phases["update"]) > 0
+        assert phases["scoring_pass"] <= phases["update"]
+        assert phases["sft"] + phases["eval"] + phases["rollout"] + phases["update"] <= run["wall_s"]
     assert sum(r["tool_calls_per_question"]["sft"] for r in first["runs"]) > 0  # the SFT'd policy uses its tools
     assert set(first["pooled"]) == {"mb256", "mb512"} and first["pooled"]["mb256"]["seeds"] == [0]
     printed = capsys.readouterr().out

@@ -75,6 +75,13 @@ def test_mlflow_run_has_params_metrics_and_artifacts(tiny_run):
         assert len(step) == 2 and total == pytest.approx([step[0], step[0] + step[1]]), name
     assert values("cost/prompt_tokens")[0] > generated[0] and min(values("cost/update_cpu_s")) > 0.1
     assert not client.get_metric_history(out.run_id, "cost/gpu_s")  # CPU only
+    # Wall seconds by phase (issue 27 §2): the step's two phases within its wall, the scoring pass within the update
+    rollout_s, update_s, wall_s = values("time/rollout_s"), values("time/update_s"), values("step/wall_s")
+    assert len(rollout_s) == len(update_s) == 2 and min(rollout_s + update_s) > 0
+    assert all(r + u <= w for r, u, w in zip(rollout_s, update_s, wall_s, strict=True))
+    assert all(sp <= u for sp, u in zip(values("train/scoring_pass_s"), update_s, strict=True))
+    final_eval = client.get_metric_history(out.run_id, "time/eval_final_s")
+    assert [m.step for m in final_eval] == [2] and final_eval[0].value > 0
     tool_calls = [m.value for m in client.get_metric_history(out.run_id, "rollout/tool_calls_mean")]
     delta = client.get_metric_history(out.run_id, "rollout/delta_h_mean")
     # ΔH only exists at tool steps: logged whenever a step had any. The random tiny policy rarely calls tools, so
