@@ -146,6 +146,12 @@ class FilledBatch:
     sampled_scores: StepScores  # their scores, aligned with sampled_trees (each round's own advantages)
     tries: int  # sampling rounds made
 
+    def update_advantages(self) -> list[tuple[float, ...] | None]:
+        """Aligned with ``sampled_trees``: the advantages the update gives each tree's leaves, None for a tree it
+        leaves out (what the store keeps so that the update can be replayed)."""
+        used = {id(t): tuple(s.advantage for s in ts) for t, ts in zip(self.trees, self.scores.leaves, strict=True)}
+        return [used.get(id(t)) for t in self.sampled_trees]
+
 
 SampleRound = Callable[[int], tuple[Sequence[RolloutTree], StepScores]]
 """``attempt`` (0, 1, …) → the trees of the next questions and their scores (seeds derive from the attempt)."""

@@ -282,7 +282,8 @@ def _train_loop(trainer: Trainer, name: str, tracker: RunLogger, trajectories: T
         spent = trainer.account(rounds, cpu1 - cpu0, runtime.cpu_seconds() - cpu1, t1 - t0, t2 - t1)
         result = dataclasses.replace(rounds[0], trees=filled.sampled_trees)
         if trainer.ranks.is_main:
-            store(trajectories, trainer.run_id, step, result, filled.sampled_scores, trainer.rows_by_id)
+            store(trajectories, trainer.run_id, step, result, filled.sampled_scores, trainer.rows_by_id,
+                  filled.update_advantages())
             _log_step_views(tracker, trainer, step, result, filled.sampled_scores)
         n = cfg.tracking.traces_per_step
         tracker.log_rollout_traces(result.trees[:n], filled.sampled_scores.leaves[:n], step=step,

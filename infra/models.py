@@ -88,6 +88,12 @@ class ModelLoadError(RuntimeError):
 # --------------------------------------------------------------------------------------------------------------
 
 
+def pad_token_id(tokenizer: Any) -> int:
+    """The id the trainer pads batches with: the tokenizer's pad token, else 0 (padding is masked out either way)."""
+    pad = tokenizer.pad_token_id
+    return int(pad) if pad is not None else 0
+
+
 def load_policy(cfg: ModelConfig) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` for ``cfg``: model in eval mode on ``cfg.device`` in ``cfg.dtype``.
 

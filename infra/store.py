@@ -61,7 +61,7 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from aepo_core.config import StorageConfig
-from aepo_core.rollout.rows import leaf_row, node_row
+from aepo_core.rollout.rows import leaf_row, node_row, null_nan
 from aepo_core.rollout.tree import RolloutTree
 from aepo_core.scoring import LeafScore, check_aligned
 from infra.atomic import atomic_file, leftover_temps
@@ -74,7 +74,7 @@ log = logging.getLogger(__name__)
 TableName = Literal["trajectories", "nodes"]
 TABLES: tuple[TableName, ...] = ("trajectories", "nodes")
 COMPRESSION = "zstd"
-SCHEMA_VERSION = "3"
+SCHEMA_VERSION = "4"
 
 _STRING_LIST = pa.list_(pa.string())
 
@@ -123,6 +123,13 @@ TRAJECTORY_SCHEMA = _schema("trajectories", [
     _field("reward_reason", pa.string(), "Why the reward is what it is (e.g. f1=0.5, no_answer); \"\" until "
            "scored.", False),
     _field("advantage", pa.float64(), "The trajectory-level advantage; null until computed."),
+    _field("update_advantage", pa.float64(), "The advantage the step's policy update used for this trajectory (with "
+           "DAPO dynamic sampling recomputed over the update's groups; `aepo replay` re-runs the update from it). "
+           "Null when its group was not in the update (uninformative, or past the batch), and before schema "
+           "version 4."),
+    _field("update_group", pa.int32(), "The position of the trajectory's group (its question) among the update's "
+           "groups: the update's samples are these groups in this order, each group's leaves by leaf_id. Null when "
+           "the group was not in the update, and before schema version 4."),
     _field("status", pa.string(), "How the trajectory ended: answered / truncated / tool_limit / tool_error / "
            "engine_error.", False),
     _field("num_tool_calls", pa.int32(), "Tool calls on the path.", False),
@@ -233,13 +240,16 @@ def check_step(step: object) -> int:
 
 def trees_to_tables(run_id: str, step: int, trees: Sequence[RolloutTree],
                     scores: Sequence[Sequence[LeafScore]] | None = None,
-                    questions: Mapping[str, QuestionRow] | None = None) -> dict[TableName, pa.Table]:
+                    questions: Mapping[str, QuestionRow] | None = None,
+                    update: Sequence[Sequence[float] | None] | None = None) -> dict[TableName, pa.Table]:
     """Flatten rollout trees into the two tables (pure: no I/O), validating the trees on the way.
 
     ``scores[i][j]`` is the score of leaf ``j`` of ``trees[i]`` (``StepScores.leaves``); without scores the
     ``reward`` and ``advantage`` columns are null and ``reward_reason`` is empty.  ``questions`` (question id →
     row) fills ``dataset``, ``question``, ``golds`` and ``family``; every tree's question must be there.  Without
-    it those columns are null.
+    it those columns are null.  ``update[i]`` holds the advantages the update used for ``trees[i]``'s leaves, None
+    for a tree the update left out (:meth:`aepo_core.scoring.FilledBatch.update_advantages`: the update's groups
+    are the trees with advantages, in this order); without it ``update_advantage`` and ``update_group`` are null.
     """
     check_run_id(run_id)
     check_step(step)
@@ -260,10 +270,17 @@ def trees_to_tables(run_id: str, step: int, trees: Sequence[RolloutTree],
             check_aligned(trees, scores)
         except ValueError as exc:
             raise StoreError(f"run {run_id} step {step}: {exc}") from exc
+    if update is not None and (len(update) != len(trees) or any(
+            u is not None and len(u) != len(t.leaves) for t, u in zip(trees, update, strict=False))):
+        raise StoreError(f"run {run_id} step {step}: the update's advantages are not aligned with the trees' leaves")
+    group = 0
     for ti, tree in enumerate(trees):
         _add_nodes(nodes, run_id, step, tree)
+        used = None if update is None else update[ti]
         _add_leaves(traj, run_id, step, tree, None if scores is None else scores[ti],
-                    None if questions is None else questions[tree.question_id])
+                    None if questions is None else questions[tree.question_id], used,
+                    None if used is None else group)
+        group += used is not None
     try:
         return {
             "trajectories": pa.Table.from_pydict(traj, schema=TRAJECTORY_SCHEMA),
@@ -282,14 +299,16 @@ def _add_nodes(cols: dict[str, list[Any]], run_id: str, step: int, tree: Rollout
 
 
 def _add_leaves(cols: dict[str, list[Any]], run_id: str, step: int, tree: RolloutTree,
-                scores: Sequence[LeafScore] | None, question: QuestionRow | None) -> None:
+                scores: Sequence[LeafScore] | None, question: QuestionRow | None,
+                update: Sequence[float] | None, group: int | None) -> None:
     n_nodes = len(tree.nodes)
     for j, leaf in enumerate(tree.leaves):
         where = f"question {tree.question_id} leaf {leaf.leaf_id}"
         bad = [i for i in leaf.node_ids if not isinstance(i, int) or not 0 <= i < n_nodes]
         if bad:
             raise StoreError(f"{where}: path refers to missing nodes {bad} (tree has {n_nodes})")
-        row = leaf_row(run_id, step, tree, leaf, None if scores is None else scores[j], question)
+        row = {**leaf_row(run_id, step, tree, leaf, None if scores is None else scores[j], question),
+               "update_advantage": None if update is None else null_nan(update[j]), "update_group": group}
         ids, mask, lps, ents = (row[k] for k in ("response_tokens", "loss_mask", "logprobs", "entropies"))
         if not len(ids) == len(mask) == len(lps) == len(ents):
             raise StoreError(
@@ -399,10 +418,12 @@ class TrajectoryStore:
 
     def write_step(self, run_id: str, step: int, trees: Sequence[RolloutTree],
                    scores: Sequence[Sequence[LeafScore]] | None = None,
-                   questions: Mapping[str, QuestionRow] | None = None) -> list[str]:
-        """Write (or replace) one step's trees and, when given, their leaves' scores (aligned with ``trees``) and
-        their questions (question id → row); returns the written part paths (nodes, then trajectories)."""
-        tables = trees_to_tables(run_id, step, trees, scores, questions)
+                   questions: Mapping[str, QuestionRow] | None = None,
+                   update: Sequence[Sequence[float] | None] | None = None) -> list[str]:
+        """Write (or replace) one step's trees and, when given, their leaves' scores (aligned with ``trees``),
+        their questions (question id → row) and the update's advantages (:func:`trees_to_tables`); returns the
+        written part paths (nodes, then trajectories)."""
+        tables = trees_to_tables(run_id, step, trees, scores, questions, update)
         self.adopt_nested_layout()
         written = []
         for name in ("nodes", "trajectories"):  # trajectories last: its part marks the step complete

@@ -62,9 +62,10 @@ def update(trainer: Trainer, result: RolloutResult, scores: StepScores, step: in
 
 @task(name="store", task_run_name="store-step-{step}", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
 def store(trajectories: TrajectoryStore, run_id: str, step: int, result: RolloutResult, scores: StepScores,
-          questions: Mapping[str, QuestionRow]) -> list[str]:
-    """One step's trees with their scores and questions (id → row: text, golds, dataset) into the store."""
-    paths = trajectories.write_step(run_id, step, result.trees, scores.leaves, questions)
+          questions: Mapping[str, QuestionRow], update: Sequence[Sequence[float] | None] | None = None) -> list[str]:
+    """One step's trees with their scores, questions (id → row: text, golds, dataset) and the advantages the update
+    used (aligned with the trees, None for a tree it left out) into the store."""
+    paths = trajectories.write_step(run_id, step, result.trees, scores.leaves, questions, update)
     get_run_logger().info("step %d stored %d trajectory parts", step, len(paths))
     return paths
 

@@ -28,7 +28,7 @@ from typing import Annotated
 
 import typer
 
-from flows.cli import config, evaluate, runs, serve, sweep, train, trajectories, ui
+from flows.cli import config, evaluate, replay, runs, serve, sweep, train, trajectories, ui
 from flows.cli.environment import set_verbosity
 
 app = typer.Typer(name="aepo", help="Agentic entropy-balanced policy optimization: experiments on Prefect + MLflow.",
@@ -63,6 +63,7 @@ app.command("sweep")(sweep.sweep_cmd)
 app.command("serve")(serve.serve)
 app.command("runs")(runs.runs)
 app.command("trajectories")(trajectories.trajectories)
+app.command("replay")(replay.replay_cmd)
 app.command("ui")(ui.ui)
 
 

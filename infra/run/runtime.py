@@ -34,7 +34,7 @@ from infra.data.rows import QuestionRow
 from infra.data.synthetic import SyntheticTask
 from infra.engines.registry import build_engine
 from infra.engines.weights import PolicyEngine, PolicyWeights, WeightSource
-from infra.models import chat_prompt_ids, load_model_weights, load_policy
+from infra.models import chat_prompt_ids, load_model_weights, load_policy, pad_token_id
 from infra.numerics import Numerics, numerics_for
 from infra.processes import cpu_seconds
 from infra.tools.registry import build_tools
@@ -118,8 +118,7 @@ class PolicyRuntime:
 
     @property
     def pad_id(self) -> int:
-        pad = self.tokenizer.pad_token_id  # type: ignore[attr-defined]
-        return int(pad) if pad is not None else 0
+        return pad_token_id(self.tokenizer)
 
     def sample(self, rows: Sequence[QuestionRow], rollout: RolloutConfig, seed: int,
                sampling: SamplingParams | None = None) -> RolloutResult:

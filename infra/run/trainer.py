@@ -14,6 +14,9 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
+from aepo_core.config import ExperimentConfig
 from aepo_core.cost import Spend, cost_metrics, tool_calls_by_tool
 from aepo_core.rollout.scheduler import RolloutResult
 from aepo_core.rollout.tree import RolloutTree
@@ -21,7 +24,7 @@ from aepo_core.scoring import StepScores
 from infra.data.rows import QuestionRow
 from infra.engines.weights import PolicyWeights
 from infra.models import load_policy
-from infra.numerics import autocast_dtype
+from infra.numerics import Numerics, autocast_dtype
 from infra.ranks import Ranks
 from infra.run.checkpoints import as_store
 from infra.run.runtime import PolicyRuntime
@@ -35,8 +38,9 @@ from infra.training.update import PolicyUpdater, TrainBackend
 log = logging.getLogger(__name__)
 
 
-def build_backend(runtime: PolicyRuntime, total_steps: int) -> TrainBackend:
-    cfg = runtime.cfg
+def build_backend(cfg: ExperimentConfig, model: torch.nn.Module, numerics: Numerics, total_steps: int
+                  ) -> TrainBackend:
+    """The configured training backend over ``model`` (torch in one process, or DeepSpeed)."""
     if cfg.train.backend != "deepspeed" and Ranks.current().distributed:
         raise ValueError("train.backend=torch trains in one process: under a torchrun/deepspeed launcher use "
                          "train.backend=deepspeed, whose ranks all-reduce their gradients")
@@ -49,9 +53,27 @@ def build_backend(runtime: PolicyRuntime, total_steps: int) -> TrainBackend:
     if cfg.train.backend == "deepspeed":
         from infra.training.deepspeed_backend import DeepSpeedBackend
 
-        return DeepSpeedBackend.from_config(runtime.model, cfg.optim, cfg.train, total_steps)
-    return TorchBackend(runtime.model, cfg.optim, total_steps,
-                        compute_dtype=autocast_dtype(runtime.numerics.compute_dtype))
+        return DeepSpeedBackend.from_config(model, cfg.optim, cfg.train, total_steps)
+    return TorchBackend(model, cfg.optim, total_steps, compute_dtype=autocast_dtype(numerics.compute_dtype))
+
+
+def build_updater(cfg: ExperimentConfig, backend: TrainBackend, numerics: Numerics, pad_id: int) -> PolicyUpdater:
+    """The policy updater over ``backend``, with a frozen reference model when the KL term is on."""
+    ref = None
+    if cfg.algorithm.kl_coef > 0:
+        ref_model, _ = load_policy(cfg.model)
+        ref = FrozenBackend(ref_model, autocast_dtype(numerics.compute_dtype))
+    return PolicyUpdater(backend, cfg, pad_id=pad_id, ref_backend=ref, generation_dtype=numerics.generation_dtype)
+
+
+def data_order(cfg: ExperimentConfig, rows: int) -> DataOrder:
+    """The order in which a run of ``cfg`` draws its batches from ``rows`` training rows."""
+    return DataOrder(rows, cfg.train.batch_size, cfg.seed, shuffle=cfg.data.shuffle)
+
+
+def total_steps(cfg: ExperimentConfig, order: DataOrder) -> int:
+    """The run's RL steps: ``train.steps``, else ``train.epochs`` passes over the data order's batches."""
+    return cfg.train.steps or cfg.train.epochs * order.batches_per_epoch
 
 
 class Trainer:
@@ -68,15 +90,10 @@ class Trainer:
         self.checkpoints = as_store(checkpoint_dir)
         self.rows_by_id: dict[str, QuestionRow] = {r.id: r for r in self.rows}
         """Question id → row (text, golds, dataset): trees hold token ids only."""
-        self.order = DataOrder(len(self.rows), cfg.train.batch_size, cfg.seed, shuffle=cfg.data.shuffle)
-        self.total_steps = cfg.train.steps or cfg.train.epochs * self.order.batches_per_epoch
-        self.backend = build_backend(runtime, self.total_steps)
-        ref = None
-        if cfg.algorithm.kl_coef > 0:
-            ref_model, _ = load_policy(cfg.model)
-            ref = FrozenBackend(ref_model, autocast_dtype(runtime.numerics.compute_dtype))
-        self.updater = PolicyUpdater(self.backend, cfg, pad_id=runtime.pad_id, ref_backend=ref,
-                                     generation_dtype=runtime.numerics.generation_dtype)
+        self.order = data_order(cfg, len(self.rows))
+        self.total_steps = total_steps(cfg, self.order)
+        self.backend = build_backend(cfg, runtime.model, runtime.numerics, self.total_steps)
+        self.updater = build_updater(cfg, self.backend, runtime.numerics, runtime.pad_id)
         if not cfg.clip_active():
             log.warning("algorithm.loss=%s runs fully on-policy (optim.ppo_epochs=1, optim.mini_batch_size=%d >= "
                         "train.batch_size=%d): every ratio is 1, nothing is clipped, and every clipping loss gives the "

@@ -153,6 +153,29 @@ def test_rewriting_a_step_replaces_it(tmp_path: Path, trees: list[RolloutTree],
     assert store.steps("r1") == [3]
 
 
+def test_the_update_s_groups_and_advantages_are_stored_in_its_order(tmp_path: Path, trees: list[RolloutTree],
+                                                                    scores: list[list[LeafScore]]) -> None:
+    # the update used trees 0 and 2 (tree 1 was filtered out), with advantages of its own: groups 0 and 1
+    update = [tuple(0.1 * j for j in range(len(trees[0].leaves))), None,
+              tuple(-0.2 * j for j in range(len(trees[2].leaves)))]
+    store = TrajectoryStore(str(tmp_path))
+    store.write_step("r1", 1, trees, scores, update=update)
+    df = store.read_trajectories(run_id="r1", step=1)
+    for ti, (t, used) in enumerate(zip(trees, update, strict=True)):
+        rows = df[df["question_id"] == t.question_id].sort_values("leaf_id")
+        if used is None:
+            assert rows["update_group"].isna().all() and rows["update_advantage"].isna().all()
+        else:
+            assert set(rows["update_group"]) == {0 if ti == 0 else 1}
+            assert list(rows["update_advantage"]) == pytest.approx(list(used))
+    store.write_step("r1", 2, trees, scores)  # without them: null
+    assert store.read_trajectories(run_id="r1", step=2)["update_group"].isna().all()
+    with pytest.raises(StoreError, match="not aligned"):
+        store.write_step("r1", 3, trees, scores, update=update[:2])
+    with pytest.raises(StoreError, match="not aligned"):
+        store.write_step("r1", 3, trees, scores, update=[(0.0,), None, None])
+
+
 def test_delete_steps_after_removes_the_later_steps_of_that_run_only(tmp_path: Path, trees: list[RolloutTree],
                                                                      scores: list[list[LeafScore]]) -> None:
     store = TrajectoryStore(str(tmp_path))
@@ -371,7 +394,7 @@ def test_every_column_is_described_in_the_files(tmp_path: Path, trees: list[Roll
         assert [f.metadata for f in stored] == [f.metadata for f in schema]
         assert all(len(f.metadata[b"description"]) > 10 for f in stored), table
         kv = dict(duckdb.sql(f"SELECT decode(key), decode(value) FROM parquet_kv_metadata('{part}')").fetchall())
-        assert json.loads(kv["aepo.columns"]) == describe(table) and kv["aepo.schema_version"] == "3"
+        assert json.loads(kv["aepo.columns"]) == describe(table) and kv["aepo.schema_version"] == "4"
     assert "response_tokens" in describe("nodes")["token_start"] and "prompt_tokens" in describe("nodes")["token_start"]
 
 

@@ -1,0 +1,123 @@
+"""The replay flow (``aepo replay <run> --step N``): re-run one stored step's policy update and check it against the
+run's own checkpoint.
+
+Step N's update starts from the checkpoint of step N − 1 (weights, AdamW moments, LR schedule, RNG streams; a
+checkpoint of step k holds the state after k updates) and reads step N's samples from the trajectory store in the
+update's order (:mod:`infra.run.replay`); the weights it ends with are compared, tensor by tensor, with the
+checkpoint of step N. The run's config comes from its MLflow run (the ``config.yaml`` artifact) and its numerics
+from the run's ``numerics.*`` params, so the replay computes in the dtypes the run did, whatever ``auto`` would pick
+on this machine. Replaying step N therefore needs the checkpoints of steps N − 1 and N (``checkpoint.every: 1``,
+``keep`` ≥ 2) and step N's trajectories written at schema version 4 or later.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+
+from prefect import flow, get_run_logger
+
+from aepo_core.config import ExperimentConfig
+from flows.common import flow_runs_dir
+from infra.config_files import load_config
+from infra.numerics import Numerics, device_facts, numerics_for
+from infra.run.checkpoints import checkpoint_store
+from infra.run.replay import ReplayError, compare_weights, replay_update, update_samples
+from infra.run.trainer import data_order, total_steps
+from infra.store import TrajectoryStore
+from infra.tracking.client import download_artifacts, tracking_uri_for
+from infra.tracking.run import Tracker
+from tasks.data import prepare_data, source_fingerprint
+
+COMPARED_METRICS = ("train/loss", "train/grad_norm", "train/clip_frac", "train/entropy_mean")
+"""The step's logged update metrics set beside the replay's."""
+
+
+@dataclass
+class ReplayResult:
+    """What one replayed step gave: where it came from and how it compares."""
+
+    run_id: str
+    run_name: str
+    step: int
+    samples: int
+    numerics: str
+    """The dtypes replayed in (the run's): compute, generation."""
+    tensors: int
+    identical_tensors: int
+    max_abs_diff: float
+    first_different: str | None
+    metrics: dict[str, tuple[float | None, float | None]]
+    """Of :data:`COMPARED_METRICS`, (as the run logged it at the step, as replayed)."""
+
+    @property
+    def bit_identical(self) -> bool:
+        return self.identical_tensors == self.tensors
+
+
+def find_run(tracker: Tracker, run: str) -> tuple[str, str]:
+    """(run id, run name) of a run id or, else, the newest run of that name."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        info = tracker.client.get_run(run).info
+        return info.run_id, info.run_name
+    except MlflowException:
+        named = tracker.runs_named(run)
+        if not named:
+            raise ReplayError(f"no MLflow run with id or name {run!r} in experiment {tracker.experiment!r} at "
+                              f"{tracker.tracking_uri}") from None
+        return named[0].run_id, run
+
+
+def run_config(tracker: Tracker, run_id: str) -> ExperimentConfig:
+    """The config the run trained with (its ``config.yaml`` artifact)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return load_config(download_artifacts(tracker.tracking_uri, f"runs:/{run_id}/config.yaml", tmp))
+
+
+def run_numerics(params: dict[str, str], fallback: Numerics) -> Numerics:
+    """The dtypes the run computed in (its ``numerics.*`` params); this machine's resolution where it logged none."""
+    if "numerics.compute_dtype" not in params:
+        return fallback
+    return Numerics(params["numerics.compute_dtype"], params["numerics.generation_dtype"],
+                    params.get("numerics.vllm_dtype", fallback.vllm_dtype), device_facts())
+
+
+@flow(name="aepo-replay", log_prints=True)
+def replay(run: str, step: int, runs_dir: str | None = None, experiment: str = "aepo",
+           tracking_uri: str | None = None) -> ReplayResult:
+    """Replay step ``step``'s update of ``run`` (an MLflow run id or name, in ``tracking_uri``, default the runs dir's
+    store) from the checkpoint before it and compare the weights with the run's checkpoint of that step (see the
+    module docstring)."""
+    logger = get_run_logger()
+    runs = flow_runs_dir(runs_dir, None)
+    tracker = Tracker(tracking_uri or tracking_uri_for(runs), experiment=experiment)
+    run_id, name = find_run(tracker, run)
+    if step < 1:
+        raise ReplayError(f"--step must be >= 1 (the first RL step is 1); got {step}")
+    cfg = run_config(tracker, run_id)
+    store = TrajectoryStore.from_config(cfg.storage) if cfg.storage.trajectories_uri else TrajectoryStore(runs)
+    samples = update_samples(store, run_id, step)
+    checkpoints = checkpoint_store(cfg, runs, name, run_id)
+    stored = checkpoints.steps()
+    if step - 1 not in stored or step not in stored:
+        raise ReplayError(f"run {name} ({run_id}): replaying step {step} needs the checkpoints of steps {step - 1} "
+                          f"and {step}; {checkpoints} holds {stored or 'none'} (checkpoint.every: 1 keeps every step)")
+    rows = prepare_data(cfg.data.train, cfg.data, source_fingerprint(cfg.data.train, cfg.data.data_root))
+    rows = rows[: cfg.data.max_questions] if cfg.data.max_questions is not None else rows
+    steps = total_steps(cfg, data_order(cfg, len(rows)))
+    params = tracker.client.get_run(run_id).data.params
+    numerics = run_numerics(params, numerics_for(cfg))
+    logger.info("replaying step %d of %s (%s): %d samples, compute %s", step, name, run_id, len(samples),
+                numerics.compute_dtype)
+    replayed = replay_update(cfg, numerics, checkpoints.fetch(step - 1), samples, steps)
+    cmp = compare_weights(replayed.weights, checkpoints.fetch(step))
+    history = tracker.metric_history(list(COMPARED_METRICS), run_id=run_id)
+    logged = {k: next((v for s, v in history[k] if s == step), None) for k in COMPARED_METRICS}
+    result = ReplayResult(run_id, name, step, len(samples), f"{numerics.compute_dtype}, {numerics.generation_dtype}",
+                          cmp.tensors, cmp.identical, cmp.max_abs_diff, cmp.first_different,
+                          {k: (logged[k], replayed.metrics.get(k)) for k in COMPARED_METRICS})
+    logger.info("step %d replayed: %d of %d tensors bit-identical to checkpoint %d (max |Δ| %.3g)", step,
+                cmp.identical, cmp.tensors, step, cmp.max_abs_diff)
+    return result
