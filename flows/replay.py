@@ -23,7 +23,7 @@ from infra.config_files import load_config
 from infra.numerics import Numerics, device_facts, numerics_for
 from infra.run.checkpoints import checkpoint_store
 from infra.run.replay import ReplayError, compare_weights, replay_update, update_samples
-from infra.run.trainer import data_order, total_steps
+from infra.run.trainer import data_order, total_steps, training_rows
 from infra.store import TrajectoryStore
 from infra.tracking.client import download_artifacts, tracking_uri_for
 from infra.tracking.run import Tracker
@@ -91,11 +91,11 @@ def replay(run: str, step: int, runs_dir: str | None = None, experiment: str = "
     store) from the checkpoint before it and compare the weights with the run's checkpoint of that step (see the
     module docstring)."""
     logger = get_run_logger()
+    if step < 1:
+        raise ReplayError(f"--step must be >= 1 (the first RL step is 1); got {step}")
     runs = flow_runs_dir(runs_dir, None)
     tracker = Tracker(tracking_uri or tracking_uri_for(runs), experiment=experiment)
     run_id, name = find_run(tracker, run)
-    if step < 1:
-        raise ReplayError(f"--step must be >= 1 (the first RL step is 1); got {step}")
     cfg = run_config(tracker, run_id)
     store = TrajectoryStore.from_config(cfg.storage) if cfg.storage.trajectories_uri else TrajectoryStore(runs)
     samples = update_samples(store, run_id, step)
@@ -104,9 +104,9 @@ def replay(run: str, step: int, runs_dir: str | None = None, experiment: str = "
     if step - 1 not in stored or step not in stored:
         raise ReplayError(f"run {name} ({run_id}): replaying step {step} needs the checkpoints of steps {step - 1} "
                           f"and {step}; {checkpoints} holds {stored or 'none'} (checkpoint.every: 1 keeps every step)")
-    rows = prepare_data(cfg.data.train, cfg.data, source_fingerprint(cfg.data.train, cfg.data.data_root))
-    rows = rows[: cfg.data.max_questions] if cfg.data.max_questions is not None else rows
-    steps = total_steps(cfg, data_order(cfg, len(rows)))
+    rows = training_rows(cfg, prepare_data(cfg.data.train, cfg.data,
+                                           source_fingerprint(cfg.data.train, cfg.data.data_root)))
+    steps = total_steps(cfg, data_order(cfg, len(rows)))  # the LR schedule's length
     params = tracker.client.get_run(run_id).data.params
     numerics = run_numerics(params, numerics_for(cfg))
     logger.info("replaying step %d of %s (%s): %d samples, compute %s", step, name, run_id, len(samples),

@@ -66,6 +66,11 @@ def build_updater(cfg: ExperimentConfig, backend: TrainBackend, numerics: Numeri
     return PolicyUpdater(backend, cfg, pad_id=pad_id, ref_backend=ref, generation_dtype=numerics.generation_dtype)
 
 
+def training_rows(cfg: ExperimentConfig, rows: Sequence[QuestionRow]) -> list[QuestionRow]:
+    """The rows a run of ``cfg`` trains on: the first ``data.max_questions`` (all when None)."""
+    return list(rows)[: cfg.data.max_questions] if cfg.data.max_questions is not None else list(rows)
+
+
 def data_order(cfg: ExperimentConfig, rows: int) -> DataOrder:
     """The order in which a run of ``cfg`` draws its batches from ``rows`` training rows."""
     return DataOrder(rows, cfg.train.batch_size, cfg.seed, shuffle=cfg.data.shuffle)
@@ -82,7 +87,7 @@ class Trainer:
     def __init__(self, runtime: PolicyRuntime, rows: Sequence[QuestionRow], *,
                  checkpoint_dir: str | os.PathLike[str] | CheckpointStore, run_id: str) -> None:
         cfg = runtime.cfg
-        self.rows = list(rows)[: cfg.data.max_questions] if cfg.data.max_questions is not None else list(rows)
+        self.rows = training_rows(cfg, rows)
         if not self.rows:
             raise ValueError(f"data.train={cfg.data.train!r} has no usable rows")
         self.runtime = runtime
