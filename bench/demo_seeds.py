@@ -40,8 +40,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from bench.harness import RESULTS_DIR, environment, print_table, write_result
 
 log = logging.getLogger("bench.demo_seeds")
@@ -55,15 +53,9 @@ AXIS = "micro_batch"
 
 def sweep_spec(config: Path, sets: Sequence[str], seeds: Sequence[int], micro_batches: Sequence[int],
                name: str) -> dict[str, Any]:
-    """The sweep: the config with ``sets`` on every run, one cell per micro-batch size (``mb<n>``; none given: the
-    config's own, cell ``base``), each at every seed."""
-    overrides = {}
-    for item in sets:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--set {item!r}: expected KEY=VALUE")
-        overrides[key] = yaml.safe_load(value)
-    spec: dict[str, Any] = {"name": name, "base": str(config.resolve()), "overrides": overrides,
+    """The sweep: the config with ``sets`` (``key=value``, parsed by the sweep) on every run, one cell per micro-batch
+    size (``mb<n>``; none given: the config's own, cell ``base``), each at every seed."""
+    spec: dict[str, Any] = {"name": name, "base": str(config.resolve()), "overrides": list(sets),
                             "seeds": list(seeds)}
     if micro_batches:
         spec["grid"] = {AXIS: {f"mb{n}": {"optim.micro_batch_tokens": n} for n in micro_batches}}
@@ -109,10 +101,10 @@ def read_run(tracker: Any, row: Mapping[str, Any], dataset: str, workdir: Path) 
         questions = json.loads(Path(path).read_text())["questions"]
         pass1[stage] = {q["question_id"]: q["correct"] / q["n"] for q in questions}
         calls[stage] = sum(q["tool_calls_mean"] for q in questions) / len(questions)
-    info = tracker.client.get_run(rid).info
+    mlflow_run = tracker.client.get_run(rid)
+    info = mlflow_run.info
     wall = (info.end_time - info.start_time) / 1000 if info.end_time else math.nan
-    metrics = tracker.client.get_run(rid).data.metrics
-    evals = [k for k in metrics if k.startswith(f"{PHASE_TIME}eval_")]
+    evals = [k for k in mlflow_run.data.metrics if k.startswith(f"{PHASE_TIME}eval_")]
     steps = {"sft": f"{PHASE_TIME}sft_s", "rollout": f"{PHASE_TIME}rollout_s", "update": f"{PHASE_TIME}update_s",
              "scoring_pass": "train/scoring_pass_s"}
     history = tracker.metric_history([TOOL_CALLS, *steps.values(), *evals], run_id=rid)

@@ -22,7 +22,7 @@ from flows.common import flow_runs_dir
 from infra.config_files import load_config
 from infra.numerics import Numerics, device_facts, numerics_for
 from infra.run.checkpoints import checkpoint_store
-from infra.run.replay import ReplayError, compare_weights, replay_update, update_samples
+from infra.run.replay import ReplayError, WeightComparison, compare_weights, replay_update, update_samples
 from infra.run.trainer import data_order, total_steps, training_rows
 from infra.store import TrajectoryStore
 from infra.tracking.client import download_artifacts, tracking_uri_for
@@ -43,16 +43,10 @@ class ReplayResult:
     samples: int
     numerics: str
     """The dtypes replayed in (the run's): compute, generation."""
-    tensors: int
-    identical_tensors: int
-    max_abs_diff: float
-    first_different: str | None
+    weights: WeightComparison
+    """The replayed weights against the checkpoint of the step."""
     metrics: dict[str, tuple[float | None, float | None]]
     """Of :data:`COMPARED_METRICS`, (as the run logged it at the step, as replayed)."""
-
-    @property
-    def bit_identical(self) -> bool:
-        return self.identical_tensors == self.tensors
 
 
 def find_run(tracker: Tracker, run: str) -> tuple[str, str]:
@@ -116,8 +110,7 @@ def replay(run: str, step: int, runs_dir: str | None = None, experiment: str = "
     history = tracker.metric_history(list(COMPARED_METRICS), run_id=run_id)
     logged = {k: next((v for s, v in history[k] if s == step), None) for k in COMPARED_METRICS}
     result = ReplayResult(run_id, name, step, len(samples), f"{numerics.compute_dtype}, {numerics.generation_dtype}",
-                          cmp.tensors, cmp.identical, cmp.max_abs_diff, cmp.first_different,
-                          {k: (logged[k], replayed.metrics.get(k)) for k in COMPARED_METRICS})
+                          cmp, {k: (logged[k], replayed.metrics.get(k)) for k in COMPARED_METRICS})
     logger.info("step %d replayed: %d of %d tensors bit-identical to checkpoint %d (max |Δ| %.3g)", step,
                 cmp.identical, cmp.tensors, step, cmp.max_abs_diff)
     return result

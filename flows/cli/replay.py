@@ -47,14 +47,15 @@ def replay_cmd(
     records = [
         {"quantity": "samples replayed", "logged": None, "replayed": result.samples},
         {"quantity": "numerics (compute, generation)", "logged": result.numerics, "replayed": result.numerics},
-        {"quantity": "tensors bit-identical to the checkpoint", "logged": result.tensors,
-         "replayed": result.identical_tensors},
-        {"quantity": "max |Δ weight|", "logged": 0.0, "replayed": result.max_abs_diff},
+        {"quantity": "tensors bit-identical to the checkpoint", "logged": result.weights.tensors,
+         "replayed": result.weights.identical},
+        {"quantity": "max |Δ weight|", "logged": 0.0, "replayed": result.weights.max_abs_diff},
         *({"quantity": name, "logged": logged, "replayed": replayed}
           for name, (logged, replayed) in result.metrics.items()),
     ]
     print_records(f"aepo replay: {result.run_name} ({result.run_id}) step {result.step} — "
-                  + ("bit-identical" if result.bit_identical else f"differs from {result.first_different}"),
+                  + ("bit-identical" if result.weights.bit_identical
+                     else f"differs from {result.weights.first_different}"),
                   records, output, cell=lambda _c, v: fmt(v) if not isinstance(v, float) else f"{v:.6g}")
-    if not result.bit_identical:
+    if not result.weights.bit_identical:
         raise typer.Exit(1)

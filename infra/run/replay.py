@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from aepo_core.config import ExperimentConfig
-from infra.models import load_policy, pad_token_id
+from infra.models import load_policy, model_dir, pad_token_id
 from infra.numerics import Numerics
 from infra.run.trainer import build_backend, build_updater
 from infra.store import StoreError, TrajectoryStore
@@ -86,10 +86,10 @@ class WeightComparison:
 
 
 def compare_weights(weights: Mapping[str, torch.Tensor], checkpoint: Path) -> WeightComparison:
-    """Every tensor of the checkpoint's model (``model/*.safetensors``) against ``weights`` of the same name."""
-    files = sorted((checkpoint / "model").glob("*.safetensors"))
+    """Every tensor of the checkpoint's model (its safetensors files) against ``weights`` of the same name."""
+    files = sorted(model_dir(checkpoint).glob("*.safetensors"))
     if not files:
-        raise ReplayError(f"checkpoint {checkpoint} has no model/*.safetensors")
+        raise ReplayError(f"checkpoint {checkpoint} has no safetensors weights")
     saved: dict[str, torch.Tensor] = {}
     for f in files:
         saved.update(load_file(str(f)))

@@ -41,8 +41,8 @@ def test_replaying_a_step_gives_its_checkpoint_bit_for_bit(run: tuple[Any, Path]
     for step in (2, 3):
         result = replay(run=NAME, step=step, runs_dir=str(runs))
         assert result.run_id == out.run_id and result.samples > 0
-        assert result.bit_identical, (step, result.first_different, result.max_abs_diff)
-        assert result.tensors > 10 and result.max_abs_diff == 0.0
+        assert result.weights.bit_identical, (step, result.weights.first_different, result.weights.max_abs_diff)
+        assert result.weights.tensors > 10 and result.weights.max_abs_diff == 0.0
         for name, (logged, replayed) in result.metrics.items():  # the update computed what the run logged
             assert logged is not None and replayed == logged, (step, name)
 
