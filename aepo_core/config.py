@@ -248,6 +248,11 @@ AdvantageName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
+LOSS_DEFAULTED_FIELDS: tuple[str, ...] = ("dual_clip", "loss_agg")
+"""AlgorithmConfig fields whose unset value depends on the loss (see its validators): a config that switches to
+another loss at that loss's paper defaults drops them before validating again."""
+
+
 class AlgorithmConfig(Section):
     """Entropy-balanced policy optimization and its baselines (AEPO.md §5–6)."""
 

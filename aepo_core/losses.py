@@ -14,7 +14,7 @@ mini-batch loss, whatever the split.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
 import torch
@@ -308,6 +308,26 @@ def compute_policy_loss(
         per_token, inp.mask, cfg.loss_agg, num_tokens=norm.num_tokens, num_seqs=norm.num_seqs, norm_len=norm_len
     )
     return loss, _diagnostics(inp, out, mask, high_entropy, kl, cfg)
+
+
+def token_gradient_weights(
+    inp: LossInputs,
+    cfg: AlgorithmConfig,
+    norm: LossNormalizer | None = None,
+    norm_len: int | None = None,
+) -> torch.Tensor:
+    """w_t = ∂L/∂logπ_θ(y_t) per token [B, T], for :func:`compute_policy_loss` on ``inp`` (detached here).
+
+    The loss reaches the weights only through the sampled tokens' log-probs, so ∇_θ L = Σ_t w_t·∇_θ logπ_θ(y_t):
+    w_t is the weight a rule gives each token's gradient.  w_t = 0 where the rule drops the token (PPO's clip region
+    in the advantage's direction, the dual-clip cap, a zero mask); unclipped, w_t = −r_t·Â_t / N under token-mean.
+    Computed on a copy of the log-probs, so it costs no pass through the model.
+    """
+    logprobs = inp.logprobs.detach().clone().requires_grad_(True)
+    with torch.enable_grad():
+        loss, _ = compute_policy_loss(replace(inp, logprobs=logprobs), cfg, norm, norm_len)
+        (weights,) = torch.autograd.grad(loss, logprobs, allow_unused=True)
+    return weights if weights is not None else torch.zeros_like(logprobs)
 
 
 Reduce = Literal["sum", "max", "min", "mean"]

@@ -159,32 +159,39 @@ def _braced_group(text: str, pos: int) -> str | None:
 
 
 def tool_calls_in(text: str, tool_names: tuple[str, ...] = TOOL_NAMES) -> list[ToolCall]:
-    """Every tool call of a full transcript, in order, as the engine would have executed them.
+    """Every tool call of a full transcript, in order, as the engine would have executed them (see
+    :func:`tool_call_spans`)."""
+    return [call for _start, _end, call in tool_call_spans(text, tool_names)]
+
+
+def tool_call_spans(text: str, tool_names: tuple[str, ...] = TOOL_NAMES) -> list[tuple[int, int, ToolCall]]:
+    """Every tool call of a full transcript with its characters: ``(start, end, call)``, ``text[start:end]`` running
+    from the call's opening tag through its closing tag.
 
     The transcript is cut where generation would have stopped (each closing tool tag) and after every
     ``</result>``; each piece is parsed with :func:`parse_tool_call`.  Result contents are skipped: tool
     output is not model text, and a search snippet that happens to contain tags must not count as a call.
     """
-    calls: list[ToolCall] = []
+    spans: list[tuple[int, int, ToolCall]] = []
     segment_start = 0
     pos = 0
     closings = {close_tag(name) for name in tool_names}
     while True:
         match = _TAG_RE.search(text, pos)
         if match is None:
-            return calls
+            return spans
         tag = match.group(0)
         if tag == RESULT_OPEN:
             end = text.find(RESULT_CLOSE, match.end())
             if end < 0:
-                return calls
+                return spans
             pos = segment_start = end + len(RESULT_CLOSE)
             continue
         pos = match.end()
         if tag in closings:
             call = parse_tool_call(text[segment_start:pos], tool_names)
             if call is not None:
-                calls.append(call)
+                spans.append((text.rfind(open_tag(call.name), segment_start, match.start()), pos, call))
             segment_start = pos
 
 

@@ -14,19 +14,30 @@ from __future__ import annotations
 
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from prefect import flow, get_run_logger
 
 from aepo_core.config import ExperimentConfig
+from aepo_core.update_comparison import ComparisonRow, SampleTokens, compare_rules
 from flows.common import flow_runs_dir
 from infra.config_files import load_config
 from infra.numerics import Numerics, device_facts, numerics_for
 from infra.run.checkpoints import checkpoint_store
-from infra.run.replay import ReplayError, WeightComparison, compare_weights, replay_update, update_samples
+from infra.run.replay import (
+    ReplayError,
+    WeightComparison,
+    compare_update_rules,
+    compare_weights,
+    replay_update,
+    rule_configs,
+    update_samples,
+)
 from infra.run.trainer import data_order, total_steps, training_rows
 from infra.store import TrajectoryStore
 from infra.tracking.client import download_artifacts, tracking_uri_for
 from infra.tracking.run import Tracker
+from infra.training.checkpoint_store import CheckpointStore
 from tasks.data import prepare_data, source_fingerprint
 
 COMPARED_METRICS = ("train/loss", "train/grad_norm", "train/clip_frac", "train/entropy_mean")
@@ -78,6 +89,44 @@ def run_numerics(params: dict[str, str], fallback: Numerics) -> Numerics:
                     params.get("numerics.vllm_dtype", fallback.vllm_dtype), device_facts())
 
 
+@dataclass(frozen=True)
+class StoredRun:
+    """What replaying a run's steps reads: its config, numerics, store, checkpoints and LR-schedule length."""
+
+    run_id: str
+    name: str
+    cfg: ExperimentConfig
+    numerics: Numerics
+    store: TrajectoryStore
+    checkpoints: CheckpointStore
+    total_steps: int
+
+    def check_replayable(self, step: int) -> None:
+        """Refuse a step without the checkpoints of steps N − 1 and N."""
+        stored = self.checkpoints.steps()
+        if step - 1 not in stored or step not in stored:
+            raise ReplayError(f"run {self.name} ({self.run_id}): replaying step {step} needs the checkpoints of steps "
+                              f"{step - 1} and {step}; {self.checkpoints} holds {stored or 'none'} "
+                              "(checkpoint.every: 1 keeps every step)")
+
+
+def stored_run(tracker: Tracker, run: str, runs: Path) -> StoredRun:
+    """The run ``run`` (id or name) as :class:`StoredRun`."""
+    run_id, name = find_run(tracker, run)
+    cfg = run_config(tracker, run_id)
+    store = TrajectoryStore.from_config(cfg.storage) if cfg.storage.trajectories_uri else TrajectoryStore(runs)
+    rows = training_rows(cfg, prepare_data(cfg.data.train, cfg.data,
+                                           source_fingerprint(cfg.data.train, cfg.data.data_root)))
+    params = tracker.client.get_run(run_id).data.params
+    return StoredRun(run_id, name, cfg, run_numerics(params, numerics_for(cfg)), store,
+                     checkpoint_store(cfg, runs, name, run_id), total_steps(cfg, data_order(cfg, len(rows))))
+
+
+def _check_steps(steps: list[int]) -> None:
+    if not steps or min(steps) < 1:
+        raise ReplayError(f"--step must be >= 1 (the first RL step is 1); got {steps or 'none'}")
+
+
 @flow(name="aepo-replay", log_prints=True)
 def replay(run: str, step: int, runs_dir: str | None = None, experiment: str = "aepo",
            tracking_uri: str | None = None) -> ReplayResult:
@@ -85,32 +134,76 @@ def replay(run: str, step: int, runs_dir: str | None = None, experiment: str = "
     store) from the checkpoint before it and compare the weights with the run's checkpoint of that step (see the
     module docstring)."""
     logger = get_run_logger()
-    if step < 1:
-        raise ReplayError(f"--step must be >= 1 (the first RL step is 1); got {step}")
+    _check_steps([step])
     runs = flow_runs_dir(runs_dir, None)
     tracker = Tracker(tracking_uri or tracking_uri_for(runs), experiment=experiment)
-    run_id, name = find_run(tracker, run)
-    cfg = run_config(tracker, run_id)
-    store = TrajectoryStore.from_config(cfg.storage) if cfg.storage.trajectories_uri else TrajectoryStore(runs)
-    samples = update_samples(store, run_id, step)
-    checkpoints = checkpoint_store(cfg, runs, name, run_id)
-    stored = checkpoints.steps()
-    if step - 1 not in stored or step not in stored:
-        raise ReplayError(f"run {name} ({run_id}): replaying step {step} needs the checkpoints of steps {step - 1} "
-                          f"and {step}; {checkpoints} holds {stored or 'none'} (checkpoint.every: 1 keeps every step)")
-    rows = training_rows(cfg, prepare_data(cfg.data.train, cfg.data,
-                                           source_fingerprint(cfg.data.train, cfg.data.data_root)))
-    steps = total_steps(cfg, data_order(cfg, len(rows)))  # the LR schedule's length
-    params = tracker.client.get_run(run_id).data.params
-    numerics = run_numerics(params, numerics_for(cfg))
-    logger.info("replaying step %d of %s (%s): %d samples, compute %s", step, name, run_id, len(samples),
-                numerics.compute_dtype)
-    replayed = replay_update(cfg, numerics, checkpoints.fetch(step - 1), samples, steps)
-    cmp = compare_weights(replayed.weights, checkpoints.fetch(step))
-    history = tracker.metric_history(list(COMPARED_METRICS), run_id=run_id)
+    stored = stored_run(tracker, run, runs)
+    samples = update_samples(stored.store, stored.run_id, step)
+    stored.check_replayable(step)
+    numerics = stored.numerics
+    logger.info("replaying step %d of %s (%s): %d samples, compute %s", step, stored.name, stored.run_id,
+                len(samples), numerics.compute_dtype)
+    replayed = replay_update(stored.cfg, numerics, stored.checkpoints.fetch(step - 1), samples, stored.total_steps)
+    cmp = compare_weights(replayed.weights, stored.checkpoints.fetch(step))
+    history = tracker.metric_history(list(COMPARED_METRICS), run_id=stored.run_id)
     logged = {k: next((v for s, v in history[k] if s == step), None) for k in COMPARED_METRICS}
-    result = ReplayResult(run_id, name, step, len(samples), f"{numerics.compute_dtype}, {numerics.generation_dtype}",
-                          cmp, {k: (logged[k], replayed.metrics.get(k)) for k in COMPARED_METRICS})
+    result = ReplayResult(stored.run_id, stored.name, step, len(samples),
+                          f"{numerics.compute_dtype}, {numerics.generation_dtype}", cmp,
+                          {k: (logged[k], replayed.metrics.get(k)) for k in COMPARED_METRICS})
     logger.info("step %d replayed: %d of %d tensors bit-identical to checkpoint %d (max |Δ| %.3g)", step,
                 cmp.identical, cmp.tensors, step, cmp.max_abs_diff)
     return result
+
+
+@dataclass
+class RuleComparison:
+    """Update rules side by side on the same stored samples (:mod:`aepo_core.update_comparison`)."""
+
+    run_id: str
+    run_name: str
+    steps: list[int]
+    rules: list[str]
+    reference: str
+    samples: dict[int, int]
+    """Per replayed step, its samples (the bootstrap's strata)."""
+    numerics: str
+    overrides: list[str]
+    rows: list[ComparisonRow]
+    update_metrics: dict[int, dict[str, dict[str, float]]]
+    """Per step, per rule, the update's ``train/…`` metrics (loss, grad norm, clip fractions, …)."""
+
+
+@flow(name="aepo-replay-rules", log_prints=True)
+def replay_rules(run: str, steps: list[int], rules: list[str], overrides: list[str] | None = None,
+                 runs_dir: str | None = None, experiment: str = "aepo", tracking_uri: str | None = None,
+                 n_resamples: int = 2000, seed: int = 0) -> RuleComparison:
+    """Apply each update rule (``<loss>[@key=value,…]``; the first is the reference of the paired differences) to
+    each step's stored samples from the checkpoint before that step, and compare per token class what the updates
+    did (:func:`aepo_core.update_comparison.compare_rules`; samples resampled within their step)."""
+    logger = get_run_logger()
+    _check_steps(steps)
+    if not rules:
+        raise ReplayError("--losses names no update rule")
+    runs = flow_runs_dir(runs_dir, None)
+    tracker = Tracker(tracking_uri or tracking_uri_for(runs), experiment=experiment)
+    stored = stored_run(tracker, run, runs)
+    configs = rule_configs(stored.cfg, rules, overrides or [])
+    per_rule: dict[str, list[SampleTokens]] = {rule: [] for rule in rules}
+    strata: list[int] = []
+    sizes: dict[int, int] = {}
+    metrics: dict[int, dict[str, dict[str, float]]] = {}
+    for step in steps:
+        samples = update_samples(stored.store, stored.run_id, step)
+        stored.check_replayable(step)
+        logger.info("step %d of %s: %d samples under %s", step, stored.name, len(samples), ", ".join(rules))
+        tokens, metrics[step] = compare_update_rules(stored.cfg, configs, stored.numerics,
+                                                     stored.checkpoints.fetch(step - 1), samples, stored.total_steps)
+        for sample in tokens:
+            for rule in rules:
+                per_rule[rule].append(sample[rule])
+        strata += [step] * len(tokens)
+        sizes[step] = len(tokens)
+    rows = compare_rules(per_rule, strata, reference=rules[0], n_resamples=n_resamples, seed=seed)
+    return RuleComparison(stored.run_id, stored.name, list(steps), list(rules), rules[0], sizes,
+                          f"{stored.numerics.compute_dtype}, {stored.numerics.generation_dtype}", list(overrides or []),
+                          rows, metrics)

@@ -15,20 +15,29 @@ updated its own share).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
+from transformers import PreTrainedTokenizerBase
 
-from aepo_core.config import ExperimentConfig
+from aepo_core.config import AlgorithmConfig, ExperimentConfig
+from aepo_core.losses import LossInputs, LossNormalizer, token_gradient_weights
+from aepo_core.overrides import build_config
+from aepo_core.protocol import tool_call_spans
+from aepo_core.update_comparison import SampleTokens, entropy_threshold, rule_algorithm, token_classes
 from infra.models import load_policy, model_dir, pad_token_id
-from infra.numerics import Numerics
+from infra.numerics import Numerics, autocast_dtype
 from infra.run.trainer import build_backend, build_updater
 from infra.store import StoreError, TrajectoryStore
+from infra.training.backends import FrozenBackend
 from infra.training.batching import TrainSample
 from infra.training.checkpoint import load_checkpoint
+from infra.training.logprobs import token_divergence
+from infra.training.update import MicroBatchObserver, TrainBackend
 
 
 class ReplayError(ValueError):
@@ -115,15 +124,106 @@ class ReplayedUpdate:
     metrics: dict[str, float]
 
 
+def _update_from(cfg: ExperimentConfig, run_cfg: ExperimentConfig, numerics: Numerics, before: Path,
+                 samples: list[TrainSample], steps: int, observer: MicroBatchObserver | None = None
+                 ) -> tuple[TrainBackend, dict[str, float], int]:
+    """(backend, metrics, micro-batch token cap): ``cfg``'s update on ``samples`` from checkpoint ``before``
+    (weights, optimizer, schedule, RNG; checked against the run's config ``run_cfg``), with the trainer's backend
+    and updater, without an engine or tools."""
+    model, tokenizer = load_policy(cfg.model)
+    backend = build_backend(cfg, model, numerics, steps)
+    updater = build_updater(cfg, backend, numerics, pad_token_id(tokenizer), observer=observer)
+    optimizer, scheduler = backend.checkpoint_state()
+    load_checkpoint(before, model=model, optimizer=optimizer, scheduler=scheduler, config=run_cfg)
+    return backend, updater.update(samples), updater.micro_batch_tokens
+
+
 def replay_update(cfg: ExperimentConfig, numerics: Numerics, before: Path, samples: list[TrainSample],
                   steps: int) -> ReplayedUpdate:
     """The run's update on ``samples``, starting from checkpoint ``before`` (weights, optimizer, schedule, RNG), with
     the backend and updater the trainer builds (``steps``: the run's RL steps, which shape the LR schedule), without
     an engine or tools."""
-    model, tokenizer = load_policy(cfg.model)
-    backend = build_backend(cfg, model, numerics, steps)
-    updater = build_updater(cfg, backend, numerics, pad_token_id(tokenizer))
-    optimizer, scheduler = backend.checkpoint_state()
-    load_checkpoint(before, model=model, optimizer=optimizer, scheduler=scheduler, config=cfg)
-    metrics = updater.update(samples)
-    return ReplayedUpdate({k: v.detach().clone() for k, v in model.state_dict().items()}, metrics)
+    backend, metrics, _ = _update_from(cfg, cfg, numerics, before, samples, steps)
+    return ReplayedUpdate({k: v.detach().clone() for k, v in backend.module.state_dict().items()}, metrics)
+
+
+class GradientRecorder:
+    """A :class:`~infra.training.update.MicroBatchObserver` that keeps, per sample and response token, the optimizer
+    steps that saw it with Â ≠ 0, those among them whose gradient weight w_t = ∂L/∂logπ_t was exactly 0, and Σ|w_t|.
+    (With a KL term in the loss, w_t includes it: a clipped token then keeps the KL's weight.)"""
+
+    def __init__(self, algorithm: AlgorithmConfig, samples: list[TrainSample]) -> None:
+        self.algorithm = algorithm
+        self.active = [np.zeros(s.response_len, dtype=np.int64) for s in samples]
+        self.zeroed = [np.zeros(s.response_len, dtype=np.int64) for s in samples]
+        self.abs_weight = [np.zeros(s.response_len) for s in samples]
+
+    def micro_batch(self, samples: Sequence[int], inputs: LossInputs, norm: LossNormalizer, norm_len: int) -> None:
+        weights = token_gradient_weights(inputs, self.algorithm, norm, norm_len).double().cpu().numpy()
+        active = ((inputs.advantages.detach() != 0) & (inputs.mask > 0)).cpu().numpy()
+        for row, i in enumerate(samples):
+            n = self.active[i].size
+            self.active[i] += active[row, :n]
+            self.zeroed[i] += active[row, :n] & (weights[row, :n] == 0.0)
+            self.abs_weight[i] += np.abs(weights[row, :n])
+
+
+def tool_call_tokens(tokenizer: PreTrainedTokenizerBase, sample: TrainSample) -> np.ndarray:
+    """Per response token of ``sample``: whether any of its characters lie inside a tool call (opening tag through
+    closing tag, :func:`aepo_core.protocol.tool_call_spans`) of the decoded response."""
+    response = sample.input_ids[sample.prompt_len:]
+    text = tokenizer.decode(response)
+    # Character ends of each token's text: the decoded prefix's length (non-decreasing: a partial UTF-8 character
+    # decodes to a replacement character that the next byte may merge away).
+    ends = np.maximum.accumulate([len(tokenizer.decode(response[: i + 1])) for i in range(len(response))])
+    starts = np.concatenate([[0], ends[:-1]])
+    inside = np.zeros(len(response), dtype=bool)
+    for start, end, _call in tool_call_spans(text):
+        inside |= (starts < end) & (ends > start)
+    return inside
+
+
+def rule_configs(run_cfg: ExperimentConfig, rules: Sequence[str], overrides: Sequence[str] = ()
+                 ) -> dict[str, ExperimentConfig]:
+    """Per update rule ``<loss>[@key=value,…]`` its config: the run's, then ``overrides`` (``KEY=VALUE``, for every
+    rule), then the rule's algorithm (:func:`aepo_core.update_comparison.rule_algorithm`). All are validated here,
+    before any update runs; a bad rule or override is a :class:`ConfigError`."""
+    base = build_config(run_cfg.model_dump(mode="json"), overrides, "replay --set")
+    configs = {}
+    for rule in rules:
+        tree = base.model_dump(mode="json")
+        tree["algorithm"] = rule_algorithm(base.algorithm, rule).model_dump(mode="json")
+        configs[rule] = build_config(tree, (), f"update rule {rule!r}")
+    return configs
+
+
+def compare_update_rules(run_cfg: ExperimentConfig, configs: Mapping[str, ExperimentConfig], numerics: Numerics,
+                         before: Path, samples: list[TrainSample], steps: int
+                         ) -> tuple[list[dict[str, SampleTokens]], dict[str, dict[str, float]]]:
+    """Each rule's config (:func:`rule_configs`) updating on the same ``samples`` from the same checkpoint ``before``
+    in the run's order: (per sample, per rule its :class:`SampleTokens`; per rule the update's ``train/…``
+    metrics).  Token classes use the start policy's exact entropies (a forward at the run's compute dtype, as the
+    update's scoring pass) and the run's ``algorithm.high_entropy_quantile`` over all the step's model tokens."""
+    start_model, tokenizer = load_policy(run_cfg.model)
+    load_checkpoint(before, model=start_model, restore_rng=False)
+    start = FrozenBackend(start_model, autocast_dtype(numerics.compute_dtype))
+    pad = pad_token_id(tokenizer)
+    tool = [tool_call_tokens(tokenizer, s) for s in samples]
+    masks = [np.asarray(s.loss_mask) for s in samples]
+    per_sample: list[dict[str, SampleTokens]] = [{} for _ in samples]
+    metrics: dict[str, dict[str, float]] = {}
+    threshold: float | None = None
+    for rule, cfg in configs.items():
+        recorder = GradientRecorder(cfg.algorithm, samples)
+        backend, metrics[rule], cap = _update_from(cfg, run_cfg, numerics, before, samples, steps, recorder)
+        divergence = token_divergence(backend, start, samples, pad, cfg.rollout.temperature, cap)
+        if threshold is None:  # the start policy's entropies: the same under every rule
+            threshold = entropy_threshold([d.entropy_start for d in divergence], masks,
+                                          run_cfg.algorithm.high_entropy_quantile)
+        for i, d in enumerate(divergence):
+            per_sample[i][rule] = SampleTokens(
+                token_classes(masks[i], d.entropy_start, tool[i], threshold), recorder.active[i],
+                recorder.zeroed[i], recorder.abs_weight[i], d.logprob_after - d.logprob_start, d.kl,
+                d.entropy_start, d.entropy_after)
+        del backend
+    return per_sample, metrics

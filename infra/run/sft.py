@@ -23,8 +23,9 @@ from infra.numerics import autocast_dtype
 from infra.run.runtime import PolicyRuntime
 from infra.training.backends import TorchBackend
 from infra.training.batching import TrainSample, collate, plan_micro_batches
+from infra.training.logprobs import response_logprobs_and_entropy
 from infra.training.memory import checkpoint_decoder_layers, micro_batch_token_cap, release_memory
-from infra.training.update import TrainBackend, response_logprobs_and_entropy
+from infra.training.update import TrainBackend
 
 log = logging.getLogger(__name__)
 

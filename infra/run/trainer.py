@@ -33,7 +33,7 @@ from infra.training.batching import samples_from_trees
 from infra.training.checkpoint import load_checkpoint
 from infra.training.checkpoint_store import CheckpointStore
 from infra.training.data_order import DataCursor, DataOrder
-from infra.training.update import PolicyUpdater, TrainBackend
+from infra.training.update import MicroBatchObserver, PolicyUpdater, TrainBackend
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +57,16 @@ def build_backend(cfg: ExperimentConfig, model: torch.nn.Module, numerics: Numer
     return TorchBackend(model, cfg.optim, total_steps, compute_dtype=autocast_dtype(numerics.compute_dtype))
 
 
-def build_updater(cfg: ExperimentConfig, backend: TrainBackend, numerics: Numerics, pad_id: int) -> PolicyUpdater:
-    """The policy updater over ``backend``, with a frozen reference model when the KL term is on."""
+def build_updater(cfg: ExperimentConfig, backend: TrainBackend, numerics: Numerics, pad_id: int,
+                  observer: MicroBatchObserver | None = None) -> PolicyUpdater:
+    """The policy updater over ``backend``, with a frozen reference model when the KL term is on (``observer``: see
+    :class:`PolicyUpdater`)."""
     ref = None
     if cfg.algorithm.kl_coef > 0:
         ref_model, _ = load_policy(cfg.model)
         ref = FrozenBackend(ref_model, autocast_dtype(numerics.compute_dtype))
-    return PolicyUpdater(backend, cfg, pad_id=pad_id, ref_backend=ref, generation_dtype=numerics.generation_dtype)
+    return PolicyUpdater(backend, cfg, pad_id=pad_id, ref_backend=ref, generation_dtype=numerics.generation_dtype,
+                         observer=observer)
 
 
 def training_rows(cfg: ExperimentConfig, rows: Sequence[QuestionRow]) -> list[QuestionRow]:

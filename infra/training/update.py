@@ -46,6 +46,7 @@ from aepo_core.losses import (
 )
 from infra.ranks import Ranks
 from infra.training.batching import PaddedBatch, TrainSample, collate, plan_micro_batches, split_mini_batches
+from infra.training.logprobs import response_logprobs_and_entropy
 from infra.training.memory import checkpoint_decoder_layers, micro_batch_token_cap, release_memory
 
 log = logging.getLogger(__name__)
@@ -78,8 +79,8 @@ class TrainBackend(Protocol):
     @property
     def chunked_projection(self) -> bool:
         """Whether the gradient pass may project chunk by chunk with a backward that accumulates the projection's
-        gradients itself (:class:`_ChunkedLogprob`): False under DeepSpeed, whose ZeRO gradient hooks allow one
-        accumulation per parameter per backward (tied embeddings would get two)."""
+        gradients itself (:class:`infra.training.logprobs.ChunkedLogprob`): False under DeepSpeed, whose ZeRO
+        gradient hooks allow one accumulation per parameter per backward (tied embeddings would get two)."""
         ...
 
     @property
@@ -114,145 +115,13 @@ class TrainBackend(Protocol):
         ...
 
 
-LOGITS_CHUNK_BYTES = 256 * 2**20
-"""Bytes of one chunk's float32 logits: the vocabulary projection takes ``LOGITS_CHUNK_BYTES // (4 · V)`` response
-tokens at a time (1365 for SmolLM2's V = 49152), so its transient memory does not grow with the micro-batch."""
+class MicroBatchObserver(Protocol):
+    """Sees each micro-batch's loss inputs as the update computes its loss (the update-rule comparison records every
+    token's gradient weight from them: :func:`aepo_core.losses.token_gradient_weights`)."""
 
-
-def logits_chunk_rows(vocab_size: int, chunk_bytes: int = LOGITS_CHUNK_BYTES) -> int:
-    """Response tokens per vocabulary-projection chunk: ``max(1, chunk_bytes // (4 · V))``."""
-    return max(1, chunk_bytes // (4 * vocab_size))
-
-
-def _projected(head: torch.nn.Module, h: torch.Tensor, compute_dtype: torch.dtype | None) -> torch.Tensor:
-    """``head(h)`` under the backend's autocast (bf16 logits under bf16 compute)."""
-    with torch.autocast(h.device.type, dtype=compute_dtype or torch.float32, enabled=compute_dtype is not None):
-        return head(h)
-
-
-class _Projection:
-    """The vocabulary projection of one backend, applied to response rows ``h`` [N, H] in chunks of ``rows``."""
-
-    def __init__(self, head: torch.nn.Module, compute_dtype: torch.dtype | None, temperature: float,
-                 rows: int) -> None:
-        self.head, self.compute_dtype, self.temperature, self.rows = head, compute_dtype, temperature, rows
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """float32 temperature-scaled logits ``z = head(h) / T`` of one chunk (a fresh tensor: callers may work in
-        place)."""
-        z = _projected(self.head, h, self.compute_dtype).float()
-        return z.div_(self.temperature) if self.temperature != 1.0 else z
-
-    @torch.no_grad()
-    def forward(self, h: torch.Tensor, targets: torch.Tensor, with_entropy: bool
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Per row: ``lse = log Σ_v e^{z_v}``, ``log p(t) = z_t − lse`` and (optionally) ``H = −Σ_v p_v log p_v``
-        with ``log p = z − lse`` (the unchunked log-softmax's values), one chunk at a time."""
-        n = h.shape[0]
-        lse = h.new_empty(n, dtype=torch.float32)
-        logp = h.new_empty(n, dtype=torch.float32)
-        entropy = h.new_empty(n, dtype=torch.float32) if with_entropy else None
-        for s in range(0, n, self.rows):
-            e = min(n, s + self.rows)
-            z = self.logits(h[s:e])
-            lse[s:e] = torch.logsumexp(z, dim=-1)
-            logp[s:e] = z.gather(1, targets[s:e, None]).squeeze(1) - lse[s:e]
-            if entropy is not None:
-                logp_all = z.sub_(lse[s:e, None])
-                entropy[s:e] = -(logp_all.exp() * logp_all).sum(-1)
-        return lse, logp, entropy
-
-
-class _ChunkedLogprob(torch.autograd.Function):
-    """``log π(t_i)`` of response rows ``h_i`` through the vocabulary projection, chunk by chunk, with a backward
-    that recomputes each chunk's logits instead of keeping them.
-
-    Forward (no graph): per chunk, ``z = head(h_c) / T`` in float32, ``log p(t) = z_t − logsumexp(z)`` (and the
-    detached entropy when asked); only ``lse`` [N] is saved. Backward: ``∂ log p(t_i) / ∂z_iv = 1[v = t_i] −
-    softmax(z_i)_v``, so the logits' gradient is ``dz_i = g_i (onehot(t_i) − e^{z_i − lse_i}) / T``, built in place
-    on the recomputed chunk and pushed through a re-run of ``head(h_c)``: that backward accumulates the
-    projection's parameter gradients (tied embeddings included) into ``.grad``, as a reentrant checkpoint does,
-    and gives ``∂L/∂h_c``. So the loss must be differentiated with ``backward()`` (not ``autograd.grad``), and a
-    backend whose gradient hooks allow one accumulation per parameter (DeepSpeed ZeRO) opts out
-    (``TrainBackend.chunked_projection``).
-
-    Peak: two [rows, V] tensors of one chunk (bf16 logits, float32 ``dz``) instead of the micro-batch's
-    [N, V] bf16 logits, their float32 copy, the log-softmax saved for backward and its gradients (SmolLM2,
-    2048 response tokens: ~1.6 GB → ~0.4 GB). Cost: one more projection matmul per response token.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, targets: torch.Tensor, proj: _Projection, with_entropy: bool
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        lse, logp, entropy = proj.forward(h, targets, with_entropy)
-        ctx.save_for_backward(h, targets, lse)
-        ctx.proj = proj
-        entropy = entropy if entropy is not None else logp.new_empty(0)
-        ctx.mark_non_differentiable(entropy)
-        return logp, entropy
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor, _entropy: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        h, targets, lse = ctx.saved_tensors
-        proj: _Projection = ctx.proj
-        grad_h = torch.empty_like(h)
-        for s in range(0, h.shape[0], proj.rows):
-            e = min(h.shape[0], s + proj.rows)
-            with torch.enable_grad():
-                hc = h[s:e].detach().requires_grad_()
-                out = _projected(proj.head, hc, proj.compute_dtype)
-                with torch.no_grad():
-                    dz = out.float()
-                    if proj.temperature != 1.0:
-                        dz.div_(proj.temperature)
-                    dz.sub_(lse[s:e, None]).exp_()  # softmax(z)
-                    dz.scatter_add_(1, targets[s:e, None], dz.new_full((e - s, 1), -1.0))  # softmax − onehot
-                    dz.mul_((grad[s:e] / -proj.temperature)[:, None])  # g (onehot − softmax) / T
-                torch.autograd.backward(out, dz.to(out.dtype))
-            grad_h[s:e] = hc.grad
-        return grad_h, None, None, None
-
-
-def response_logprobs_and_entropy(
-    backend: TrainBackend, batch: PaddedBatch, temperature: float, with_grad: bool, with_entropy: bool = True,
-    chunk_rows: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per response token: log π(token) and (optionally) the full-vocabulary entropy, from temperature-scaled logits.
-
-    Only the real response positions (no prompt, no padding) go through the vocabulary projection, ``chunk_rows``
-    at a time (default :func:`logits_chunk_rows`): see :class:`_ChunkedLogprob`, whose backward recomputes a
-    chunk's logits, so no [B·R, V] tensor is ever materialised. The entropy, always detached, is computed only
-    when asked, since the gradient pass gets it from the scoring pass or the rollout. Padded positions are 0.
-    """
-    head = backend.module.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear):
-        raise TypeError(f"the vocabulary projection must be a torch.nn.Linear, got {type(head).__name__}")
-    with torch.set_grad_enabled(with_grad):
-        hidden = backend.forward_hidden(batch.input_ids, batch.attention_mask)  # [B, L, H]
-        b, r = batch.targets.shape
-        resp_len = batch.attention_mask.sum(1) - batch.response_start  # [B]
-        offsets = torch.arange(r, device=hidden.device)
-        rows, cols = (offsets[None] < resp_len[:, None]).nonzero(as_tuple=True)  # real response tokens, row-major
-        h = hidden[rows, batch.response_start[rows] - 1 + cols]  # [N, H]: the position before each target
-        targets = batch.targets[rows, cols]
-        proj = _Projection(head, backend.compute_dtype, temperature,
-                           chunk_rows or logits_chunk_rows(head.out_features))
-        flat_ent: torch.Tensor | None
-        if with_grad and torch.is_grad_enabled() and backend.chunked_projection:
-            flat_lp, flat_ent = _ChunkedLogprob.apply(h, targets, proj, with_entropy)
-            flat_ent = flat_ent if with_entropy else None
-        elif with_grad and torch.is_grad_enabled():  # one [N, V] graph: autograd sums each parameter's gradient once
-            z = proj.logits(h)
-            flat_lp = z.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(z, dim=-1)
-            flat_ent = proj.forward(h.detach(), targets, with_entropy=True)[2] if with_entropy else None
-        else:
-            _, flat_lp, flat_ent = proj.forward(h, targets, with_entropy)
-        index = rows * r + cols
-        logprobs = hidden.new_zeros(b * r, dtype=torch.float32).index_put((index,), flat_lp).view(b, r)
-        entropy = None
-        if flat_ent is not None:
-            entropy = hidden.new_zeros(b * r, dtype=torch.float32).index_put((index,), flat_ent).view(b, r)
-    return logprobs, entropy
+    def micro_batch(self, samples: Sequence[int], inputs: LossInputs, norm: LossNormalizer, norm_len: int) -> None:
+        """``samples``: the update's sample indices of the batch's rows, in row order (fillers are not shown)."""
+        ...
 
 
 def sampler_is_trainer(cfg: ExperimentConfig, generation_dtype: str) -> bool:
@@ -273,8 +142,10 @@ class _Scored:
 
 class PolicyUpdater:
     def __init__(self, backend: TrainBackend, cfg: ExperimentConfig, pad_id: int,
-                 ref_backend: TrainBackend | None = None, generation_dtype: str | None = None) -> None:
-        """``generation_dtype``: the run's resolved ``model.generation_dtype`` (None: the config's own)."""
+                 ref_backend: TrainBackend | None = None, generation_dtype: str | None = None,
+                 observer: MicroBatchObserver | None = None) -> None:
+        """``generation_dtype``: the run's resolved ``model.generation_dtype`` (None: the config's own);
+        ``observer``: shown every micro-batch's loss inputs."""
         if cfg.algorithm.kl_coef > 0 and ref_backend is None:
             raise ValueError("algorithm.kl_coef > 0 needs a reference model")
         self.backend = backend
@@ -286,6 +157,7 @@ class PolicyUpdater:
         self.micro_batch_tokens = micro_batch_token_cap(cfg.optim, backend.module, backend.device)
         checkpoint_decoder_layers(backend.module, cfg.optim.activation_checkpointing)
         self.ranks = backend.ranks
+        self.observer = observer
 
     # ------------------------------------------------------------------
     def _micro_batches(self, samples: Sequence[TrainSample], indices: Sequence[int]) -> list[list[int]]:
@@ -436,10 +308,10 @@ class PolicyUpdater:
         weights, correction = rollout_is_weights(old, batch.rollout_logprobs, batch.loss_mask,
                                                  alg.rollout_correction if cfg.optim.old_logprobs == "trainer"
                                                  else "none", alg.rollout_correction_cap)
-        loss, diag = compute_policy_loss(
-            LossInputs(logprobs, old, adv * weights, batch.loss_mask, ent, ref), alg, norm,
-            norm_len=cfg.rollout.max_response_tokens,
-        )
+        inputs = LossInputs(logprobs, old, adv * weights, batch.loss_mask, ent, ref)
+        loss, diag = compute_policy_loss(inputs, alg, norm, norm_len=cfg.rollout.max_response_tokens)
+        if self.observer is not None and weight == 1.0:
+            self.observer.micro_batch(mb, inputs, norm, cfg.rollout.max_response_tokens)
         self.backend.backward(loss * weight if weight != 1.0 else loss)
         tally.diagnostics.append({**diag, **correction})
         return float(loss.detach()) * weight

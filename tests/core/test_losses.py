@@ -20,6 +20,7 @@ from aepo_core.losses import (
     high_entropy_threshold,
     kl_penalty,
     loss_normalizer,
+    token_gradient_weights,
 )
 from aepo_core.overrides import build_config
 
@@ -465,3 +466,22 @@ def test_no_threshold_without_the_high_entropy_gate(monkeypatch: pytest.MonkeyPa
     _, diag = compute_policy_loss(inp, cfg)
     assert "clip_frac_high_entropy" not in diag and "num_high_entropy_tokens" not in diag
     assert diag["entropy_mean"].value == pytest.approx((0.1 + 2.0 + 0.3 + 4.0) / 4)
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_token_gradient_weights_are_the_gradient_of_the_loss_in_the_log_probs(name):
+    inp = make_inputs(LOG_R, [A], entropy=[[0.1, 2.0, 0.3, 1.0]])
+    _, grad, _ = loss_and_grad(inp, loss=name)
+    cfg = AlgorithmConfig(clip_low=EPS_L, clip_high=EPS_H, loss=name)
+    torch.testing.assert_close(token_gradient_weights(inp, cfg), grad)
+
+
+def test_token_gradient_weights_zero_where_ppo_clips_and_not_where_aepo_keeps_the_gradient():
+    inp = make_inputs(LOG_R, [A])
+    ppo = token_gradient_weights(inp, AlgorithmConfig(clip_low=EPS_L, clip_high=EPS_H, loss="ppo_clip"))
+    aepo = token_gradient_weights(inp, AlgorithmConfig(clip_low=EPS_L, clip_high=EPS_H, loss="aepo"))
+    expected_ppo = torch.tensor([ppo_closed_form()[1]], dtype=torch.float64)
+    torch.testing.assert_close(ppo, expected_ppo)
+    assert float(ppo[0, 0]) == 0.0 and float(aepo[0, 0]) == pytest.approx(-(1 + EPS_H) * A[0] / 4)
+    assert float(aepo[0, 2]) == 0.0  # the low side stays clipped under AEPO
+    assert inp.logprobs.grad is None  # the caller's tensor is untouched

@@ -14,6 +14,7 @@ from aepo_core.protocol import (
     extract_answer_block,
     parse_tool_call,
     result_block,
+    tool_call_spans,
     tool_calls_in,
 )
 
@@ -80,6 +81,16 @@ def test_tool_calls_in_skips_result_contents() -> None:
         "<python>1+1</python><result>2</result><answer>\\boxed{2}</answer>"
     )
     assert tool_calls_in(text) == [ToolCall("search", "q1"), ToolCall("python", "1+1")]
+
+
+def test_tool_call_spans_run_from_the_opening_through_the_closing_tag() -> None:
+    text = (
+        "<think>a <search> stray</think><search>q1</search><result>page <python>evil()</python></result>"
+        "<python>1+1</python><result>2</result><answer>\\boxed{2}</answer>"
+    )
+    spans = tool_call_spans(text)
+    assert [text[s:e] for s, e, _call in spans] == ["<search>q1</search>", "<python>1+1</python>"]
+    assert [call for _s, _e, call in spans] == tool_calls_in(text)
 
 
 def test_check_format_accepts_good_transcript() -> None:

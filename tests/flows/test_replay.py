@@ -96,3 +96,64 @@ def test_the_cli_replays_and_refuses_what_it_cannot_replay(run: tuple[Any, Path]
         assert missing.exit_code == 2 and "no stored trajectories" in missing.output
     finally:
         part.write_bytes(saved)
+
+
+def test_update_rules_compared_on_the_same_samples(run: tuple[Any, Path]) -> None:
+    """The run's own rule twice (once spelled with its default clip_high) gives the same update to the bit, so every
+    paired difference is exactly 0; CISPO, which never drops a token's gradient, zeroes none, while PPO with a clip
+    range of 0 zeroes the tokens whose ratio moved the advantage's way after the first optimizer step (one question
+    per mini-batch, ``--set optim.mini_batch_size=1``: the run itself took one on-policy step, where every ratio
+    is 1); every rule moved the policy (KL > 0); the gradient weight shares of the classes add up to 1. Without
+    overrides, the run's own rule is the run's update: its loss is the one the run logged.
+
+    (Unclipped, AEPO, PPO-clip and CISPO have the same gradient, −r·Â·∇logπ: on this tiny run the ratios stay
+    within 1 ± 0.2, so ``cispo`` alone would update exactly as ``aepo`` does; the entropy-aware advantage turned
+    off is a rule that differs everywhere.)"""
+    from flows.replay import replay_rules
+
+    _, runs = run
+    rules = ["aepo", "aepo@clip_high=0.2", "cispo", "ppo_clip@clip_low=0,clip_high=0", "aepo@entropy_advantage=false"]
+    out = replay_rules(run=NAME, steps=[2, 3], rules=rules, overrides=["optim.mini_batch_size=1"], runs_dir=str(runs),
+                       n_resamples=200)
+    assert out.reference == "aepo" and set(out.samples) == {2, 3} and all(n > 0 for n in out.samples.values())
+    rows = {(r.quantity, r.token_class, r.rule): r for r in out.rows}
+    assert len(rows) == 6 * 3 * len(rules)
+    assert rows[("kl_to_start", "rest", "aepo")].tokens > 0 and rows[("kl_to_start", "tool_call", "aepo")].tokens > 0
+    for (quantity, cls, rule), r in rows.items():
+        if rule == "aepo@clip_high=0.2" and r.diff is not None:
+            assert (r.diff, r.diff_low, r.diff_high) == (0.0, 0.0, 0.0), (quantity, cls)
+        if quantity == "zeroed_share" and rule == "cispo" and r.tokens:
+            assert r.value == 0.0, cls
+        if quantity == "kl_to_start" and r.tokens:
+            assert r.value > 0, (cls, rule)
+    for rule in rules:
+        shares = [rows[("gradient_weight_share", c, rule)].value for c in ("tool_call", "high_entropy", "rest")]
+        assert sum(shares) == pytest.approx(1.0)
+    assert rows[("zeroed_share", "rest", "ppo_clip@clip_low=0,clip_high=0")].value > 0
+    assert rows[("kl_to_start", "rest", "aepo@entropy_advantage=false")].diff != 0.0  # another rule, another update
+    from infra.tracking.run import Tracker
+
+    own = replay_rules(run=NAME, steps=[2], rules=["aepo"], runs_dir=str(runs), n_resamples=10)
+    logged = dict(Tracker(_tracking_uri(runs)).metric_history(["train/loss"], run_id=out.run_id)["train/loss"])
+    assert own.update_metrics[2]["aepo"]["train/loss"] == logged[2]
+
+
+def _tracking_uri(runs: Path) -> str:
+    from infra.tracking.client import tracking_uri_for
+
+    return tracking_uri_for(runs)
+
+
+def test_the_cli_compares_rules_and_refuses_a_bad_one(run: tuple[Any, Path]) -> None:
+    import json
+
+    _, runs = run
+    ok = _invoke("replay", NAME, "--step", "2", "--losses", "aepo,ppo_clip", "--runs-dir", str(runs),
+                 "--format", "json")
+    assert ok.exit_code == 0, ok.output
+    rows = json.loads(ok.stdout)
+    assert len(rows) == 6 * 3 * 2 and {r["rule"] for r in rows} == {"aepo", "ppo_clip"}
+    bad = _invoke("replay", NAME, "--step", "2", "--losses", "aepo,ppo", "--runs-dir", str(runs))
+    assert bad.exit_code == 2 and "update rule 'ppo'" in bad.output and "Traceback" not in bad.output
+    two = _invoke("replay", NAME, "--step", "2", "--step", "3", "--runs-dir", str(runs))
+    assert two.exit_code == 2 and "--step once without --losses" in two.output

@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from aepo_core.config import OptimConfig
 from infra.training.backends import TorchBackend
 from infra.training.batching import PaddedBatch, TrainSample, collate
-from infra.training.update import logits_chunk_rows, response_logprobs_and_entropy
+from infra.training.logprobs import logits_chunk_rows, response_logprobs_and_entropy
 
 VOCAB = 211
 
