@@ -264,9 +264,10 @@ def plot_rollout_tree(tree: RolloutTree, path: str | os.PathLike[str], title: st
     return out
 
 
-# ------------------------------------------------------------------------------------------------ rollout study
-StudyBars = Mapping[str, Mapping[str, Estimate]]
-"""panel series → arm label → estimate (a mean with its 95% CI)."""
+# ------------------------------------------------------------------------------ estimates with CIs (study, rules)
+EstimateBars = Mapping[str, Mapping[str, Estimate]]
+"""panel series (e.g. an update rule) → group on the x axis (e.g. an arm, a token class) → estimate (a mean with its
+95% CI)."""
 
 
 def _estimate_bars(ax: Axes, arms: Sequence[str], series: Mapping[str, Mapping[str, Estimate]]) -> None:
@@ -288,10 +289,11 @@ def _estimate_bars(ax: Axes, arms: Sequence[str], series: Mapping[str, Mapping[s
     ax.legend(fontsize=7, loc="best")
 
 
-def rollout_study_figure(panels: Mapping[str, StudyBars], arms: Sequence[str], title: str | None = None) -> Figure:
-    """One subplot per panel (e.g. "branch concentration"), grouped bars of each series per arm with 95% CIs."""
+def estimates_figure(panels: Mapping[str, EstimateBars], arms: Sequence[str], title: str | None = None) -> Figure:
+    """One subplot per panel (e.g. "branch concentration" of the rollout study, "KL to the start" of the update-rule
+    comparison), grouped bars of each series per x group (``arms``) with 95% CIs."""
     if not panels or not arms:
-        raise ValueError("a rollout study figure needs at least one panel and one arm")
+        raise ValueError("an estimates figure needs at least one panel and one x group")
     ncols = 2
     nrows = math.ceil(len(panels) / ncols)
     fig = Figure(figsize=(6.5 * ncols, 3.6 * nrows), layout="constrained")

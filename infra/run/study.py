@@ -244,10 +244,10 @@ def write_study_figures(summary: StudySummary, profiles: Mapping[Arm, Sequence[G
                         title: str) -> list[Path]:
     """``rollout_study.png`` (every quantity per arm with 95% CIs) and ``budget_split.png`` (m against
     H_root − H̄_tool for the arms that pre-monitor, i.e. where m varies), atomically."""
-    from infra.plots import budget_scatter_figure, rollout_study_figure, save_png
+    from infra.plots import budget_scatter_figure, estimates_figure, save_png
 
     labels = [arm.label for arm in summary.arms]
-    files = [save_png(rollout_study_figure(study_panels(summary), labels, title), out_dir / "rollout_study.png")]
+    files = [save_png(estimates_figure(study_panels(summary), labels, title), out_dir / "rollout_study.png")]
     varying = {arm: ps for arm, ps in profiles.items() if len({p.global_budget for p in ps}) > 1}
     if varying:
         points = {arm.label: [(p.entropy_gap, float(p.global_budget)) for p in ps] for arm, ps in varying.items()}

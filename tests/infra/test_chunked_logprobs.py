@@ -120,3 +120,45 @@ def test_chunk_rows_follow_the_vocabulary():
     assert logits_chunk_rows(49152) == 1365  # SmolLM2: 256 MiB of float32 logits per chunk
     assert logits_chunk_rows(151_936) == 441
     assert logits_chunk_rows(10**12) == 1
+
+
+@pytest.mark.parametrize("chunk", [3, 10_000])
+def test_token_divergence_against_the_unchunked_formula(chunk):
+    """Both policies' log-probs and entropies are the unchunked ones; KL(start ‖ after) is Σ_v p_s (log p_s − log p_a)
+    over the full [B·R, V] logits; a policy against itself has KL 0."""
+    from infra.training.logprobs import token_divergence
+
+    rng = random.Random(2)
+    samples = []
+    for _ in range(4):
+        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 6))]
+        resp = [rng.randrange(1, VOCAB) for _ in range(rng.randint(3, 11))]
+        samples.append(TrainSample(prompt + resp, len(prompt), [1] * len(resp), [0.0] * len(resp), 1.0, 0))
+    start = TorchBackend(tiny_model(tied=True), OptimConfig(), total_steps=1)
+    after_model = tiny_model(tied=True)
+    with torch.no_grad():
+        for p in after_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    after = TorchBackend(after_model, OptimConfig(), total_steps=1)
+    divergence = token_divergence(after, start, samples, pad_id=0, temperature=0.7, micro_batch_tokens=20,
+                                  chunk_rows=chunk)
+    for i, (sample, d) in enumerate(zip(samples, divergence, strict=True)):
+        batch = collate([sample], pad_id=0)
+        with torch.no_grad():
+            lp_s, ent_s = reference(start, batch, 0.7)
+            lp_a, ent_a = reference(after, batch, 0.7)
+            module_s, module_a = start.module, after.module
+            h_s = start.forward_hidden(batch.input_ids, batch.attention_mask)
+            h_a = after.forward_hidden(batch.input_ids, batch.attention_mask)
+            r = sample.response_len
+            rows = torch.arange(r) + sample.prompt_len - 1
+            logp_s = torch.log_softmax(module_s.get_output_embeddings()(h_s[0, rows]) / 0.7, -1)
+            logp_a = torch.log_softmax(module_a.get_output_embeddings()(h_a[0, rows]) / 0.7, -1)
+            kl = (logp_s.exp() * (logp_s - logp_a)).sum(-1)
+        for got, want in ((d.logprob_start, lp_s[0]), (d.logprob_after, lp_a[0]), (d.entropy_start, ent_s[0]),
+                          (d.entropy_after, ent_a[0]), (d.kl, kl)):
+            torch.testing.assert_close(torch.from_numpy(got).float(), want.float(), atol=1e-5, rtol=1e-5,
+                                       msg=f"sample {i}")
+        assert d.kl.min() > 0
+    same = token_divergence(start, start, samples, pad_id=0, temperature=0.7, micro_batch_tokens=20)
+    assert all(abs(d.kl).max() < 1e-6 for d in same)
