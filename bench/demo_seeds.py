@@ -32,7 +32,6 @@ import logging
 import math
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -40,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.harness import RESULTS_DIR, environment, print_table, write_result
+from bench.harness import RESULTS_DIR, environment, flow_bench_main, print_table, write_result
 
 log = logging.getLogger("bench.demo_seeds")
 
@@ -176,18 +175,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from aepo_core.config_keys import ConfigError
-    from flows.cli.environment import prepare_environment, sigterm_unwinds
-
-    runs = args.runs_dir.resolve()
-    prepare_environment(runs)  # before Prefect is imported
-    try:
-        with sigterm_unwinds():
-            return run(args, runs)
-    except ConfigError as exc:  # a bad config, override or sweep: one line, nothing started
-        print(f"bench.demo_seeds: {exc}", file=sys.stderr)
-        return 2
+    return flow_bench_main("bench.demo_seeds", args.runs_dir, lambda runs: run(args, runs))
 
 
 def started(runs: Path, spec: Any) -> bool:

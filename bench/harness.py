@@ -4,12 +4,14 @@ and the CPU it was measured on), tables, thread setup."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import platform
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -144,3 +146,22 @@ def default_compute(model_name: str) -> str:
     from infra.numerics import auto_dtype, device_facts
 
     return "float32" if model_name == TINY_RANDOM else auto_dtype(device_facts("cpu"))
+
+
+def flow_bench_main(prog: str, runs_dir: Path, body: Callable[[Path], int],
+                    errors: tuple[type[Exception], ...] = ()) -> int:
+    """Run a bench whose work is flows: INFO logging, the runs dir's environment (set before Prefect is imported),
+    SIGTERM unwinding (Prefect's temporary server and a vLLM server stop with it), then ``body(runs)``; a
+    :class:`~aepo_core.config_keys.ConfigError` or one of ``errors`` is one line on stderr and exit code 2."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from aepo_core.config_keys import ConfigError
+    from flows.cli.environment import prepare_environment, sigterm_unwinds
+
+    runs = runs_dir.resolve()
+    prepare_environment(runs)
+    try:
+        with sigterm_unwinds():
+            return body(runs)
+    except (ConfigError, *errors) as exc:  # a bad config, override or input: one line, nothing started
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2

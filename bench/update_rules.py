@@ -24,14 +24,13 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench.harness import RESULTS_DIR, environment, print_table, write_result
+from bench.harness import RESULTS_DIR, environment, flow_bench_main, print_table, write_result
 
 log = logging.getLogger("bench.update_rules")
 
@@ -87,20 +86,11 @@ def ensure_run(args: argparse.Namespace, runs: Path) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from aepo_core.config_keys import ConfigError
-    from flows.cli.environment import prepare_environment, sigterm_unwinds
     from infra.run.checkpoints import CheckpointError
     from infra.run.replay import ReplayError
 
-    runs = args.runs_dir.resolve()
-    prepare_environment(runs)  # before Prefect is imported
-    try:
-        with sigterm_unwinds():
-            return run(args, runs)
-    except (ConfigError, ReplayError, CheckpointError) as exc:
-        print(f"bench.update_rules: {exc}", file=sys.stderr)
-        return 2
+    return flow_bench_main("bench.update_rules", args.runs_dir, lambda runs: run(args, runs),
+                           (ReplayError, CheckpointError))
 
 
 def run(args: argparse.Namespace, runs: Path) -> int:

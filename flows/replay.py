@@ -23,7 +23,7 @@ from aepo_core.update_comparison import ComparisonRow, SampleTokens, compare_rul
 from flows.common import flow_runs_dir
 from infra.config_files import load_config
 from infra.numerics import Numerics, device_facts, numerics_for
-from infra.run.checkpoints import checkpoint_store
+from infra.run.checkpoints import CheckpointStore, checkpoint_store
 from infra.run.replay import (
     ReplayError,
     WeightComparison,
@@ -37,7 +37,6 @@ from infra.run.trainer import data_order, total_steps, training_rows
 from infra.store import TrajectoryStore
 from infra.tracking.client import download_artifacts, tracking_uri_for
 from infra.tracking.run import Tracker
-from infra.training.checkpoint_store import CheckpointStore
 from tasks.data import prepare_data, source_fingerprint
 
 COMPARED_METRICS = ("train/loss", "train/grad_norm", "train/clip_frac", "train/entropy_mean")

@@ -33,11 +33,12 @@ from infra.models import load_policy, model_dir, pad_token_id
 from infra.numerics import Numerics, autocast_dtype
 from infra.run.trainer import build_backend, build_updater
 from infra.store import StoreError, TrajectoryStore
+from infra.training.backend import TrainBackend
 from infra.training.backends import FrozenBackend
 from infra.training.batching import TrainSample
 from infra.training.checkpoint import load_checkpoint
 from infra.training.logprobs import token_divergence
-from infra.training.update import MicroBatchObserver, TrainBackend
+from infra.training.update import MicroBatchObserver
 
 
 class ReplayError(ValueError):

@@ -21,11 +21,11 @@ from infra.data.synthetic import oracle_transcript
 from infra.engines.weights import PolicyWeights
 from infra.numerics import autocast_dtype
 from infra.run.runtime import PolicyRuntime
+from infra.training.backend import TrainBackend
 from infra.training.backends import TorchBackend
 from infra.training.batching import TrainSample, collate, plan_micro_batches
 from infra.training.logprobs import response_logprobs_and_entropy
 from infra.training.memory import checkpoint_decoder_layers, micro_batch_token_cap, release_memory
-from infra.training.update import TrainBackend
 
 log = logging.getLogger(__name__)
 

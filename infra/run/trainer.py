@@ -28,12 +28,13 @@ from infra.numerics import Numerics, autocast_dtype
 from infra.ranks import Ranks
 from infra.run.checkpoints import as_store
 from infra.run.runtime import PolicyRuntime
+from infra.training.backend import TrainBackend
 from infra.training.backends import FrozenBackend, TorchBackend
 from infra.training.batching import samples_from_trees
 from infra.training.checkpoint import load_checkpoint
 from infra.training.checkpoint_store import CheckpointStore
 from infra.training.data_order import DataCursor, DataOrder
-from infra.training.update import MicroBatchObserver, PolicyUpdater, TrainBackend
+from infra.training.update import MicroBatchObserver, PolicyUpdater
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ import torch
 
 from aepo_core.config import OptimConfig
 from infra.ranks import Ranks
+from infra.training.backend import Stateful
 from infra.training.optim import build_optimizer, build_scheduler
-from infra.training.update import Stateful
 
 log = logging.getLogger(__name__)
 

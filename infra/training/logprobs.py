@@ -14,7 +14,7 @@ import torch
 from infra.training.batching import PaddedBatch, TrainSample, collate, plan_micro_batches
 
 if TYPE_CHECKING:
-    from infra.training.update import TrainBackend
+    from infra.training.backend import TrainBackend
 
 LOGITS_CHUNK_BYTES = 256 * 2**20
 """Bytes of one chunk's float32 logits: the vocabulary projection takes ``LOGITS_CHUNK_BYTES // (4 · V)`` response
