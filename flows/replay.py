@@ -8,6 +8,10 @@ checkpoint of step N. The run's config comes from its MLflow run (the ``config.y
 from the run's ``numerics.*`` params, so the replay computes in the dtypes the run did, whatever ``auto`` would pick
 on this machine. Replaying step N therefore needs the checkpoints of steps N − 1 and N (``checkpoint.every: 1``,
 ``keep`` ≥ 2) and step N's trajectories written at schema version 4 or later.
+
+The rules flow (``aepo replay <run> --step N … --losses a,b,…``, :func:`replay_rules`) starts every update rule from
+the same checkpoint N − 1 on step N's same samples and compares per token class what the updates did
+(:mod:`aepo_core.update_comparison`); it needs only the checkpoint before each step.
 """
 
 from __future__ import annotations
@@ -100,13 +104,14 @@ class StoredRun:
     checkpoints: CheckpointStore
     total_steps: int
 
-    def check_replayable(self, step: int) -> None:
-        """Refuse a step without the checkpoints of steps N − 1 and N."""
+    def check_replayable(self, step: int, after: bool = True) -> None:
+        """Refuse a step without the checkpoint of step N − 1 (and of step N, when ``after``)."""
         stored = self.checkpoints.steps()
-        if step - 1 not in stored or step not in stored:
-            raise ReplayError(f"run {self.name} ({self.run_id}): replaying step {step} needs the checkpoints of steps "
-                              f"{step - 1} and {step}; {self.checkpoints} holds {stored or 'none'} "
-                              "(checkpoint.every: 1 keeps every step)")
+        needed = [step - 1, step] if after else [step - 1]
+        if any(s not in stored for s in needed):
+            raise ReplayError(f"run {self.name} ({self.run_id}): replaying step {step} needs the checkpoint"
+                              f"{'s of steps' if after else ' of step'} {' and '.join(map(str, needed))}; "
+                              f"{self.checkpoints} holds {stored or 'none'} (checkpoint.every: 1 keeps every step)")
 
 
 def stored_run(tracker: Tracker, run: str, runs: Path) -> StoredRun:
@@ -193,7 +198,7 @@ def replay_rules(run: str, steps: list[int], rules: list[str], overrides: list[s
     metrics: dict[int, dict[str, dict[str, float]]] = {}
     for step in steps:
         samples = update_samples(stored.store, stored.run_id, step)
-        stored.check_replayable(step)
+        stored.check_replayable(step, after=False)
         logger.info("step %d of %s: %d samples under %s", step, stored.name, len(samples), ", ".join(rules))
         tokens, metrics[step] = compare_update_rules(stored.cfg, configs, stored.numerics,
                                                      stored.checkpoints.fetch(step - 1), samples, stored.total_steps)

@@ -155,5 +155,7 @@ def test_the_cli_compares_rules_and_refuses_a_bad_one(run: tuple[Any, Path]) -> 
     assert len(rows) == 6 * 3 * 2 and {r["rule"] for r in rows} == {"aepo", "ppo_clip"}
     bad = _invoke("replay", NAME, "--step", "2", "--losses", "aepo,ppo", "--runs-dir", str(runs))
     assert bad.exit_code == 2 and "update rule 'ppo'" in bad.output and "Traceback" not in bad.output
+    first = _invoke("replay", NAME, "--step", "1", "--losses", "aepo", "--runs-dir", str(runs))
+    assert first.exit_code == 2 and "needs the checkpoint of step 0" in first.output
     two = _invoke("replay", NAME, "--step", "2", "--step", "3", "--runs-dir", str(runs))
     assert two.exit_code == 2 and "--step once without --losses" in two.output
