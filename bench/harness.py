@@ -26,9 +26,15 @@ RESULTS_DIR = REPO / "bench" / "results"
 
 def write_result(path: Path, data: Mapping[str, Any]) -> None:
     """Write a benchmark's result to ``path`` as JSON, atomically (:func:`infra.atomic.atomic_file`: complete or not
-    at all, mode 0644), with ``commit`` (:func:`tree_commit`) and ``cpu`` (:func:`cpu_label`) first, unless ``data``
-    already names them: every figure under ``bench/results/`` says which code measured it on which CPU."""
-    record = {"commit": tree_commit(), "cpu": cpu_label(), **data}
+    at all, mode 0644), with ``commit`` and ``cpu`` (:func:`cpu_label`) first, unless ``data`` already names them:
+    every figure under ``bench/results/`` says which code measured it on which CPU. The commit is the one the bench
+    started on (its :func:`environment`'s; a bench of hours imports its code at start, and a commit made meanwhile
+    did not measure anything), else the tree's now; ``commit_at_write`` follows it when the tree moved since."""
+    env = data.get("environment")
+    started = env.get("commit") if isinstance(env, Mapping) else None
+    now = tree_commit()
+    record = {"commit": started or now, "cpu": cpu_label(), **({"commit_at_write": now} if started and started != now
+                                                                else {}), **data}
     with atomic_file(path, "w") as fh:
         json.dump(record, fh, indent=1, sort_keys=False, default=_json_default)
         fh.write("\n")
@@ -103,8 +109,8 @@ def set_threads(n: int) -> None:
 def environment(threads: int, *, numerics: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Where and on what a benchmark ran: the machine (CPU model, torch's kernel capability, native bf16 and the
     start-up probe's bf16 speed-up, cores, any ISA restriction of the kernels), versions, threads, the load average at
-    start, and ``numerics`` (the dtypes the benchmark resolved, e.g. ``Numerics.params()``). The commit is recorded
-    by :func:`write_result`, next to it."""
+    start, ``numerics`` (the dtypes the benchmark resolved, e.g. ``Numerics.params()``) and the commit the code came
+    from (:func:`tree_commit`, which :func:`write_result` puts first)."""
     import transformers
 
     from infra.numerics import device_facts
@@ -125,6 +131,7 @@ def environment(threads: int, *, numerics: Mapping[str, str] | None = None) -> d
         "torch_threads": threads,
         "numerics": dict(numerics or {}),
         "load_avg_start": list(os.getloadavg()),
+        "commit": tree_commit(),
     }
 
 

@@ -44,3 +44,19 @@ def test_write_result_puts_commit_and_cpu_first(tmp_path: Path) -> None:
     assert data["benchmark"] == "x" and data["value"] == 1.5
     write_result(out, {"commit": "abc1234", "cpu": "given", "benchmark": "y"})  # a result that names them keeps them
     assert json.loads(out.read_text()) == {"commit": "abc1234", "cpu": "given", "benchmark": "y"}
+
+
+def test_a_long_bench_names_the_commit_it_started_on(tmp_path: Path) -> None:
+    """A bench imports its code at start; a commit made while it runs (a sweep of hours) is not what measured it.
+    environment() records the commit at start, and write_result names that one, and the tree at writing beside it
+    when they differ."""
+    from bench.harness import environment
+
+    env = environment(threads=1)
+    assert env["commit"] == tree_commit()
+    out = tmp_path / "r.json"
+    write_result(out, {"benchmark": "x", "environment": {**env, "commit": "0123abc"}})
+    data = json.loads(out.read_text())
+    assert data["commit"] == "0123abc" and data["commit_at_write"] == tree_commit()
+    write_result(out, {"benchmark": "x", "environment": env})
+    assert "commit_at_write" not in json.loads(out.read_text())
