@@ -214,10 +214,12 @@ def compare_update_rules(run_cfg: ExperimentConfig, configs: Mapping[str, Experi
     per_sample: list[dict[str, SampleTokens]] = [{} for _ in samples]
     metrics: dict[str, dict[str, float]] = {}
     threshold: float | None = None
+    start_states: dict[tuple[int, ...], torch.Tensor] = {}  # the start policy's forward, once for every rule
     for rule, cfg in configs.items():
         recorder = GradientRecorder(cfg.algorithm, samples)
         backend, metrics[rule], cap = _update_from(cfg, run_cfg, numerics, before, samples, steps, recorder)
-        divergence = token_divergence(backend, start, samples, pad, cfg.rollout.temperature, cap)
+        divergence = token_divergence(backend, start, samples, pad, cfg.rollout.temperature, cap,
+                                      start_states=start_states)
         if threshold is None:  # the start policy's entropies: the same under every rule
             threshold = entropy_threshold([d.entropy_start for d in divergence], masks,
                                           run_cfg.algorithm.high_entropy_quantile)

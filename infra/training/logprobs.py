@@ -187,16 +187,24 @@ class TokenDivergence:
 
 @torch.no_grad()
 def token_divergence(after: TrainBackend, start: TrainBackend, samples: Sequence[TrainSample], pad_id: int,
-                     temperature: float, micro_batch_tokens: int, chunk_rows: int | None = None
-                     ) -> list[TokenDivergence]:
+                     temperature: float, micro_batch_tokens: int, chunk_rows: int | None = None,
+                     start_states: dict[tuple[int, ...], torch.Tensor] | None = None) -> list[TokenDivergence]:
     """For every response token of ``samples`` (tool results too: callers mask): both policies' log-prob of the
     sampled token and entropy, and KL(π_start ‖ π_after) = Σ_v p_start(v)·(log p_start(v) − log p_after(v)), from
-    temperature-scaled logits, micro-batch by micro-batch and ``chunk_rows`` tokens at a time."""
+    temperature-scaled logits, micro-batch by micro-batch and ``chunk_rows`` tokens at a time.
+
+    ``start_states``: the start policy's response states per micro-batch, filled on first use and read after, so
+    that several updated policies compared with one start run its forward once (the same samples and budget)."""
     out: list[TokenDivergence | None] = [None] * len(samples)
     for mb in plan_micro_batches([len(s.input_ids) for s in samples], micro_batch_tokens):
         batch = collate([samples[i] for i in mb], pad_id, after.device)
         _, rows, _, h_after, targets = _response_hidden(after, batch)
-        h_start = _response_hidden(start, batch)[3]
+        key = tuple(mb)
+        if start_states is None or key not in start_states:
+            h_start = _response_hidden(start, batch)[3]
+            if start_states is not None:
+                start_states[key] = h_start
+        h_start = start_states[key] if start_states is not None else h_start
         step = chunk_rows or logits_chunk_rows(_head(after).out_features)
         proj_after = VocabProjection(_head(after), after.compute_dtype, temperature, step)
         proj_start = VocabProjection(_head(start), start.compute_dtype, temperature, step)

@@ -162,3 +162,15 @@ def test_token_divergence_against_the_unchunked_formula(chunk):
         assert d.kl.min() > 0
     same = token_divergence(start, start, samples, pad_id=0, temperature=0.7, micro_batch_tokens=20)
     assert all(abs(d.kl).max() < 1e-6 for d in same)
+
+    # The start side computed once for several updated policies: the same figures, one start forward per micro-batch.
+    calls = []
+    hook = start.module.get_decoder().register_forward_hook(lambda *_: calls.append(1))
+    states: dict = {}
+    for _ in range(2):
+        cached = token_divergence(after, start, samples, pad_id=0, temperature=0.7, micro_batch_tokens=20,
+                                  chunk_rows=chunk, start_states=states)
+        for c, d in zip(cached, divergence, strict=True):
+            assert all((x == y).all() for x, y in zip(vars(c).values(), vars(d).values(), strict=True))
+    hook.remove()
+    assert len(calls) == len(states) > 0
