@@ -53,6 +53,10 @@ class ExactEntropyEngine:
         self.inner.release()
         self.scorer.release()
 
+    def close(self) -> None:
+        self.inner.close()
+        self.scorer.close()
+
     @property
     def weight_version(self) -> str | None:
         return self.inner.weight_version

@@ -229,6 +229,10 @@ class HFEngine:
         """The rollout is over: its retained KV will not be asked for again (:meth:`PolicyEngine.release`)."""
         self.clear_kv()
 
+    def close(self) -> None:
+        """Nothing but the retained KV to free: the model is the caller's."""
+        self.clear_kv()
+
     def clear_kv(self) -> None:
         """Forget every retained KV cache (done automatically when the weights change)."""
         if self._prefixes is not None:

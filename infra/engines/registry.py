@@ -93,7 +93,7 @@ def _vllm(cfg: ExperimentConfig, numerics: Numerics, model: torch.nn.Module, tok
     served = RemoteEngineConfig(url=server.url, model=server.served_name, weight_sync="vllm",
                                 top_logprobs=cfg.rollout.vllm.top_logprobs)
     engine = RemoteEngine(served, tokenizer, receiver=server.control, weights_dir=weights_dir,
-                          loaded_version=INITIAL_VERSION)
+                          loaded_version=INITIAL_VERSION, served_export=initial)
     return BuiltEngine(_exact_entropies(cfg, numerics, model, tokenizer, engine), server)
 
 

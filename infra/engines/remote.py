@@ -148,6 +148,7 @@ class RemoteEngine:
         receiver: WeightReceiver | None = None,
         weights_dir: str | os.PathLike[str] | None = None,
         loaded_version: str | None = None,
+        served_export: str | os.PathLike[str] | None = None,
         http: HTTPOptions | None = None,
     ) -> None:
         if not section.url or not section.model:
@@ -167,7 +168,9 @@ class RemoteEngine:
                                   limits=httpx.Limits(max_connections=http.workers,
                                                       max_keepalive_connections=http.workers))
         self._loaded_version = loaded_version  # the version the server serves now, when known
-        self._exported: Path | None = None
+        # The export of ours the server serves now (``served_export``: the caller's initial one): removed once the
+        # server loads another, and on close (an export of SmolLM2 is ~650 MB; the checkpoints hold the policy).
+        self._exported: Path | None = Path(served_export) if served_export is not None else None
 
     # ------------------------------------------------------------------ Engine protocol
     def encode(self, text: str) -> list[int]:
@@ -223,6 +226,9 @@ class RemoteEngine:
 
     def close(self) -> None:
         self._http.close()
+        if self._exported is not None:
+            shutil.rmtree(self._exported, ignore_errors=True)
+            self._exported = None
 
     def _export(self, weights: PolicyWeights) -> Path:
         if self.weights_dir is None:

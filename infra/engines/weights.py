@@ -53,6 +53,11 @@ class PolicyEngine(Engine, Protocol):
         caches); the next rollout starts from other prompts or other weights."""
         ...
 
+    def close(self) -> None:
+        """The run is over: free what the engine holds and remove what it wrote (a remote engine's weight exports,
+        which the checkpoints make redundant); idempotent."""
+        ...
+
     @property
     def weight_version(self) -> str | None:
         """The label of the weights last loaded, which every result stamped with a version must carry; None when

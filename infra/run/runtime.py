@@ -82,7 +82,9 @@ class PolicyRuntime:
     _prompts: dict[str, list[int]] = field(default_factory=dict, repr=False)
 
     def close(self) -> None:
-        """Stop what the runtime started (the managed vLLM server); idempotent."""
+        """Close the engine (removing its weight exports) and stop what the runtime started (the managed vLLM
+        server); idempotent."""
+        self.engine.close()
         if self.server is not None:
             self.server.close()
 

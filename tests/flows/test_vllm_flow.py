@@ -44,3 +44,7 @@ def test_two_steps_on_vllm_sample_each_step_from_the_last_update(prefect_harness
         columns=["step", "weight_version"]).to_pylist()
     assert {(r["step"], r["weight_version"]) for r in table} == {(1, "0"), (2, "1")}
     assert not server_processes(str(tmp_path)), "the vLLM server outlived the flow"
+    # The weights the server loaded are exports of ~650 MB each (SmolLM2 in float32); the checkpoint holds the
+    # policy, so none may outlive the run (a CI disk once filled up with them).
+    exports = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "weights").rglob("*.safetensors"))
+    assert exports == [], f"weight exports left behind: {exports}"
