@@ -49,6 +49,7 @@ from typing import Any
 import yaml
 
 from bench.harness import RESULTS_DIR, environment, print_table, write_result
+from flows.cli.render import interval
 from infra.atomic import atomic_dir
 from infra.data.loaders import dataset_key
 from infra.plots import Band
@@ -373,9 +374,8 @@ def report(arms: dict[str, Any], k: int, dataset: str) -> None:
     for name, a in arms.items():
         vs = a.get(f"vs_{BASELINE}")
         rows.append([
-            name, len(a["runs"]), f"{a['pass@1']:.3f} [{a['pass@1_ci'][0]:.3f}, {a['pass@1_ci'][1]:.3f}]",
-            f"{a['pass@k']:.3f} [{a['pass@k_ci'][0]:.3f}, {a['pass@k_ci'][1]:.3f}]",
-            "–" if vs is None else f"{vs['diff']:+.3f} [{vs['ci_low']:+.3f}, {vs['ci_high']:+.3f}]",
+            name, len(a["runs"]), interval(a["pass@1"], *a["pass@1_ci"]), interval(a["pass@k"], *a["pass@k_ci"]),
+            "–" if vs is None else interval(vs["diff"], vs["ci_low"], vs["ci_high"], signed=True),
             a["tool_calls_per_question"], a["distinct_tool_sequences_per_group"], a["max_branches_on_one_path"],
             a["train_reward_last_step"],
         ])

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import RESULTS_DIR, environment, flow_bench_main, print_table, write_result
+from flows.cli.render import interval
 
 log = logging.getLogger("bench.demo_seeds")
 
@@ -135,7 +136,7 @@ def cell_summary(records: Sequence[RunRecord], n_resamples: int) -> dict[str, An
 
 
 def _ci(d: Mapping[str, float]) -> str:
-    return f"{d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
+    return interval(d["diff"], d["ci_low"], d["ci_high"], signed=True)
 
 
 def report(records: Sequence[RunRecord], gains: Mapping[str, Mapping[str, float]],

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import RESULTS_DIR, environment, print_table, write_result
+from flows.cli.render import interval
 
 log = logging.getLogger("bench.rollout_study")
 
@@ -49,12 +50,7 @@ ROWS: tuple[tuple[str, str], ...] = (
 
 
 def _ci(e: dict[str, Any] | None, signed: bool = False) -> str:
-    if e is None or e["mean"] is None:
-        return "–"
-    fmt = "{:+.3f}" if signed else "{:.3f}"
-    low = "–" if e["low"] is None else fmt.format(e["low"])
-    high = "–" if e["high"] is None else fmt.format(e["high"])
-    return f"{fmt.format(e['mean'])} [{low}, {high}]"
+    return "–" if e is None else interval(e["mean"], e["low"], e["high"], signed=signed)
 
 
 def report(summary: dict[str, Any]) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -137,13 +136,11 @@ def write_figure(compared: Any, path: Path) -> Path:
 
 
 def print_rows(compared: Any) -> None:
-    def cell(value: float | None, low: float | None, high: float | None) -> str:
-        return "–" if value is None or math.isnan(value) else f"{value:+.4f} [{low:+.4f}, {high:+.4f}]"
+    from flows.cli.replay import rule_records
 
     print_table(f"Update rules on the same samples (diff = rule − {compared.reference}, paired, 95% CI)",
                 ["quantity", "class", "rule", "value", "diff", "tokens"],
-                [[r.quantity, r.token_class, r.rule, cell(r.value, r.ci_low, r.ci_high),
-                  cell(r.diff, r.diff_low, r.diff_high), r.tokens] for r in compared.rows])
+                [list(record.values()) for record in rule_records(compared)])
 
 
 if __name__ == "__main__":

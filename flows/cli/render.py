@@ -117,6 +117,16 @@ def fmt(x: Any, digits: int = 3) -> str:
     return str(x)
 
 
+def interval(value: float | None, low: float | None, high: float | None, digits: int = 3,
+             signed: bool = False) -> str:
+    """An estimate and its interval in one cell, ``value [low, high]`` (``+`` shown when ``signed``, for differences);
+    "–" for a missing (None or NaN) value or bound."""
+    def one(x: float | None) -> str:
+        return "–" if x is None or math.isnan(x) else f"{x:{'+' if signed else ''}.{digits}f}"
+
+    return "–" if value is None or math.isnan(value) else f"{one(value)} [{one(low)}, {one(high)}]"
+
+
 def eval_table(title: str, summaries: dict[str, dict[str, float]], k: int,
                extra: dict[str, float] | None = None, stages: dict[str, dict[str, dict[str, float]]] | None = None,
                ) -> Table:

@@ -3,7 +3,6 @@ and check the weights against the run's own checkpoint of that step."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Annotated
 
@@ -11,7 +10,7 @@ import typer
 
 from flows.cli.environment import prepare_environment, start_prefect_api
 from flows.cli.inputs import FormatOpt, RunsOpt, TrackingOpt, check_tracking_server, resolve_runs_dir
-from flows.cli.render import OutputFormat, fail, fmt, print_records
+from flows.cli.render import OutputFormat, fail, fmt, interval, print_records
 
 if TYPE_CHECKING:
     from flows.replay import ReplayResult, RuleComparison
@@ -86,12 +85,10 @@ def replay_cmd(
 
 def rule_records(compared: RuleComparison) -> list[dict[str, object]]:
     """The comparison's rows as printed: value and difference with their intervals in one cell each."""
-    def interval(value: float | None, low: float | None, high: float | None) -> str | None:
-        return None if value is None or math.isnan(value) else f"{value:+.4f} [{low:+.4f}, {high:+.4f}]"
-
     return [{"quantity": r.quantity, "class": r.token_class, "rule": r.rule,
-             "value": interval(r.value, r.ci_low, r.ci_high), "diff": interval(r.diff, r.diff_low, r.diff_high),
-             "tokens": r.tokens} for r in compared.rows]
+             "value": interval(r.value, r.ci_low, r.ci_high, 4, signed=True),
+             "diff": interval(r.diff, r.diff_low, r.diff_high, 4, signed=True), "tokens": r.tokens}
+            for r in compared.rows]
 
 
 def _print_replay(result: ReplayResult, output: OutputFormat) -> None:

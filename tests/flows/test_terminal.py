@@ -160,3 +160,15 @@ def test_every_command_helps_with_an_example_and_no_bool_metavar(command: list[s
     assert "Examples:\n    aepo " in result.stdout or "Examples:\n    PREFECT_API_URL" in result.stdout
     if "--set" in result.stdout:
         assert "--set KEY=VALUE" in result.stdout
+
+
+def test_an_estimate_and_its_interval_read_as_one_cell() -> None:
+    """Every table that prints an interval (replay, the benches) goes through ``interval``: signs for differences,
+    a dash for what is missing, never "nan"."""
+    from flows.cli.render import interval
+
+    assert interval(0.4306, 0.31, 0.5667) == "0.431 [0.310, 0.567]"
+    assert interval(0.051, -0.056, 0.167, signed=True) == "+0.051 [-0.056, +0.167]"
+    assert interval(0.0049, 0.0, 0.0212, 4, signed=True) == "+0.0049 [+0.0000, +0.0212]"
+    assert interval(0.2, None, float("nan")) == "0.200 [–, –]"
+    assert interval(None, 0.1, 0.2) == interval(float("nan"), 0.1, 0.2) == "–"
