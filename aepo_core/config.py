@@ -430,11 +430,18 @@ class SFTConfig(Section):
 
     enabled: bool = Field(False, description="Run cold-start SFT first (needs data.train=synthetic and both tools).")
     epochs: int = Field(1, ge=1, description="Passes over the SFT transcripts.")
-    lr: float = Field(1e-5, gt=0.0, description="AdamW learning rate of SFT.")
+    lr: float = Field(1e-5, gt=0.0, description="AdamW learning rate of SFT, constant after warmup_steps.")
+    warmup_steps: int = Field(0, ge=0, description="SFT optimizer steps of linear LR warm-up (0: none); optim's "
+                              "warm-up and schedule are RL's.")
     batch_size: int = Field(8, ge=1, description="Transcripts per SFT optimizer step.")
     max_examples: int | None = Field(
         None, ge=1, description="Transcripts of the first N training questions only; None: every question."
     )
+
+    def optimizer(self, rl: OptimConfig) -> OptimConfig:
+        """SFT's AdamW: RL's β, ε, weight decay and gradient clipping, at this section's LR, constant after this
+        section's warm-up (RL's warm-up and decay count RL steps: they are not SFT's)."""
+        return rl.model_copy(update={"lr": self.lr, "warmup_steps": self.warmup_steps, "lr_schedule": "constant"})
 
 
 class TrainConfig(Section):

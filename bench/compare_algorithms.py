@@ -103,6 +103,10 @@ def _sft_key(cfg: Any) -> str:
             node = node[part]
         parts[key] = node
     parts["system_prompt"] = SYSTEM_PROMPT
+    if not parts["train.sft"]["warmup_steps"]:
+        # train.sft.warmup_steps came after the cached SFT starts of the rollout study (issue 26); at its default
+        # it trains the same weights, so it is left out and those caches keep their key.
+        del parts["train.sft"]["warmup_steps"]
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

@@ -134,7 +134,7 @@ def run_sft(runtime: PolicyRuntime, rows: Sequence[QuestionRow]) -> SFTReport:
                                      max_result_chars=cfg.rollout.max_result_chars)
         samples.append(sft_sample(runtime.prompt_ids(row.question), segments, runtime.encode))
     steps = sft_cfg.epochs * -(-len(samples) // sft_cfg.batch_size)
-    backend = TorchBackend(runtime.model, cfg.optim, steps, lr=sft_cfg.lr,
+    backend = TorchBackend(runtime.model, sft_cfg.optimizer(cfg.optim), steps,
                            compute_dtype=autocast_dtype(runtime.numerics.compute_dtype))
     # Loss of the first and the last batch as they were trained on (a separate before/after pass over all
     # transcripts would cost two more forward passes: a third of the SFT time on CPU).
