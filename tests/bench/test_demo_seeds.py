@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from aepo_core.config_keys import ConfigError
-from bench.demo_seeds import RunRecord, cell_summary, main, run_gain, sweep_spec
+from bench.demo_seeds import RunRecord, cell_summary, family_summaries, main, run_gain, sweep_spec
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
@@ -40,10 +40,13 @@ def test_a_config_without_the_sft_evaluation_is_refused_before_anything_runs(
 
 
 def _record(seed: int, sft: list[float], final: list[float]) -> RunRecord:
+    """Questions q0, q1 single-hop, the rest two-hop; 2 tool calls per answer after SFT, 1 + seed at the end."""
     qs = [f"q{i}" for i in range(len(sft))]
     pass1 = {"sft": dict(zip(qs, sft, strict=True)), "final": dict(zip(qs, final, strict=True))}
-    return RunRecord("mb1024", seed, f"r{seed}", f"id{seed}", pass1, {"sft": 2.0, "final": 1.0 + seed},
-                     [(1, 2.0), (2, 1.5)], 600.0 + 60 * seed,
+    calls = {"sft": dict.fromkeys(qs, 2.0), "final": dict.fromkeys(qs, 1.0 + seed)}
+    family = {q: "single_hop" if i < 2 else "two_hop" for i, q in enumerate(qs)}
+    return RunRecord("mb1024", seed, f"r{seed}", f"id{seed}", pass1, {"sft": 2.0, "final": 1.0 + seed}, family,
+                     calls, [(1, 2.0), (2, 1.5)], 600.0 + 60 * seed,
                      {"sft": 60.0, "eval": 200.0, "rollout": 250.0, "update": 80.0, "scoring_pass": 0.0})
 
 
@@ -61,6 +64,20 @@ def test_per_run_gain_and_the_pooled_gain_over_seeds() -> None:
     assert cell["wall_s_mean"] == pytest.approx(630.0)
     lo, hi = cell["pooled_gain"]["ci_low"], cell["pooled_gain"]["ci_high"]
     assert lo < 0 < hi  # 8 questions in all: the interval is wide
+
+
+def test_a_gain_on_one_family_and_a_loss_on_the_other_are_reported_apart() -> None:
+    # both seeds: single-hop questions (q0, q1) 0 → 1, two-hop (q2, q3) 1 → 0; overall exactly 0
+    runs = [_record(seed, [0, 0, 1, 1], [1, 1, 0, 0]) for seed in (0, 1)]
+    assert cell_summary(runs, 200)["pooled_gain"]["diff"] == 0.0
+    families = family_summaries(runs, 200)
+    assert set(families) == {"single_hop", "two_hop"}
+    single, two = families["single_hop"], families["two_hop"]
+    assert single["pooled_gain"]["diff"] == 1.0 and two["pooled_gain"]["diff"] == -1.0
+    assert single["positive_seeds"] == 2 and two["positive_seeds"] == 0
+    assert single["pooled_gain"]["questions"] == two["pooled_gain"]["questions"] == 4  # 2 questions × 2 runs
+    assert (single["sft_pass1"], single["final_pass1"], two["sft_pass1"], two["final_pass1"]) == (0, 1, 1, 0)
+    assert two["tool_calls_per_question"] == {"sft": 2.0, "final": 1.5}
 
 
 def test_runs_the_seeds_and_reads_them_back_from_mlflow(prefect_harness: Any, model_cache: Path, tool_user: Path,
@@ -101,6 +118,11 @@ def test_runs_the_seeds_and_reads_them_back_from_mlflow(prefect_harness: Any, mo
     printed = capsys.readouterr().out
     pooled = printed.split("Pooled over seeds")[1]
     assert "mb256" in pooled and "mb512" in pooled and ("0/1" in pooled or "1/1" in pooled)
+    for cell, families in first["pooled_by_family"].items():  # the families partition each run's questions
+        assert set(families) <= {"single_hop", "two_hop"}
+        assert sum(f["pooled_gain"]["questions"] for f in families.values()) == first["pooled"][cell][
+            "pooled_gain"]["questions"]
+    assert "by question family" in printed
 
     # Run again: both runs finished, so nothing trains (the sweep reuses them) and the figures are the same.
     again = tmp_path / "again.json"
