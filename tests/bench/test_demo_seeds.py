@@ -123,6 +123,13 @@ def test_runs_the_seeds_and_reads_them_back_from_mlflow(prefect_harness: Any, mo
         assert sum(f["pooled_gain"]["questions"] for f in families.values()) == first["pooled"][cell][
             "pooled_gain"]["questions"]
     assert "by question family" in printed
+    from infra.store import TrajectoryStore  # every training leaf counted once, in its own run's cell
+
+    stored = TrajectoryStore(tmp_path).read_trajectories(columns=["run_id"])["run_id"].value_counts()
+    for run in first["runs"]:
+        groups = first["training_leaves"][run["cell"]]
+        assert sum(g["leaves"] for g in groups) == stored[run["run_id"]] > 0
+        assert all(0 <= g["cut_by_budget"] <= 1 and g["tokens"] > 0 for g in groups)
 
     # Run again: both runs finished, so nothing trains (the sweep reuses them) and the figures are the same.
     again = tmp_path / "again.json"
