@@ -162,23 +162,24 @@ def family_summaries(records: Sequence[RunRecord], n_resamples: int) -> dict[str
     return {f: cell_summary([r.of_family(f) for r in records], n_resamples) for f in families}
 
 
-CUT = "unclosed_"
-"""Prefix of the reward reasons of a trajectory the token budget cut (``unclosed_answer``, ``unclosed_result``, …)."""
+UNCLOSED = "unclosed_"
+"""Prefix of the reward reasons of a trajectory that ended inside a tag (``unclosed_answer``, ``unclosed_result``,
+…): cut by the token budget, or by the segment cap (``rollout.max_segment_tokens``)."""
 
 
 def training_leaves(store: Any, run_ids: Sequence[str]) -> list[dict[str, Any]]:
     """The runs' RL training leaves by (question family, tool calls): how many, their mean reward, advantage and
-    length (response tokens, tool results included), and the share cut by the token budget. What the updates were
+    length (response tokens, tool results included), and the share that ended inside a tag (cut). What the updates were
     shown: in R2/R3, two-hop answers with two searches ran at the budget and a fifth were cut (reward −1)."""
     frame = store.read_trajectories(columns=["run_id", "family", "num_tool_calls", "reward", "advantage",
                                              "response_tokens", "reward_reason"])
     frame = frame[frame["run_id"].isin(list(run_ids))]
     frame = frame.assign(tokens=frame["response_tokens"].map(len),
-                         cut=frame["reward_reason"].fillna("").str.startswith(CUT))
+                         unclosed=frame["reward_reason"].fillna("").str.startswith(UNCLOSED))
     groups = frame.groupby(["family", "num_tool_calls"], sort=True)
     return [{"family": family, "tool_calls": int(calls), "leaves": len(g), "reward": float(g["reward"].mean()),
              "advantage": float(g["advantage"].mean()), "tokens": float(g["tokens"].mean()),
-             "cut_by_budget": float(g["cut"].mean())} for (family, calls), g in groups]
+             "unclosed": float(g["unclosed"].mean())} for (family, calls), g in groups]
 
 
 def _ci(d: Mapping[str, float]) -> str:
@@ -291,11 +292,11 @@ def run(args: argparse.Namespace, runs: Path) -> int:
     store = TrajectoryStore.from_config(cfg0.storage) if cfg0.storage.trajectories_uri else TrajectoryStore(runs)
     leaves = {cell: training_leaves(store, [r.run_id for r in records if r.cell == cell]) for cell in cells}
     report(records, gains, cells, by_family, dataset)
-    print_table(f"Training leaves by family and tool calls (budget {cfg0.rollout.max_response_tokens} tokens; cut: "
-                "ended by the budget)", ["cell", "family", "tool calls", "leaves", "reward", "advantage", "tokens",
-                                         "cut"],
+    print_table(f"Training leaves by family and tool calls (budget {cfg0.rollout.max_response_tokens} tokens; "
+                "unclosed: ended inside a tag, cut)", ["cell", "family", "tool calls", "leaves", "reward", "advantage",
+                                                       "tokens", "unclosed"],
                 [[cell, g["family"], g["tool_calls"], g["leaves"], f"{g['reward']:+.2f}", f"{g['advantage']:+.2f}",
-                  f"{g['tokens']:.0f}", f"{g['cut_by_budget']:.0%}"] for cell, groups in leaves.items()
+                  f"{g['tokens']:.0f}", f"{g['unclosed']:.0%}"] for cell, groups in leaves.items()
                  for g in groups])
     env["load_avg_end"] = list(os.getloadavg())
     write_result(args.out, {

@@ -129,7 +129,7 @@ def test_runs_the_seeds_and_reads_them_back_from_mlflow(prefect_harness: Any, mo
     for run in first["runs"]:
         groups = first["training_leaves"][run["cell"]]
         assert sum(g["leaves"] for g in groups) == stored[run["run_id"]] > 0
-        assert all(0 <= g["cut_by_budget"] <= 1 and g["tokens"] > 0 for g in groups)
+        assert all(0 <= g["unclosed"] <= 1 and g["tokens"] > 0 for g in groups)
 
     # Run again: both runs finished, so nothing trains (the sweep reuses them) and the figures are the same.
     again = tmp_path / "again.json"
