@@ -73,8 +73,6 @@ class RunRecord:
     run_id: str
     pass1: Mapping[str, Mapping[str, float]]
     """stage → question → Pass@1 (correct / samples)."""
-    tool_calls_per_question: Mapping[str, float]
-    """stage → mean tool calls per sampled answer at that evaluation."""
     family: Mapping[str, str]
     """question → its family (single_hop, two_hop, …)."""
     tool_calls: Mapping[str, Mapping[str, float]]
@@ -90,6 +88,11 @@ class RunRecord:
         values = self.pass1[stage].values()
         return sum(values) / len(values)
 
+    @property
+    def tool_calls_per_question(self) -> dict[str, float]:
+        """stage → mean tool calls per sampled answer at that evaluation (a question's mean, averaged)."""
+        return {s: statistics.fmean(by_q.values()) for s, by_q in self.tool_calls.items()}
+
     def of_family(self, family: str) -> RunRecord:
         """The record restricted to one family's questions (evaluations only)."""
         keep = {q for q, f in self.family.items() if f == family}
@@ -97,9 +100,7 @@ class RunRecord:
         def only(by_stage: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, float]]:
             return {s: {q: v for q, v in by_q.items() if q in keep} for s, by_q in by_stage.items()}
 
-        calls = only(self.tool_calls)
-        return dataclasses.replace(self, pass1=only(self.pass1), tool_calls=calls,
-                                   tool_calls_per_question={s: statistics.fmean(c.values()) for s, c in calls.items()},
+        return dataclasses.replace(self, pass1=only(self.pass1), tool_calls=only(self.tool_calls),
                                    family={q: family for q in keep})
 
 
@@ -129,9 +130,8 @@ def read_run(tracker: Any, row: Mapping[str, Any], dataset: str, workdir: Path) 
     history = tracker.metric_history([TOOL_CALLS, *steps.values(), *evals], run_id=rid)
     phases = {name: sum(v for _, v in history[key]) for name, key in steps.items()}
     phases["eval"] = sum(v for key in evals for _, v in history[key])
-    return RunRecord(row["cell"], int(row["seed"]), row["run_name"], rid, pass1,
-                     {s: statistics.fmean(by_q.values()) for s, by_q in calls.items()}, family, calls,
-                     history[TOOL_CALLS], wall, phases)
+    return RunRecord(row["cell"], int(row["seed"]), row["run_name"], rid, pass1, family, calls, history[TOOL_CALLS],
+                     wall, phases)
 
 
 def run_gain(record: RunRecord, n_resamples: int) -> dict[str, float]:

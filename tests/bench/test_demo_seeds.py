@@ -45,8 +45,8 @@ def _record(seed: int, sft: list[float], final: list[float]) -> RunRecord:
     pass1 = {"sft": dict(zip(qs, sft, strict=True)), "final": dict(zip(qs, final, strict=True))}
     calls = {"sft": dict.fromkeys(qs, 2.0), "final": dict.fromkeys(qs, 1.0 + seed)}
     family = {q: "single_hop" if i < 2 else "two_hop" for i, q in enumerate(qs)}
-    return RunRecord("mb1024", seed, f"r{seed}", f"id{seed}", pass1, {"sft": 2.0, "final": 1.0 + seed}, family,
-                     calls, [(1, 2.0), (2, 1.5)], 600.0 + 60 * seed,
+    return RunRecord("mb1024", seed, f"r{seed}", f"id{seed}", pass1, family, calls, [(1, 2.0), (2, 1.5)],
+                     600.0 + 60 * seed,
                      {"sft": 60.0, "eval": 200.0, "rollout": 250.0, "update": 80.0, "scoring_pass": 0.0})
 
 
