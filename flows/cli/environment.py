@@ -1,5 +1,5 @@
 """The process environment the commands share: Prefect's home and temporary-server settings, a quiet terminal,
-the ``-v`` count of this invocation, Prefect's temporary API, and SIGTERM that unwinds like Ctrl-C.
+the ``-v`` count of this invocation, Prefect's temporary API, and SIGTERM that unwinds like Ctrl-C (a stop is never lost).
 
 Prefect and MLflow read their settings once, when they are imported: everything here runs before that.
 """
@@ -103,27 +103,72 @@ def start_prefect_api() -> None:
     start_temporary_api()
 
 
+REDELIVERY_DELAY_S = 0.05
+"""How long after a dropped stop it is delivered again: long enough for the hook that saw it to return."""
+
+
+class Terminated(SystemExit):
+    """The exit SIGTERM raises while :func:`sigterm_unwinds` is in force."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+def stop_signal(exc: BaseException | None) -> int | None:
+    """The signal a stop exception stands for (Ctrl-C, SIGTERM as the CLI or Prefect's flow engine raise it), or
+    ``None`` for any other exception."""
+    if isinstance(exc, Terminated):
+        return exc.signum
+    if isinstance(exc, KeyboardInterrupt):
+        return signal.SIGINT
+    if "prefect.exceptions" in sys.modules:  # imported lazily: Prefect reads its settings at import (above)
+        from prefect.exceptions import TerminationSignal
+
+        if isinstance(exc, TerminationSignal):
+            return exc.signal
+    return None
+
+
 @contextmanager
 def sigterm_unwinds() -> Iterator[None]:
     """While inside (main thread only), SIGTERM raises SystemExit: ``finally`` blocks run, a flow and its MLflow
     run end as failed, and Prefect's temporary API server is stopped instead of being left orphaned.
 
-    The exit is re-raised on the way out if something in between swallowed it (seen once: a SIGTERM that landed
-    while Prefect's engine was handling a task's result let the command exit 0), so a stopped run never exits as
-    a success."""
+    A stop is never lost:
+    - a signal whose exception Python had to drop (raised inside a garbage-collector or weakref callback, a
+      ``__del__``: "Exception ignored") is delivered again, so it raises at the next bytecode outside the callback.
+      CI saw this once: Prefect's bridge, which replaces this handler while a flow runs, raised inside a SQLAlchemy
+      weakref callback and the trainer trained 20 more steps;
+    - the exit is re-raised on the way out if something in between swallowed it (seen once: a SIGTERM that landed
+      while Prefect's engine was handling a task's result let the command exit 0), so a stopped run never exits as
+      a success."""
     received: list[int] = []
 
     def on_sigterm(signum: int, frame: Any) -> None:
         received.append(signum)
-        raise SystemExit(128 + signum)
+        raise Terminated(signum)
+
+    def on_unraisable(unraisable: Any) -> None:
+        previous_hook(unraisable)
+        signum = stop_signal(unraisable.exc_value)
+        if signum is not None:
+            log.warning("%s arrived inside %r, where Python drops exceptions: delivered again",
+                        signal.Signals(signum).name, unraisable.object)
+            # From another thread, a moment later: raised here, the handler would run before this hook returns
+            # (at the next bytecode) and its exception would be dropped again.
+            threading.Timer(REDELIVERY_DELAY_S, os.kill, (os.getpid(), signum)).start()
 
     previous = None
+    previous_hook = sys.unraisablehook
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, on_sigterm)
+        sys.unraisablehook = on_unraisable
     try:
         yield
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+            sys.unraisablehook = previous_hook
     if received:
-        raise SystemExit(128 + received[0])
+        raise Terminated(received[0])

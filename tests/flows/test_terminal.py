@@ -172,3 +172,45 @@ def test_an_estimate_and_its_interval_read_as_one_cell() -> None:
     assert interval(0.0049, 0.0, 0.0212, 4, signed=True) == "+0.0049 [+0.0000, +0.0212]"
     assert interval(0.2, None, float("nan")) == "0.200 [–, –]"
     assert interval(None, 0.1, 0.2) == interval(float("nan"), 0.1, 0.2) == "–"
+
+
+_STOP_IN_A_GC_CALLBACK = """
+import os, signal, sys, time, weakref
+from flows.cli.environment import sigterm_unwinds
+from prefect.utilities.engine import capture_sigterm  # the bridge every flow run installs over ours
+
+class Session:
+    pass
+
+def on_collected(_):  # run by the garbage collector: Python prints "Exception ignored" and drops what it raises
+    os.kill(os.getpid(), signal.Signals[sys.argv[1]])
+    for _ in range(100_000):  # the handler runs here, between two bytecodes of the callback
+        pass
+
+with sigterm_unwinds(), capture_sigterm():
+    session = Session()
+    ref = weakref.ref(session, on_collected)
+    del session
+    for step in range(40):
+        print("step", step, flush=True)
+        time.sleep(0.05)
+print("trained to the end", flush=True)
+"""
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
+def test_a_stop_that_lands_in_a_garbage_collector_callback_still_stops_the_run(name: str) -> None:
+    """CI once saw `kill <trainer>` lost: Prefect's bridge raised its TerminationSignal inside a SQLAlchemy weakref
+    callback, where Python drops exceptions ("Exception ignored"), and the trainer went on for 20 more steps. Here the
+    same: the real Prefect bridge over the CLI's handler, SIGTERM delivered while a weakref callback runs. The run
+    must stop at once (a step or two), not run to its end, and exit as stopped by the signal. Ctrl-C (SIGINT, Python's
+    KeyboardInterrupt) is dropped there the same way."""
+    import signal
+
+    signum = signal.Signals[name]
+    result = subprocess.run([sys.executable, "-c", _STOP_IN_A_GC_CALLBACK, name], capture_output=True, text=True,
+                            timeout=60, cwd=Path(__file__).resolve().parents[2])
+    steps = [line for line in result.stdout.splitlines() if line.startswith("step")]
+    assert "trained to the end" not in result.stdout, result.stderr[-2000:]
+    assert result.returncode in (128 + signum, -signum), (result.returncode, result.stderr[-2000:])
+    assert len(steps) <= 2, steps
