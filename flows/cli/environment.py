@@ -1,5 +1,5 @@
 """The process environment the commands share: Prefect's home and temporary-server settings, a quiet terminal,
-the ``-v`` count of this invocation, Prefect's temporary API, and SIGTERM that unwinds like Ctrl-C (a stop is never lost).
+the ``-v`` count of this invocation, Prefect's temporary API, and SIGTERM that unwinds like Ctrl-C (never lost).
 
 Prefect and MLflow read their settings once, when they are imported: everything here runs before that.
 """
