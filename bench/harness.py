@@ -158,14 +158,16 @@ def default_compute(model_name: str) -> str:
 def flow_bench_main(prog: str, runs_dir: Path, body: Callable[[Path], int],
                     errors: tuple[type[Exception], ...] = ()) -> int:
     """Run a bench whose work is flows: INFO logging, the runs dir's environment (set before Prefect is imported),
-    SIGTERM unwinding (Prefect's temporary server and a vLLM server stop with it), then ``body(runs)``; a
+    Prefect's temporary server bound to this process (a SIGKILLed bench leaves no orphan), SIGTERM unwinding
+    (that server and a vLLM server stop with it), then ``body(runs)``; a
     :class:`~aepo_core.config_keys.ConfigError` or one of ``errors`` is one line on stderr and exit code 2."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from aepo_core.config_keys import ConfigError
-    from flows.cli.environment import prepare_environment, sigterm_unwinds
+    from flows.cli.environment import prepare_environment, sigterm_unwinds, start_prefect_api
 
     runs = runs_dir.resolve()
     prepare_environment(runs)
+    start_prefect_api()
     try:
         with sigterm_unwinds():
             return body(runs)

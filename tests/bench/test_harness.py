@@ -60,3 +60,64 @@ def test_a_long_bench_names_the_commit_it_started_on(tmp_path: Path) -> None:
     assert data["commit"] == "0123abc" and data["commit_at_write"] == tree_commit()
     write_result(out, {"benchmark": "x", "environment": env})
     assert "commit_at_write" not in json.loads(out.read_text())
+
+
+_BENCH_WITH_A_FLOW = """
+import sys, time
+from pathlib import Path
+from bench.harness import flow_bench_main
+
+def body(runs):
+    from prefect import flow
+
+    @flow
+    def noop():
+        return 1
+
+    noop()  # a flow run: Prefect's temporary API server is up
+    print("flowed", flush=True)
+    time.sleep(600)
+    return 0
+
+sys.exit(flow_bench_main("probe", Path(sys.argv[1]), body))
+"""
+
+
+def test_a_sigkilled_bench_leaves_no_temporary_prefect_server(tmp_path: Path) -> None:
+    """A bench killed by SIGKILL (the OOM killer, `kill -9`) runs no atexit: Prefect's temporary API server, which
+    Prefect starts on the first flow run, was left behind as an orphan (seen after a bench was killed by hand).
+    Like the CLI, the harness starts that server itself, bound to the bench's process."""
+    import contextlib
+    import os
+    import sys
+    import time
+
+    import psutil
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    proc = subprocess.Popen([sys.executable, "-c", _BENCH_WITH_A_FLOW, str(tmp_path / "runs")], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    servers: list[psutil.Process] = []
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:  # until the flow has run
+            lines.append(line)
+            if line.strip() == "flowed":
+                break
+        assert lines and lines[-1].strip() == "flowed", "".join(lines)[-3000:]
+        servers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "uvicorn" in " ".join(p.cmdline())]
+        assert servers, "no temporary Prefect server was started: nothing to check"
+        proc.kill()
+        proc.wait()
+        deadline = time.time() + 15
+        _, alive = psutil.wait_procs(servers, timeout=max(0.0, deadline - time.time()))
+        assert not alive, f"orphaned Prefect server: {[p.pid for p in alive]}"
+    finally:
+        for p in servers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait()
