@@ -49,6 +49,7 @@ from typing import Any
 import yaml
 
 from bench.harness import RESULTS_DIR, environment, print_table, write_result
+from bench.phases import PHASE_COLUMNS, PhaseSeconds, mean_phases, phase_row, phase_seconds
 from flows.cli.render import interval
 from infra.atomic import atomic_dir
 from infra.data.loaders import dataset_key
@@ -189,7 +190,7 @@ def analyse(result: dict[str, Any], dataset: str, k: int, n_resamples: int, work
         tracker = trackers.get(uri) or trackers.setdefault(uri, Tracker(uri))
         cell = by_cell.setdefault(row["cell"], {"per_seed": {}, "runs": [], "tool_calls": [], "diversity": [],
                                                 "branches_max": [], "branches_mean": [], "reward_last": [],
-                                                "wall_s": [], "histories": []})
+                                                "wall_s": [], "histories": [], "phases": []})
         rid = row["run_id"]
         cell["per_seed"][int(row["seed"])] = _per_question(tracker, rid, dataset, workdir)
         cell["runs"].append(row["run_name"])
@@ -201,6 +202,7 @@ def analyse(result: dict[str, Any], dataset: str, k: int, n_resamples: int, work
         cell["branches_mean"] += [v for _, v in hist["rollout/branch_samples"]]
         cell["reward_last"] += [hist["rollout/reward_mean"][-1][1]] if hist["rollout/reward_mean"] else []
         cell["wall_s"].append(sum(v for _, v in hist["step/wall_s"]))
+        cell["phases"].append(phase_seconds(tracker, rid))
     arms: dict[str, Any] = {}
     for name, cell in by_cell.items():
         stats = arm_statistics(cell["per_seed"], k, n_resamples)
@@ -216,6 +218,7 @@ def analyse(result: dict[str, Any], dataset: str, k: int, n_resamples: int, work
             "branch_samples_per_step": _mean(cell["branches_mean"]),
             "train_reward_last_step": _mean(cell["reward_last"]),
             "rl_wall_s_per_run": _mean(cell["wall_s"]),
+            "phases_s": mean_phases(cell["phases"]).as_dict(),
             "entropy_trend": dataclasses.asdict(trend) if trend else None,
             "curves": curves,
         }
@@ -393,6 +396,8 @@ def report(arms: dict[str, Any], k: int, dataset: str) -> None:
                        math.nan if trend is None else trend["ratio"], "–" if trend is None else trend["verdict"],
                        math.nan if trend is None else trend["slope"],
                        *(_first_to_last(a["curves"].get(m, [])) for m in list(CURVE_METRICS)[1:])])
+    print_table("Where a run's time went (wall; mean over seeds)", ["arm", *PHASE_COLUMNS],
+                [[name, *phase_row(PhaseSeconds(**a["phases_s"]))] for name, a in arms.items()])
     print_table("Over training (mean over seeds, first → last RL step)",
                 ["arm", "entropy", "last/first", "verdict", "slope/step", "reward", "tool calls/traj", "branches/q",
                  "max branches/path", "top-1 share", "top-3 share", "informative groups"], curves)

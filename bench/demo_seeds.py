@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import RESULTS_DIR, environment, flow_bench_main, print_table, write_result
+from bench.phases import PhaseSeconds, phase_seconds
 from flows.cli.render import interval
 
 log = logging.getLogger("bench.demo_seeds")
@@ -80,9 +81,8 @@ class RunRecord:
     tool_calls_by_step: Sequence[tuple[int, float]]
     """(RL step, tool calls per trajectory in that step's rollouts)."""
     wall_s: float
-    phases_s: Mapping[str, float]
-    """Wall seconds by phase over the run (:data:`flows.train.PHASE_TIME`): sft, eval (all evaluations), rollout,
-    update (of it scoring_pass, the no-grad π_old forward)."""
+    phases: PhaseSeconds
+    """Wall seconds by phase over the run."""
 
     def mean_pass1(self, stage: str) -> float:
         values = self.pass1[stage].values()
@@ -106,7 +106,6 @@ class RunRecord:
 
 def read_run(tracker: Any, row: Mapping[str, Any], dataset: str, workdir: Path) -> RunRecord:
     """A finished run's record from MLflow: the per-question evaluation files and the tool-call history."""
-    from flows.train import PHASE_TIME
     from infra.data.loaders import dataset_key
     from infra.tracking.client import download_artifacts
 
@@ -124,14 +123,9 @@ def read_run(tracker: Any, row: Mapping[str, Any], dataset: str, workdir: Path) 
     mlflow_run = tracker.client.get_run(rid)
     info = mlflow_run.info
     wall = (info.end_time - info.start_time) / 1000 if info.end_time else math.nan
-    evals = [k for k in mlflow_run.data.metrics if k.startswith(f"{PHASE_TIME}eval_")]
-    steps = {"sft": f"{PHASE_TIME}sft_s", "rollout": f"{PHASE_TIME}rollout_s", "update": f"{PHASE_TIME}update_s",
-             "scoring_pass": "train/scoring_pass_s"}
-    history = tracker.metric_history([TOOL_CALLS, *steps.values(), *evals], run_id=rid)
-    phases = {name: sum(v for _, v in history[key]) for name, key in steps.items()}
-    phases["eval"] = sum(v for key in evals for _, v in history[key])
+    history = tracker.metric_history([TOOL_CALLS], run_id=rid)
     return RunRecord(row["cell"], int(row["seed"]), row["run_name"], rid, pass1, family, calls, history[TOOL_CALLS],
-                     wall, phases)
+                     wall, phase_seconds(tracker, rid))
 
 
 def run_gain(record: RunRecord, n_resamples: int) -> dict[str, float]:
@@ -196,7 +190,7 @@ def report(records: Sequence[RunRecord], gains: Mapping[str, Mapping[str, float]
                   _ci(gains[r.run_name]),
                   f"{r.tool_calls_per_question['sft']:.2f} → {r.tool_calls_per_question['final']:.2f}",
                   " ".join(f"{v:.2f}" for _, v in r.tool_calls_by_step), f"{r.wall_s / 60:.1f}",
-                  " / ".join(f"{r.phases_s[p] / 60:.1f}" for p in ("sft", "eval", "rollout", "update"))]
+                  " / ".join(f"{v / 60:.1f}" for v in (r.phases.sft, r.phases.eval, r.phases.rollout, r.phases.update))]
                  for r in records])
     print_table("Pooled over seeds (mean of the runs' final − sft; CI: questions redrawn within each run)",
                 ["cell", "seeds", "gained", "sft", "final", "final − sft [CI]", "tool calls/q sft → final",
@@ -317,7 +311,7 @@ def run(args: argparse.Namespace, runs: Path) -> int:
                   "pass1": {s: r.mean_pass1(s) for s in STAGES}, "gain": gains[r.run_name],
                   "tool_calls_per_question": dict(r.tool_calls_per_question),
                   "tool_calls_by_step": [list(p) for p in r.tool_calls_by_step], "wall_s": r.wall_s,
-                  "phases_s": dict(r.phases_s)}
+                  "phases_s": r.phases.as_dict()}
                  for r in records],
         "pooled": cells,
         "pooled_by_family": by_family,

@@ -33,8 +33,17 @@ DATASET = "synthetic_test"
 # after 2 steps; grpo never branches.
 HISTORIES = {
     "tiny-sweep-aepo-s0": {ENTROPY: [(1, 1.0), (2, 0.9), (3, 0.8)], TOP1: [(1, 0.5), (2, 0.6), (3, 0.7)],
-                           "rollout/reward_mean": [(1, -0.5), (2, 0.0), (3, 0.5)]},
-    "tiny-sweep-aepo-s1": {ENTROPY: [(1, 1.2), (2, 1.1), (3, 1.0)], "rollout/reward_mean": [(1, 0.0), (3, 0.5)]},
+                           "rollout/reward_mean": [(1, -0.5), (2, 0.0), (3, 0.5)],
+                           "time/sft_s": [(0, 60.0)], "time/eval_sft_s": [(0, 30.0)], "time/eval_final_s": [(3, 30.0)],
+                           "time/rollout_s": [(1, 8.0), (2, 8.0), (3, 8.0)],
+                           "time/update_s": [(1, 10.0), (2, 10.0), (3, 10.0)],
+                           "train/scoring_pass_s": [(1, 2.0), (2, 2.0), (3, 2.0)]},
+    "tiny-sweep-aepo-s1": {ENTROPY: [(1, 1.2), (2, 1.1), (3, 1.0)], "rollout/reward_mean": [(1, 0.0), (3, 0.5)],
+                           # wall seconds by phase (grpo's runs are older than these timings)
+                           "time/sft_s": [(0, 120.0)], "time/eval_sft_s": [(0, 30.0)], "time/eval_final_s": [(3, 50.0)],
+                           "time/rollout_s": [(1, 10.0), (2, 12.0), (3, 14.0)],
+                           "time/update_s": [(1, 20.0), (2, 25.0), (3, 30.0)],
+                           "train/scoring_pass_s": [(1, 4.0), (2, 5.0), (3, 6.0)]},
     "tiny-sweep-grpo-s0": {ENTROPY: [(1, 1.0), (2, 0.4), (3, 0.2)], "rollout/reward_mean": [(1, 0.0)]},
     "tiny-sweep-grpo-s1": {ENTROPY: [(1, 1.0), (2, 0.5)]},
 }
@@ -132,3 +141,20 @@ def test_figures_written_and_logged_to_the_parent(analysed: tuple[dict, str, str
     # no curves at all (runs from before any of these metrics): no figure, no error
     bare = {name: {**a, "curves": {}} for name, a in arms.items()}
     assert curve_figures(bare, tmp_path / "none", "old") == []
+
+
+def test_where_the_time_went_by_phase(analysed: tuple[dict, str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Per arm, the mean run's wall seconds by phase from the time/* metrics; the scoring pass apart from the rest of
+    the update; runs from before the timings give NaN, not a zero that reads as free."""
+    from bench.phases import PhaseSeconds
+
+    arms, _, _ = analysed
+    aepo = PhaseSeconds(**arms["aepo"]["phases_s"])
+    # s0: sft 60, eval 30 + 30, rollout 24, update 30 (scoring 6); s1: 120, 30 + 50, 36, 75 (15); 3 steps each
+    assert aepo == PhaseSeconds(sft=90.0, eval=70.0, rollout=30.0, update=52.5, scoring_pass=10.5, steps=3)
+    assert aepo.per_step("rollout") == pytest.approx(10.0) and aepo.per_step("scoring_pass") == pytest.approx(3.5)
+    assert aepo.per_step("gradient") == pytest.approx(14.0) and aepo.total == pytest.approx(242.5)
+    grpo = PhaseSeconds(**arms["grpo"]["phases_s"])
+    assert math.isnan(grpo.total) and grpo.steps == 0 and math.isnan(grpo.per_step("rollout"))
+    report(arms, 2, DATASET)
+    assert "Where a run's time went" in capsys.readouterr().out
