@@ -159,11 +159,11 @@ def flow_bench_main(prog: str, runs_dir: Path, body: Callable[[Path], int],
                     errors: tuple[type[Exception], ...] = ()) -> int:
     """Run a bench whose work is flows: INFO logging, the runs dir's environment (set before Prefect is imported),
     Prefect's temporary server bound to this process (a SIGKILLed bench leaves no orphan), SIGTERM unwinding
-    (that server and a vLLM server stop with it), then ``body(runs)``; a
-    :class:`~aepo_core.config_keys.ConfigError` or one of ``errors`` is one line on stderr and exit code 2."""
+    (that server and a vLLM server stop with it), then ``body(runs)``; one of :data:`tasks.retry.USER_ERRORS` (a bad
+    config, a sweep another process is running) or of ``errors`` is one line on stderr and exit code 2."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from aepo_core.config_keys import ConfigError
     from flows.cli.environment import prepare_environment, sigterm_unwinds, start_prefect_api
+    from tasks.retry import USER_ERRORS
 
     runs = runs_dir.resolve()
     prepare_environment(runs)
@@ -171,6 +171,6 @@ def flow_bench_main(prog: str, runs_dir: Path, body: Callable[[Path], int],
     try:
         with sigterm_unwinds():
             return body(runs)
-    except (ConfigError, *errors) as exc:  # a bad config, override or input: one line, nothing started
+    except (*USER_ERRORS, *errors) as exc:  # a bad config, override or input: one line, nothing started
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2

@@ -86,6 +86,7 @@ from flows.common import artifact_key, flow_runs_dir, run_origin
 from flows.sweep_spec import SweepRun, SweepSpec, load_sweep, parse_shard, shard_runs
 from flows.train import train
 from infra.plots import save_png
+from infra.run.lock import Claims
 from infra.run.resume import NothingToResumeError
 from infra.tracking.run import Tracker
 from tasks.progress import Progress, report
@@ -305,42 +306,45 @@ def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None, shard
     configs = {r.run_name: child_config(r.config, tracker) for r in spec.runs}
     if deployment is not None:
         check_deployment(deployment, tracker.tracking_uri, logger)
-    previous = sweep_to_resume(tracker, spec) if resume else None
-    parent = tracker.start(spec.base, run_name=spec.name, group=True, resume_run_id=previous, origin=run_origin(
-                               "flows/sweep.py:sweep", f"AEPO sweep {spec.name}: {len(spec.cells)} cells × "
-                               f"{len(spec.seeds)} seeds, one nested training run each."),
-                           tags={"kind": "sweep", TAG_SWEEP: spec.name, "sweep_cells": len(spec.cells),
-                                 "sweep_seeds": ",".join(map(str, spec.seeds)),
-                                 "sweep_deployment": deployment or "in-process"})
-    out_dir = runs / "sweeps" / spec.name
-    with tracker:
-        tracker.log_dict(spec.as_dict(), "sweep.json")
-        done = finished_children(tracker, spec, configs)
-        for name, old in done.items():  # re-parent: the new parent run shows the whole sweep (see the docstring)
-            if old.parent_run_id != parent:  # (a resumed sweep's own children stay as they are)
-                tracker.client.set_tag(old.run_id, "mlflow.parentRunId", parent)
-                tracker.client.set_tag(old.run_id, TAG_PREVIOUS_PARENT, old.parent_run_id)
-            logger.info("sweep run %s already FINISHED in MLflow (run %s): not run again", name, old.run_id)
-        todo = [r for r in spec.runs if r.run_name not in done]
-        started = started_children(tracker, spec, configs, parent) if resume else set()
-        for name in sorted(started & {r.run_name for r in todo}):
-            logger.info("sweep run %s started and did not finish: it resumes from its last checkpoint", name)
-        if deployment is None:
-            failed = _run_children(spec, todo, configs, runs, parent, started, logger)
-        else:
-            watch = _Watch(child_timeout_s, _lost_after(child_lost_after_s))
-            failed = _fan_out(spec, todo, configs, runs, parent, deployment, max_parallel, watch, started, logger)
-        _end_abandoned(tracker, parent, failed, logger)
-        per_run, summary, markdown, files = _compare(spec, tracker, parent, out_dir)
-        artifact_id = create_markdown_artifact(markdown=markdown, key=artifact_key("sweep", spec.name),
-                                               description=f"comparison of sweep {spec.name}")
-        if failed:  # the parent run ends FAILED; the comparison of the runs that finished is written
-            raise RuntimeError(f"sweep {spec.name}: {len(failed)} of {len(spec.runs)} runs failed: "
-                               f"{', '.join(f'{f.run_name} ({f.state})' for f in failed)} "
-                               f"(comparison written to {out_dir})")
-    return SweepResult(spec.name, parent, str(runs), str(out_dir), tracker.tracking_uri, str(artifact_id),
-                       {k: str(v) for k, v in files.items()}, per_run.to_dict(orient="records"),
-                       summary.to_dict(orient="records"), [r.run_name for r in todo], sorted(done))
+    # One live process per sweep (infra.run.lock): a second invocation of this sweep fails here, before it
+    # touches the parent run or starts a cell.
+    with Claims(runs, sweep=spec.name):
+        previous = sweep_to_resume(tracker, spec) if resume else None
+        parent = tracker.start(spec.base, run_name=spec.name, group=True, resume_run_id=previous, origin=run_origin(
+                                   "flows/sweep.py:sweep", f"AEPO sweep {spec.name}: {len(spec.cells)} cells × "
+                                   f"{len(spec.seeds)} seeds, one nested training run each."),
+                               tags={"kind": "sweep", TAG_SWEEP: spec.name, "sweep_cells": len(spec.cells),
+                                     "sweep_seeds": ",".join(map(str, spec.seeds)),
+                                     "sweep_deployment": deployment or "in-process"})
+        out_dir = runs / "sweeps" / spec.name
+        with tracker:
+            tracker.log_dict(spec.as_dict(), "sweep.json")
+            done = finished_children(tracker, spec, configs)
+            for name, old in done.items():  # re-parent: the new parent run shows the whole sweep (see the docstring)
+                if old.parent_run_id != parent:  # (a resumed sweep's own children stay as they are)
+                    tracker.client.set_tag(old.run_id, "mlflow.parentRunId", parent)
+                    tracker.client.set_tag(old.run_id, TAG_PREVIOUS_PARENT, old.parent_run_id)
+                logger.info("sweep run %s already FINISHED in MLflow (run %s): not run again", name, old.run_id)
+            todo = [r for r in spec.runs if r.run_name not in done]
+            started = started_children(tracker, spec, configs, parent) if resume else set()
+            for name in sorted(started & {r.run_name for r in todo}):
+                logger.info("sweep run %s started and did not finish: it resumes from its last checkpoint", name)
+            if deployment is None:
+                failed = _run_children(spec, todo, configs, runs, parent, started, logger)
+            else:
+                watch = _Watch(child_timeout_s, _lost_after(child_lost_after_s))
+                failed = _fan_out(spec, todo, configs, runs, parent, deployment, max_parallel, watch, started, logger)
+            _end_abandoned(tracker, parent, failed, logger)
+            per_run, summary, markdown, files = _compare(spec, tracker, parent, out_dir)
+            artifact_id = create_markdown_artifact(markdown=markdown, key=artifact_key("sweep", spec.name),
+                                                   description=f"comparison of sweep {spec.name}")
+            if failed:  # the parent run ends FAILED; the comparison of the runs that finished is written
+                raise RuntimeError(f"sweep {spec.name}: {len(failed)} of {len(spec.runs)} runs failed: "
+                                   f"{', '.join(f'{f.run_name} ({f.state})' for f in failed)} "
+                                   f"(comparison written to {out_dir})")
+        return SweepResult(spec.name, parent, str(runs), str(out_dir), tracker.tracking_uri, str(artifact_id),
+                           {k: str(v) for k, v in files.items()}, per_run.to_dict(orient="records"),
+                           summary.to_dict(orient="records"), [r.run_name for r in todo], sorted(done))
 
 
 def child_config(cfg: ExperimentConfig, tracker: Tracker) -> ExperimentConfig:

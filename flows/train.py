@@ -40,6 +40,7 @@ from infra.plots import curves_figure, rollout_tree_figure
 from infra.ranks import Ranks
 from infra.run.checkpoints import CheckpointError, CheckpointStore, checkpoint_store, open_checkpoints
 from infra.run.evaluation import EvalReport, EvalSource, ResultsDir
+from infra.run.lock import Claims
 from infra.run.resume import ResumePoint, find_resume_point
 from infra.run.runtime import PolicyRuntime, build_runtime
 from infra.run.trainer import Trainer
@@ -156,9 +157,10 @@ def train(
     # Rank 0 picks the run to continue from MLflow before the model loads: a wrong name or config fails fast.
     point = (find_resume_point(tracker, cfg, runs, name, force=force_resume)
              if resume and isinstance(tracker, Tracker) else None)
-    runtime = build_runtime(cfg, runs, name)
-    logger.info("%s", runtime.numerics.describe())
-    with runtime:  # stops a managed vLLM server however the flow ends
+    # One live process per run (infra.run.lock): a run another process still trains is not resumed; claimed first.
+    claims = Claims(runs if ranks.is_main else None, run_id=point.run_id if point else None)
+    with claims, build_runtime(cfg, runs, name) as runtime:  # the runtime stops a managed vLLM server however it ends
+        logger.info("%s", runtime.numerics.describe())
         datasets = [dataset_record(cfg.data.train, rows, "training"), *check_eval_datasets(runtime)]
         trajectories = (TrajectoryStore.from_config(cfg.storage) if cfg.storage.trajectories_uri
                         else TrajectoryStore(runs))
@@ -168,6 +170,7 @@ def train(
                                tags={"runs_dir": str(runs), "clip_active": str(cfg.clip_active()).lower(),
                                      **runtime.numerics.tags(), **(tags or {})},
                                params=runtime.numerics.params())
+        claims.run(run_id)
         checkpoints = checkpoint_store(cfg, runs, name, run_id)
         run_url = tracker.run_url()
         with tracker:

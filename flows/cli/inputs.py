@@ -89,6 +89,18 @@ def check_storage(cfg: ExperimentConfig, runs: Path, run_name: str) -> None:
         fail(str(exc))
 
 
+def check_not_running(runs: Path, run_id: str | None = None, sweep: str | None = None) -> None:
+    """The run or sweep must not be in progress in another process (:mod:`infra.run.lock`): exits 2 naming its
+    pid, before anything is created. (The flow claims it again for the whole run; this is the early, quiet no.)"""
+    from infra.run.lock import BusyError, Claims
+
+    try:
+        with Claims(runs, run_id=run_id, sweep=sweep):
+            pass
+    except BusyError as exc:
+        fail(str(exc))
+
+
 def healthy(base_url: str, timeout_s: float = 2.0) -> bool:
     """``<base_url>/health`` answers 200 (a Prefect API URL or an MLflow server URL)."""
     try:

@@ -17,7 +17,15 @@ from rich.table import Table
 
 from aepo_core.config_keys import ConfigError
 from flows.cli.environment import prepare_environment, start_prefect_api
-from flows.cli.inputs import DEFAULT_RUNS_DIR, FormatOpt, RunsOpt, check_datasets, check_tracking_server, healthy
+from flows.cli.inputs import (
+    DEFAULT_RUNS_DIR,
+    FormatOpt,
+    RunsOpt,
+    check_datasets,
+    check_not_running,
+    check_tracking_server,
+    healthy,
+)
 from flows.cli.render import (
     OutputFormat,
     as_count,
@@ -157,6 +165,7 @@ def sweep_cmd(
     check_tracking_server(spec.base.tracking.tracking_uri)
     if resume:
         _check_resume(config, shard, set_, only, runs)
+    check_not_running(runs, sweep=spec.name)
     start_prefect_api()  # after every check: bad input exits without starting a server
 
     def on_event(bar: Progress, task: Any, event: ProgressEvent) -> None:

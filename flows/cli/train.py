@@ -16,6 +16,7 @@ from flows.cli.inputs import (
     ConfigOpt,
     RunsOpt,
     SetOpt,
+    check_not_running,
     check_storage,
     check_tracking_server,
     load_checked_config,
@@ -29,7 +30,8 @@ from tasks.progress import Progress as ProgressEvent
 def check_resume(cfg: ExperimentConfig, runs: Path, run_name: str) -> None:
     """``--resume`` needs a run of that name in the tracking store (then it continues that run, from its newest
     complete checkpoint or, without one, from step 0): exits 2 when there is none, local and remote checkpoints
-    alike, before anything is created. Rank 0 alone asks (the others follow its choice)."""
+    alike, before anything is created, and when another process still trains it. Rank 0 alone asks (the others
+    follow its choice)."""
     from infra.ranks import Ranks
     from infra.run.resume import NothingToResumeError, nothing_to_resume, run_to_resume
     from infra.tracking.client import resolve_tracking
@@ -41,9 +43,10 @@ def check_resume(cfg: ExperimentConfig, runs: Path, run_name: str) -> None:
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
         fail(f"--resume: {nothing_to_resume(run_name, cfg.tracking.experiment, uri)}")  # not even a store yet
     try:
-        run_to_resume(Tracker.from_config(cfg, runs), cfg, run_name)
+        run = run_to_resume(Tracker.from_config(cfg, runs), cfg, run_name)
     except NothingToResumeError as exc:
         fail(f"--resume: {exc}")
+    check_not_running(runs, run_id=run.run_id)
 
 
 def _train_progress(bar: Progress, task: Any, event: ProgressEvent) -> None:

@@ -289,8 +289,9 @@ def _cmdline(p: Any) -> str:
         return ""
 
 
-def _start_long_train(runs: Path, log: Path, model_cache: Path) -> Any:
-    """`aepo train` of 50 steps in its own process and session, with no Prefect settings (its temporary API)."""
+def _start_long_train(runs: Path, log: Path, model_cache: Path, *extra: str) -> Any:
+    """`aepo train` of 50 steps (and ``extra`` settings) in its own process and session, with no Prefect settings
+    (its temporary API)."""
     import os
     import subprocess
     import sys
@@ -299,7 +300,7 @@ def _start_long_train(runs: Path, log: Path, model_cache: Path) -> Any:
     env.update({"PYTHONPATH": str(REPO), "AEPO_MODEL_CACHE": str(model_cache), "OMP_NUM_THREADS": "1"})
     with open(log, "w") as out:
         return subprocess.Popen([sys.executable, "-m", "flows.cli", "train", "-c", TINY, "--runs-dir", str(runs),
-                                 *sets("train.steps=50", *FAST)], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                 *sets("train.steps=50", *FAST, *extra)], env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, cwd=REPO)
 
 
@@ -357,6 +358,43 @@ def test_sigterm_or_sigkill_of_the_trainer_leaves_no_temporary_prefect_server(tm
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.mark.slow
+def test_a_run_still_training_cannot_be_resumed_by_a_second_process(tmp_path: Path, model_cache: Path) -> None:
+    """`aepo train --resume` of a run that another live process is training (a second terminal, a sweep started
+    twice) must not become a second writer of that MLflow run and its checkpoints: it exits 2 at once, naming the
+    pid that trains it, and the first run goes on."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    runs, log = tmp_path / "runs", tmp_path / "first.log"
+    first = _start_long_train(runs, log, model_cache, "checkpoint.every=1")
+    try:
+        deadline = time.time() + 400
+        _wait_for_its_server(first, runs, log, deadline)
+        while not list(runs.glob("checkpoints/*/*/step-*")):  # its MLflow run exists and has trained a step
+            assert first.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+        env.update({"PYTHONPATH": str(REPO), "AEPO_MODEL_CACHE": str(model_cache), "OMP_NUM_THREADS": "1"})
+        second = subprocess.run([sys.executable, "-m", "flows.cli", "train", "-c", TINY, "--runs-dir", str(runs),
+                                 "--resume", *sets("train.steps=50", "checkpoint.every=1", *FAST)], env=env,
+                                capture_output=True,
+                                text=True, timeout=300, cwd=REPO)
+        said = second.stdout + second.stderr
+        assert second.returncode == 2, said[-3000:]
+        assert f"in another process (pid {first.pid}" in said, said[-3000:]
+        assert "Traceback" not in said
+        assert first.poll() is None, log.read_text()[-3000:]  # the first run goes on
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
 
 
 def test_progress_comes_from_structured_events_not_from_the_log_text() -> None:

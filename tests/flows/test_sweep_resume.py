@@ -115,3 +115,26 @@ def test_resume_of_a_sweep_that_never_ran_exits_2(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["sweep", "-c", str(TINY_SWEEP), "--runs-dir", str(tmp_path), "--resume"])
     assert result.exit_code == 2, result.output
     assert "nothing to resume" in result.output and "Traceback" not in result.output
+
+
+def test_a_sweep_another_process_is_running_exits_2_and_touches_nothing(tmp_path: Path) -> None:
+    """A second invocation of a sweep that is still running (the same command in another terminal, a schedule
+    that fired again) would resume its parent run and start its cells a second time: it exits 2 naming the process
+    that runs it, before it touches MLflow."""
+    hold = ("import sys, time\nfrom infra.run.lock import Claims\nwith Claims(sys.argv[1], sweep='tiny-sweep'):\n"
+            "    print('held', flush=True)\n    time.sleep(600)\n")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+        second = subprocess.run([sys.executable, "-m", "flows.cli", "sweep", "-c", str(TINY_SWEEP), "--runs-dir",
+                                 str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        holder.kill()
+        holder.wait()
+    said = second.stdout + second.stderr
+    assert second.returncode == 2, said[-3000:]
+    assert f"sweep 'tiny-sweep' is in progress in another process (pid {holder.pid}" in said, said[-3000:]
+    assert "Traceback" not in said
+    assert _runs(tmp_path).empty  # no parent run, no child
