@@ -171,6 +171,6 @@ def flow_bench_main(prog: str, runs_dir: Path, body: Callable[[Path], int],
     try:
         with sigterm_unwinds():
             return body(runs)
-    except (*USER_ERRORS, *errors) as exc:  # a bad config, override or input: one line, nothing started
+    except (*USER_ERRORS, *errors) as exc:  # a bad config, override or input: one line (the server stops at exit)
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
