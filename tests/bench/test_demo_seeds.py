@@ -89,7 +89,7 @@ def test_runs_the_seeds_and_reads_them_back_from_mlflow(prefect_harness: Any, mo
     # after SFT exists, and the policy calls tools from the first step, so the tool-call figures are not all zero
     sets = [f"model.name={tool_user}", f"model.cache_dir={model_cache}", "train.sft.enabled=true",
             "train.sft.max_examples=2", "train.sft.epochs=1", "data.max_questions=8", "train.steps=2",
-            "checkpoint.every=2", "eval.at_start=true", "eval.max_questions=2"]
+            "checkpoint.every=2", "eval.at_start=true", "eval.before_sft=false", "eval.max_questions=2"]
     args = ["-c", str(TINY), "--seeds", "0", "--micro-batch-tokens", "256", "512", "--name", "tiny-seeds",
             "--runs-dir", str(tmp_path), *(f"--set={s}" for s in sets)]
     out = tmp_path / "demo_seeds.json"
@@ -106,6 +106,8 @@ def test_runs_the_seeds_and_reads_them_back_from_mlflow(prefect_harness: Any, mo
             assert run["pass1"][stage] == pytest.approx(history[keys[0]][at][1])
             assert run["tool_calls_per_question"][stage] == pytest.approx(history[keys[1]][at][1])
         assert history[keys[0]][0][0] == 0 and history[keys[0]][-1][0] == 2
+        # eval.before_sft=false: the evaluations after SFT and at the end ran, the base model's did not
+        assert sorted(p.name for p in (tmp_path / "eval" / run["run_name"]).iterdir()) == ["final", "sft"]
         assert [tuple(p) for p in run["tool_calls_by_step"]] == history[keys[2]] and len(history[keys[2]]) == 2
         assert run["gain"]["diff"] == pytest.approx(run["pass1"]["final"] - run["pass1"]["sft"])
         assert run["wall_s"] > 0
