@@ -16,7 +16,6 @@ the same checkpoint N − 1 on step N's same samples and compares per token clas
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +24,6 @@ from prefect import flow, get_run_logger
 from aepo_core.config import ExperimentConfig
 from aepo_core.update_comparison import ComparisonRow, SampleTokens, compare_rules
 from flows.common import flow_runs_dir
-from infra.config_files import load_config
 from infra.numerics import Numerics, device_facts, numerics_for
 from infra.run.checkpoints import CheckpointStore, checkpoint_store
 from infra.run.replay import (
@@ -39,7 +37,7 @@ from infra.run.replay import (
 )
 from infra.run.trainer import data_order, total_steps, training_rows
 from infra.store import TrajectoryStore
-from infra.tracking.client import download_artifacts, tracking_uri_for
+from infra.tracking.client import tracking_uri_for
 from infra.tracking.run import Tracker
 from tasks.data import prepare_data, source_fingerprint
 
@@ -78,12 +76,6 @@ def find_run(tracker: Tracker, run: str) -> tuple[str, str]:
         return named[0].run_id, run
 
 
-def run_config(tracker: Tracker, run_id: str) -> ExperimentConfig:
-    """The config the run trained with (its ``config.yaml`` artifact)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        return load_config(download_artifacts(tracker.tracking_uri, f"runs:/{run_id}/config.yaml", tmp))
-
-
 def run_numerics(params: dict[str, str], fallback: Numerics) -> Numerics:
     """The dtypes the run computed in (its ``numerics.*`` params); this machine's resolution where it logged none."""
     if "numerics.compute_dtype" not in params:
@@ -117,7 +109,7 @@ class StoredRun:
 def stored_run(tracker: Tracker, run: str, runs: Path) -> StoredRun:
     """The run ``run`` (id or name) as :class:`StoredRun`."""
     run_id, name = find_run(tracker, run)
-    cfg = run_config(tracker, run_id)
+    cfg = tracker.logged_config(run_id)
     store = TrajectoryStore.from_config(cfg.storage) if cfg.storage.trajectories_uri else TrajectoryStore(runs)
     rows = training_rows(cfg, prepare_data(cfg.data.train, cfg.data,
                                            source_fingerprint(cfg.data.train, cfg.data.data_root)))

@@ -75,6 +75,7 @@ from uuid import UUID
 
 import pandas as pd
 from matplotlib.figure import Figure
+from mlflow.exceptions import MlflowException
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
@@ -374,7 +375,7 @@ def finished_children(tracker: Tracker, spec: SweepSpec, configs: Mapping[str, E
         cfg = configs.get(name)
         if cfg is None or name in out:
             continue
-        if row.get("tags.config_hash") != cfg.config_hash():
+        if not ran_with(tracker, row, cfg):
             log.info("sweep run %s (MLflow %s) FINISHED with another config: it runs again", name, row["run_id"])
             continue
         out[name] = FinishedChild(row["run_id"], str(row.get("tags.mlflow.parentRunId") or ""))
@@ -398,8 +399,23 @@ def started_children(tracker: Tracker, spec: SweepSpec, configs: Mapping[str, Ex
     (RUNNING when their process was killed, FAILED, KILLED): they resume from their last checkpoint."""
     found = tracker.search_runs(filter_string=f"tags.mlflow.parentRunId = '{parent}' AND "
                                               "attributes.status != 'FINISHED'")
-    names = {str(row["run_name"]): row.get("tags.config_hash") for _, row in found.iterrows()}
-    return {name for name, digest in names.items() if name in configs and digest == configs[name].config_hash()}
+    return {str(row["run_name"]) for _, row in found.iterrows()
+            if row["run_name"] in configs and ran_with(tracker, row, configs[row["run_name"]])}
+
+
+def ran_with(tracker: Tracker, row: Mapping[str, Any], cfg: ExperimentConfig) -> bool:
+    """Whether the MLflow run ``row`` (a ``search_runs`` row) ran with ``cfg``: its ``config_hash`` tag is cfg's, or
+    the config it logged hashes to cfg's as today's code resolves it (:meth:`Tracker.logged_config`). The second
+    keeps a sweep resumable across a release that adds a config field: the field changes every hash, and a finished
+    cell would otherwise run again (a 20-minute demo cell, with its results already in MLflow)."""
+    want = cfg.config_hash()
+    if row.get("tags.config_hash") == want:
+        return True
+    try:
+        return tracker.logged_config(str(row["run_id"])).config_hash() == want
+    except (ConfigError, MlflowException, OSError) as exc:
+        log.info("run %s: its logged config cannot be compared (%s)", row["run_id"], exc)
+        return False
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -51,6 +52,7 @@ from infra.tracking.client import (
     TERMINAL_STATUSES,
     RunOrigin,
     TrackingError,
+    download_artifacts,
     git_sha,
     metric_key,
     open_store,
@@ -450,6 +452,15 @@ class Tracker(RunLogger):
     def log_config(self, cfg: ExperimentConfig, artifact_file: str = "config.yaml") -> None:
         """The resolved config as YAML (what ``aepo train -c`` can re-run)."""
         self.client.log_text(self.run_id, cfg.to_yaml(), artifact_file)
+
+    def logged_config(self, run_id: str, artifact_file: str = "config.yaml") -> ExperimentConfig:
+        """The config a run logged (:meth:`log_config`) as today's code resolves it: keys renamed since under their
+        new names, fields added since at their defaults. Raises ``ConfigError`` (invalid today) or
+        ``MlflowException`` (no such artifact)."""
+        from infra.config_files import load_config
+
+        with tempfile.TemporaryDirectory() as tmp:
+            return load_config(download_artifacts(self.tracking_uri, f"runs:/{run_id}/{artifact_file}", tmp))
 
     def log_text(self, text: str, artifact_file: str) -> None:
         self.client.log_text(self.run_id, text, artifact_file)

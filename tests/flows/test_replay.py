@@ -48,7 +48,7 @@ def test_replaying_a_step_gives_its_checkpoint_bit_for_bit(run: tuple[Any, Path]
 
 
 def test_the_same_samples_in_another_order_give_other_weights(run: tuple[Any, Path]) -> None:
-    from flows.replay import run_config, run_numerics
+    from flows.replay import run_numerics
     from infra.numerics import numerics_for
     from infra.run.checkpoints import checkpoint_store
     from infra.run.replay import compare_weights, replay_update, update_samples
@@ -57,7 +57,7 @@ def test_the_same_samples_in_another_order_give_other_weights(run: tuple[Any, Pa
 
     out, runs = run
     tracker = Tracker(out.tracking_uri)
-    cfg = run_config(tracker, out.run_id)
+    cfg = tracker.logged_config(out.run_id)
     numerics = run_numerics(tracker.client.get_run(out.run_id).data.params, numerics_for(cfg))
     samples = update_samples(TrajectoryStore(runs), out.run_id, 2)
     assert len({s.group for s in samples}) >= 2  # several groups, several mini-batches: the order matters

@@ -184,3 +184,41 @@ def test_a_shard_runs_its_share_under_its_own_parent(prefect_harness: Any, tmp_p
     assert list(children["run_name"]) == ["tiny-sweep-grpo-s0"]
     assert [r["cell"] for r in result.runs] == ["grpo"]
     assert (tmp_path / "sweeps" / "tiny-sweep-shard2of2" / "comparison.csv").is_file()
+
+
+def test_a_cell_finished_before_a_config_field_was_added_is_not_run_again(tmp_path: Path) -> None:
+    """A release that adds a config field (at a default that keeps today's behaviour) changes every config's hash;
+    the sweep then re-ran every finished cell. A run matches when its logged config, resolved by today's code, is the
+    cell's config; one that really differs still runs again."""
+    import yaml
+
+    from flows.sweep import TAG_SWEEP, finished_children, started_children
+    from flows.sweep_spec import load_sweep
+    from infra.tracking.client import artifact_location_for, tracking_uri_for
+    from infra.tracking.run import Tracker
+
+    spec = load_sweep(TINY_SWEEP)
+    configs = {run.run_name: run.config for run in spec.runs}
+    tracker = Tracker(tracking_uri_for(tmp_path), artifact_location=artifact_location_for(tmp_path))
+
+    def logged_before_the_field(name: str, status: str, parent: str | None = None, **changed: float) -> str:
+        tree = configs[name].to_dict()
+        del tree["eval"]["before_sft"]  # the field this release adds; the run predates it
+        tree["optim"].update(changed)
+        run_id = tracker.start(configs[name], run_name=name, tags={TAG_SWEEP: spec.name}, parent_run_id=parent)
+        tracker.log_text(yaml.safe_dump(tree), "config.yaml")
+        tracker.client.set_tag(run_id, "config_hash", "0123456789abcdef")  # what that release's hash was
+        tracker.finish(status)
+        return run_id
+
+    same = logged_before_the_field("tiny-sweep-aepo-s0", "FINISHED")
+    logged_before_the_field("tiny-sweep-grpo-s0", "FINISHED", lr=2 * configs["tiny-sweep-grpo-s0"].optim.lr)
+    assert configs["tiny-sweep-aepo-s0"].config_hash() != "0123456789abcdef"
+    assert {name: child.run_id for name, child in finished_children(tracker, spec, configs).items()} == {
+        "tiny-sweep-aepo-s0": same}
+
+    parent = tracker.start(configs["tiny-sweep-aepo-s0"], run_name=spec.name, group=True)  # a killed cell resumes too
+    tracker.finish()
+    logged_before_the_field("tiny-sweep-grpo-s0", "KILLED", parent)
+    logged_before_the_field("tiny-sweep-aepo-s0", "KILLED", parent, lr=0.5)
+    assert started_children(tracker, spec, configs, parent) == {"tiny-sweep-grpo-s0"}
