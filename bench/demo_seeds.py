@@ -15,7 +15,9 @@ evaluation files (``eval/sft/…``, ``eval/final/…``):
   says how sure the figure is for these seeds, and "positive on every seed" is reported beside it.
 
 A micro-batch size changes only the order of float sums in the update; a conclusion that changes with it is the
-trajectory's luck, not the algorithm's.
+trajectory's luck, not the algorithm's. Each run's micro-batch as it ran (``train/micro_batch_tokens``: after
+``optim.memory_budget_gb``'s cap, which binds without activation checkpointing) is shown, and a run whose size is not
+its cell's is named in a warning.
 
 Run: ``.venv/bin/python -m bench.demo_seeds [-c configs/demo.yaml] [--seeds 0 1 2] [--micro-batch-tokens 1024 2048
 4096] [--set optim.lr=2e-5 …] [--analyse-only]``. Prints the tables and writes
@@ -49,6 +51,7 @@ log = logging.getLogger("bench.demo_seeds")
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "configs" / "demo.yaml"
 TOOL_CALLS = "rollout/tool_calls_mean"
+MICRO_BATCH = "train/micro_batch_tokens"
 STAGES = ("sft", "final")
 AXIS = "micro_batch"
 
@@ -83,6 +86,9 @@ class RunRecord:
     wall_s: float
     phases: PhaseSeconds
     """Wall seconds by phase over the run."""
+    micro_batch_tokens: float
+    """The update's micro-batch as it ran: ``optim.micro_batch_tokens`` after the memory budget's cap (NaN for runs
+    that predate the metric)."""
 
     def mean_pass1(self, stage: str) -> float:
         values = self.pass1[stage].values()
@@ -123,9 +129,22 @@ def read_run(tracker: Any, row: Mapping[str, Any], dataset: str, workdir: Path) 
     mlflow_run = tracker.client.get_run(rid)
     info = mlflow_run.info
     wall = (info.end_time - info.start_time) / 1000 if info.end_time else math.nan
-    history = tracker.metric_history([TOOL_CALLS], run_id=rid)
+    history = tracker.metric_history([TOOL_CALLS, MICRO_BATCH], run_id=rid)
+    micro = history[MICRO_BATCH][-1][1] if history[MICRO_BATCH] else math.nan
     return RunRecord(row["cell"], int(row["seed"]), row["run_name"], rid, pass1, family, calls, history[TOOL_CALLS],
-                     wall, phase_seconds(tracker, rid))
+                     wall, phase_seconds(tracker, rid), micro)
+
+
+def capped_runs(records: Sequence[RunRecord], configs: Mapping[str, Any]) -> list[str]:
+    """One line per run whose micro-batch was not the size its cell asked for (the memory budget capped it: without
+    activation checkpointing a token keeps ~11× the activations), else the cells would not differ as labelled."""
+    out = []
+    for r in records:
+        asked = configs[r.run_name].optim.micro_batch_tokens
+        if math.isfinite(r.micro_batch_tokens) and r.micro_batch_tokens != asked:
+            out.append(f"{r.run_name}: micro-batches of {r.micro_batch_tokens:.0f} tokens, not the {asked} asked: "
+                       f"optim.memory_budget_gb capped them (raise it, or set optim.activation_checkpointing=true)")
+    return out
 
 
 def run_gain(record: RunRecord, n_resamples: int) -> dict[str, float]:
@@ -286,6 +305,9 @@ def run(args: argparse.Namespace, runs: Path) -> int:
     store = TrajectoryStore.from_config(cfg0.storage) if cfg0.storage.trajectories_uri else TrajectoryStore(runs)
     leaves = {cell: training_leaves(store, [r.run_id for r in records if r.cell == cell]) for cell in cells}
     report(records, gains, cells, by_family, dataset)
+    capped = capped_runs(records, {run.run_name: run.config for run in checked.runs})
+    for line in capped:
+        print(f"WARNING {line}")
     print_table(f"Training leaves by family and tool calls (budget {cfg0.rollout.max_response_tokens} tokens; "
                 "unclosed: ended inside a tag, cut)", ["cell", "family", "tool calls", "leaves", "reward", "advantage",
                                                        "tokens", "unclosed"],
@@ -311,8 +333,10 @@ def run(args: argparse.Namespace, runs: Path) -> int:
                   "pass1": {s: r.mean_pass1(s) for s in STAGES}, "gain": gains[r.run_name],
                   "tool_calls_per_question": dict(r.tool_calls_per_question),
                   "tool_calls_by_step": [list(p) for p in r.tool_calls_by_step], "wall_s": r.wall_s,
-                  "phases_s": r.phases.as_dict()}
+                  "phases_s": r.phases.as_dict(),
+                  "micro_batch_tokens": None if math.isnan(r.micro_batch_tokens) else r.micro_batch_tokens}
                  for r in records],
+        "capped": capped,
         "pooled": cells,
         "pooled_by_family": by_family,
         "training_leaves": leaves,

@@ -280,6 +280,7 @@ class PolicyUpdater:
             **tally.gap_metrics(),
             "train/tokens_per_s": tally.real_tokens / max(wall, 1e-9),
             "train/padding_waste": 1.0 - tally.real_tokens / max(1, tally.padded_tokens),
+            "train/micro_batch_tokens": float(self.micro_batch_tokens),  # after optim.memory_budget_gb's cap
             "train/scoring_pass_s": t_score,
             "train/scoring_pass": float(step.scoring),
             "train/update_s": wall,

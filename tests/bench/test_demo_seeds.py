@@ -47,7 +47,7 @@ def _record(seed: int, sft: list[float], final: list[float]) -> RunRecord:
     family = {q: "single_hop" if i < 2 else "two_hop" for i, q in enumerate(qs)}
     return RunRecord("mb1024", seed, f"r{seed}", f"id{seed}", pass1, family, calls, [(1, 2.0), (2, 1.5)],
                      600.0 + 60 * seed,
-                     {"sft": 60.0, "eval": 200.0, "rollout": 250.0, "update": 80.0, "scoring_pass": 0.0})
+                     {"sft": 60.0, "eval": 200.0, "rollout": 250.0, "update": 80.0, "scoring_pass": 0.0}, 1024.0)
 
 
 def test_per_run_gain_and_the_pooled_gain_over_seeds() -> None:
@@ -82,20 +82,33 @@ def test_a_gain_on_one_family_and_a_loss_on_the_other_are_reported_apart() -> No
 
 def test_runs_the_seeds_and_reads_them_back_from_mlflow(prefect_harness: Any, model_cache: Path, tool_user: Path,
                                                         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from transformers import AutoConfig
+
     from infra.tracking.client import tracking_uri_for
     from infra.tracking.run import Tracker
+    from infra.training.memory import activation_bytes_per_token
 
     # the session's tool-using tiny policy (tests/conftest.py), with a one-batch SFT of its own: the evaluation
-    # after SFT exists, and the policy calls tools from the first step, so the tool-call figures are not all zero
+    # after SFT exists, and the policy calls tools from the first step, so the tool-call figures are not all zero;
+    # a memory budget of 300 tokens' activations: the 512-token cell is capped (and says so), the 256 one is not
+    dims = AutoConfig.from_pretrained(tool_user)
+    per_token = activation_bytes_per_token(dims.num_hidden_layers, dims.hidden_size, dims.intermediate_size,
+                                           checkpointed=True)
     sets = [f"model.name={tool_user}", f"model.cache_dir={model_cache}", "train.sft.enabled=true",
             "train.sft.max_examples=2", "train.sft.epochs=1", "data.max_questions=8", "train.steps=2",
-            "checkpoint.every=2", "eval.at_start=true", "eval.before_sft=false", "eval.max_questions=2"]
+            "checkpoint.every=2", "eval.at_start=true", "eval.before_sft=false", "eval.max_questions=2",
+            f"optim.memory_budget_gb={300.5 * per_token / 1e9}"]
     args = ["-c", str(TINY), "--seeds", "0", "--micro-batch-tokens", "256", "512", "--name", "tiny-seeds",
             "--runs-dir", str(tmp_path), *(f"--set={s}" for s in sets)]
     out = tmp_path / "demo_seeds.json"
     assert main([*args, "--out", str(out)]) == 0
     first = json.loads(out.read_text())
+    printed = capsys.readouterr().out
     assert [r["run_name"] for r in first["runs"]] == ["tiny-seeds-mb256-s0", "tiny-seeds-mb512-s0"]
+    assert [r["micro_batch_tokens"] for r in first["runs"]] == [256, 300]
+    assert first["capped"] == [line.removeprefix("WARNING ") for line in printed.splitlines()
+                               if line.startswith("WARNING ")]
+    assert len(first["capped"]) == 1 and first["capped"][0].startswith("tiny-seeds-mb512-s0: micro-batches of 300")
     tracker = Tracker(tracking_uri_for(tmp_path))
     for run in first["runs"]:
         keys = ["eval/synthetic_test/pass_at_1", "eval/synthetic_test/tool_calls_per_question",
@@ -117,7 +130,6 @@ def test_runs_the_seeds_and_reads_them_back_from_mlflow(prefect_harness: Any, mo
         assert phases["sft"] + phases["eval"] + phases["rollout"] + phases["update"] <= run["wall_s"]
     assert sum(r["tool_calls_per_question"]["sft"] for r in first["runs"]) > 0  # the SFT'd policy uses its tools
     assert set(first["pooled"]) == {"mb256", "mb512"} and first["pooled"]["mb256"]["seeds"] == [0]
-    printed = capsys.readouterr().out
     pooled = printed.split("Pooled over seeds")[1]
     assert "mb256" in pooled and "mb512" in pooled and ("0/1" in pooled or "1/1" in pooled)
     for cell, families in first["pooled_by_family"].items():  # the families partition each run's questions
