@@ -33,9 +33,11 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -188,6 +190,10 @@ class VLLMServer:
         self.control = VLLMControl(self.url, log_tail=self.last_log_lines)
         self.log_path = log_path
         self.server: ManagedServer | None = None  # from start() on
+        # vLLM's ZMQ IPC sockets (API server ↔ engine core) go to VLLM_RPC_BASE_PATH, by default the system temp dir,
+        # and are not unlinked at shutdown: 5-6 files a server, 516 in /tmp after a day of test runs. Each server
+        # gets a directory of its own, removed when it stops (a short path: a socket's is limited to 107 bytes).
+        self.rpc_dir: Path | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def command(self) -> list[str]:
@@ -213,6 +219,8 @@ class VLLMServer:
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         env.pop("PYTHONPATH", None)  # our packages are not vLLM's
+        self.rpc_dir = Path(tempfile.mkdtemp(prefix="aepo-vllm-rpc-"))
+        env["VLLM_RPC_BASE_PATH"] = str(self.rpc_dir)
         self.server = ManagedServer("vLLM", self.command(), health=[self.url + "/health"], env=env,
                                     log_path=self.log_path, parent_death=signal.SIGTERM, tail_filter=quoted_lines,
                                     through_pipe=True)
@@ -221,6 +229,7 @@ class VLLMServer:
         try:
             self.server.start(self.cfg.startup_timeout_s, timeout_setting="rollout.vllm.startup_timeout_s")
         except ServerError as exc:
+            self._remove_rpc_dir()
             raise VLLMServerError(str(exc)) from None
         log.info("vLLM serving %s at %s after %.0f s", self.model_dir.name, self.url, time.monotonic() - t0)
         return self
@@ -242,6 +251,12 @@ class VLLMServer:
         when no process of the group is left.  Idempotent."""
         if self.server is not None and self.server.proc is not None and not self.server.stop(grace_s):
             log.warning("the vLLM server did not stop within %.0f s of SIGTERM: it was killed", grace_s)
+        self._remove_rpc_dir()
+
+    def _remove_rpc_dir(self) -> None:
+        if self.rpc_dir is not None:
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)
+            self.rpc_dir = None
 
     def __enter__(self) -> VLLMServer:
         return self.start()

@@ -52,9 +52,12 @@ def runtime(model_cache: Path, tmp_path_factory: pytest.TempPathFactory):
         yield rt
         group = _server_processes(str(runs))
         assert len(group) >= 2  # the API server and its engine processes
+        rpc = rt.server.rpc_dir  # vLLM's IPC sockets: in the server's own directory, not loose in /tmp
+        assert rpc is not None and any(p.is_socket() for p in rpc.iterdir())
         raise RuntimeError("boom")
     assert not _server_processes(str(runs)), "the server outlived its runtime"
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in group)
+    assert not rpc.exists(), "the server's IPC sockets outlived it"
 
 
 def _server_logprobs(rt: PolicyRuntime, ids: list[int], start: int) -> torch.Tensor:
