@@ -174,6 +174,31 @@ def quoted_lines(lines: list[str], n: int = 15) -> list[str]:
     return tail
 
 
+RPC_PREFIX = "aepo-vllm-rpc-"
+
+
+def remove_orphaned_rpc_dirs(root: Path | None = None) -> list[Path]:
+    """Remove the IPC directories (``<temp>/aepo-vllm-rpc-<pid>-…``) of servers whose starting process is gone: a
+    trainer killed before it could stop its server leaves one (its server then dies by its parent-death signal)."""
+    removed = []
+    for d in Path(root or tempfile.gettempdir()).glob(f"{RPC_PREFIX}*-*"):
+        pid = d.name.removeprefix(RPC_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class VLLMServer:
     """One ``vllm serve`` process group for ``model_dir`` (see the module docstring), an
     :class:`~infra.servers.ManagedServer` that gets SIGTERM when the thread that started it dies."""
@@ -219,7 +244,8 @@ class VLLMServer:
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         env.pop("PYTHONPATH", None)  # our packages are not vLLM's
-        self.rpc_dir = Path(tempfile.mkdtemp(prefix="aepo-vllm-rpc-"))
+        remove_orphaned_rpc_dirs()
+        self.rpc_dir = Path(tempfile.mkdtemp(prefix=f"{RPC_PREFIX}{os.getpid()}-"))
         env["VLLM_RPC_BASE_PATH"] = str(self.rpc_dir)
         self.server = ManagedServer("vLLM", self.command(), health=[self.url + "/health"], env=env,
                                     log_path=self.log_path, parent_death=signal.SIGTERM, tail_filter=quoted_lines,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -54,3 +56,21 @@ def test_errors_quote_the_servers_real_error_not_its_shutdown_noise():
     quoted = "\n".join(quoted_lines(lines))
     assert quoted.splitlines()[0].endswith("Unsupported CPU attention configuration: head_dim=16")
     assert "nanobind" not in quoted and "leaked" not in quoted and "INFO teardown 19" in quoted
+
+
+def test_the_ipc_directory_of_a_server_whose_trainer_was_killed_is_removed_at_the_next_start(tmp_path: Path) -> None:
+    """A trainer SIGKILLed before it could stop its server leaves its directory of vLLM IPC sockets; the next start
+    removes every such directory whose starting process is gone, and no live process's."""
+    from infra.engines.vllm_server import RPC_PREFIX, remove_orphaned_rpc_dirs
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    orphan = tmp_path / f"{RPC_PREFIX}{gone.pid}-abc"
+    live = tmp_path / f"{RPC_PREFIX}{os.getpid()}-def"
+    for d in (orphan, live):
+        d.mkdir()
+        (d / "socket").touch()
+    other = tmp_path / "someone-else"
+    other.mkdir()
+    assert remove_orphaned_rpc_dirs(tmp_path) == [orphan]
+    assert not orphan.exists() and live.exists() and other.exists()
