@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aepo_core.config import ExperimentConfig
 from bench.harness import RESULTS_DIR, environment, flow_bench_main, print_table, write_result
 from bench.phases import PhaseSeconds, phase_seconds
 from flows.cli.render import interval
@@ -135,7 +136,7 @@ def read_run(tracker: Any, row: Mapping[str, Any], dataset: str, workdir: Path) 
                      wall, phase_seconds(tracker, rid), micro)
 
 
-def capped_runs(records: Sequence[RunRecord], configs: Mapping[str, Any]) -> list[str]:
+def capped_runs(records: Sequence[RunRecord], configs: Mapping[str, ExperimentConfig]) -> list[str]:
     """One line per run whose micro-batch was not the size its cell asked for (the memory budget capped it: without
     activation checkpointing a token keeps ~11× the activations), else the cells would not differ as labelled."""
     out = []

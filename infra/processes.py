@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import resource
 import signal
 from collections.abc import Iterable
@@ -24,6 +25,18 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:  # pragma: no co
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
     except OSError:
         pass
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user's counts); the owner check of resources named by the
+    process that made them (a killed process leaves them behind)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def cpu_seconds(trees: Iterable[int] = ()) -> float:

@@ -46,6 +46,7 @@ from pathlib import Path
 
 from aepo_core.config import VLLMConfig
 from infra.numerics import auto_dtype, device_facts, vllm_device
+from infra.processes import pid_alive
 from infra.servers import ManagedServer, ServerError
 
 log = logging.getLogger(__name__)
@@ -183,20 +184,10 @@ def remove_orphaned_rpc_dirs(root: Path | None = None) -> list[Path]:
     removed = []
     for d in Path(root or tempfile.gettempdir()).glob(f"{RPC_PREFIX}*-*"):
         pid = d.name.removeprefix(RPC_PREFIX).split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
             removed.append(d)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class VLLMServer:

@@ -34,6 +34,7 @@ from mlflow.exceptions import MlflowException
 from aepo_core.config import ExperimentConfig
 from aepo_core.rollout.rows import SAMPLE_COLUMNS, leaf_row, sample_row
 from aepo_core.scoring import check_aligned
+from infra.config_files import load_config
 from infra.data.rows import QuestionRow
 from infra.tracking.client import (
     EXPERIMENT_KIND,
@@ -457,8 +458,6 @@ class Tracker(RunLogger):
         """The config a run logged (:meth:`log_config`) as today's code resolves it: keys renamed since under their
         new names, fields added since at their defaults. Raises ``ConfigError`` (invalid today) or
         ``MlflowException`` (no such artifact)."""
-        from infra.config_files import load_config
-
         with tempfile.TemporaryDirectory() as tmp:
             return load_config(download_artifacts(self.tracking_uri, f"runs:/{run_id}/{artifact_file}", tmp))
 

@@ -15,6 +15,8 @@ import signal
 import time
 from dataclasses import dataclass
 
+from infra.processes import pid_alive
+
 logger = logging.getLogger(__name__)
 
 _CGROUP_CONTROLLERS = ("memory", "pids", "cpu")
@@ -140,12 +142,7 @@ def sweep_stale_cgroups(roots: CgroupRoots) -> None:
             parts = name.split("-")
             if len(parts) != 3 or parts[0] != "call" or not parts[1].isdigit():
                 continue
-            try:
-                os.kill(int(parts[1]), 0)
-                continue  # its caller is alive
-            except ProcessLookupError:
-                pass
-            except PermissionError:
+            if pid_alive(int(parts[1])):
                 continue
             try:
                 os.rmdir(os.path.join(base, name))
