@@ -108,6 +108,8 @@ def _sft_key(cfg: Any) -> str:
         # train.sft.warmup_steps came after the cached SFT starts of the rollout study (issue 26); at its default
         # it trains the same weights, so it is left out and those caches keep their key.
         del parts["train.sft"]["warmup_steps"]
+    if cfg.optim.share_prefix:  # another float rounding of the same SFT (as another micro-batch size): its own start
+        parts["optim.share_prefix"] = True
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

@@ -71,12 +71,12 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from aepo_core.config import ModelConfig
 from aepo_core.interfaces import FinishReason, GenerationRequest, GenerationResult, SamplingParams
 from infra.engines.prefix_cache import LayerKV, PrefixKV, PrefixKVStore
 from infra.engines.weights import PolicyWeights, WeightSource
+from infra.kv_cache import cache_kwarg, cache_of, is_plain_dynamic
 from infra.models import chat_prompt_ids, load_model_weights, load_policy
 
 log = logging.getLogger(__name__)
@@ -212,9 +212,8 @@ class HFEngine:
         pad = tokenizer.pad_token_id
         self._pad_id = int(pad) if pad is not None else (min(self._eos_ids) if self._eos_ids else 0)
         self.last_stats = GenerationStats()
-        # transformers ≥ 5.x names the KV cache argument ``cache``; older versions ``past_key_values``.
+        self._cache_kwarg = cache_kwarg(model)
         params = inspect.signature(model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         # Only the last prompt position's logits are needed: skip the [B, L, V] projection of the prefill.
         self._keep_arg = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
         self._prefixes = PrefixKVStore(int(kv_reuse_mb * 2**20)) if kv_reuse_mb > 0 else None
@@ -374,8 +373,8 @@ class HFEngine:
         stats.forward_passes += 1
         stats.row_steps += len(rows)
         logits = out.logits[:, -keep:, :]
-        cache = _cache_of(out)
-        if self._prefixes is not None and _is_plain_dynamic(cache):
+        cache = cache_of(out)
+        if self._prefixes is not None and is_plain_dynamic(cache):
             for i, f in enumerate(fed):
                 self._store(f, cache, attention[i], i)
         return [sampling_distribution(logits[i, keep - n:], sampling)[1].tolist() for i, n in enumerate(needed)]
@@ -462,8 +461,8 @@ class HFEngine:
                          use_cache=True, **self._last_logits_only(width), **past)
         stats.forward_passes += 1
         stats.row_steps += len(rows)
-        cache = _cache_of(out)
-        retain = self._prefixes is not None and _is_plain_dynamic(cache)
+        cache = cache_of(out)
+        retain = self._prefixes is not None and is_plain_dynamic(cache)
         logits = out.logits[:, -1, :]
         next_pos = positions[:, -1] + 1
         active = list(range(len(rows)))
@@ -515,7 +514,7 @@ class HFEngine:
                              position_ids=next_pos[:, None], use_cache=True, **{self._cache_kwarg: cache})
             stats.forward_passes += 1
             stats.row_steps += len(active)
-            cache = _cache_of(out)
+            cache = cache_of(out)
             logits = out.logits[:, -1, :]
             next_pos = next_pos + 1
 
@@ -600,18 +599,6 @@ def _stop_window(stops: tuple[str, ...]) -> int:
     """Generated tokens to decode when looking for a stop string: a token is at least one character except
     for partial UTF-8 bytes, so twice the longest stop string plus slack always holds a fresh match."""
     return 2 * max((len(s) for s in stops), default=0) + 4
-
-
-def _is_plain_dynamic(cache: Any) -> bool:
-    """Whether ``cache`` is a DynamicCache of full-attention layers only: the one layout whose rows' KV can be
-    retained and rebuilt (a sliding-window layer keeps only its last positions)."""
-    return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer for layer in cache.layers)
-
-
-def _cache_of(out: Any) -> Any:
-    """The KV cache of a forward output under either transformers naming."""
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else out.past_key_values
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:

@@ -6,8 +6,10 @@ import logging
 from collections.abc import Mapping
 
 import torch
+from transformers import DynamicCache
 
 from aepo_core.config import OptimConfig
+from infra.kv_cache import cache_kwarg, cache_of, is_plain_dynamic
 from infra.ranks import Ranks
 from infra.training.backend import Stateful
 from infra.training.optim import build_optimizer, build_scheduler
@@ -15,27 +17,64 @@ from infra.training.optim import build_optimizer, build_scheduler
 log = logging.getLogger(__name__)
 
 
-def last_hidden_state(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+MIN_SHARED_PREFIX = 16
+"""Fewest leading tokens common to every row for :func:`last_hidden_state` to run them once (below that, the second
+decoder call costs more than the rows it saves)."""
+
+
+def shared_prefix_len(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
+    """How many leading positions hold the same attended token in every row of a right-padded batch (0 for one
+    row), at most all but the last position: the part of a micro-batch's decoder forward that is the same for
+    every row. Rollout prompts all begin with the system prompt (~100 of SmolLM2's ~117-token prompts)."""
+    if input_ids.shape[0] < 2:
+        return 0
+    same = (input_ids == input_ids[:1]).all(0) & attention_mask.bool().all(0)
+    return min(int(same.long().cumprod(0).sum()), input_ids.shape[1] - 1)
+
+
+def last_hidden_state(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      share_prefix: bool = False) -> torch.Tensor:
     """Last hidden states of a causal LM's decoder (the vocabulary projection is applied by the caller), with no
     KV cache: a training forward that builds one keeps every layer's keys and values alive to its end, which
-    would undo activation checkpointing (``memory.checkpoint_decoder_layers``)."""
-    return model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    would undo activation checkpointing (``memory.checkpoint_decoder_layers``).
+
+    ``share_prefix`` (``optim.share_prefix``): the :func:`shared_prefix_len` leading tokens common to every row go
+    through the decoder once, as one row whose keys and values every row then attends to (expanded, not copied),
+    and only the rest of each row is run. A causal decoder's states at those positions do not depend on what
+    follows, so the states, and through the expansion's backward (a sum over rows) the gradients, are the
+    unshared forward's up to float rounding. Models whose cache is not a plain full-attention one (sliding
+    windows) and prefixes under :data:`MIN_SHARED_PREFIX` take the unshared forward."""
+    decoder = model.base_model
+    p = shared_prefix_len(input_ids, attention_mask) if share_prefix else 0
+    if p >= MIN_SHARED_PREFIX:
+        head = decoder(input_ids=input_ids[:1, :p], attention_mask=attention_mask[:1, :p], use_cache=True)
+        cache = cache_of(head)
+        if is_plain_dynamic(cache):
+            b = input_ids.shape[0]
+            rows = DynamicCache(ddp_cache_data=[(layer.keys.expand(b, -1, -1, -1), layer.values.expand(b, -1, -1, -1))
+                                                for layer in cache.layers])
+            rest = decoder(input_ids=input_ids[:, p:], attention_mask=attention_mask, use_cache=True,
+                           **{cache_kwarg(decoder): rows})
+            return torch.cat([head.last_hidden_state.expand(b, -1, -1), rest.last_hidden_state], dim=1)
+    return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
 
 
 def decoder_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+                   compute_dtype: torch.dtype | None = None, share_prefix: bool = False) -> torch.Tensor:
     """:func:`last_hidden_state`; with ``compute_dtype`` under autocast: bf16 matmuls, float32 master weights."""
     with torch.autocast(input_ids.device.type, dtype=compute_dtype or torch.float32,
                         enabled=compute_dtype is not None):
-        return last_hidden_state(model, input_ids, attention_mask)
+        return last_hidden_state(model, input_ids, attention_mask, share_prefix)
 
 
 class _InProcessModel:
     """A whole model in this process: forward passes under optional autocast; its parameters are its full weights."""
 
-    def __init__(self, model: torch.nn.Module, compute_dtype: torch.dtype | None) -> None:
+    def __init__(self, model: torch.nn.Module, compute_dtype: torch.dtype | None, share_prefix: bool = False) -> None:
         self.model = model
         self.compute_dtype = compute_dtype
+        self.share_prefix = share_prefix
+        """``optim.share_prefix``: the rows' common leading tokens run through the decoder once."""
 
     @property
     def module(self) -> torch.nn.Module:
@@ -60,7 +99,7 @@ class _InProcessModel:
         return False
 
     def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return decoder_hidden(self.model, input_ids, attention_mask, self.compute_dtype)
+        return decoder_hidden(self.model, input_ids, attention_mask, self.compute_dtype, self.share_prefix)
 
     def full_state_dict(self) -> Mapping[str, torch.Tensor] | None:
         return None  # the model holds its full weights
@@ -71,7 +110,7 @@ class TorchBackend(_InProcessModel):
 
     def __init__(self, model: torch.nn.Module, cfg: OptimConfig, total_steps: int, lr: float | None = None,
                  compute_dtype: torch.dtype | None = None) -> None:
-        super().__init__(model, compute_dtype)
+        super().__init__(model, compute_dtype, cfg.share_prefix)
         self.grad_clip = cfg.grad_clip
         self.optimizer = build_optimizer(model, cfg, lr)
         self.scheduler = build_scheduler(self.optimizer, cfg, total_steps)
