@@ -14,7 +14,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_VERSION ?= 0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
 # The demo: SmolLM2-135M, cold-start SFT → evaluation → AEPO RL → evaluation (17 min on 2 idle AMX cores, bf16;
-# 22.6 min on 2 idle cores of an AVX2-only AMD EPYC, float32).
+# 19.5 min on 2 idle cores of an AVX2-only AMD EPYC, float32).
 # DEMO_CONFIG=configs/tiny.yaml: the same pipeline on a tiny random model in about a minute.
 DEMO_CONFIG ?= configs/demo.yaml
 
