@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from aepo_core.config import OptimConfig
-from infra.kv_cache import cache_kwarg, cache_of, is_plain_dynamic
+from infra.kv_cache import cache_kwarg, is_plain_dynamic
 from infra.ranks import Ranks
 from infra.training.backend import Stateful
 from infra.training.optim import build_optimizer, build_scheduler
@@ -46,17 +46,17 @@ def last_hidden_state(model: torch.nn.Module, input_ids: torch.Tensor, attention
     windows) and prefixes under :data:`MIN_SHARED_PREFIX` take the unshared forward."""
     decoder = model.base_model
     p = shared_prefix_len(input_ids, attention_mask) if share_prefix else 0
-    if p >= MIN_SHARED_PREFIX:
-        head = decoder(input_ids=input_ids[:1, :p], attention_mask=attention_mask[:1, :p], use_cache=True)
-        cache = cache_of(head)
-        if is_plain_dynamic(cache):
-            b = input_ids.shape[0]
-            rows = DynamicCache(ddp_cache_data=[(layer.keys.expand(b, -1, -1, -1), layer.values.expand(b, -1, -1, -1))
-                                                for layer in cache.layers])
-            rest = decoder(input_ids=input_ids[:, p:], attention_mask=attention_mask, use_cache=True,
-                           **{cache_kwarg(decoder): rows})
-            return torch.cat([head.last_hidden_state.expand(b, -1, -1), rest.last_hidden_state], dim=1)
-    return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    cache = DynamicCache(config=decoder.config) if p >= MIN_SHARED_PREFIX else None
+    if cache is None or not is_plain_dynamic(cache):  # (the layer types come from the config, before any forward)
+        return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    kwarg = cache_kwarg(decoder)
+    head = decoder(input_ids=input_ids[:1, :p], attention_mask=attention_mask[:1, :p], use_cache=True,
+                   **{kwarg: cache})  # fills ``cache`` in place
+    b = input_ids.shape[0]
+    rows = DynamicCache(ddp_cache_data=[(layer.keys.expand(b, -1, -1, -1), layer.values.expand(b, -1, -1, -1))
+                                        for layer in cache.layers])
+    rest = decoder(input_ids=input_ids[:, p:], attention_mask=attention_mask, use_cache=True, **{kwarg: rows})
+    return torch.cat([head.last_hidden_state.expand(b, -1, -1), rest.last_hidden_state], dim=1)
 
 
 def decoder_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

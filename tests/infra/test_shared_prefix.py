@@ -89,6 +89,22 @@ def test_short_or_absent_prefixes_take_the_unshared_forward():
     assert calls.rows == [12, 12]
 
 
+def test_a_sliding_window_model_takes_the_unshared_forward_without_running_the_prefix():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             sliding_window=8)).eval()
+    calls = DecoderCalls(model)
+    batch = collate(samples(), pad_id=0)
+    with torch.no_grad():
+        shared = last_hidden_state(model, batch.input_ids, batch.attention_mask, share_prefix=True)
+        plain = last_hidden_state(model, batch.input_ids, batch.attention_mask)
+    assert calls.rows == [12, 12]  # one decoder call each: the window's cache cannot be expanded, nothing ran twice
+    torch.testing.assert_close(shared, plain, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("compute", [None, torch.bfloat16])  # float32, and bf16 autocast (the AMX demo's)
 def test_logprobs_entropies_and_gradients_equal_the_unshared_ones(compute):
     batch = collate(samples(), pad_id=0)
