@@ -160,10 +160,17 @@ class PolicyUpdater:
         """False when the pre-update forward could not change the update (see ``optim.scoring_pass``): the sampler
         is the trainer itself, unfiltered, so its log-probs are π_old (for every mini-batch and epoch: π_old is the
         pre-update policy, which is what sampled) and its entropies the trainer's, exactly. Measured on an AVX2 CPU
-        in float32: 29–35 s of a 4.3-minute demo step."""
+        in float32: 29–35 s of a 4.3-minute demo step. ``never``: False whatever the sampler, by the user's choice
+        (π_old and the entropies are the sampler's)."""
         cfg = self.cfg
         if cfg.optim.scoring_pass == "always":
             return True
+        if cfg.optim.scoring_pass == "never":  # π_old and the entropies are the sampler's (config-checked)
+            if missing := sum(s.rollout_entropies is None for s in samples):
+                raise ValueError(f"optim.scoring_pass=never: {missing} of {len(samples)} samples carry no exact "
+                                 "sampler entropies (top-k estimates); set rollout.exact_entropy=true or "
+                                 "optim.scoring_pass=auto")
+            return False
         exact = (sampler_is_trainer(cfg, self.generation_dtype) and cfg.rollout.top_p >= 1.0
                  and cfg.rollout.top_k == 0 and all(s.rollout_entropies is not None for s in samples))
         return not exact

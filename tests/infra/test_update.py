@@ -469,3 +469,36 @@ def test_a_checkpointed_model_still_trains_through_its_own_forward_with_a_kv_cac
         out.loss.backward()
         grads.append((out.loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def test_scoring_pass_never_takes_pi_old_and_the_entropies_from_a_sampler_that_is_not_the_trainer():
+    """A bf16 generation copy with π_old from the sampler (optim.old_logprobs=rollout): the scoring pass would only
+    replace the sampler's entropies by the trainer's. `never` skips it and reads the sampler's: with entropies equal
+    to the trainer's the update is the scored one; with the copy's own (noisy) entropies it differs, and only in
+    what the entropies drive."""
+    common = ["model.generation_dtype=bfloat16", "optim.old_logprobs=rollout", "algorithm.entropy_advantage=true",
+              "algorithm.clip_gate=high_entropy"]
+    exact = _with_exact_rollout_entropies(make_samples())
+    auto, met_auto = run_update([*common, "optim.scoring_pass=auto"], exact)
+    never, met_never = run_update([*common, "optim.scoring_pass=never"], exact)
+    assert met_auto["train/scoring_pass"] == 1.0 and met_never["train/scoring_pass"] == 0.0
+    torch.testing.assert_close(params(never), params(auto), rtol=1e-4, atol=1e-6)
+    assert met_never["train/loss"] == pytest.approx(met_auto["train/loss"], rel=1e-4, abs=1e-6)
+    noisy = _noisy_rollout_entropies(make_samples())
+    scored, met_scored = run_update([*common, "optim.scoring_pass=auto"], noisy)
+    skipped, met_skipped = run_update([*common, "optim.scoring_pass=never"], noisy)
+    assert met_scored["train/entropy_mean"] == pytest.approx(met_auto["train/entropy_mean"], rel=1e-5)
+    assert met_skipped["train/entropy_mean"] > met_scored["train/entropy_mean"] + 0.1  # the sampler's, +U(0, 0.5)
+    assert not torch.allclose(params(skipped), params(scored))
+
+
+def test_scoring_pass_never_refuses_estimated_entropies_and_a_trainer_pi_old():
+    estimated = [dataclasses.replace(s, rollout_entropies=None) for s in make_samples()]
+    with pytest.raises(ValueError, match="exact_entropy"):
+        run_update(["optim.old_logprobs=rollout", "optim.scoring_pass=never"], estimated)
+    with pytest.raises(ValueError, match="old_logprobs=rollout"):
+        build_config({}, ["optim.scoring_pass=never"])
+    with pytest.raises(ValueError, match="exact_entropy=true"):
+        build_config({}, ["optim.scoring_pass=never", "optim.old_logprobs=rollout", "rollout.engine=vllm",
+                          "rollout.exact_entropy=false"])
+    build_config({}, ["optim.scoring_pass=never", "optim.old_logprobs=rollout", "rollout.engine=vllm"])
