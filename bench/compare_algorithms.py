@@ -339,20 +339,36 @@ def sweep_spec(path: Path, sets: Sequence[str], seeds: Sequence[int] | None, cel
 
 
 # ------------------------------------------------------------------------------------------------ sweep
-def run_sweep(spec: dict[str, Any], runs: Path, pool: Any, child_timeout_s: float | None) -> dict[str, Any]:
-    """The sweep in this process (``pool`` None) or through the local work pool ``pool``; the result with every run
-    row tagged with its tracking URI."""
+def started(runs: Path, spec: Any) -> bool:
+    """Whether a sweep of this name is in the runs dir already: then it is continued (the sweep's ``--resume``: the
+    same parent run, finished cells skipped, a cell in progress from its last checkpoint), not started again."""
+    from flows.sweep import sweep_to_resume
+    from infra.run.resume import NothingToResumeError
+    from infra.tracking.run import Tracker
+
+    try:
+        sweep_to_resume(Tracker.from_config(spec.base, runs, system_metrics=False), spec)
+    except NothingToResumeError:
+        return False
+    return True
+
+
+def run_sweep(spec: dict[str, Any], runs: Path, pool: Any, child_timeout_s: float | None,
+              resume: bool) -> dict[str, Any]:
+    """The sweep in this process (``pool`` None) or through the local work pool ``pool``, continuing it when
+    ``resume``; the result with every run row tagged with its tracking URI."""
     from flows.sweep import sweep
 
     if pool is None:
-        result = dataclasses.asdict(sweep(sweep_config=spec, runs_dir=str(runs)))
+        result = dataclasses.asdict(sweep(sweep_config=spec, runs_dir=str(runs), resume=resume))
     else:
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
         spec = {**spec, "overrides": {**spec["overrides"], "tracking.tracking_uri": pool.mlflow_url}}
         with temporary_settings(updates={PREFECT_API_URL: pool.prefect_api}):
             result = dataclasses.asdict(sweep(sweep_config=spec, runs_dir=str(runs), deployment=pool.deployment,
-                                              max_parallel=pool.workers, child_timeout_s=child_timeout_s))
+                                              max_parallel=pool.workers, child_timeout_s=child_timeout_s,
+                                              resume=resume))
     result["runs"] = [{**row, "tracking_uri": result["tracking_uri"]} for row in result["runs"]]
     return result
 
@@ -480,7 +496,7 @@ def run(args: argparse.Namespace) -> int:
             log.info("analysing %d stored runs of %d", len({r["run_name"] for r in result["runs"]}),
                      len(checked.runs))
         else:
-            result = run_sweep(spec, runs, pool, args.child_timeout)
+            result = run_sweep(spec, runs, pool, args.child_timeout, resume=started(runs, checked))
         t_sweep = time.perf_counter() - t1
         cfg0 = checked.runs[0].config
         k = cfg0.eval.pass_k

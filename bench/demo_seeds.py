@@ -249,19 +249,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return flow_bench_main("bench.demo_seeds", args.runs_dir, lambda runs: run(args, runs))
 
 
-def started(runs: Path, spec: Any) -> bool:
-    """Whether a sweep of this name is in the runs dir already (then it is continued, not started again)."""
-    from flows.sweep import sweep_to_resume
-    from infra.run.resume import NothingToResumeError
-    from infra.tracking.run import Tracker
-
-    try:
-        sweep_to_resume(Tracker.from_config(spec.base, runs, system_metrics=False), spec)
-    except NothingToResumeError:
-        return False
-    return True
-
-
 def check_measurable(spec: Any) -> None:
     """Every run must evaluate after SFT and at the end: the gain is final − sft on the same questions."""
     from aepo_core.config_keys import ConfigError
@@ -274,7 +261,7 @@ def check_measurable(spec: Any) -> None:
 
 
 def run(args: argparse.Namespace, runs: Path) -> int:
-    from bench.compare_algorithms import stored_runs
+    from bench.compare_algorithms import started, stored_runs
     from flows.sweep_spec import load_sweep
     from infra.store import TrajectoryStore
     from infra.tracking.run import Tracker

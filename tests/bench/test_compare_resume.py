@@ -1,0 +1,39 @@
+"""bench.compare_algorithms continues a sweep it finds in the runs dir (issue 27 §3, §5): a comparison too long for
+one working session runs seed by seed (`--seeds 0`, then `--seeds 1`, …) into one store, every invocation under the
+same parent run, the finished cells never trained again. Before, each invocation started a parent run of its own
+(and re-parented the finished children to it), so the store showed one sweep per invocation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from bench.compare_algorithms import main
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_SWEEP = REPO / "configs" / "sweeps" / "tiny.yaml"
+
+
+def test_a_second_invocation_continues_the_same_sweep(prefect_harness: Any, model_cache: Path,
+                                                       tmp_path: Path) -> None:
+    from infra.tracking.client import tracking_uri_for
+    from infra.tracking.run import Tracker
+
+    args = ["--sweep", str(TINY_SWEEP), "--no-shared-sft", "--runs-dir", str(tmp_path),
+            f"--set=model.cache_dir={model_cache}"]
+    first_out, second_out = tmp_path / "first.json", tmp_path / "second.json"
+    assert main([*args, "--seeds", "0", "--out", str(first_out)]) == 0
+    assert main([*args, "--seeds", "0", "1", "--out", str(second_out)]) == 0
+    first, second = (json.loads(p.read_text()) for p in (first_out, second_out))
+    assert second["sweep"]["parent_run_id"] == first["sweep"]["parent_run_id"]
+    tracker = Tracker(tracking_uri_for(tmp_path))
+    runs = tracker.search_runs(filter_string="attributes.status = 'FINISHED'")
+    names = sorted(runs["tags.mlflow.runName"])
+    # one parent and four cells: seed 0's two cells were not trained a second time
+    assert names == ["tiny-sweep-bench", "tiny-sweep-bench-aepo-s0", "tiny-sweep-bench-aepo-s1",
+                     "tiny-sweep-bench-grpo-s0", "tiny-sweep-bench-grpo-s1"], names
+    parent = first["sweep"]["parent_run_id"]
+    children = runs[runs["tags.mlflow.runName"] != "tiny-sweep-bench"]
+    assert set(children["tags.mlflow.parentRunId"]) == {parent}
+    assert second["runs_analysed"] == 4
