@@ -143,7 +143,9 @@ def test_an_update_with_a_shared_prefix_gives_the_unshared_weights():
     assert len(rows1) > len(rows0)  # micro-batches of several rows ran their prefix once (one more decoder call)
     start = torch.cat([p.detach().flatten() for p in tiny_model().parameters()])
     assert (w0 - start).abs().max() > 1e-3  # the update moved the weights: the comparison below can fail
-    torch.testing.assert_close(w1, w0, rtol=1e-5, atol=1e-6)
+    # Float rounding only, amplified by three Adam steps at lr 1e-2: max |Δw| 2.1-2.9e-6 on a Zen 4 EPYC (AVX-512
+    # float32 kernels; atol 1e-6 failed there, it passed on AVX2), 0.06 with the shared keys and values detached.
+    torch.testing.assert_close(w1, w0, rtol=1e-4, atol=1e-5)
     assert m1["train/loss"] == pytest.approx(m0["train/loss"], rel=1e-5, abs=1e-7)
 
 
