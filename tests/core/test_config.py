@@ -92,7 +92,7 @@ def test_file_errors_name_the_file(tmp_path):
 @pytest.mark.parametrize("path", sorted(CONFIGS.rglob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_configs_load(path):
     if "sweeps" in path.parts:
-        pytest.skip("sweep files are grids of overrides, validated by the sweep flow")
+        pytest.skip("sweep files are grids of overrides: tests/flows/test_sweep.py builds every cell of each")
     load_config(path)
 
 

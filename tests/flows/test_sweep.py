@@ -127,6 +127,30 @@ cells:
     assert all(r.config.train.steps == 2 for r in spec.runs)
 
 
+@pytest.mark.parametrize("path", sorted((REPO / "configs" / "sweeps").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_sweep_file_builds_its_runs(path: Path) -> None:
+    """Each sweep file's every cell × seed is a valid config (tests/core/test_config.py leaves sweep files here)."""
+    from flows.sweep import load_sweep
+
+    spec = load_sweep(path)
+    assert len(spec.runs) == len(spec.cells) * len(spec.seeds) > 0
+    assert len({r.run_name for r in spec.runs}) == len(spec.runs)
+
+
+def test_the_powered_comparison_is_the_power_estimate_s_design() -> None:
+    """112 test questions (80 companies: 16 held out × 7) × 5 seeds × aepo, arpo, grpo (bench/power.py)."""
+    from flows.sweep import load_sweep
+    from infra.data.synthetic import SyntheticTask
+
+    spec = load_sweep(REPO / "configs" / "sweeps" / "claims_powered.yaml")
+    assert spec.seeds == [0, 1, 2, 3, 4] and list(spec.cells) == ["aepo", "arpo", "grpo"]
+    cfg = spec.runs[0].config
+    world = cfg.data.synthetic
+    task = SyntheticTask(seed=world.seed, n_companies=world.entities, families=tuple(world.families))
+    assert len(task.questions("test")) == cfg.eval.max_questions == 112
+    assert cfg.clip_active()  # three mini-batches a step: the clipping losses act
+
+
 def test_shipped_algorithms_sweep_is_valid() -> None:
     from flows.sweep import load_sweep
 
