@@ -145,9 +145,7 @@ def test_the_powered_comparison_is_the_power_estimate_s_design() -> None:
     spec = load_sweep(REPO / "configs" / "sweeps" / "claims_powered.yaml")
     assert spec.seeds == [0, 1, 2, 3, 4] and list(spec.cells) == ["aepo", "arpo", "grpo"]
     cfg = spec.runs[0].config
-    world = cfg.data.synthetic
-    task = SyntheticTask(seed=world.seed, n_companies=world.entities, families=tuple(world.families))
-    assert len(task.questions("test")) == cfg.eval.max_questions == 112
+    assert len(SyntheticTask.from_config(cfg.data).questions("test")) == cfg.eval.max_questions == 112
     assert cfg.clip_active()  # three mini-batches a step: the clipping losses act
 
 
