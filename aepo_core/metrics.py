@@ -1,4 +1,5 @@
-"""Evaluation statistics: unbiased pass@k, bootstrap confidence intervals, rollout diversity.
+"""Evaluation statistics: unbiased pass@k, bootstrap and Student-t confidence intervals, rollout
+diversity.
 
 The published harness never computed pass@k; here it is the unbiased estimator of Chen et al. (2021), and
 every reported mean can come with a percentile-bootstrap interval (paired when two runs answered the same
@@ -7,6 +8,7 @@ questions).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import numpy as np
@@ -100,6 +102,77 @@ def paired_bootstrap_diff(
         raise ValueError(f"paired runs must score the same questions: shapes {arr_a.shape} vs {arr_b.shape}")
     return bootstrap_ci(arr_a - arr_b, n_resamples=n_resamples, confidence=confidence, seed=seed,
                         statistic=statistic)
+
+
+def _incomplete_beta(x: float, a: float, b: float) -> float:
+    """The regularized incomplete beta function I_x(a, b), by its continued fraction (modified Lentz), evaluated on
+    the side of the symmetry I_x(a, b) = 1 − I_{1−x}(b, a) where it converges fast."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    if x > (a + 1.0) / (a + b + 2.0):
+        return 1.0 - _incomplete_beta(1.0 - x, b, a)
+    log_front = a * math.log(x) + b * math.log1p(-x) - (math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b))
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 500):
+        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),  # the even, then the odd term
+                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= c * d
+        if abs(c * d - 1.0) < 1e-15:
+            break
+    return math.exp(log_front) * h / a
+
+
+def student_t_cdf(t: float, df: int) -> float:
+    """P(T ≤ t) for Student's t with ``df`` degrees of freedom: 1 − ½·I_{df/(df+t²)}(df/2, ½) for t ≥ 0, and by
+    symmetry below 0."""
+    tail = 0.5 * _incomplete_beta(df / (df + t * t), df / 2.0, 0.5)
+    return 1.0 - tail if t >= 0 else tail
+
+
+def student_t_quantile(q: float, df: int) -> float:
+    """The t with P(T ≤ t) = q for Student's t with ``df`` ≥ 1 degrees of freedom (bisection on the CDF to 1e-10;
+    e.g. 2.7764 for q = 0.975, df = 4)."""
+    _check_int("df", df)
+    if df < 1:
+        raise ValueError(f"df must be >= 1, got {df}")
+    if not 0.0 < q < 1.0:
+        raise ValueError(f"q must be in (0, 1), got {q}")
+    if q < 0.5:
+        return -student_t_quantile(1.0 - q, df)
+    low, high = 0.0, 1.0
+    while student_t_cdf(high, df) < q:
+        low, high = high, 2.0 * high
+    while high - low > 1e-10 * max(1.0, high):
+        mid = 0.5 * (low + high)
+        low, high = (mid, high) if student_t_cdf(mid, df) < q else (low, mid)
+    return 0.5 * (low + high)
+
+
+def t_interval(values: Sequence[float] | np.ndarray, *, confidence: float = DEFAULT_CONFIDENCE
+               ) -> tuple[float, float, float]:
+    """(mean, low, high): the mean of n independent values (e.g. one per training seed) and its Student-t interval
+    mean ± t_{(1+confidence)/2, n−1} · s / √n, s the sample standard deviation. It is about a new draw of what the
+    values are draws of (a new training run), which a bootstrap over 3–5 seeds cannot give (it has too few distinct
+    resamples and undercovers). One value: its mean and NaN bounds."""
+    arr = np.asarray(values, dtype=float)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"t_interval needs a non-empty 1-D sequence, got shape {arr.shape}")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    mean = float(arr.mean())
+    if arr.size == 1:
+        return mean, math.nan, math.nan
+    half = student_t_quantile((1.0 + confidence) / 2.0, arr.size - 1) * float(arr.std(ddof=1)) / math.sqrt(arr.size)
+    return mean, mean - half, mean + half
 
 
 def distinct_sequences(seqs: Iterable[Sequence[Hashable]]) -> int:

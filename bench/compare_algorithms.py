@@ -41,7 +41,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,6 +66,7 @@ SFT_KEYS = ("model", "data", "tools", "train.sft", "optim.micro_batch_tokens", "
 # it, and concentrates fewer branches on one path. Metrics a run never logged (runs from before the branch shares
 # were added) are left out of that run's curves, not drawn as zeros.
 ENTROPY = "train/entropy_mean"
+TOKENS = "cost/total_generated_tokens"
 CURVE_METRICS = {  # metric → panel title
     ENTROPY: "policy entropy of the update's tokens (nats)",
     "rollout/reward_mean": "training reward",
@@ -75,7 +76,11 @@ CURVE_METRICS = {  # metric → panel title
     "rollout/branch_top1_share": "share of branches on the top-1 path",
     "rollout/branch_top3_share": "share of branches on the top-3 paths",
     "rollout/informative_groups": "informative groups in the update",
+    TOKENS: "generated tokens, cumulative",
 }
+# Against the common budget (issue 27 §4): these curves are drawn once more over the cumulative generated tokens (the
+# seed mean at each step), since an arm that branches spends more per step.
+BY_TOKENS = (ENTROPY, "rollout/reward_mean", "rollout/tool_calls_mean")
 RUN_METRICS = ("rollout/distinct_tool_sequences", "rollout/max_branches_per_path", "rollout/branch_samples",
                "rollout/reward_mean", "step/wall_s")
 CURVES_ARTIFACT_DIR = "training_curves"
@@ -192,13 +197,13 @@ def analyse(result: dict[str, Any], dataset: str, k: int, n_resamples: int, work
         tracker = trackers.get(uri) or trackers.setdefault(uri, Tracker(uri))
         cell = by_cell.setdefault(row["cell"], {"per_seed": {}, "runs": [], "tool_calls": [], "diversity": [],
                                                 "branches_max": [], "branches_mean": [], "reward_last": [],
-                                                "wall_s": [], "histories": [], "phases": []})
+                                                "wall_s": [], "histories": {}, "phases": []})
         rid = row["run_id"]
         cell["per_seed"][int(row["seed"])] = _per_question(tracker, rid, dataset, workdir)
         cell["runs"].append(row["run_name"])
         cell["tool_calls"].append(float(row["tool_calls_per_question"]))
         hist = tracker.metric_history(list(dict.fromkeys([*RUN_METRICS, *CURVE_METRICS])), run_id=rid)
-        cell["histories"].append(hist)
+        cell["histories"][int(row["seed"])] = hist
         cell["diversity"] += [v for _, v in hist["rollout/distinct_tool_sequences"]]
         cell["branches_max"] += [v for _, v in hist["rollout/max_branches_per_path"]]
         cell["branches_mean"] += [v for _, v in hist["rollout/branch_samples"]]
@@ -208,10 +213,16 @@ def analyse(result: dict[str, Any], dataset: str, k: int, n_resamples: int, work
     arms: dict[str, Any] = {}
     for name, cell in by_cell.items():
         stats = arm_statistics(cell["per_seed"], k, n_resamples)
-        curves = seed_bands(cell["histories"], CURVE_METRICS)
+        curves = seed_bands(list(cell["histories"].values()), CURVE_METRICS)
         trend = entropy_trend(curves.get(ENTROPY, []))
+        slopes = {s: slope for s, h in cell["histories"].items()
+                  if (slope := ols_slope(h.get(ENTROPY, []))) is not None}
+        tokens = {s: h[TOKENS][-1][1] for s, h in cell["histories"].items() if h.get(TOKENS)}
         arms[name] = {
             **stats,
+            "pass@1_over_seeds": dataclasses.asdict(OverSeeds.of(stats["pass@1_by_seed"])),
+            "entropy_slope": dataclasses.asdict(OverSeeds.of(slopes)) if slopes else None,
+            "generated_tokens_per_run": dataclasses.asdict(OverSeeds.of(tokens)) if tokens else None,
             "runs": cell["runs"],
             "tool_calls_per_question": _mean(cell["tool_calls"]),
             "distinct_tool_sequences_per_group": _mean(cell["diversity"]),
@@ -230,6 +241,74 @@ def analyse(result: dict[str, Any], dataset: str, k: int, n_resamples: int, work
             arm[f"vs_{BASELINE}"] = (paired_comparison(arm["per_question_pass@1"], base, n_resamples=n_resamples)
                                      if name != BASELINE else None)
     return arms
+
+
+@dataclass(frozen=True)
+class OverSeeds:
+    """A quantity measured once per training run (seed), e.g. its Pass@1 or its entropy slope: the mean over the
+    seeds and its Student-t 95% interval (S − 1 degrees of freedom), which is about a new training run, so it holds
+    the run-to-run variance that an interval over one run's questions leaves out. NaN bounds with one seed."""
+
+    mean: float
+    low: float
+    high: float
+    seeds: int
+    per_seed: dict[int, float]
+
+    @classmethod
+    def of(cls, per_seed: Mapping[int, float]) -> OverSeeds:
+        from aepo_core.metrics import t_interval
+
+        if not per_seed:
+            raise ValueError("OverSeeds needs at least one seed's value")
+        ordered = dict(sorted((int(s), float(v)) for s, v in per_seed.items()))
+        mean, low, high = t_interval(list(ordered.values()))
+        return cls(mean, low, high, len(ordered), ordered)
+
+    @property
+    def sign(self) -> str:
+        """"> 0" or "< 0" where the interval excludes 0, "0 in CI" where it holds it, "one seed" without one."""
+        if math.isnan(self.low):
+            return "one seed"
+        return "> 0" if self.low > 0 else "< 0" if self.high < 0 else "0 in CI"
+
+
+def paired_differences(arms: Mapping[str, Any], n_resamples: int) -> dict[str, Any]:
+    """Every pair of arms (in the arms' order: a before b), seed-matched (seed s of a against seed s of b, which share
+    the SFT start, data order and sampling seeds): per seed the mean per-question Pass@1 difference a − b on the
+    questions both answered, then
+
+    - ``pass@1``: its mean over seeds with a Student-t interval (:class:`OverSeeds`): what a new pair of runs would
+      show; the headline, as it carries the seed variance;
+    - ``pass@1_given_seeds``: the same mean with a bootstrap over questions within each seed
+      (:func:`aepo_core.evaluation.pooled_paired_comparison`): about these runs only, narrower;
+    - ``entropy_slope``: the seed-matched difference of the entropy slopes (nats per RL step), Student-t.
+
+    Pairs without a common seed are left out."""
+    from aepo_core.evaluation import pooled_paired_comparison
+
+    out: dict[str, Any] = {}
+    names = list(arms)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            qa, qb = arms[a]["per_question_pass@1_by_seed"], arms[b]["per_question_pass@1_by_seed"]
+            seeds = sorted(set(qa) & set(qb))
+            if not seeds:
+                continue
+            diffs = {}
+            for s in seeds:
+                common = sorted(set(qa[s]) & set(qb[s]))
+                diffs[s] = sum(qa[s][q] - qb[s][q] for q in common) / len(common)
+            sa, sb = ((arms[x]["entropy_slope"] or {}).get("per_seed", {}) for x in (a, b))
+            slope = {s: sa[s] - sb[s] for s in seeds if s in sa and s in sb}
+            out[f"{a} - {b}"] = {
+                "a": a, "b": b,
+                "pass@1": dataclasses.asdict(OverSeeds.of(diffs)),
+                "pass@1_given_seeds": pooled_paired_comparison([(qa[s], qb[s]) for s in seeds],
+                                                               n_resamples=n_resamples),
+                "entropy_slope": dataclasses.asdict(OverSeeds.of(slope)) if slope else None,
+            }
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ curves
@@ -259,16 +338,24 @@ class EntropyTrend:
     verdict: str  # stable, falling, rising, collapsed or exploded (see STABLE_RATIO, COLLAPSE_RATIO)
 
 
-def entropy_trend(band: Sequence[Band]) -> EntropyTrend | None:
-    """last/first of the mean curve, its slope Σ(x − x̄)(y − ȳ) / Σ(x − x̄)², and the verdict on the ratio; None
-    with fewer than 2 steps."""
-    if len(band) < 2:
+def ols_slope(points: Sequence[tuple[float, float]]) -> float | None:
+    """The least-squares slope Σ(x − x̄)(y − ȳ) / Σ(x − x̄)² of (step, value) points: the straight line through every
+    step, so one noisy step moves it by its share only (a last/first ratio rests on two steps); None with fewer than
+    two distinct steps."""
+    xs, ys = [float(x) for x, _ in points], [float(y) for _, y in points]
+    if len(set(xs)) < 2:
         return None
-    steps = [float(b[0]) for b in band]
+    x_bar, y_bar = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - x_bar) * (y - y_bar) for x, y in zip(xs, ys, strict=True)) / sum((x - x_bar) ** 2 for x in xs)
+
+
+def entropy_trend(band: Sequence[Band]) -> EntropyTrend | None:
+    """last/first of the mean curve, its slope (:func:`ols_slope`), and the verdict on the ratio; None with fewer
+    than 2 steps."""
+    slope = ols_slope([(b[0], b[1]) for b in band])
+    if slope is None:
+        return None
     means = [b[1] for b in band]
-    x_bar, y_bar = sum(steps) / len(steps), sum(means) / len(means)
-    slope = (sum((x - x_bar) * (y - y_bar) for x, y in zip(steps, means, strict=True))
-             / sum((x - x_bar) ** 2 for x in steps))
     ratio = means[-1] / means[0] if means[0] else math.inf
     if ratio < 1 / COLLAPSE_RATIO:
         verdict = "collapsed"
@@ -281,9 +368,18 @@ def entropy_trend(band: Sequence[Band]) -> EntropyTrend | None:
     return EntropyTrend(means[0], means[-1], ratio, slope, verdict)
 
 
+def by_tokens(curves: Mapping[str, Sequence[Band]]) -> dict[str, list[Band]]:
+    """The :data:`BY_TOKENS` curves of one arm with the step replaced by the cumulative generated tokens through it
+    (the seed mean of :data:`TOKENS` there); steps without a token count, and runs from before it, are left out."""
+    spent = {step: mean for step, mean, _, _ in curves.get(TOKENS, [])}
+    out = {m: [(spent[b[0]], *b[1:]) for b in curves[m] if b[0] in spent] for m in BY_TOKENS if m in curves}
+    return {m: band for m, band in out.items() if band}
+
+
 def curve_figures(arms: dict[str, Any], out_dir: Path, title: str) -> list[Path]:
-    """``entropy_over_training.png`` (the policy entropy per arm) and ``training_curves.png`` (a panel per curve
-    metric any arm logged) under ``out_dir``; the paths written (none when no arm has a curve)."""
+    """``entropy_over_training.png`` (the policy entropy per arm), ``training_curves.png`` (a panel per curve
+    metric any arm logged) and ``curves_by_tokens.png`` (the :data:`BY_TOKENS` curves against the cumulative
+    generated tokens) under ``out_dir``; the paths written (none when no arm has a curve)."""
     from infra.plots import arm_curves_figure, save_png
 
     panels = {m: {name: a["curves"][m] for name, a in arms.items() if m in a["curves"]} for m in CURVE_METRICS}
@@ -297,6 +393,13 @@ def curve_figures(arms: dict[str, Any], out_dir: Path, title: str) -> list[Path]
     if panels:
         written.append(save_png(arm_curves_figure(panels, f"{title}: training curves per arm (mean and seed range)"),
                                 out_dir / "training_curves.png"))
+    spent = {name: by_tokens(a["curves"]) for name, a in arms.items()}
+    token_panels = {f"{CURVE_METRICS[m]} ({m})": {name: c[m] for name, c in spent.items() if m in c} for m in BY_TOKENS}
+    token_panels = {t: curves for t, curves in token_panels.items() if curves}
+    if token_panels:
+        written.append(save_png(arm_curves_figure(token_panels, f"{title}: against the tokens spent (mean and seed "
+                                                  "range)", xlabel=f"{CURVE_METRICS[TOKENS]} (seed mean)"),
+                                out_dir / "curves_by_tokens.png"))
     return written
 
 
@@ -394,7 +497,7 @@ def stored_runs(runs: Path, checked: Any, tracking_uri: str | None) -> dict[str,
     return {"runs": rows, "tracking_uri": uri, "parent_run_id": None, "out_dir": None}
 
 
-def report(arms: dict[str, Any], k: int, dataset: str) -> None:
+def report(arms: dict[str, Any], k: int, dataset: str, paired: Mapping[str, Any] | None = None) -> None:
     rows = []
     for name, a in arms.items():
         vs = a.get(f"vs_{BASELINE}")
@@ -414,11 +517,37 @@ def report(arms: dict[str, Any], k: int, dataset: str) -> None:
                        math.nan if trend is None else trend["ratio"], "–" if trend is None else trend["verdict"],
                        math.nan if trend is None else trend["slope"],
                        *(_first_to_last(a["curves"].get(m, [])) for m in list(CURVE_METRICS)[1:])])
+    print_table("Over seeds (mean and Student-t 95% CI over the training runs: what a new run would give)",
+                ["arm", "seeds", "Pass@1 per seed", "Pass@1 [CI]", "generated tokens/run [CI]",
+                 "entropy slope/step [CI]", "slope"], [_seed_row(name, a) for name, a in arms.items()])
+    if paired:
+        print_table("Paired differences a − b, seed-matched (Δ Pass@1 over seeds: Student t; given these seeds: "
+                    "bootstrap over questions)",
+                    ["a − b", "seeds", "Δ Pass@1 [CI over seeds]", "Δ Pass@1 [CI given seeds]", "seeds a > b",
+                     "Δ entropy slope/step [CI]"], [_paired_row(name, p) for name, p in paired.items()])
     print_table("Where a run's time went (wall; mean over seeds)", ["arm", *PHASE_COLUMNS],
                 [[name, *phase_row(PhaseSeconds(**a["phases_s"]))] for name, a in arms.items()])
     print_table("Over training (mean over seeds, first → last RL step)",
                 ["arm", "entropy", "last/first", "verdict", "slope/step", "reward", "tool calls/traj", "branches/q",
-                 "max branches/path", "top-1 share", "top-3 share", "informative groups"], curves)
+                 "max branches/path", "top-1 share", "top-3 share", "informative groups", "generated tokens"], curves)
+
+
+def _over_seeds(value: Mapping[str, Any] | None, digits: int = 3, signed: bool = False) -> str:
+    return "–" if value is None else interval(value["mean"], value["low"], value["high"], digits, signed)
+
+
+def _seed_row(name: str, arm: Mapping[str, Any]) -> list[Any]:
+    pass1, slope = arm["pass@1_over_seeds"], arm["entropy_slope"]
+    return [name, pass1["seeds"], " ".join(f"{v:.3f}" for v in pass1["per_seed"].values()), _over_seeds(pass1),
+            _over_seeds(arm["generated_tokens_per_run"], 0), _over_seeds(slope, 4, signed=True),
+            "–" if slope is None else OverSeeds(**slope).sign]
+
+
+def _paired_row(name: str, pair: Mapping[str, Any]) -> list[Any]:
+    d, given = pair["pass@1"], pair["pass@1_given_seeds"]
+    return [name, d["seeds"], _over_seeds(d, signed=True),
+            interval(given["diff"], given["ci_low"], given["ci_high"], signed=True),
+            f"{sum(v > 0 for v in d['per_seed'].values())}/{d['seeds']}", _over_seeds(pair["entropy_slope"], 4, True)]
 
 
 def _first_to_last(band: Sequence[Band]) -> str:
@@ -503,11 +632,12 @@ def run(args: argparse.Namespace) -> int:
         dataset = sorted({r["dataset"] for r in result["runs"]})[0]
         with tempfile.TemporaryDirectory() as tmp:
             arms = analyse(result, dataset, k, cfg0.eval.bootstrap_samples, Path(tmp))
+        paired = paired_differences(arms, cfg0.eval.bootstrap_samples)
         out = args.out or RESULTS_DIR / f"compare_algorithms{'-quick' if args.quick else ''}.json"
         figures = curve_figures(arms, out.with_suffix(""), checked.name)
         if figures and result["parent_run_id"]:  # the pool's server is still up: its runs' artifacts go through it
             log_to_parent(result["tracking_uri"], result["parent_run_id"], figures)
-    report(arms, k, dataset)
+    report(arms, k, dataset, paired)
     env["load_avg_end"] = list(os.getloadavg())
     write_result(out, {
         "benchmark": "compare_algorithms",
@@ -531,6 +661,7 @@ def run(args: argparse.Namespace) -> int:
         "sweep": {"parent_run_id": result["parent_run_id"], "tracking_uri": result["tracking_uri"],
                   "out_dir": result["out_dir"]},
         "arms": {name: {k2: v for k2, v in a.items() if k2 not in PER_ARM_TABLES} for name, a in arms.items()},
+        "paired": paired,
         **{key: {name: a[key] for name, a in arms.items()} for key in PER_ARM_TABLES},
         "figures": [str(f) for f in figures],
     })

@@ -28,8 +28,9 @@ from infra.atomic import atomic_file
 log = logging.getLogger(__name__)
 
 History = Mapping[str, Sequence[tuple[int, float]]]
-Band = tuple[int, float, float, float]
-"""One arm's metric at one step: (step, mean over seeds, lowest seed's value, highest seed's value)."""
+Band = tuple[float, float, float, float]
+"""One arm's metric at one point of training: (x, mean over seeds, lowest seed's value, highest seed's value); x is the
+RL step, or what the runs had spent by then (e.g. cumulative generated tokens)."""
 ArmCurves = Mapping[str, Sequence[Band]]
 """arm → its curve, one :data:`Band` per step."""
 
@@ -129,15 +130,15 @@ def plot_curves(history: History, path: str | os.PathLike[str], title: str | Non
     return out
 
 
-def arm_curves_figure(panels: Mapping[str, ArmCurves], title: str | None = None) -> Figure:
+def arm_curves_figure(panels: Mapping[str, ArmCurves], title: str | None = None, xlabel: str = "RL step") -> Figure:
     """One subplot per quantity (titled by its key), one line per arm (the mean over seeds) with a shaded band
-    from the lowest to the highest seed; an arm keeps its colour in every panel."""
+    from the lowest to the highest seed, over the bands' x (``xlabel``); an arm keeps its colour in every panel."""
     panels = {name: curves for name, curves in panels.items() if any(curves.values())}
     if not panels:
         raise ValueError("no arm has a point to plot")
     arms = list(dict.fromkeys(arm for curves in panels.values() for arm in curves))
     colours = {arm: f"C{i % 10}" for i, arm in enumerate(arms)}
-    fig, axes = _panel_grid(list(panels), "RL step", 3.6, title)
+    fig, axes = _panel_grid(list(panels), xlabel, 3.6, title)
     for ax, curves in zip(axes, panels.values(), strict=True):
         for arm, band in curves.items():
             if not band:

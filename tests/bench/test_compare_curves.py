@@ -1,6 +1,7 @@
 """bench.compare_algorithms' training curves per arm, read back from a real MLflow store (SQLite in tmp_path) whose
 child runs are named like a sweep's and carry metric histories logged here: the --analyse-only path (stored runs →
-analysis → figures), seed bands, metrics missing from older runs, the entropy verdicts, the parent run's artifacts."""
+analysis → figures), seed bands, metrics missing from older runs, the entropy verdicts, the curves against the tokens
+spent, the statistics over seeds and the seed-matched paired differences, the parent run's artifacts."""
 
 from __future__ import annotations
 
@@ -14,10 +15,15 @@ from PIL import Image
 from bench.compare_algorithms import (
     CURVES_ARTIFACT_DIR,
     ENTROPY,
+    TOKENS,
+    OverSeeds,
     analyse,
+    by_tokens,
     curve_figures,
     entropy_trend,
     log_to_parent,
+    ols_slope,
+    paired_differences,
     report,
     stored_runs,
     sweep_spec,
@@ -34,11 +40,13 @@ DATASET = "synthetic_test"
 HISTORIES = {
     "tiny-sweep-aepo-s0": {ENTROPY: [(1, 1.0), (2, 0.9), (3, 0.8)], TOP1: [(1, 0.5), (2, 0.6), (3, 0.7)],
                            "rollout/reward_mean": [(1, -0.5), (2, 0.0), (3, 0.5)],
+                           TOKENS: [(1, 100.0), (2, 250.0), (3, 400.0)],
                            "time/sft_s": [(0, 60.0)], "time/eval_sft_s": [(0, 30.0)], "time/eval_final_s": [(3, 30.0)],
                            "time/rollout_s": [(1, 8.0), (2, 8.0), (3, 8.0)],
                            "time/update_s": [(1, 10.0), (2, 10.0), (3, 10.0)],
                            "train/scoring_pass_s": [(1, 2.0), (2, 2.0), (3, 2.0)]},
     "tiny-sweep-aepo-s1": {ENTROPY: [(1, 1.2), (2, 1.1), (3, 1.0)], "rollout/reward_mean": [(1, 0.0), (3, 0.5)],
+                           TOKENS: [(1, 120.0), (2, 250.0), (3, 380.0)],
                            # wall seconds by phase (grpo's runs are older than these timings)
                            "time/sft_s": [(0, 120.0)], "time/eval_sft_s": [(0, 30.0)], "time/eval_final_s": [(3, 50.0)],
                            "time/rollout_s": [(1, 10.0), (2, 12.0), (3, 14.0)],
@@ -130,14 +138,15 @@ def test_figures_written_and_logged_to_the_parent(analysed: tuple[dict, str, str
     arms, uri, parent = analysed
     out = tmp_path / "claims"
     written = curve_figures(arms, out, "tiny-sweep")
-    assert [p.name for p in written] == ["entropy_over_training.png", "training_curves.png"]
+    assert [p.name for p in written] == ["entropy_over_training.png", "training_curves.png", "curves_by_tokens.png"]
     for path in written:
         with Image.open(path) as img:
             assert img.format == "PNG" and img.size[0] > 300
-    assert sorted(p.name for p in out.iterdir()) == ["entropy_over_training.png", "training_curves.png"]
+    names = ["curves_by_tokens.png", "entropy_over_training.png", "training_curves.png"]
+    assert sorted(p.name for p in out.iterdir()) == names
     log_to_parent(uri, parent, written)
     logged = Tracker(uri).client.list_artifacts(parent, CURVES_ARTIFACT_DIR)
-    assert sorted(Path(f.path).name for f in logged) == ["entropy_over_training.png", "training_curves.png"]
+    assert sorted(Path(f.path).name for f in logged) == names
     # no curves at all (runs from before any of these metrics): no figure, no error
     bare = {name: {**a, "curves": {}} for name, a in arms.items()}
     assert curve_figures(bare, tmp_path / "none", "old") == []
@@ -158,3 +167,57 @@ def test_where_the_time_went_by_phase(analysed: tuple[dict, str, str], capsys: p
     assert math.isnan(grpo.total) and grpo.steps == 0 and math.isnan(grpo.per_step("rollout"))
     report(arms, 2, DATASET)
     assert "Where a run's time went" in capsys.readouterr().out
+
+
+def test_curves_against_the_tokens_spent(analysed: tuple[dict, str, str]) -> None:
+    """x is the seed mean of the cumulative generated tokens at each step (110, 250, 390 for aepo); grpo's runs
+    predate the token count and get no such curve."""
+    arms, _, _ = analysed
+    aepo = by_tokens(arms["aepo"]["curves"])
+    assert aepo[ENTROPY] == bands([(110, 1.1, 1.0, 1.2), (250, 1.0, 0.9, 1.1), (390, 0.9, 0.8, 1.0)])
+    assert aepo["rollout/reward_mean"] == bands([(110, -0.25, -0.5, 0.0), (250, 0.0, 0.0, 0.0), (390, 0.5, 0.5, 0.5)])
+    assert "rollout/tool_calls_mean" not in aepo and by_tokens(arms["grpo"]["curves"]) == {}
+    assert arms["aepo"]["generated_tokens_per_run"]["per_seed"] == {0: 400.0, 1: 380.0}
+    assert arms["grpo"]["generated_tokens_per_run"] is None
+
+
+def test_ols_slope_weighs_every_step() -> None:
+    assert ols_slope([(1, 1.0), (2, 0.4), (3, 0.2)]) == pytest.approx(-0.4)
+    # one outlying last step moves the slope by its share; last/first would move by all of it
+    assert ols_slope([(1, 1.0), (2, 1.0), (3, 1.0), (4, 1.0), (5, 2.0)]) == pytest.approx(0.2)
+    assert ols_slope([(1, 1.0)]) is None and ols_slope([]) is None
+
+
+def test_pass_at_1_and_the_entropy_slope_over_seeds(analysed: tuple[dict, str, str],
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Per arm, a Student-t interval over the seeds' runs (1 df for two seeds: t = 12.706)."""
+    arms, _, _ = analysed
+    grpo = OverSeeds(**arms["grpo"]["entropy_slope"])
+    assert grpo.per_seed == {0: pytest.approx(-0.4), 1: pytest.approx(-0.5)}  # 1 → 0.4 → 0.2 and 1 → 0.5
+    half = 12.7062 * 0.1 / 2  # t(0.975, 1) · sd(−0.4, −0.5) / √2
+    assert (grpo.mean, grpo.low, grpo.high) == (pytest.approx(-0.45), pytest.approx(-0.45 - half, abs=1e-4),
+                                                pytest.approx(-0.45 + half, abs=1e-4))
+    assert grpo.sign == "0 in CI"  # two seeds cannot tell a falling entropy from noise here
+    aepo = OverSeeds(**arms["aepo"]["entropy_slope"])
+    assert aepo.mean == pytest.approx(-0.1) and aepo.high == pytest.approx(-0.1) and aepo.sign == "< 0"
+    assert arms["aepo"]["pass@1_over_seeds"]["per_seed"] == {0: pytest.approx(5 / 8), 1: pytest.approx(5 / 8)}
+    assert OverSeeds.of({3: 0.5}).sign == "one seed"
+    report(arms, 2, DATASET, paired_differences(arms, 200))
+    out = capsys.readouterr().out
+    assert "Over seeds" in out and "Paired differences" in out and "0.625 0.625" in out
+
+
+def test_paired_differences_are_seed_matched(analysed: tuple[dict, str, str]) -> None:
+    """Seed s of aepo against seed s of grpo: per question 1 − .5, .5 − .5, 0, 1 − 1 (seed 0) and 1 − 1, 1 − 0, 0,
+    .5 − 1 (seed 1), both +0.125; the entropy slopes −0.1 − (−0.4) and −0.1 − (−0.5)."""
+    arms, _, _ = analysed
+    paired = paired_differences(arms, 200)
+    assert list(paired) == ["aepo - grpo"]
+    pair = paired["aepo - grpo"]
+    assert pair["pass@1"]["per_seed"] == {0: pytest.approx(0.125), 1: pytest.approx(0.125)}
+    assert pair["pass@1_given_seeds"]["diff"] == pytest.approx(0.125) and pair["pass@1_given_seeds"]["runs"] == 2
+    assert pair["entropy_slope"]["per_seed"] == {0: pytest.approx(0.3), 1: pytest.approx(0.4)}
+    # a seed only one arm has is not paired
+    lone = {**arms, "grpo": {**arms["grpo"], "per_question_pass@1_by_seed": {
+        0: arms["grpo"]["per_question_pass@1_by_seed"][0], 7: {"q0": 1.0}}}}
+    assert paired_differences(lone, 200)["aepo - grpo"]["pass@1"]["seeds"] == 1

@@ -13,6 +13,8 @@ from aepo_core.metrics import (
     mean_pass_at_k,
     paired_bootstrap_diff,
     pass_at_k,
+    student_t_quantile,
+    t_interval,
 )
 
 
@@ -110,3 +112,33 @@ def test_distinct_sequences() -> None:
     group = [["search", "python"], ("search", "python"), ["python", "search"], [], [], ["search"]]
     assert distinct_sequences(group) == 4
     assert distinct_sequences([]) == 0
+
+
+@pytest.mark.parametrize(("df", "q", "expected"), [
+    # Student's t quantiles (tables of Fisher & Yates; R's qt to 4 decimals)
+    (1, 0.975, 12.7062), (2, 0.975, 4.3027), (4, 0.975, 2.7764), (9, 0.975, 2.2622), (30, 0.975, 2.0423),
+    (4, 0.95, 2.1318), (10, 0.995, 3.1693), (1, 0.75, 1.0), (4, 0.5, 0.0), (4, 0.025, -2.7764)])
+def test_student_t_quantile_matches_tables(df: int, q: float, expected: float) -> None:
+    assert student_t_quantile(q, df) == pytest.approx(expected, abs=2e-4)
+
+
+def test_student_t_quantile_tends_to_the_normal_and_refuses_bad_input() -> None:
+    assert student_t_quantile(0.975, 100_000) == pytest.approx(1.95996, abs=1e-4)
+    for q, df in ((0.0, 4), (1.0, 4), (0.5, 0), (0.5, 1.5)):
+        with pytest.raises(ValueError):
+            student_t_quantile(q, df)  # type: ignore[arg-type]
+
+
+def test_t_interval_over_seeds() -> None:
+    # five seeds' values: mean 0.5, sd 0.1 → half-width t(0.975, 4) · 0.1 / √5 = 0.12416
+    vals = [0.4, 0.45, 0.5, 0.55, 0.6]
+    sd = float(np.std(vals, ddof=1))
+    mean, low, high = t_interval(vals)
+    assert mean == pytest.approx(0.5)
+    assert (high - low) / 2 == pytest.approx(2.7764 * sd / np.sqrt(5), rel=1e-4)
+    assert t_interval(vals, confidence=0.5)[2] - 0.5 < high - 0.5  # narrower at lower confidence
+    assert t_interval([0.3, 0.3, 0.3]) == (pytest.approx(0.3), pytest.approx(0.3), pytest.approx(0.3))
+    one = t_interval([0.7])  # one seed: the mean, no interval
+    assert one[0] == pytest.approx(0.7) and np.isnan(one[1]) and np.isnan(one[2])
+    with pytest.raises(ValueError, match="non-empty"):
+        t_interval([])
