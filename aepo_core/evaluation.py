@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from aepo_core.interfaces import RewardResult
-from aepo_core.metrics import DEFAULT_CONFIDENCE, bootstrap_ci, paired_bootstrap_diff, pass_at_k
+from aepo_core.metrics import DEFAULT_CONFIDENCE, bootstrap_ci, paired_bootstrap_diff, pass_at_k, t_interval
 
 CORRECT_REASONS = frozenset({"correct", "equivalent"})
 
@@ -114,3 +114,33 @@ def pooled_paired_comparison(
     return {"diff": float(np.mean([d.mean() for d in diffs])), "ci_low": float(low), "ci_high": float(high),
             "runs": float(len(diffs)), "positive": float(sum(d.mean() > 0 for d in diffs)),
             "questions": float(sum(d.size for d in diffs))}
+
+
+@dataclass(frozen=True)
+class OverSeeds:
+    """A quantity measured once per training run (seed), e.g. its Pass@1 or its entropy slope: the mean over the
+    seeds and its Student-t 95% interval (S − 1 degrees of freedom), which is about a new training run, so it holds
+    the run-to-run variance that an interval over one run's questions leaves out. No bounds (None) with one seed."""
+
+    mean: float
+    low: float | None
+    high: float | None
+    seeds: int
+    per_seed: dict[int, float]
+
+    @classmethod
+    def of(cls, per_seed: Mapping[int, float]) -> OverSeeds:
+        if not per_seed:
+            raise ValueError("OverSeeds needs at least one seed's value")
+        ordered = dict(sorted((int(s), float(v)) for s, v in per_seed.items()))
+        mean, low, high = t_interval(list(ordered.values()))
+        if len(ordered) == 1:
+            return cls(mean, None, None, 1, ordered)
+        return cls(mean, low, high, len(ordered), ordered)
+
+    @property
+    def sign(self) -> str:
+        """"> 0" or "< 0" where the interval excludes 0, "0 in CI" where it holds it, "one seed" without one."""
+        if self.low is None or self.high is None:
+            return "one seed"
+        return "> 0" if self.low > 0 else "< 0" if self.high < 0 else "0 in CI"

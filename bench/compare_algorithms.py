@@ -48,6 +48,7 @@ from typing import Any
 
 import yaml
 
+from aepo_core.evaluation import OverSeeds
 from bench.harness import RESULTS_DIR, environment, print_table, write_result
 from bench.phases import PHASE_COLUMNS, PhaseSeconds, mean_phases, phase_row, phase_seconds
 from flows.cli.render import interval
@@ -241,36 +242,6 @@ def analyse(result: dict[str, Any], dataset: str, k: int, n_resamples: int, work
             arm[f"vs_{BASELINE}"] = (paired_comparison(arm["per_question_pass@1"], base, n_resamples=n_resamples)
                                      if name != BASELINE else None)
     return arms
-
-
-@dataclass(frozen=True)
-class OverSeeds:
-    """A quantity measured once per training run (seed), e.g. its Pass@1 or its entropy slope: the mean over the
-    seeds and its Student-t 95% interval (S − 1 degrees of freedom), which is about a new training run, so it holds
-    the run-to-run variance that an interval over one run's questions leaves out. NaN bounds with one seed."""
-
-    mean: float
-    low: float
-    high: float
-    seeds: int
-    per_seed: dict[int, float]
-
-    @classmethod
-    def of(cls, per_seed: Mapping[int, float]) -> OverSeeds:
-        from aepo_core.metrics import t_interval
-
-        if not per_seed:
-            raise ValueError("OverSeeds needs at least one seed's value")
-        ordered = dict(sorted((int(s), float(v)) for s, v in per_seed.items()))
-        mean, low, high = t_interval(list(ordered.values()))
-        return cls(mean, low, high, len(ordered), ordered)
-
-    @property
-    def sign(self) -> str:
-        """"> 0" or "< 0" where the interval excludes 0, "0 in CI" where it holds it, "one seed" without one."""
-        if math.isnan(self.low):
-            return "one seed"
-        return "> 0" if self.low > 0 else "< 0" if self.high < 0 else "0 in CI"
 
 
 def paired_differences(arms: Mapping[str, Any], n_resamples: int) -> dict[str, Any]:

@@ -156,11 +156,13 @@ def run_gain(record: RunRecord, n_resamples: int) -> dict[str, float]:
 
 def cell_summary(records: Sequence[RunRecord], n_resamples: int) -> dict[str, Any]:
     """A micro-batch size over its seeds: seeds that gained, the pooled final − sft, tool calls, wall time."""
-    from aepo_core.evaluation import pooled_paired_comparison
+    from aepo_core.evaluation import OverSeeds, pooled_paired_comparison
 
     pooled = pooled_paired_comparison([(r.pass1["final"], r.pass1["sft"]) for r in records],
                                       n_resamples=n_resamples)
+    over_seeds = OverSeeds.of({r.seed: r.mean_pass1("final") - r.mean_pass1("sft") for r in records})
     return {"seeds": [r.seed for r in records], "pooled_gain": pooled,
+            "gain_over_seeds": dataclasses.asdict(over_seeds),
             "positive_seeds": int(pooled["positive"]),
             "sft_pass1": statistics.fmean(r.mean_pass1("sft") for r in records),
             "final_pass1": statistics.fmean(r.mean_pass1("final") for r in records),
@@ -212,11 +214,14 @@ def report(records: Sequence[RunRecord], gains: Mapping[str, Mapping[str, float]
                   " ".join(f"{v:.2f}" for _, v in r.tool_calls_by_step), f"{r.wall_s / 60:.1f}",
                   " / ".join(f"{v / 60:.1f}" for v in (r.phases.sft, r.phases.eval, r.phases.rollout, r.phases.update))]
                  for r in records])
-    print_table("Pooled over seeds (mean of the runs' final − sft; CI: questions redrawn within each run)",
-                ["cell", "seeds", "gained", "sft", "final", "final − sft [CI]", "tool calls/q sft → final",
-                 "wall min (mean)"],
+    print_table("Pooled over seeds (mean of the runs' final − sft; CI: questions redrawn within each run, about these "
+                "seeds; and Student t over the seeds, about a new one)",
+                ["cell", "seeds", "gained", "sft", "final", "final − sft [CI]", "[CI over seeds]",
+                 "tool calls/q sft → final", "wall min (mean)"],
                 [[cell, len(c["seeds"]), f"{c['positive_seeds']}/{len(c['seeds'])}", f"{c['sft_pass1']:.3f}",
                   f"{c['final_pass1']:.3f}", _ci(c["pooled_gain"]),
+                  interval(c["gain_over_seeds"]["mean"], c["gain_over_seeds"]["low"], c["gain_over_seeds"]["high"],
+                           signed=True),
                   f"{c['tool_calls_per_question']['sft']:.2f} → {c['tool_calls_per_question']['final']:.2f}",
                   f"{c['wall_s_mean'] / 60:.1f}"] for cell, c in cells.items()])
     print_table("Pooled over seeds, by question family (each family's questions alone; same CI)",

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from aepo_core.evaluation import OverSeeds
 from bench.compare_algorithms import (
     CURVES_ARTIFACT_DIR,
     ENTROPY,
     TOKENS,
-    OverSeeds,
     analyse,
     by_tokens,
     curve_figures,

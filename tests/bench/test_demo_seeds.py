@@ -64,6 +64,10 @@ def test_per_run_gain_and_the_pooled_gain_over_seeds() -> None:
     assert cell["wall_s_mean"] == pytest.approx(630.0)
     lo, hi = cell["pooled_gain"]["ci_low"], cell["pooled_gain"]["ci_high"]
     assert lo < 0 < hi  # 8 questions in all: the interval is wide
+    # about a new seed: +0.375 and −0.25 give 0.0625 ± t(0.975, 1) · sd / √2 = ± 12.706 · 0.3125 = ± 3.97
+    over = cell["gain_over_seeds"]
+    assert over["per_seed"] == {0: pytest.approx(0.375), 1: pytest.approx(-0.25)}
+    assert over["mean"] == pytest.approx(0.0625) and over["high"] - over["mean"] == pytest.approx(3.9707, abs=1e-3)
 
 
 def test_a_gain_on_one_family_and_a_loss_on_the_other_are_reported_apart() -> None:

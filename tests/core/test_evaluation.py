@@ -8,6 +8,7 @@ import random
 import pytest
 
 from aepo_core.evaluation import (
+    OverSeeds,
     QuestionOutcome,
     is_correct,
     paired_comparison,
@@ -103,3 +104,19 @@ def test_pooled_comparison_names_the_run_without_shared_questions():
         pooled_paired_comparison([({"a": 1.0}, {"a": 0.0}), ({"a": 1.0}, {"b": 1.0})])
     with pytest.raises(ValueError, match="at least one"):
         pooled_paired_comparison([])
+
+
+def test_over_seeds_is_a_student_t_interval_about_a_new_run() -> None:
+    """Three seeds' gains +0.1, +0.2, +0.3: mean 0.2 ± t(0.975, 2) · 0.1 / √3 = ± 0.2484, so the interval holds 0
+    although every seed gained; a stratified question bootstrap would not see that spread."""
+    over = OverSeeds.of({2: 0.3, 0: 0.1, 1: 0.2})
+    assert list(over.per_seed) == [0, 1, 2] and over.seeds == 3
+    assert over.mean == pytest.approx(0.2)
+    assert (over.low, over.high) == (pytest.approx(0.2 - 0.24841, abs=1e-4), pytest.approx(0.2 + 0.24841, abs=1e-4))
+    assert over.sign == "0 in CI"
+    assert OverSeeds.of({0: 0.5, 1: 0.52, 2: 0.51}).sign == "> 0"
+    assert OverSeeds.of({0: -0.5, 1: -0.52}).sign == "< 0"
+    one = OverSeeds.of({4: 0.1})
+    assert one.sign == "one seed" and one.low is None and one.high is None  # JSON null, not NaN
+    with pytest.raises(ValueError, match="at least one seed"):
+        OverSeeds.of({})
