@@ -50,7 +50,9 @@ pairs. (3) The number of RL steps changes the effect itself (and σ²_seed: runs
 
 **Cost** (one one-thread worker): a run costs steps·B·k·c_traj + n_q·m·c_eval seconds, c_traj the measured RL
 seconds per trajectory (``rl_wall_s_per_run`` / (steps·B·k)) and c_eval the rest of a run's wall time per evaluation
-question-sample (it carries the run's start-up too: an over-estimate); a design of n_arms × n_s runs on W workers
+question-sample (it carries the run's start-up too: an over-estimate). A run's wall time is the sweep's per run and
+worker when the input timed a sweep, else the mean over arms of the runs' logged phases (``arms.*.phases_s``: a
+``--analyse-only`` result), else the first comparison's 480 s; a design of n_arms × n_s runs on W workers
 takes n_arms·n_s·run / W.
 
 Run: ``.venv/bin/python -m bench.power [--input bench/results/compare_algorithms.json] [--delta 0.05]
@@ -73,6 +75,7 @@ from statistics import NormalDist
 import numpy as np
 
 from bench.harness import RESULTS_DIR, print_table, write_result
+from bench.phases import PhaseSeconds
 
 DEFAULT_INPUT = RESULTS_DIR / "compare_algorithms.json"
 CLAIMS_ARMS = ("aepo", "arpo", "grpo")
@@ -127,7 +130,14 @@ def read_first_comparison(data: Mapping[str, object], run_wall_s: float | None =
     wall = _field(data, "wall_s")
     per_run = wall.get("per_run") if isinstance(wall, Mapping) else None
     workers = int(data.get("workers") or 1)
-    measured = float(per_run) * workers if per_run else MEASURED_RUN_WALL_S
+    phases = [PhaseSeconds(**a["phases_s"]).total for a in arms.values()  # type: ignore[union-attr]
+              if isinstance(a, Mapping) and isinstance(a.get("phases_s"), Mapping)]
+    if per_run:  # the sweep ran in the invocation that wrote the result: its wall per run and worker
+        measured = float(per_run) * workers
+    elif phases and all(math.isfinite(t) for t in phases):  # re-analysed stored runs: their own phases
+        measured = sum(phases) / len(phases)
+    else:  # results from before the phases were logged
+        measured = MEASURED_RUN_WALL_S
     by_seed_question = data.get("per_question_pass@1_by_seed") or {}
     return FirstComparison(
         per_question={a: {q: float(v) for q, v in per_question[a].items()} for a in arms},  # type: ignore[index]

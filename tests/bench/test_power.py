@@ -249,3 +249,23 @@ def test_cli_bad_input_exits_2_naming_the_file_or_field(tmp_path: Path, capsys: 
     src.write_text("{not json")
     assert main(["--input", str(src), "--out", str(tmp_path / "o.json")]) == 2
     assert not (tmp_path / "o.json").exists()
+
+
+def test_a_reanalysed_comparison_costs_its_runs_measured_phases() -> None:
+    """``compare_algorithms --analyse-only`` writes no sweep wall time (``wall_s.per_run`` None): a run's cost is then
+    its arms' measured phases (SFT + evaluations + rollouts + updates, mean over arms), not the first comparison's
+    480 s, which is less than an 8-step run's RL alone and made every evaluation free (c_eval 0)."""
+    data = synthetic(n_arms=2, n_seeds=2, n_q=24, sigma_e=0.3, sigma_seed=0.03)
+    for i, arm in enumerate(data["arms"].values()):  # type: ignore[union-attr]
+        arm["rl_wall_s_per_run"] = 700.0
+        arm["phases_s"] = {"sft": 0.0, "eval": 240.0 + 20 * i, "rollout": 300.0, "update": 400.0,
+                           "scoring_pass": 100.0, "steps": 8}
+    data["wall_s"] = {"sft": 0.0, "sweep": None, "per_run": None}
+    first = read_first_comparison(data)
+    assert first.run_wall_s == pytest.approx(950.0)  # (940 + 960) / 2
+    data["wall_s"] = {"sft": 0.0, "sweep": 1800.0, "per_run": 900.0}  # a sweep timed in this run: its wall
+    assert read_first_comparison(data).run_wall_s == pytest.approx(1800.0)  # × 2 workers
+    for arm in data["arms"].values():  # type: ignore[union-attr]
+        del arm["phases_s"]
+    data["wall_s"] = {"sft": 0.0, "sweep": None, "per_run": None}
+    assert read_first_comparison(data).run_wall_s == pytest.approx(480.0)  # results from before the phases
