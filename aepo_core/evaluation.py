@@ -84,6 +84,14 @@ def paired_comparison(
     return {"diff": point, "ci_low": low, "ci_high": high, "questions": float(len(common))}
 
 
+def _run_differences(a: Mapping[str, float], b: Mapping[str, float], label: object) -> np.ndarray:
+    """a_q − b_q on the questions both runs answered (sorted by id); ``label`` names the pair in the error."""
+    common = sorted(set(a) & set(b))
+    if not common:
+        raise ValueError(f"pair {label}: the two runs share no questions")
+    return np.array([a[q] - b[q] for q in common], dtype=float)
+
+
 def pooled_paired_comparison(
     pairs: Sequence[tuple[Mapping[str, float], Mapping[str, float]]], *, n_resamples: int = 1000, seed: int = 0,
     confidence: float = DEFAULT_CONFIDENCE,
@@ -98,12 +106,7 @@ def pooled_paired_comparison(
     difference is > 0."""
     if not pairs:
         raise ValueError("pooled_paired_comparison needs at least one pair of runs")
-    diffs = []
-    for i, (a, b) in enumerate(pairs):
-        common = sorted(set(a) & set(b))
-        if not common:
-            raise ValueError(f"pair {i}: the two runs share no questions")
-        diffs.append(np.array([a[q] - b[q] for q in common], dtype=float))
+    diffs = [_run_differences(a, b, i) for i, (a, b) in enumerate(pairs)]
     rng = np.random.default_rng(seed)
     stats = np.zeros(n_resamples)
     for d in diffs:
@@ -144,3 +147,9 @@ class OverSeeds:
         if self.low is None or self.high is None:
             return "one seed"
         return "> 0" if self.low > 0 else "< 0" if self.high < 0 else "0 in CI"
+
+
+def paired_over_seeds(pairs: Mapping[int, tuple[Mapping[str, float], Mapping[str, float]]]) -> OverSeeds:
+    """Seed → (a's per-question values, b's) of that seed's two runs: each seed's mean difference a − b on the
+    questions both answered (as in :func:`pooled_paired_comparison`), with its Student-t interval over the seeds."""
+    return OverSeeds.of({s: float(_run_differences(a, b, s).mean()) for s, (a, b) in pairs.items()})

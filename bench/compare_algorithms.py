@@ -256,7 +256,7 @@ def paired_differences(arms: Mapping[str, Any], n_resamples: int) -> dict[str, A
     - ``entropy_slope``: the seed-matched difference of the entropy slopes (nats per RL step), Student-t.
 
     Pairs without a common seed are left out."""
-    from aepo_core.evaluation import pooled_paired_comparison
+    from aepo_core.evaluation import paired_over_seeds, pooled_paired_comparison
 
     out: dict[str, Any] = {}
     names = list(arms)
@@ -266,15 +266,11 @@ def paired_differences(arms: Mapping[str, Any], n_resamples: int) -> dict[str, A
             seeds = sorted(set(qa) & set(qb))
             if not seeds:
                 continue
-            diffs = {}
-            for s in seeds:
-                common = sorted(set(qa[s]) & set(qb[s]))
-                diffs[s] = sum(qa[s][q] - qb[s][q] for q in common) / len(common)
             sa, sb = ((arms[x]["entropy_slope"] or {}).get("per_seed", {}) for x in (a, b))
             slope = {s: sa[s] - sb[s] for s in seeds if s in sa and s in sb}
             out[f"{a} - {b}"] = {
                 "a": a, "b": b,
-                "pass@1": dataclasses.asdict(OverSeeds.of(diffs)),
+                "pass@1": dataclasses.asdict(paired_over_seeds({s: (qa[s], qb[s]) for s in seeds})),
                 "pass@1_given_seeds": pooled_paired_comparison([(qa[s], qb[s]) for s in seeds],
                                                                n_resamples=n_resamples),
                 "entropy_slope": dataclasses.asdict(OverSeeds.of(slope)) if slope else None,
@@ -503,22 +499,24 @@ def report(arms: dict[str, Any], k: int, dataset: str, paired: Mapping[str, Any]
                  "max branches/path", "top-1 share", "top-3 share", "informative groups", "generated tokens"], curves)
 
 
-def _over_seeds(value: Mapping[str, Any] | None, digits: int = 3, signed: bool = False) -> str:
+def over_seeds_interval(value: Mapping[str, Any] | None, digits: int = 3, signed: bool = False) -> str:
+    """An :class:`OverSeeds` (as a dict) in one table cell, ``mean [low, high]``; "–" for none."""
     return "–" if value is None else interval(value["mean"], value["low"], value["high"], digits, signed)
 
 
 def _seed_row(name: str, arm: Mapping[str, Any]) -> list[Any]:
     pass1, slope = arm["pass@1_over_seeds"], arm["entropy_slope"]
-    return [name, pass1["seeds"], " ".join(f"{v:.3f}" for v in pass1["per_seed"].values()), _over_seeds(pass1),
-            _over_seeds(arm["generated_tokens_per_run"], 0), _over_seeds(slope, 4, signed=True),
+    return [name, pass1["seeds"], " ".join(f"{v:.3f}" for v in pass1["per_seed"].values()), over_seeds_interval(pass1),
+            over_seeds_interval(arm["generated_tokens_per_run"], 0), over_seeds_interval(slope, 4, signed=True),
             "–" if slope is None else OverSeeds(**slope).sign]
 
 
 def _paired_row(name: str, pair: Mapping[str, Any]) -> list[Any]:
     d, given = pair["pass@1"], pair["pass@1_given_seeds"]
-    return [name, d["seeds"], _over_seeds(d, signed=True),
+    return [name, d["seeds"], over_seeds_interval(d, signed=True),
             interval(given["diff"], given["ci_low"], given["ci_high"], signed=True),
-            f"{sum(v > 0 for v in d['per_seed'].values())}/{d['seeds']}", _over_seeds(pair["entropy_slope"], 4, True)]
+            f"{sum(v > 0 for v in d['per_seed'].values())}/{d['seeds']}",
+            over_seeds_interval(pair["entropy_slope"], 4, True)]
 
 
 def _first_to_last(band: Sequence[Band]) -> str:

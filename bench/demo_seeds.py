@@ -156,11 +156,11 @@ def run_gain(record: RunRecord, n_resamples: int) -> dict[str, float]:
 
 def cell_summary(records: Sequence[RunRecord], n_resamples: int) -> dict[str, Any]:
     """A micro-batch size over its seeds: seeds that gained, the pooled final − sft, tool calls, wall time."""
-    from aepo_core.evaluation import OverSeeds, pooled_paired_comparison
+    from aepo_core.evaluation import paired_over_seeds, pooled_paired_comparison
 
     pooled = pooled_paired_comparison([(r.pass1["final"], r.pass1["sft"]) for r in records],
                                       n_resamples=n_resamples)
-    over_seeds = OverSeeds.of({r.seed: r.mean_pass1("final") - r.mean_pass1("sft") for r in records})
+    over_seeds = paired_over_seeds({r.seed: (r.pass1["final"], r.pass1["sft"]) for r in records})
     return {"seeds": [r.seed for r in records], "pooled_gain": pooled,
             "gain_over_seeds": dataclasses.asdict(over_seeds),
             "positive_seeds": int(pooled["positive"]),
@@ -205,6 +205,8 @@ def _ci(d: Mapping[str, float]) -> str:
 def report(records: Sequence[RunRecord], gains: Mapping[str, Mapping[str, float]],
            cells: Mapping[str, Mapping[str, Any]], by_family: Mapping[str, Mapping[str, Mapping[str, Any]]],
            dataset: str) -> None:
+    from bench.compare_algorithms import over_seeds_interval
+
     print_table(f"The demo per run on {dataset} (Pass@1; final − sft paired over questions, 95% bootstrap CI)",
                 ["cell", "seed", "sft", "final", "final − sft [CI]", "tool calls/q sft → final",
                  "tool calls/traj by RL step", "wall min", "sft / eval / rollout / update min"],
@@ -220,8 +222,7 @@ def report(records: Sequence[RunRecord], gains: Mapping[str, Mapping[str, float]
                  "tool calls/q sft → final", "wall min (mean)"],
                 [[cell, len(c["seeds"]), f"{c['positive_seeds']}/{len(c['seeds'])}", f"{c['sft_pass1']:.3f}",
                   f"{c['final_pass1']:.3f}", _ci(c["pooled_gain"]),
-                  interval(c["gain_over_seeds"]["mean"], c["gain_over_seeds"]["low"], c["gain_over_seeds"]["high"],
-                           signed=True),
+                  over_seeds_interval(c["gain_over_seeds"], signed=True),
                   f"{c['tool_calls_per_question']['sft']:.2f} → {c['tool_calls_per_question']['final']:.2f}",
                   f"{c['wall_s_mean'] / 60:.1f}"] for cell, c in cells.items()])
     print_table("Pooled over seeds, by question family (each family's questions alone; same CI)",
