@@ -1,5 +1,5 @@
-"""Evaluation statistics: unbiased pass@k, bootstrap and Student-t confidence intervals, rollout
-diversity.
+"""Evaluation statistics: unbiased pass@k, bootstrap and Student-t confidence intervals, the one-sample t-test
+with Holm's correction for several comparisons, rollout diversity.
 
 The published harness never computed pass@k; here it is the unbiased estimator of Chen et al. (2021), and
 every reported mean can come with a percentile-bootstrap interval (paired when two runs answered the same
@@ -9,7 +9,7 @@ questions).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -173,6 +173,36 @@ def t_interval(values: Sequence[float] | np.ndarray, *, confidence: float = DEFA
         return mean, math.nan, math.nan
     half = student_t_quantile((1.0 + confidence) / 2.0, arr.size - 1) * float(arr.std(ddof=1)) / math.sqrt(arr.size)
     return mean, mean - half, mean + half
+
+
+def t_test_p(values: Sequence[float] | np.ndarray) -> float:
+    """Two-sided p-value of the one-sample t-test of mean 0: 2·P(T_{n−1} ≥ |t|), t = mean / (s / √n) (e.g. seed-matched
+    differences, one per seed). NaN for one value; with no spread, 1.0 if every value is 0, else 0.0."""
+    arr = np.asarray(values, dtype=float)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"t_test_p needs a non-empty 1-D sequence, got shape {arr.shape}")
+    if arr.size == 1:
+        return math.nan
+    sd = float(arr.std(ddof=1))
+    mean = float(arr.mean())
+    if sd == 0.0:
+        return 1.0 if mean == 0.0 else 0.0
+    t = abs(mean) / (sd / math.sqrt(arr.size))
+    return min(1.0, 2.0 * (1.0 - student_t_cdf(t, arr.size - 1)))
+
+
+def holm_adjust(p_values: Mapping[str, float]) -> dict[str, float]:
+    """Holm's step-down adjustment of m p-values tested together (family-wise error ≤ α when each adjusted p is
+    compared to α): sorted ascending p₍₁₎ ≤ … ≤ p₍ₘ₎, adjusted p₍ᵢ₎ = min(1, max_{j ≤ i} (m − j + 1)·p₍ⱼ₎). NaN
+    entries (untestable) are kept as NaN and not counted in m."""
+    finite = sorted(((p, k) for k, p in p_values.items() if not math.isnan(p)), key=lambda pk: pk[0])
+    m = len(finite)
+    out = {k: math.nan for k, p in p_values.items() if math.isnan(p)}
+    running = 0.0
+    for i, (p, k) in enumerate(finite):
+        running = max(running, min(1.0, (m - i) * p))
+        out[k] = running
+    return {k: out[k] for k in p_values}
 
 
 def distinct_sequences(seqs: Iterable[Sequence[Hashable]]) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from PIL import Image
@@ -221,3 +222,29 @@ def test_paired_differences_are_seed_matched(analysed: tuple[dict, str, str]) ->
     lone = {**arms, "grpo": {**arms["grpo"], "per_question_pass@1_by_seed": {
         0: arms["grpo"]["per_question_pass@1_by_seed"][0], 7: {"q0": 1.0}}}}
     assert paired_differences(lone, 200)["aepo - grpo"]["pass@1"]["seeds"] == 1
+    assert pair["p_over_seeds"] == 0.0 and pair["p_holm"] == 0.0  # +0.125 on both seeds: no spread
+    assert paired_differences(lone, 200)["aepo - grpo"]["p_over_seeds"] is None  # one seed: untestable
+
+
+def test_paired_differences_test_every_pair_and_correct_for_their_number() -> None:
+    """Three arms, three pairs: each pair's t-test over its per-seed differences, then Holm over the three. Per seed
+    (two questions, a − b): aepo − arpo +0.5, +0.25, +0.5; aepo − grpo +0.5, 0, −0.25; arpo − grpo 0, −0.25, −0.75."""
+    from aepo_core.metrics import t_test_p
+
+    def arm(*seeds: tuple[float, float]) -> dict[str, Any]:
+        return {"per_question_pass@1_by_seed": {s: {"q0": q0, "q1": q1} for s, (q0, q1) in enumerate(seeds)},
+                "entropy_slope": None}
+
+    arms = {"aepo": arm((1, 1), (1, 0.5), (1, 0.5)), "arpo": arm((1, 0), (0.5, 0.5), (0.5, 0)),
+            "grpo": arm((0.5, 0.5), (1, 0.5), (1, 1))}
+    paired = paired_differences(arms, 200)
+    assert list(paired) == ["aepo - arpo", "aepo - grpo", "arpo - grpo"]
+    per_seed = {name: list(pair["pass@1"]["per_seed"].values()) for name, pair in paired.items()}
+    assert per_seed == {"aepo - arpo": pytest.approx([0.5, 0.25, 0.5]), "aepo - grpo": pytest.approx([0.5, 0, -0.25]),
+                        "arpo - grpo": pytest.approx([0, -0.25, -0.75])}
+    p = {name: t_test_p(v) for name, v in per_seed.items()}
+    assert {name: pair["p_over_seeds"] for name, pair in paired.items()} == pytest.approx(p)
+    (p1, n1), (p2, n2), (p3, n3) = sorted((v, k) for k, v in p.items())  # Holm: ×3, ×2, ×1, kept monotone
+    holm = {n1: min(1, 3 * p1), n2: min(1, max(3 * p1, 2 * p2)), n3: min(1, max(3 * p1, 2 * p2, p3))}
+    assert {name: pair["p_holm"] for name, pair in paired.items()} == pytest.approx(holm)
+    assert all(pair["p_holm"] >= pair["p_over_seeds"] for pair in paired.values())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from itertools import combinations
 
 import numpy as np
@@ -10,11 +11,13 @@ import pytest
 from aepo_core.metrics import (
     bootstrap_ci,
     distinct_sequences,
+    holm_adjust,
     mean_pass_at_k,
     paired_bootstrap_diff,
     pass_at_k,
     student_t_quantile,
     t_interval,
+    t_test_p,
 )
 
 
@@ -142,3 +145,32 @@ def test_t_interval_over_seeds() -> None:
     assert one[0] == pytest.approx(0.7) and np.isnan(one[1]) and np.isnan(one[2])
     with pytest.raises(ValueError, match="non-empty"):
         t_interval([])
+
+
+@pytest.mark.parametrize(("values", "expected"), [
+    # two-sided one-sample t-tests against 0 (R's t.test(x)$p.value / scipy.stats.ttest_1samp, to 6 decimals)
+    ([0.1, 0.3, -0.05, 0.2], 0.162733),
+    ([-0.147, -0.036, -0.067, -0.067], 0.044427),
+    ([1.0, 2.0], 0.204833),
+])
+def test_t_test_p_matches_the_reference(values: list[float], expected: float) -> None:
+    assert t_test_p(values) == pytest.approx(expected, abs=1e-6)
+    assert t_test_p([-v for v in values]) == pytest.approx(expected, abs=1e-6)  # two-sided
+
+
+def test_t_test_p_edge_cases() -> None:
+    assert math.isnan(t_test_p([0.3]))  # one seed: untestable
+    assert t_test_p([0.0, 0.0, 0.0]) == 1.0 and t_test_p([0.2, 0.2]) == 0.0  # no spread
+    with pytest.raises(ValueError):
+        t_test_p([])
+
+
+def test_holm_adjust_steps_down_and_stays_monotone() -> None:
+    # sorted 0.005, 0.01, 0.03, 0.04 → ×4, ×3, ×2, ×1 = 0.02, 0.03, 0.06, 0.04 → running max 0.02, 0.03, 0.06, 0.06
+    got = holm_adjust({"a": 0.01, "b": 0.04, "c": 0.03, "d": 0.005})
+    assert list(got) == ["a", "b", "c", "d"]  # the input's order
+    assert got == pytest.approx({"a": 0.03, "b": 0.06, "c": 0.06, "d": 0.02})
+    assert holm_adjust({"x": 0.6, "y": 0.7}) == pytest.approx({"x": 1.0, "y": 1.0})  # capped at 1
+    nan_kept = holm_adjust({"x": math.nan, "y": 0.02, "z": 0.04})  # m = 2: the NaN is not a test
+    assert math.isnan(nan_kept["x"]) and nan_kept["y"] == pytest.approx(0.04) and nan_kept["z"] == pytest.approx(0.04)
+    assert holm_adjust({}) == {}
