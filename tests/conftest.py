@@ -193,12 +193,25 @@ def tool_user(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 
 @pytest.fixture(scope="session")
-def prefect_harness(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Any:
-    """One Prefect test harness (ephemeral API on SQLite) for the whole session; ~10 s to start."""
-    home = tmp_path_factory.mktemp("prefect-home")
-    os.environ["PREFECT_HOME"] = str(home)
+def prefect_imported(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Prefect imported once for the session, with a session Prefect home, before any test's output capture.
+
+    Prefect configures its logging when ``prefect.main`` is first imported (``from prefect import flow``), its console
+    handlers (those of the ``uvicorn`` and ``fastapi`` loggers too) bound to the ``sys.stderr`` of that moment. A test
+    with ``capsys`` that was the first to import it (a bench's ``main``) left them on capsys's stream, closed when
+    the test ended: a later test in the process whose flow logged through them failed in a recursion of logging
+    errors ("I/O operation on closed file"; tests/bench/test_demo_seeds.py then test_compare_resume.py in one
+    process), and a bench's ``prepare_environment`` pointed ``PREFECT_HOME`` at that test's tmp dir, removed at its
+    teardown. Session fixtures are set up before a test's capsys."""
+    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect-home"))
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    import prefect.main  # noqa: F401  (configures the logging: `import prefect` alone is lazy and does not)
+
+
+@pytest.fixture(scope="session")
+def prefect_harness(prefect_imported: None, model_cache: Path) -> Any:
+    """One Prefect test harness (ephemeral API on SQLite) for the whole session; ~10 s to start."""
     os.environ["AEPO_MODEL_CACHE"] = str(model_cache)
     from prefect.testing.utilities import prefect_test_harness
 

@@ -32,7 +32,7 @@ def test_one_cell_per_micro_batch_size_or_the_config_s_own() -> None:
 
 
 def test_a_config_without_the_sft_evaluation_is_refused_before_anything_runs(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        prefect_imported: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["-c", str(TINY), "--seeds", "0", "--runs-dir", str(tmp_path), "--out", str(tmp_path / "o.json")])
     err = capsys.readouterr().err
     assert code == 2 and "run tiny-seeds-base-s0" in err and "train.sft.enabled=true" in err

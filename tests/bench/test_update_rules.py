@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
 
 
-def test_a_bad_rule_is_refused_before_anything_trains(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_bad_rule_is_refused_before_anything_trains(prefect_imported: None, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["-c", str(TINY), "--losses", "aepo", "ppo@clip_high=0.3", "--runs-dir", str(tmp_path),
                  "--out", str(tmp_path / "o.json")])
     err = capsys.readouterr().err
