@@ -87,10 +87,8 @@ RUN_METRICS = ("rollout/distinct_tool_sequences", "rollout/max_branches_per_path
 CURVES_ARTIFACT_DIR = "training_curves"
 # Per-arm tables that go to the JSON's top level (keyed by arm) rather than into its arm summaries.
 PER_ARM_TABLES = ("per_question_pass@1", "per_question_pass@1_by_seed", "curves")
-# Entropy verdicts on the last/first ratio of the seed-mean curve: within ×/÷ STABLE_RATIO is stable; below
-# 1/COLLAPSE_RATIO collapsed, above COLLAPSE_RATIO exploded; between, falling or rising.
-STABLE_RATIO = 1.25
-COLLAPSE_RATIO = 2.0
+# An arm's entropy trend, in words, from the sign of its runs' slopes over seeds (OverSeeds.sign).
+TREND_WORDS = {"> 0": "rising", "< 0": "falling", "0 in CI": "none shown (0 in CI)", "one seed": "one seed"}
 # Two steps: the second rollout already samples from weights the arms' losses moved differently.
 # With 8 SFT transcripts every reward was −1 (zero advantages, zero gradient: every arm identical); the demo's 48
 # give rewards that differ within groups, so the arms' losses move the weights differently.
@@ -306,13 +304,13 @@ def seed_bands(histories: Sequence[dict[str, list[tuple[int, float]]]], metrics:
 
 @dataclass(frozen=True)
 class EntropyTrend:
-    """How an arm's seed-mean policy entropy moved over training."""
+    """How an arm's seed-mean policy entropy moved over training: a description. Whether it rose or fell is judged
+    by the runs' slopes over seeds (``entropy_slope``, an interval), not here: a last/first ratio rests on two noisy
+    steps and called any rise from a near-zero start (0.04 → 0.10 nats after SFT) "exploded"."""
 
     first: float  # at the first RL step
     last: float  # at the last
-    ratio: float  # last / first
     slope: float  # least-squares slope per RL step
-    verdict: str  # stable, falling, rising, collapsed or exploded (see STABLE_RATIO, COLLAPSE_RATIO)
 
 
 def ols_slope(points: Sequence[tuple[float, float]]) -> float | None:
@@ -327,22 +325,11 @@ def ols_slope(points: Sequence[tuple[float, float]]) -> float | None:
 
 
 def entropy_trend(band: Sequence[Band]) -> EntropyTrend | None:
-    """last/first of the mean curve, its slope (:func:`ols_slope`), and the verdict on the ratio; None with fewer
-    than 2 steps."""
+    """The mean curve's first and last values and its slope (:func:`ols_slope`); None with fewer than 2 steps."""
     slope = ols_slope([(b[0], b[1]) for b in band])
     if slope is None:
         return None
-    means = [b[1] for b in band]
-    ratio = means[-1] / means[0] if means[0] else math.inf
-    if ratio < 1 / COLLAPSE_RATIO:
-        verdict = "collapsed"
-    elif ratio > COLLAPSE_RATIO:
-        verdict = "exploded"
-    elif 1 / STABLE_RATIO <= ratio <= STABLE_RATIO:
-        verdict = "stable"
-    else:
-        verdict = "falling" if ratio < 1 else "rising"
-    return EntropyTrend(means[0], means[-1], ratio, slope, verdict)
+    return EntropyTrend(band[0][1], band[-1][1], slope)
 
 
 def by_tokens(curves: Mapping[str, Sequence[Band]]) -> dict[str, list[Band]]:
@@ -491,12 +478,11 @@ def report(arms: dict[str, Any], k: int, dataset: str, paired: Mapping[str, Any]
     for name, a in arms.items():
         trend = a["entropy_trend"]
         curves.append([name, "–" if trend is None else f"{trend['first']:.3f} → {trend['last']:.3f}",
-                       math.nan if trend is None else trend["ratio"], "–" if trend is None else trend["verdict"],
                        math.nan if trend is None else trend["slope"],
                        *(_first_to_last(a["curves"].get(m, [])) for m in list(CURVE_METRICS)[1:])])
     print_table("Over seeds (mean and Student-t 95% CI over the training runs: what a new run would give)",
                 ["arm", "seeds", "Pass@1 per seed", "Pass@1 [CI]", "generated tokens/run [CI]",
-                 "entropy slope/step [CI]", "slope"], [_seed_row(name, a) for name, a in arms.items()])
+                 "entropy slope/step [CI]", "entropy trend"], [_seed_row(name, a) for name, a in arms.items()])
     if paired:
         print_table("Paired differences a − b, seed-matched (Δ Pass@1 over seeds: Student t; given these seeds: "
                     "bootstrap over questions)",
@@ -505,7 +491,7 @@ def report(arms: dict[str, Any], k: int, dataset: str, paired: Mapping[str, Any]
     print_table("Where a run's time went (wall; mean over seeds)", ["arm", *PHASE_COLUMNS],
                 [[name, *phase_row(PhaseSeconds(**a["phases_s"]))] for name, a in arms.items()])
     print_table("Over training (mean over seeds, first → last RL step)",
-                ["arm", "entropy", "last/first", "verdict", "slope/step", "reward", "tool calls/traj", "branches/q",
+                ["arm", "entropy", "slope/step", "reward", "tool calls/traj", "branches/q",
                  "max branches/path", "top-1 share", "top-3 share", "informative groups", "generated tokens"], curves)
 
 
@@ -518,7 +504,7 @@ def _seed_row(name: str, arm: Mapping[str, Any]) -> list[Any]:
     pass1, slope = arm["pass@1_over_seeds"], arm["entropy_slope"]
     return [name, pass1["seeds"], " ".join(f"{v:.3f}" for v in pass1["per_seed"].values()), over_seeds_interval(pass1),
             over_seeds_interval(arm["generated_tokens_per_run"], 0), over_seeds_interval(slope, 4, signed=True),
-            "–" if slope is None else OverSeeds(**slope).sign]
+            "–" if slope is None else TREND_WORDS[OverSeeds(**slope).sign]]
 
 
 def _paired_row(name: str, pair: Mapping[str, Any]) -> list[Any]:
@@ -646,8 +632,9 @@ def run(args: argparse.Namespace) -> int:
         "figures": [str(f) for f in figures],
     })
     print(f"\nresults: {out}" + "".join(f"\nfigure: {f}" for f in figures))
-    print(f"MLflow: {result['tracking_uri']} (parent run {result['parent_run_id']}); "
-          f"browse with `aepo ui --runs-dir {runs}`")
+    where = (f"parent run {result['parent_run_id']}" if result["parent_run_id"]
+             else "re-analysed: the figures stay out of the sweep's parent run")
+    print(f"MLflow: {result['tracking_uri']} ({where}); browse with `aepo ui --runs-dir {runs}`")
     return 0
 
 

@@ -1,6 +1,6 @@
 """bench.compare_algorithms' training curves per arm, read back from a real MLflow store (SQLite in tmp_path) whose
 child runs are named like a sweep's and carry metric histories logged here: the --analyse-only path (stored runs →
-analysis → figures), seed bands, metrics missing from older runs, the entropy verdicts, the curves against the tokens
+analysis → figures), seed bands, metrics missing from older runs, the entropy trend, the curves against the tokens
 spent, the statistics over seeds and the seed-matched paired differences, the parent run's artifacts."""
 
 from __future__ import annotations
@@ -118,21 +118,21 @@ def test_curves_are_seed_means_with_min_max_bands(analysed: tuple[dict, str, str
     assert arms["grpo"]["train_reward_last_step"] == pytest.approx(0.0)
 
 
-def test_entropy_verdicts(analysed: tuple[dict, str, str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_entropy_is_judged_by_the_runs_slopes_over_seeds(analysed: tuple[dict, str, str],
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """The seed-mean curve is described (first, last, slope); rising or falling is the sign of the runs' slopes
+    over seeds where their interval excludes 0. No last/first ratio: it rests on two steps, and a rise from a
+    near-zero start (0.04 → 0.10 nats after SFT) read as "exploded"."""
     arms, _, _ = analysed
     report(arms, 2, DATASET)
     table = capsys.readouterr().out
-    assert "Over training" in table and "collapsed" in table and "stable" in table  # long cells may wrap
-    aepo, grpo = arms["aepo"]["entropy_trend"], arms["grpo"]["entropy_trend"]
-    assert aepo["verdict"] == "stable" and aepo["ratio"] == pytest.approx(0.9 / 1.1)
-    assert aepo["slope"] == pytest.approx(-0.1)
-    assert grpo["verdict"] == "collapsed" and grpo["ratio"] == pytest.approx(0.2)
-    band = [(1, 1.0, 1.0, 1.0)]
-    assert entropy_trend(band) is None  # one step: no trend
-    verdicts = {r: entropy_trend([(1, 1.0, 1.0, 1.0), (2, r, r, r)]).verdict  # type: ignore[union-attr]
-                for r in (0.3, 0.7, 1.0, 1.5, 2.5)}
-    assert verdicts == {0.3: "collapsed", 0.7: "falling", 1.0: "stable", 1.5: "rising", 2.5: "exploded"}
-    assert entropy_trend([(1, 0.0, 0.0, 0.0), (2, 0.1, 0.1, 0.1)]).ratio == math.inf  # type: ignore[union-attr]
+    assert "Over training" in table and "falling" in table and "none shown" in table  # aepo falling, grpo not shown
+    assert "exploded" not in table and "collapsed" not in table
+    aepo = arms["aepo"]["entropy_trend"]
+    assert aepo == {"first": pytest.approx(1.1), "last": pytest.approx(0.9), "slope": pytest.approx(-0.1)}
+    assert entropy_trend([(1, 1.0, 1.0, 1.0)]) is None  # one step: no trend
+    rise = entropy_trend([(1, 0.04, 0.04, 0.04), (2, 0.07, 0.07, 0.07), (3, 0.10, 0.10, 0.10)])
+    assert rise is not None and rise.slope == pytest.approx(0.03) and (rise.first, rise.last) == (0.04, 0.10)
 
 
 def test_figures_written_and_logged_to_the_parent(analysed: tuple[dict, str, str], tmp_path: Path) -> None:
