@@ -138,12 +138,17 @@ def test_every_shipped_sweep_file_builds_its_runs(path: Path) -> None:
 
 
 def test_the_powered_comparison_is_the_power_estimate_s_design() -> None:
-    """112 test questions (80 companies: 16 held out × 7) × 5 seeds × aepo, arpo, grpo (bench/power.py)."""
+    """112 test questions (80 companies: 16 held out × 7) × 5 seeds × aepo, arpo, grpo (bench/power.py), then the
+    clip-balance ablation: AEPO's rollout and advantage with PPO's clipped loss."""
     from flows.sweep import load_sweep
     from infra.data.synthetic import SyntheticTask
 
     spec = load_sweep(REPO / "configs" / "sweeps" / "claims_powered.yaml")
-    assert spec.seeds == [0, 1, 2, 3, 4] and list(spec.cells) == ["aepo", "arpo", "grpo"]
+    assert spec.seeds == [0, 1, 2, 3, 4] and list(spec.cells) == ["aepo", "arpo", "grpo", "aepo-no-clip-balance"]
+    by_cell = {r.cell: r.config for r in spec.runs if r.seed == 0}
+    aepo, ablation = by_cell["aepo"], by_cell["aepo-no-clip-balance"]
+    assert (ablation.rollout.mode, ablation.algorithm.loss, aepo.algorithm.loss) == ("aepo", "ppo_clip", "aepo")
+    assert ablation.algorithm.entropy_advantage == aepo.algorithm.entropy_advantage  # only the loss differs
     cfg = spec.runs[0].config
     assert len(SyntheticTask.from_config(cfg.data).questions("test")) == cfg.eval.max_questions == 112
     assert cfg.clip_active()  # three mini-batches a step: the clipping losses act
