@@ -86,7 +86,7 @@ RUN_METRICS = ("rollout/distinct_tool_sequences", "rollout/max_branches_per_path
                "rollout/reward_mean", "step/wall_s")
 CURVES_ARTIFACT_DIR = "training_curves"
 # Per-arm tables that go to the JSON's top level (keyed by arm) rather than into its arm summaries.
-PER_ARM_TABLES = ("per_question_pass@1", "per_question_pass@1_by_seed", "curves")
+PER_ARM_TABLES = ("per_question_pass@1", "per_question_pass@1_by_seed", "question_family", "curves")
 # An arm's entropy trend, in words, from the sign of its runs' slopes over seeds (OverSeeds.sign).
 TREND_WORDS = {"> 0": "rising", "< 0": "falling", "0 in CI": "none shown (0 in CI)", "one seed": "one seed"}
 # Two steps: the second rollout already samples from weights the arms' losses moved differently.
@@ -173,8 +173,12 @@ def arm_statistics(per_seed: dict[int, list[dict[str, Any]]], k: int, n_resample
     # each run's own per-question Pass@1: bench/power.py separates seed, question and arm × question variance with it
     p1_by_seed = {s: {o["question_id"]: pass_at_k(o["n"], o["correct"], 1) for o in rows if o["question_id"] in p1}
                   for s, rows in per_seed.items()}
+    # question → family (single_hop, two_hop, …) where the evaluation file records it (files before it do not)
+    family = {o["question_id"]: o["family"] for rows in per_seed.values() for o in rows
+              if o["question_id"] in p1 and "family" in o}
     return {"questions": len(questions), "pass@1": m1, "pass@1_ci": [lo1, hi1], "pass@k": mk, "pass@k_ci": [lok, hik],
-            "pass@1_by_seed": by_seed, "per_question_pass@1": p1, "per_question_pass@1_by_seed": p1_by_seed}
+            "pass@1_by_seed": by_seed, "per_question_pass@1": p1, "per_question_pass@1_by_seed": p1_by_seed,
+            "question_family": family}
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -254,7 +258,9 @@ def paired_differences(arms: Mapping[str, Any], n_resamples: int) -> dict[str, A
     - ``p_over_seeds``: the two-sided one-sample t-test of the per-seed differences (None with one seed), and
       ``p_holm``: the same adjusted by Holm's step-down over all the pairs reported here (they are tested together:
       at 0.05 each, three pairs would show a false difference up to 14 % of the time);
-    - ``entropy_slope``: the seed-matched difference of the entropy slopes (nats per RL step), Student-t.
+    - ``entropy_slope``: the seed-matched difference of the entropy slopes (nats per RL step), Student-t;
+    - ``by_family``: ``pass@1`` on each question family's questions alone (where the evaluations record families):
+      exploratory, with no correction for the families × pairs looked at.
 
     Pairs without a common seed are left out."""
     from aepo_core.evaluation import paired_over_seeds, pooled_paired_comparison
@@ -278,12 +284,28 @@ def paired_differences(arms: Mapping[str, Any], n_resamples: int) -> dict[str, A
                 "pass@1_given_seeds": pooled_paired_comparison([(qa[s], qb[s]) for s in seeds],
                                                                n_resamples=n_resamples),
                 "entropy_slope": dataclasses.asdict(OverSeeds.of(slope)) if slope else None,
+                "by_family": {f: dataclasses.asdict(paired_over_seeds(
+                    {s: (_only(qa[s], keep), _only(qb[s], keep)) for s in seeds}))
+                    for f, keep in _families(arms[a]["question_family"], arms[b]["question_family"]).items()},
             }
     holm = holm_adjust({name: pair["p_over_seeds"] for name, pair in out.items()})
     for name, pair in out.items():  # NaN (one seed) as None: the JSON holds no NaN
         pair["p_holm"] = None if math.isnan(holm[name]) else holm[name]
         pair["p_over_seeds"] = None if math.isnan(pair["p_over_seeds"]) else pair["p_over_seeds"]
     return out
+
+
+def _families(a: Mapping[str, str], b: Mapping[str, str]) -> dict[str, set[str]]:
+    """Family → its questions, where two arms' evaluations agree on a question's family; none with one family."""
+    out: dict[str, set[str]] = {}
+    for q, f in a.items():
+        if b.get(q) == f:
+            out.setdefault(f, set()).add(q)
+    return dict(sorted(out.items())) if len(out) > 1 else {}
+
+
+def _only(per_question: Mapping[str, float], keep: set[str]) -> dict[str, float]:
+    return {q: v for q, v in per_question.items() if q in keep}
 
 
 # ------------------------------------------------------------------------------------------------ curves
@@ -488,6 +510,12 @@ def report(arms: dict[str, Any], k: int, dataset: str, paired: Mapping[str, Any]
                     "bootstrap over questions)",
                     ["a − b", "seeds", "Δ Pass@1 [CI over seeds]", "p (t)", "p (Holm)", "Δ Pass@1 [CI given seeds]",
                      "seeds a > b", "Δ entropy slope/step [CI]"], [_paired_row(name, p) for name, p in paired.items()])
+    by_family = [[name, f, d["seeds"], " ".join(f"{v:+.3f}" for v in d["per_seed"].values()),
+                  over_seeds_interval(d, signed=True)]
+                 for name, p in (paired or {}).items() for f, d in p["by_family"].items()]
+    if by_family:
+        print_table("Paired differences by question family, seed-matched (exploratory: no correction)",
+                    ["a − b", "family", "seeds", "Δ Pass@1 per seed", "Δ Pass@1 [CI over seeds]"], by_family)
     print_table("Where a run's time went (wall; mean over seeds)", ["arm", *PHASE_COLUMNS],
                 [[name, *phase_row(PhaseSeconds(**a["phases_s"]))] for name, a in arms.items()])
     print_table("Over training (mean over seeds, first → last RL step)",

@@ -56,6 +56,7 @@ HISTORIES = {
     "tiny-sweep-grpo-s0": {ENTROPY: [(1, 1.0), (2, 0.4), (3, 0.2)], "rollout/reward_mean": [(1, 0.0)]},
     "tiny-sweep-grpo-s1": {ENTROPY: [(1, 1.0), (2, 0.5)]},
 }
+FAMILY = ["single_hop", "single_hop", "two_hop", "two_hop"]
 CORRECT = {"tiny-sweep-aepo-s0": [2, 1, 0, 2], "tiny-sweep-aepo-s1": [2, 2, 0, 1],
            "tiny-sweep-grpo-s0": [1, 1, 0, 2], "tiny-sweep-grpo-s1": [2, 0, 0, 2]}
 
@@ -75,7 +76,7 @@ def make_store(runs: Path) -> tuple[str, str]:
         correct = CORRECT[name]
         client.log_metric(rid, f"eval/{DATASET}/pass_at_1", sum(correct) / 8, step=3)
         client.log_metric(rid, f"eval/{DATASET}/tool_calls_per_question", 1.0, step=3)
-        client.log_dict(rid, {"questions": [{"question_id": f"q{i}", "n": 2, "correct": c}
+        client.log_dict(rid, {"questions": [{"question_id": f"q{i}", "n": 2, "correct": c, "family": FAMILY[i]}
                                             for i, c in enumerate(correct)]}, f"eval/final/{DATASET}.json")
         client.set_terminated(rid)
     return uri, parent
@@ -206,6 +207,7 @@ def test_pass_at_1_and_the_entropy_slope_over_seeds(analysed: tuple[dict, str, s
     report(arms, 2, DATASET, paired_differences(arms, 200))
     out = capsys.readouterr().out
     assert "Over seeds" in out and "Paired differences" in out and "0.625 0.625" in out
+    assert "by question family" in out and "two_hop" in out
 
 
 def test_paired_differences_are_seed_matched(analysed: tuple[dict, str, str]) -> None:
@@ -218,6 +220,12 @@ def test_paired_differences_are_seed_matched(analysed: tuple[dict, str, str]) ->
     assert pair["pass@1"]["per_seed"] == {0: pytest.approx(0.125), 1: pytest.approx(0.125)}
     assert pair["pass@1_given_seeds"]["diff"] == pytest.approx(0.125) and pair["pass@1_given_seeds"]["runs"] == 2
     assert pair["entropy_slope"]["per_seed"] == {0: pytest.approx(0.3), 1: pytest.approx(0.4)}
+    # by family, from the evaluation files' families: single-hop q0, q1 (+.25, +.5), two-hop q2, q3 (0, −.25)
+    assert arms["aepo"]["question_family"] == {"q0": "single_hop", "q1": "single_hop", "q2": "two_hop",
+                                               "q3": "two_hop"}
+    assert {f: d["per_seed"] for f, d in pair["by_family"].items()} == {
+        "single_hop": {0: pytest.approx(0.25), 1: pytest.approx(0.5)},
+        "two_hop": {0: pytest.approx(0.0), 1: pytest.approx(-0.25)}}
     # a seed only one arm has is not paired
     lone = {**arms, "grpo": {**arms["grpo"], "per_question_pass@1_by_seed": {
         0: arms["grpo"]["per_question_pass@1_by_seed"][0], 7: {"q0": 1.0}}}}
@@ -233,7 +241,7 @@ def test_paired_differences_test_every_pair_and_correct_for_their_number() -> No
 
     def arm(*seeds: tuple[float, float]) -> dict[str, Any]:
         return {"per_question_pass@1_by_seed": {s: {"q0": q0, "q1": q1} for s, (q0, q1) in enumerate(seeds)},
-                "entropy_slope": None}
+                "entropy_slope": None, "question_family": {"q0": "single_hop", "q1": "two_hop"}}
 
     arms = {"aepo": arm((1, 1), (1, 0.5), (1, 0.5)), "arpo": arm((1, 0), (0.5, 0.5), (0.5, 0)),
             "grpo": arm((0.5, 0.5), (1, 0.5), (1, 1))}
@@ -248,3 +256,10 @@ def test_paired_differences_test_every_pair_and_correct_for_their_number() -> No
     holm = {n1: min(1, 3 * p1), n2: min(1, max(3 * p1, 2 * p2)), n3: min(1, max(3 * p1, 2 * p2, p3))}
     assert {name: pair["p_holm"] for name, pair in paired.items()} == pytest.approx(holm)
     assert all(pair["p_holm"] >= pair["p_over_seeds"] for pair in paired.values())
+    # each family's questions alone (here one question each): aepo − arpo on q0 0, +0.5, +0.5; on q1 +1, 0, +0.5
+    family = paired["aepo - arpo"]["by_family"]
+    assert list(family) == ["single_hop", "two_hop"]
+    assert list(family["single_hop"]["per_seed"].values()) == pytest.approx([0.0, 0.5, 0.5])
+    assert list(family["two_hop"]["per_seed"].values()) == pytest.approx([1.0, 0.0, 0.5])
+    one_family = {n: {**a, "question_family": {"q0": "single_hop", "q1": "single_hop"}} for n, a in arms.items()}
+    assert paired_differences(one_family, 200)["aepo - arpo"]["by_family"] == {}  # one family: nothing to split
