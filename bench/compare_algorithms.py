@@ -14,9 +14,14 @@
 4. **Training curves** per arm and RL step (issue 16), from each run's metric histories: the mean over seeds and
    the lowest / highest seed of the policy entropy of the update's tokens, the training reward, tool calls per
    trajectory, branches per question and on one path, the share of a question's branches on its top-1 / top-3
-   paths, the informative groups; the entropy's last/first ratio and slope per arm (stable, collapsed, exploded).
-   Figures ``entropy_over_training.png`` and ``training_curves.png`` go to ``bench/results/<out stem>/`` and, when
-   the sweep ran here, to its parent MLflow run (``training_curves/``); the per-step numbers into the JSON.
+   paths, the informative groups; the seed-mean entropy's slope per arm. Figures ``entropy_over_training.png``,
+   ``training_curves.png`` and ``curves_by_tokens.png`` (against the cumulative generated tokens) go to
+   ``bench/results/<out stem>/`` and, when the sweep ran here, to its parent MLflow run (``training_curves/``); the
+   per-step numbers into the JSON.
+5. **Over seeds** (issue 27 §5): per arm each run's Pass@1, generated tokens and entropy slope with a Student-t
+   interval over seeds (rising / falling only where the slopes' interval excludes 0); every pair of arms
+   seed-matched: ΔPass@1 over seeds (t interval, t-test, Holm over the pairs), given the seeds (bootstrap over
+   questions), by question family (exploratory), and Δ entropy slope.
 
 Run: ``.venv/bin/python -m bench.compare_algorithms [--seeds 0 1 2] [--set train.steps=4 ...] [--quick]
 [--workers 2]``. ``--workers N`` (N >= 1) fans the sweep out through a Prefect process work pool on this
