@@ -54,7 +54,7 @@ from typing import Any
 import yaml
 
 from aepo_core.evaluation import OverSeeds
-from bench.harness import RESULTS_DIR, environment, print_table, write_result
+from bench.harness import RESULTS_DIR, cli_logging, environment, print_table, write_result
 from bench.phases import PHASE_COLUMNS, PhaseSeconds, mean_phases, phase_row, phase_seconds
 from flows.cli.render import interval
 from infra.atomic import atomic_dir
@@ -578,7 +578,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cli_logging()
     from flows.cli.environment import sigterm_unwinds
 
     with sigterm_unwinds():  # `kill` stops the pool's processes and Prefect's temporary server too

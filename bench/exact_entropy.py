@@ -38,7 +38,7 @@ from aepo_core.interfaces import GenerationRequest, GenerationResult, SamplingPa
 from aepo_core.rollout.budget import global_budget, mean_tool_entropy
 from aepo_core.rollout.scheduler import RolloutScheduler
 from aepo_core.rollout.tree import Node, RolloutTree, is_tool_step
-from bench.harness import RESULTS_DIR, environment, print_table, set_threads, write_result
+from bench.harness import RESULTS_DIR, cli_logging, environment, print_table, set_threads, write_result
 from bench.rollout import (
     TASK_KW,
     ToolPolicy,
@@ -159,7 +159,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cli_logging()
     if args.threads:
         set_threads(args.threads)
     env = environment(threads=args.threads)

@@ -155,13 +155,18 @@ def default_compute(model_name: str) -> str:
     return "float32" if model_name == TINY_RANDOM else auto_dtype(device_facts("cpu"))
 
 
+def cli_logging() -> None:
+    """A bench run from the command line logs INFO and up to stderr, each line with its time and logger."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+
+
 def flow_bench_main(prog: str, runs_dir: Path, body: Callable[[Path], int],
                     errors: tuple[type[Exception], ...] = ()) -> int:
     """Run a bench whose work is flows: INFO logging, the runs dir's environment (set before Prefect is imported),
     Prefect's temporary server bound to this process (a SIGKILLed bench leaves no orphan), SIGTERM unwinding
     (that server and a vLLM server stop with it), then ``body(runs)``; one of :data:`tasks.retry.USER_ERRORS` (a bad
     config, a sweep another process is running) or of ``errors`` is one line on stderr and exit code 2."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cli_logging()
     from flows.cli.environment import prepare_environment, sigterm_unwinds, start_prefect_api
     from tasks.retry import USER_ERRORS
 

@@ -64,6 +64,7 @@ from aepo_core.rollout.scheduler import Question, RolloutScheduler
 from aepo_core.tool_config import PythonToolConfig, SearchToolConfig
 from bench.harness import (
     RESULTS_DIR,
+    cli_logging,
     default_compute,
     environment,
     machine_label,
@@ -762,7 +763,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local (converted cache); never reach the hub
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    cli_logging()
     for noisy in ("transformers", "infra", "aepo_core", "bm25s"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore")

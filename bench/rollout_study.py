@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.harness import RESULTS_DIR, environment, print_table, write_result
+from bench.harness import RESULTS_DIR, cli_logging, environment, print_table, write_result
 from flows.cli.render import interval
 
 log = logging.getLogger("bench.rollout_study")
@@ -165,7 +165,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cli_logging()
     from flows.cli.environment import prepare_environment, sigterm_unwinds
 
     runs = args.runs_dir.resolve()

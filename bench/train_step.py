@@ -51,6 +51,7 @@ from aepo_core.config import ExperimentConfig
 from aepo_core.tool_config import PythonToolConfig, SearchToolConfig
 from bench.harness import (
     RESULTS_DIR,
+    cli_logging,
     default_compute,
     environment,
     machine_label,
@@ -251,7 +252,7 @@ def bench_model(name: str, args_dict: dict[str, Any]) -> dict[str, Any]:
     args = argparse.Namespace(**args_dict)
     set_threads(args.threads)
     warnings.filterwarnings("ignore")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    cli_logging()
     for noisy in ("transformers", "infra", "aepo_core", "bm25s"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     compute_name = args.compute or default_compute(name)
@@ -406,7 +407,7 @@ def bench_step(args_dict: dict[str, Any]) -> dict[str, Any]:
     args = argparse.Namespace(**args_dict)
     set_threads(args.threads)
     warnings.filterwarnings("ignore")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    cli_logging()
     for noisy in ("transformers", "infra", "aepo_core", "bm25s"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from aepo_core.interfaces import GenerationRequest, SamplingParams
@@ -598,7 +599,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local (converted cache); never reach the hub
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    cli_logging()
     started = time.perf_counter()
     results: dict[str, Any] = {
         "benchmark": "train_step",
