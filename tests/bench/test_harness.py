@@ -7,6 +7,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 
 from bench.harness import REPO, tree_commit, write_result
@@ -121,3 +122,20 @@ def test_a_sigkilled_bench_leaves_no_temporary_prefect_server(tmp_path: Path) ->
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         proc.wait()
+
+
+def test_prefect_logs_to_the_session_stream_not_to_a_test_capture(prefect_imported: None,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A bench's ``main`` under capsys must not be where Prefect first configures its logging: its console handlers
+    would keep capsys's stream, closed after the test, and a later test's flow then fails in a recursion of logging
+    errors. With ``prefect_imported`` (a session fixture, set up before capsys) they hold the session's stream."""
+    import logging
+    import sys
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(lg, logging.Logger))]
+    handlers = [h for lg in loggers for h in lg.handlers if isinstance(h, PrefectConsoleHandler)]
+    assert handlers, "prefect.main was not imported: Prefect's logging is configured later, inside some test"
+    assert all(h.stream is not sys.stderr for h in handlers)  # sys.stderr is capsys's stream here
