@@ -18,7 +18,8 @@
    ``training_curves.png`` and ``curves_by_tokens.png`` (against the cumulative generated tokens) go to
    ``bench/results/<out stem>/`` and, when the sweep ran here, to its parent MLflow run (``training_curves/``); the
    per-step numbers into the JSON.
-5. **Over seeds** (issue 27 §5): per arm each run's Pass@1, generated tokens and entropy slope with a Student-t
+5. **Over seeds** (issue 27 §5): per arm each run's Pass@1, generated tokens, clipped share of update tokens (mean
+   over steps: how much a clipping loss had to act on) and entropy slope with a Student-t
    interval over seeds (rising / falling only where the slopes' interval excludes 0); every pair of arms
    seed-matched: ΔPass@1 over seeds (t interval, t-test, Holm over the pairs), given the seeds (bootstrap over
    questions), by question family (exploratory), and Δ entropy slope.
@@ -87,8 +88,11 @@ CURVE_METRICS = {  # metric → panel title
 # Against the common budget (issue 27 §4): these curves are drawn once more over the cumulative generated tokens (the
 # seed mean at each step), since an arm that branches spends more per step.
 BY_TOKENS = (ENTROPY, "rollout/reward_mean", "rollout/tool_calls_mean")
+# The share of update tokens whose ratio the loss clipped: the clipping losses (AEPO's stop-gradient balance, PPO's,
+# GPPO's) differ only there, so a comparison of them means little where it is small (0.2 % in the powered sweep).
+CLIP = "train/clip_frac"
 RUN_METRICS = ("rollout/distinct_tool_sequences", "rollout/max_branches_per_path", "rollout/branch_samples",
-               "rollout/reward_mean", "step/wall_s")
+               "rollout/reward_mean", "step/wall_s", CLIP)
 CURVES_ARTIFACT_DIR = "training_curves"
 # Per-arm tables that go to the JSON's top level (keyed by arm) rather than into its arm summaries.
 PER_ARM_TABLES = ("per_question_pass@1", "per_question_pass@1_by_seed", "question_family", "curves")
@@ -226,11 +230,13 @@ def analyse(result: dict[str, Any], dataset: str, k: int, n_resamples: int, work
         slopes = {s: slope for s, h in cell["histories"].items()
                   if (slope := ols_slope(h.get(ENTROPY, []))) is not None}
         tokens = {s: h[TOKENS][-1][1] for s, h in cell["histories"].items() if h.get(TOKENS)}
+        clipped = {s: _mean([v for _, v in h[CLIP]]) for s, h in cell["histories"].items() if h.get(CLIP)}
         arms[name] = {
             **stats,
             "pass@1_over_seeds": dataclasses.asdict(OverSeeds.of(stats["pass@1_by_seed"])),
             "entropy_slope": dataclasses.asdict(OverSeeds.of(slopes)) if slopes else None,
             "generated_tokens_per_run": dataclasses.asdict(OverSeeds.of(tokens)) if tokens else None,
+            "clip_frac_per_run": dataclasses.asdict(OverSeeds.of(clipped)) if clipped else None,
             "runs": cell["runs"],
             "tool_calls_per_question": _mean(cell["tool_calls"]),
             "distinct_tool_sequences_per_group": _mean(cell["diversity"]),
@@ -509,7 +515,7 @@ def report(arms: dict[str, Any], k: int, dataset: str, paired: Mapping[str, Any]
                        *(_first_to_last(a["curves"].get(m, [])) for m in list(CURVE_METRICS)[1:])])
     print_table("Over seeds (mean and Student-t 95% CI over the training runs: what a new run would give)",
                 ["arm", "seeds", "Pass@1 per seed", "Pass@1 [CI]", "generated tokens/run [CI]",
-                 "entropy slope/step [CI]", "entropy trend"], [_seed_row(name, a) for name, a in arms.items()])
+                 "clipped update tokens, % [CI]", "entropy slope/step [CI]", "entropy trend"], [_seed_row(name, a) for name, a in arms.items()])
     if paired:
         print_table("Paired differences a − b, seed-matched (Δ Pass@1 over seeds: Student t; given these seeds: "
                     "bootstrap over questions)",
@@ -533,10 +539,16 @@ def over_seeds_interval(value: Mapping[str, Any] | None, digits: int = 3, signed
     return "–" if value is None else interval(value["mean"], value["low"], value["high"], digits, signed)
 
 
+def _percent(value: Mapping[str, Any] | None) -> str:
+    """An :class:`OverSeeds` of fractions (as a dict) in one table cell, in per cent."""
+    return over_seeds_interval(None if value is None else {k: 100 * value[k] for k in ("mean", "low", "high")}, 2)
+
+
 def _seed_row(name: str, arm: Mapping[str, Any]) -> list[Any]:
     pass1, slope = arm["pass@1_over_seeds"], arm["entropy_slope"]
     return [name, pass1["seeds"], " ".join(f"{v:.3f}" for v in pass1["per_seed"].values()), over_seeds_interval(pass1),
-            over_seeds_interval(arm["generated_tokens_per_run"], 0), over_seeds_interval(slope, 4, signed=True),
+            over_seeds_interval(arm["generated_tokens_per_run"], 0), _percent(arm["clip_frac_per_run"]),
+            over_seeds_interval(slope, 4, signed=True),
             "–" if slope is None else TREND_WORDS[OverSeeds(**slope).sign]]
 
 

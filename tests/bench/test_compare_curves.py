@@ -15,6 +15,7 @@ from PIL import Image
 
 from aepo_core.evaluation import OverSeeds
 from bench.compare_algorithms import (
+    CLIP,
     CURVES_ARTIFACT_DIR,
     ENTROPY,
     TOKENS,
@@ -45,14 +46,16 @@ HISTORIES = {
                            "time/sft_s": [(0, 60.0)], "time/eval_sft_s": [(0, 30.0)], "time/eval_final_s": [(3, 30.0)],
                            "time/rollout_s": [(1, 8.0), (2, 8.0), (3, 8.0)],
                            "time/update_s": [(1, 10.0), (2, 10.0), (3, 10.0)],
-                           "train/scoring_pass_s": [(1, 2.0), (2, 2.0), (3, 2.0)]},
+                           "train/scoring_pass_s": [(1, 2.0), (2, 2.0), (3, 2.0)],
+                           CLIP: [(1, 0.0), (2, 0.01), (3, 0.02)]},
     "tiny-sweep-aepo-s1": {ENTROPY: [(1, 1.2), (2, 1.1), (3, 1.0)], "rollout/reward_mean": [(1, 0.0), (3, 0.5)],
                            TOKENS: [(1, 120.0), (2, 250.0), (3, 380.0)],
                            # wall seconds by phase (grpo's runs are older than these timings)
                            "time/sft_s": [(0, 120.0)], "time/eval_sft_s": [(0, 30.0)], "time/eval_final_s": [(3, 50.0)],
                            "time/rollout_s": [(1, 10.0), (2, 12.0), (3, 14.0)],
                            "time/update_s": [(1, 20.0), (2, 25.0), (3, 30.0)],
-                           "train/scoring_pass_s": [(1, 4.0), (2, 5.0), (3, 6.0)]},
+                           "train/scoring_pass_s": [(1, 4.0), (2, 5.0), (3, 6.0)],
+                           CLIP: [(1, 0.0), (2, 0.03), (3, 0.03)]},
     "tiny-sweep-grpo-s0": {ENTROPY: [(1, 1.0), (2, 0.4), (3, 0.2)], "rollout/reward_mean": [(1, 0.0)]},
     "tiny-sweep-grpo-s1": {ENTROPY: [(1, 1.0), (2, 0.5)]},
 }
@@ -181,6 +184,21 @@ def test_curves_against_the_tokens_spent(analysed: tuple[dict, str, str]) -> Non
     assert "rollout/tool_calls_mean" not in aepo and by_tokens(arms["grpo"]["curves"]) == {}
     assert arms["aepo"]["generated_tokens_per_run"]["per_seed"] == {0: 400.0, 1: 380.0}
     assert arms["grpo"]["generated_tokens_per_run"] is None
+
+
+def test_the_clipped_share_of_update_tokens_over_seeds(analysed: tuple[dict, str, str],
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Each run's mean over its steps (aepo: 0.01 and 0.02), then over seeds (t = 12.706 for two); in per cent in
+    the table. grpo's runs never logged it: none, not 0."""
+    arms, _, _ = analysed
+    clip = OverSeeds(**arms["aepo"]["clip_frac_per_run"])
+    half = 12.7062 * (0.01 * math.sqrt(2) / 2) / math.sqrt(2)  # t · sd(0.01, 0.02) / √2
+    assert clip.per_seed == {0: pytest.approx(0.01), 1: pytest.approx(0.02)}
+    assert (clip.mean, clip.high) == (pytest.approx(0.015), pytest.approx(0.015 + half, abs=1e-5))
+    assert arms["grpo"]["clip_frac_per_run"] is None
+    report(arms, 2, DATASET)
+    out = capsys.readouterr().out
+    assert "clipped update tokens" in out and "1.50 [" in out
 
 
 def test_ols_slope_weighs_every_step() -> None:
