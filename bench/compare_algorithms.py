@@ -515,7 +515,8 @@ def report(arms: dict[str, Any], k: int, dataset: str, paired: Mapping[str, Any]
                        *(_first_to_last(a["curves"].get(m, [])) for m in list(CURVE_METRICS)[1:])])
     print_table("Over seeds (mean and Student-t 95% CI over the training runs: what a new run would give)",
                 ["arm", "seeds", "Pass@1 per seed", "Pass@1 [CI]", "generated tokens/run [CI]",
-                 "clipped update tokens, % [CI]", "entropy slope/step [CI]", "entropy trend"], [_seed_row(name, a) for name, a in arms.items()])
+                 "clipped update tokens, % [CI]", "entropy slope/step [CI]", "entropy trend"],
+                [_seed_row(name, a) for name, a in arms.items()])
     if paired:
         print_table("Paired differences a − b, seed-matched (Δ Pass@1 over seeds: Student t; given these seeds: "
                     "bootstrap over questions)",
