@@ -39,6 +39,9 @@ UI both show the whole sweep under the newest parent; the earlier parent's logge
 end of a working session: in the same parent run (the newest of the sweep's name), skipping the finished children
 as above, and resuming each child that started and did not finish (same config) from its last checkpoint in its own
 MLflow run (the train flow's resume). The final table equals an uninterrupted sweep's (``tests/flows/test_sweep.py``).
+A sweep may also be continued a share at a time (``cells``, or ``bench.compare_algorithms --seeds N`` seed by seed):
+the comparison logged to the parent covers every finished child of the sweep under it, not only the share that
+invocation ran.
 
 Sweep file (YAML; relative paths are relative to the sweep file)::
 
@@ -117,17 +120,23 @@ def _metric(row: pd.Series, key: str) -> float:
     return float(value) if value is not None and not pd.isna(value) else math.nan
 
 
-def comparison_frame(children: pd.DataFrame, spec: SweepSpec) -> pd.DataFrame:
-    """One row per (child run, evaluation dataset) from a ``search_runs`` frame, in the sweep's order."""
-    by_name = {r.run_name: r for r in spec.runs}
+def comparison_frame(children: pd.DataFrame, spec: SweepSpec, whole_sweep: bool = False) -> pd.DataFrame:
+    """One row per (child run, evaluation dataset) from a ``search_runs`` frame, in the sweep's order (its cells',
+    then by seed).
+
+    ``whole_sweep``: also the children outside ``spec``'s runs that carry its sweep name, their cell and seed read
+    from their tags: a sweep continued a few cells or seeds at a time under one parent run (``cells``, a bench's
+    ``--seeds N``) is compared whole, not as its last invocation's share."""
+    by_name = {r.run_name: (r.cell, r.seed, r.config.eval.pass_k) for r in spec.runs}
     datasets = sorted({m.group("ds") for c in children.columns if (m := _PASS1_RE.match(c))})
     rows = []
     for _, child in children.iterrows():
-        run = by_name.get(child["run_name"])
+        run = by_name.get(child["run_name"]) or (_tagged_run(child, spec) if whole_sweep else None)
         if run is None:
             continue
-        k = int(child.get("params.eval.pass_k") or run.config.eval.pass_k)
-        common = {"cell": run.cell, "seed": run.seed, "run_name": run.run_name, "run_id": child["run_id"],
+        cell, seed, pass_k = run
+        k = int(child.get("params.eval.pass_k") or pass_k)
+        common = {"cell": cell, "seed": seed, "run_name": child["run_name"], "run_id": child["run_id"],
                   "status": child["status"], "k": k, "reward_mean": _metric(child, "rollout/reward_mean"),
                   "branch_samples": _metric(child, "rollout/branch_samples"),
                   "max_branches_per_path": _metric(child, "rollout/max_branches_per_path"),
@@ -140,9 +149,22 @@ def comparison_frame(children: pd.DataFrame, spec: SweepSpec) -> pd.DataFrame:
                          "tool_calls_per_question": _metric(child, f"eval/{ds}/tool_calls_per_question"),
                          "answered_rate": _metric(child, f"eval/{ds}/answered_rate")})
     frame = pd.DataFrame(rows, columns=RUN_COLUMNS)
-    order = {r.run_name: i for i, r in enumerate(spec.runs)}
-    return frame.sort_values(["run_name", "dataset"], key=lambda s: s.map(order) if s.name == "run_name" else s,
+    # Cells this spec does not name were run by earlier invocations: they come first, in the order they started.
+    outside, first = set(frame["cell"]) - set(spec.cells), {}
+    for _, child in children.iterrows():
+        if (cell := child.get(f"tags.{TAG_CELL}")) in outside:
+            first[cell] = min(first.get(cell, "~"), str(child.get("start_time")))
+    rank = {c: i for i, c in enumerate([*sorted(first, key=lambda c: (first[c], c)), *spec.cells])}
+    return frame.sort_values(["cell", "seed", "dataset"], key=lambda s: s.map(rank) if s.name == "cell" else s,
                              kind="stable").reset_index(drop=True)
+
+
+def _tagged_run(child: pd.Series, spec: SweepSpec) -> tuple[str, int, int] | None:
+    """(cell, seed, default Pass@k) of a child of ``spec``'s sweep from its tags; None for any other run."""
+    cell, seed = child.get(f"tags.{TAG_CELL}"), child.get("tags.seed")
+    if child.get(f"tags.{TAG_SWEEP}") != spec.name or not isinstance(cell, str) or not isinstance(seed, str):
+        return None
+    return cell, int(seed), spec.base.eval.pass_k
 
 
 def summary_frame(runs: pd.DataFrame) -> pd.DataFrame:
@@ -175,13 +197,21 @@ def markdown_table(frame: pd.DataFrame, columns: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _children(runs: pd.DataFrame) -> str:
+    cells = list(dict.fromkeys(runs["cell"]))
+    return (f"{runs['run_name'].nunique()} child runs ({len(cells)} cells × seeds "
+            f"{sorted({int(s) for s in runs['seed']})})")
+
+
 def comparison_markdown(spec: SweepSpec, parent_run_id: str, tracking_uri: str, runs: pd.DataFrame,
                         summary: pd.DataFrame) -> str:
     return "\n".join([
         f"# Sweep `{spec.name}`",
         "",
-        f"- parent MLflow run `{parent_run_id}` at `{tracking_uri}`; {len(spec.runs)} child runs "
-        f"({len(spec.cells)} cells × seeds {spec.seeds}); base config `{spec.base_source}`",
+        f"- parent MLflow run `{parent_run_id}` at `{tracking_uri}`; {_children(runs)}"
+        + ("" if set(runs["run_name"]) <= {r.run_name for r in spec.runs} else
+           f" (this invocation's share: {len(spec.runs)} runs, {len(spec.cells)} cells × seeds {spec.seeds})")
+        + f"; base config `{spec.base_source}`",
         "",
         "## Per cell (mean over seeds)",
         "",
@@ -624,8 +654,9 @@ def _end_abandoned(tracker: Tracker, parent: str, failed: Sequence[ChildFailure]
 
 def _compare(spec: SweepSpec, tracker: Tracker, parent: str, out_dir: Path
              ) -> tuple[pd.DataFrame, pd.DataFrame, str, dict[str, Path]]:
-    """Tag the children with their cell, build the per-run and per-cell tables from MLflow, write them (CSV,
-    markdown, PNG) to ``out_dir`` and log them to the parent run."""
+    """Tag the children with their cell, build the per-run and per-cell tables from MLflow over every child of the
+    sweep under ``parent`` (also those an earlier invocation ran: the parent shows the sweep as it stands), write
+    them (CSV, markdown, PNG) to ``out_dir`` and log them to the parent run."""
     children = tracker.search_runs(filter_string=f"tags.mlflow.parentRunId = '{parent}'")
     cells = {r.run_name: r.cell for r in spec.runs}
     for _, child in children.iterrows():
@@ -633,7 +664,7 @@ def _compare(spec: SweepSpec, tracker: Tracker, parent: str, out_dir: Path
         if cell is not None:
             tracker.client.set_tag(child["run_id"], TAG_CELL, cell)
             tracker.client.set_tag(child["run_id"], TAG_SWEEP, spec.name)
-    per_run = comparison_frame(children, spec)
+    per_run = comparison_frame(children, spec, whole_sweep=True)
     summary = summary_frame(per_run)
     markdown = comparison_markdown(spec, parent, tracker.tracking_uri, per_run, summary)
     out_dir.mkdir(parents=True, exist_ok=True)

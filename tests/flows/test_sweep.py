@@ -67,6 +67,23 @@ def test_sweep_of_two_cells_nests_runs_and_compares(prefect_harness: Any, tmp_pa
     assert "| aepo |" in artifact.data and result.parent_run_id in artifact.data
 
 
+def test_a_sweep_continued_a_cell_at_a_time_is_compared_whole(prefect_harness: Any, tmp_path: Path) -> None:
+    """A sweep run one cell (or seed) per invocation under one parent (``cells``, a bench's ``--seeds N``): the
+    parent's comparison shows every finished child, not only the last invocation's (which overwrote it)."""
+    from flows.sweep import sweep
+    from infra.tracking.run import Tracker
+
+    first = sweep(sweep_config=str(TINY_SWEEP), runs_dir=str(tmp_path), cells=["aepo"])
+    second = sweep(sweep_config=str(TINY_SWEEP), runs_dir=str(tmp_path), cells=["grpo"], resume=True)
+    assert second.parent_run_id == first.parent_run_id and second.started == ["tiny-sweep-grpo-s0"]
+    assert [(r["cell"], r["seed"]) for r in second.runs] == [("aepo", 0), ("grpo", 0)]
+    table = pd.read_csv(tmp_path / "sweeps" / "tiny-sweep" / "comparison.csv")
+    assert list(table["run_name"]) == ["tiny-sweep-aepo-s0", "tiny-sweep-grpo-s0"]
+    assert list(pd.read_csv(tmp_path / "sweeps" / "tiny-sweep" / "summary.csv")["cell"]) == ["aepo", "grpo"]
+    metrics = Tracker(second.tracking_uri).client.get_run(second.parent_run_id).data.metrics
+    assert {"sweep/aepo/synthetic_test/pass_at_1_mean", "sweep/grpo/synthetic_test/pass_at_1_mean"} <= set(metrics)
+
+
 def test_the_comparison_puts_each_child_s_metrics_in_its_own_row(tmp_path: Path) -> None:
     """comparison_frame on a doctored ``search_runs`` frame: distinct values per child, dataset and metric, so that
     a swapped child, dataset or Pass@k, or a lost metric, changes the table."""
@@ -98,6 +115,29 @@ def test_the_comparison_puts_each_child_s_metrics_in_its_own_row(tmp_path: Path)
             assert math.isnan(r["answered_rate"])
         else:
             assert r["answered_rate"] == pytest.approx(base + 0.5)
+
+
+def test_the_whole_sweep_s_comparison_takes_the_other_shares_from_their_tags() -> None:
+    """With ``whole_sweep`` a child outside the spec (an earlier invocation's seed or cell) is a row, its cell and
+    seed from its tags, its cell first (it ran first); a run of another sweep never is. Without (a re-analysis of
+    chosen cells), only the spec's runs."""
+    from flows.sweep import TAG_CELL, TAG_SWEEP, comparison_frame, sweep_spec
+
+    spec = sweep_spec(str(TINY_SWEEP), None, cells=["grpo"])
+
+    def child(name: str, sweep: str, cell: str, seed: str, started: str) -> dict[str, Any]:
+        return {"run_id": f"id-{name}", "run_name": name, "status": "FINISHED", "start_time": started,
+                f"tags.{TAG_SWEEP}": sweep, f"tags.{TAG_CELL}": cell, "tags.seed": seed,
+                "metrics.eval/a_set/pass_at_1": 0.5}
+
+    children = pd.DataFrame([child("tiny-sweep-grpo-s0", "tiny-sweep", "grpo", "0", "2026-12-05 03:00"),
+                             child("tiny-sweep-aepo-s1", "tiny-sweep", "aepo", "1", "2026-12-05 02:00"),
+                             child("tiny-sweep-aepo-s0", "tiny-sweep", "aepo", "0", "2026-12-05 01:00"),
+                             child("other-aepo-s0", "other", "aepo", "0", "2026-12-05 00:00")])
+    whole = comparison_frame(children, spec, whole_sweep=True)
+    assert list(zip(whole["cell"], whole["seed"], strict=True)) == [("aepo", 0), ("aepo", 1), ("grpo", 0)]
+    assert list(whole["k"]) == [2, 2, 2]
+    assert list(comparison_frame(children, spec)["run_name"]) == ["tiny-sweep-grpo-s0"]
 
 
 def _write(tmp_path: Path, text: str) -> Path:
