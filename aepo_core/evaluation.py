@@ -92,6 +92,10 @@ def _run_differences(a: Mapping[str, float], b: Mapping[str, float], label: obje
     return np.array([a[q] - b[q] for q in common], dtype=float)
 
 
+# A run's mean paired difference at or below this is no change: differences in thirds that cancel sum to ~1e-17.
+NO_CHANGE = 1e-12
+
+
 def pooled_paired_comparison(
     pairs: Sequence[tuple[Mapping[str, float], Mapping[str, float]]], *, n_resamples: int = 1000, seed: int = 0,
     confidence: float = DEFAULT_CONFIDENCE,
@@ -103,7 +107,7 @@ def pooled_paired_comparison(
 
     The runs are strata, not resampled: the interval is about these S runs' mean, not a new seed's (with S = 3 a
     bootstrap over seeds would have 10 distinct resamples).  ``positive`` counts the runs whose own mean
-    difference is > 0."""
+    difference is > 0 (beyond float rounding: ``NO_CHANGE``)."""
     if not pairs:
         raise ValueError("pooled_paired_comparison needs at least one pair of runs")
     diffs = [_run_differences(a, b, i) for i, (a, b) in enumerate(pairs)]
@@ -115,7 +119,7 @@ def pooled_paired_comparison(
     tail = (1.0 - confidence) / 2.0
     low, high = np.quantile(stats, [tail, 1.0 - tail])
     return {"diff": float(np.mean([d.mean() for d in diffs])), "ci_low": float(low), "ci_high": float(high),
-            "runs": float(len(diffs)), "positive": float(sum(d.mean() > 0 for d in diffs)),
+            "runs": float(len(diffs)), "positive": float(sum(d.mean() > NO_CHANGE for d in diffs)),
             "questions": float(sum(d.size for d in diffs))}
 
 

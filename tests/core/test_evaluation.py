@@ -99,6 +99,15 @@ def test_pooled_comparison_interval_narrows_with_more_runs():
     assert nine["ci_low"] <= nine["diff"] <= nine["ci_high"]
 
 
+def test_a_run_with_no_net_change_is_not_counted_as_gained():
+    """Per-question Pass@1 in thirds (3 samples): 0 − 0, 0 − 1/3, 1 − 2/3 sums to 0, which floats read as
+    +1.9e-17. A run whose final equals its SFT score gained nothing (the Zen 4 demo's seed 2 read as "gained")."""
+    flat = ({"q0": 0.0, "q1": 0.0, "q2": 1.0}, {"q0": 0.0, "q1": 1 / 3, "q2": 2 / 3})
+    up = ({"q0": 1.0}, {"q0": 0.0})
+    res = pooled_paired_comparison([flat, up], n_resamples=100)
+    assert res["positive"] == 1.0 and res["diff"] == pytest.approx(0.5)
+
+
 def test_pooled_comparison_names_the_run_without_shared_questions():
     with pytest.raises(ValueError, match="pair 1"):
         pooled_paired_comparison([({"a": 1.0}, {"a": 0.0}), ({"a": 1.0}, {"b": 1.0})])
