@@ -153,7 +153,8 @@ def comparison_frame(children: pd.DataFrame, spec: SweepSpec, whole_sweep: bool 
     outside, first = set(frame["cell"]) - set(spec.cells), {}
     for _, child in children.iterrows():
         if (cell := child.get(f"tags.{TAG_CELL}")) in outside:
-            first[cell] = min(first.get(cell, "~"), str(child.get("start_time")))
+            started = str(child.get("start_time"))
+            first[cell] = min(first.get(cell, started), started)
     rank = {c: i for i, c in enumerate([*sorted(first, key=lambda c: (first[c], c)), *spec.cells])}
     return frame.sort_values(["cell", "seed", "dataset"], key=lambda s: s.map(rank) if s.name == "cell" else s,
                              kind="stable").reset_index(drop=True)
@@ -198,8 +199,7 @@ def markdown_table(frame: pd.DataFrame, columns: list[str]) -> str:
 
 
 def _children(runs: pd.DataFrame) -> str:
-    cells = list(dict.fromkeys(runs["cell"]))
-    return (f"{runs['run_name'].nunique()} child runs ({len(cells)} cells × seeds "
+    return (f"{runs['run_name'].nunique()} child runs ({runs['cell'].nunique()} cells × seeds "
             f"{sorted({int(s) for s in runs['seed']})})")
 
 
