@@ -542,7 +542,8 @@ def over_seeds_interval(value: Mapping[str, Any] | None, digits: int = 3, signed
 
 def _percent(value: Mapping[str, Any] | None) -> str:
     """An :class:`OverSeeds` of fractions (as a dict) in one table cell, in per cent."""
-    return over_seeds_interval(None if value is None else {k: 100 * value[k] for k in ("mean", "low", "high")}, 2)
+    return over_seeds_interval(None if value is None else
+                               {k: None if value[k] is None else 100 * value[k] for k in ("mean", "low", "high")}, 2)
 
 
 def _seed_row(name: str, arm: Mapping[str, Any]) -> list[Any]:

@@ -5,6 +5,7 @@ spent, the statistics over seeds and the seed-matched paired differences, the pa
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import tempfile
 from pathlib import Path
@@ -19,6 +20,7 @@ from bench.compare_algorithms import (
     CURVES_ARTIFACT_DIR,
     ENTROPY,
     TOKENS,
+    _percent,
     analyse,
     by_tokens,
     curve_figures,
@@ -196,6 +198,8 @@ def test_the_clipped_share_of_update_tokens_over_seeds(analysed: tuple[dict, str
     assert clip.per_seed == {0: pytest.approx(0.01), 1: pytest.approx(0.02)}
     assert (clip.mean, clip.high) == (pytest.approx(0.015), pytest.approx(0.015 + half, abs=1e-5))
     assert arms["grpo"]["clip_frac_per_run"] is None
+    one_seed = dataclasses.asdict(OverSeeds.of({0: 0.01}))  # no bounds with one seed
+    assert _percent(one_seed).startswith("1.00") and _percent(None) == "–"
     report(arms, 2, DATASET)
     out = capsys.readouterr().out
     assert "clipped update tokens" in out and "1.50 [" in out
