@@ -54,7 +54,7 @@ from typing import Any
 
 import yaml
 
-from aepo_core.evaluation import NO_CHANGE, OverSeeds
+from aepo_core.evaluation import OverSeeds
 from bench.harness import RESULTS_DIR, cli_logging, environment, print_table, write_result
 from bench.phases import PHASE_COLUMNS, PhaseSeconds, mean_phases, phase_row, phase_seconds
 from flows.cli.render import interval
@@ -559,7 +559,7 @@ def _paired_row(name: str, pair: Mapping[str, Any]) -> list[Any]:
     return [name, d["seeds"], over_seeds_interval(d, signed=True),
             *("–" if pair[p] is None else f"{pair[p]:.3f}" for p in ("p_over_seeds", "p_holm")),
             interval(given["diff"], given["ci_low"], given["ci_high"], signed=True),
-            f"{sum(v > NO_CHANGE for v in d['per_seed'].values())}/{d['seeds']}",
+            f"{int(given['positive'])}/{d['seeds']}",  # the seeds whose own mean difference is above 0
             over_seeds_interval(pair["entropy_slope"], 4, True)]
 
 

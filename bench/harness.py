@@ -155,9 +155,16 @@ def default_compute(model_name: str) -> str:
     return "float32" if model_name == TINY_RANDOM else auto_dtype(device_facts("cpu"))
 
 
-def cli_logging() -> None:
-    """A bench run from the command line logs INFO and up to stderr, each line with its time and logger."""
+# The libraries a timing bench keeps to warnings: their per-step INFO lines would swamp its own.
+QUIET_LOGGERS = ("transformers", "infra", "aepo_core", "bm25s")
+
+
+def cli_logging(quiet: bool = False) -> None:
+    """A bench run from the command line logs INFO and up to stderr, each line with its time and logger;
+    ``quiet``: :data:`QUIET_LOGGERS` only from WARNING."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    for name in QUIET_LOGGERS if quiet else ():
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def flow_bench_main(prog: str, runs_dir: Path, body: Callable[[Path], int],

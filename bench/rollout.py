@@ -763,9 +763,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local (converted cache); never reach the hub
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    cli_logging()
-    for noisy in ("transformers", "infra", "aepo_core", "bm25s"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    cli_logging(quiet=True)
     warnings.filterwarnings("ignore")
     set_threads(args.threads)
     started = time.perf_counter()

@@ -252,9 +252,7 @@ def bench_model(name: str, args_dict: dict[str, Any]) -> dict[str, Any]:
     args = argparse.Namespace(**args_dict)
     set_threads(args.threads)
     warnings.filterwarnings("ignore")
-    cli_logging()
-    for noisy in ("transformers", "infra", "aepo_core", "bm25s"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    cli_logging(quiet=True)
     compute_name = args.compute or default_compute(name)
     compute = autocast_dtype(compute_name)
     questions, k, reps = SIZES[(name, args.quick)]
@@ -407,9 +405,7 @@ def bench_step(args_dict: dict[str, Any]) -> dict[str, Any]:
     args = argparse.Namespace(**args_dict)
     set_threads(args.threads)
     warnings.filterwarnings("ignore")
-    cli_logging()
-    for noisy in ("transformers", "infra", "aepo_core", "bm25s"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    cli_logging(quiet=True)
     from aepo_core.interfaces import GenerationRequest, SamplingParams
     from infra.engines.hf import HFEngine
     from infra.engines.weights import PolicyWeights

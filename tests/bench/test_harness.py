@@ -139,3 +139,17 @@ def test_prefect_logs_to_the_session_stream_not_to_a_test_capture(prefect_import
     handlers = [h for lg in loggers for h in lg.handlers if isinstance(h, PrefectConsoleHandler)]
     assert handlers, "prefect.main was not imported: Prefect's logging is configured later, inside some test"
     assert all(h.stream is not sys.stderr for h in handlers)  # sys.stderr is capsys's stream here
+
+
+def test_a_quiet_bench_keeps_the_libraries_to_warnings() -> None:
+    import logging
+
+    from bench.harness import QUIET_LOGGERS, cli_logging
+
+    before = {name: logging.getLogger(name).level for name in QUIET_LOGGERS}
+    try:
+        cli_logging(quiet=True)
+        assert all(logging.getLogger(name).level == logging.WARNING for name in QUIET_LOGGERS)
+    finally:
+        for name, level in before.items():
+            logging.getLogger(name).setLevel(level)
