@@ -121,6 +121,9 @@ def _sft_key(cfg: Any) -> str:
         # train.sft.warmup_steps came after the cached SFT starts of the rollout study (issue 26); at its default
         # it trains the same weights, so it is left out and those caches keep their key.
         del parts["train.sft"]["warmup_steps"]
+    # train.sft.seed (later still) orders SFT's batches in place of the run's seed: the key holds the seed that does.
+    parts["seed"] = cfg.train.sft.order_seed(cfg.seed)
+    del parts["train.sft"]["seed"]
     if cfg.optim.share_prefix:  # another float rounding of the same SFT (as another micro-batch size): its own start
         parts["optim.share_prefix"] = True
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
@@ -422,7 +425,10 @@ def sweep_spec(path: Path, sets: Sequence[str], seeds: Sequence[int] | None, cel
         key, _, value = item.partition("=")
         overrides[key] = yaml.safe_load(value)
     if sft_dir is not None:
-        overrides.update({"model.name": str(sft_dir), "train.sft.enabled": False, "eval.at_start": False})
+        # The arms run no SFT, so the base's SFT order seed is moot in them (the start's key holds it); at its default
+        # their configs hash as the cells stored before train.sft.seed existed, which a resumed sweep then skips.
+        overrides.update({"model.name": str(sft_dir), "train.sft.enabled": False, "train.sft.seed": None,
+                          "eval.at_start": False})
     spec["overrides"] = overrides
     if seeds is not None:
         spec["seeds"] = list(seeds)

@@ -2,10 +2,11 @@
 
 Runs a config (default ``configs/demo.yaml``: SFT → evaluation → RL → evaluation) once per ``--seeds`` and, with
 ``--micro-batch-tokens``, once per micro-batch size too, through the sweep flow: one nested MLflow run per (size,
-seed) under a parent named ``--name``. The same command continues a stopped one (the sweep's ``--resume``, chosen
-when a sweep of that name is in the runs dir): the runs that FINISHED with the same config are not run again, the
-one in progress resumes from its last checkpoint, in the same parent run. Then, from each run's per-question
-evaluation files (``eval/sft/…``, ``eval/final/…``):
+seed) under a parent named ``--name``. Where the config fixes ``train.sft.seed`` (the demo does) every seed starts RL
+from the same SFT and the seeds vary RL alone; ``--set train.sft.seed=null`` lets each seed order SFT too. The same
+command continues a stopped one (the sweep's ``--resume``, chosen when a sweep of that name is in the runs dir): the
+runs that FINISHED with the same config are not run again, the one in progress resumes from its last checkpoint, in
+the same parent run. Then, from each run's per-question evaluation files (``eval/sft/…``, ``eval/final/…``):
 
 - per run: Pass@1 after SFT and at the end, the paired difference final − sft [bootstrap 95% CI over questions],
   tool calls per question at both evaluations, tool calls per trajectory at each RL step, the run's wall time;
@@ -320,6 +321,7 @@ def run(args: argparse.Namespace, runs: Path) -> int:
         "regime": {"rl_steps": cfg0.train.steps, "questions_per_step": cfg0.train.batch_size, "k": cfg0.rollout.k,
                    "mini_batch_size": cfg0.optim.mini_batch_size, "lr": cfg0.optim.lr,
                    "sft_examples": cfg0.train.sft.max_examples, "sft_epochs": cfg0.train.sft.epochs,
+                   "sft_seed": cfg0.train.sft.seed,
                    "eval_questions": cfg0.eval.max_questions, "eval_samples": cfg0.eval.n_samples},
         "analyse_only": args.analyse_only,
         "wall_s": None if args.analyse_only else wall,

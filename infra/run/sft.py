@@ -140,7 +140,8 @@ def run_sft(runtime: PolicyRuntime, rows: Sequence[QuestionRow]) -> SFTReport:
     # transcripts would cost two more forward passes: a third of the SFT time on CPU).
     token_budget = micro_batch_token_cap(cfg.optim, runtime.model, backend.device)
     checkpoint_decoder_layers(runtime.model, cfg.optim.activation_checkpointing)
-    history = train_sft(backend, samples, sft_cfg, runtime.pad_id, token_budget, seed=cfg.seed)
+    history = train_sft(backend, samples, sft_cfg, runtime.pad_id, token_budget,
+                        seed=sft_cfg.order_seed(cfg.seed))
     del backend  # SFT's own AdamW moments (2 × the weights) are not the RL optimizer's
     release_memory()  # its activations' and moments' heap pages back to the OS before evaluation and RL
     runtime.weights_changed(PolicyWeights(runtime.model, 0))

@@ -37,3 +37,19 @@ def test_a_second_invocation_continues_the_same_sweep(prefect_harness: Any, mode
     children = runs[runs["tags.mlflow.runName"] != "tiny-sweep-bench"]
     assert set(children["tags.mlflow.parentRunId"]) == {parent}
     assert second["runs_analysed"] == 4
+
+
+def test_the_arms_on_a_shared_start_do_not_depend_on_the_base_sft_order_seed(tmp_path: Path) -> None:
+    """The demo fixed ``train.sft.seed`` after the powered comparison's 20 cells had run on its shared start. The arms
+    run no SFT, so the seed is moot in them: at its default their configs hash as the stored cells' did, and a resumed
+    sweep skips those cells instead of training them again (~16-19 min each)."""
+    from bench.compare_algorithms import sweep_spec
+    from flows.sweep_spec import load_sweep
+
+    sweep = REPO / "configs" / "sweeps" / "claims_powered.yaml"
+
+    def hashes(*sets: str) -> dict[str, str]:
+        spec = load_sweep(sweep_spec(sweep, list(sets), [0, 1], None, tmp_path / "compare-sft-x"))
+        return {run.run_name: run.config.config_hash() for run in spec.runs}
+
+    assert hashes() == hashes("train.sft.seed=null") != hashes("train.sft.seed=null", "optim.lr=1e-6")

@@ -18,3 +18,17 @@ def test_the_study_base_gives_the_sft_start_its_stored_arms_were_sampled_from() 
     stored = json.loads(RESULTS.read_text())["policy"]
     assert Path(stored).name == f"compare-sft-{_sft_key(load_config(BASE))}"
     assert _sft_key(load_config(BASE)) != _sft_key(load_config(BASE.parent / "demo.yaml"))
+
+
+def test_the_sft_start_is_keyed_by_the_seed_that_orders_sft() -> None:
+    """``train.sft.seed`` orders SFT's batches in place of the run's seed: runs that differ only in the run's seed
+    share a start when it is fixed, and a start keyed before the field existed keeps its key."""
+    base = load_config(BASE)
+
+    def key(*sets: str) -> str:
+        return _sft_key(load_config(BASE, list(sets)))
+
+    assert key("train.sft.seed=null") == _sft_key(base)
+    assert key("seed=1", f"train.sft.seed={base.seed}") == _sft_key(base)
+    assert key("seed=1") != _sft_key(base)
+    assert key(f"train.sft.seed={base.seed + 1}") == key(f"seed={base.seed + 1}")
