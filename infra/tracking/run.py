@@ -395,8 +395,19 @@ class Tracker(RunLogger):
 
     def log_datasets(self, datasets: Sequence[DatasetRecord]) -> None:
         """The datasets the run read, as MLflow dataset inputs (the run page's "Datasets used")."""
-        if datasets:
-            self.client.log_inputs(self.run_id, datasets=[d.as_input() for d in datasets])
+        if not datasets:
+            return
+        inputs = [d.as_input() for d in datasets]
+        try:
+            self.client.log_inputs(self.run_id, datasets=inputs)
+        except MlflowException as exc:
+            # MLflow looks for the (experiment, name, digest) row and inserts it when absent, unlocked: two runs logging
+            # the same new dataset at once (a sweep's children on two workers) race, and the later insert fails its
+            # UNIQUE constraint with nothing written. Once more, the row exists and the input is linked to it.
+            if "unique constraint" not in str(exc).lower():
+                raise
+            log.debug("dataset inputs of run %s raced another run's; logging them again", self.run_id)
+            self.client.log_inputs(self.run_id, datasets=inputs)
 
     def run_url(self, run_id: str | None = None) -> str | None:
         """The run's page in the MLflow UI: on the ``http(s)://`` tracking server, else (a SQLite store no UI is

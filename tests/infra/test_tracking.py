@@ -43,7 +43,7 @@ from infra.tracking.registry import (
     register_model,
     resolve_version,
 )
-from infra.tracking.run import Tracker
+from infra.tracking.run import DatasetRecord, Tracker
 
 
 def make_trees(n_questions: int = 3) -> list[RolloutTree]:
@@ -430,3 +430,36 @@ def test_a_fluent_call_leaves_the_process_tracking_uri_as_it_found_it(tmp_path: 
                           env={**env, "PYTHONPATH": str(root)})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
+
+
+def test_runs_logging_the_same_new_dataset_at_once_all_succeed(runs_dir: Path) -> None:
+    """A sweep's children on two workers log the same dataset at the same moment. MLflow looks for the (experiment,
+    name, digest) row and inserts it when absent, with no lock between the two: the later insert failed its UNIQUE
+    constraint (`test_fanout_sweep_…`, 2026-12-06: one child FAILED at start). Every run must get its input."""
+    import threading
+
+    cfg = make_cfg(runs_dir)
+    trackers = [Tracker.from_config(cfg) for _ in range(4)]
+    run_ids = [t.start(cfg, run_name=f"child-{i}") for i, t in enumerate(trackers)]
+    rounds, errors = 12, []
+    barrier = threading.Barrier(len(trackers))
+
+    def log(t: Tracker) -> None:
+        for r in range(rounds):
+            barrier.wait()
+            try:
+                t.log_datasets([DatasetRecord(f"synthetic:train-{r}", f"digest{r}", "synthetic", 8, "training")])
+            except Exception as exc:  # every failure reported, not the first
+                errors.append(repr(exc))
+
+    threads = [threading.Thread(target=log, args=(t,)) for t in trackers]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors[:2]
+    for rid in run_ids:
+        names = {d.dataset.name for d in trackers[0].client.get_run(rid).inputs.dataset_inputs}
+        assert names == {f"synthetic:train-{r}" for r in range(rounds)}
+    for t in trackers:
+        t.finish()
