@@ -39,7 +39,7 @@ from infra.numerics import Numerics, numerics_for
 from infra.processes import cpu_seconds
 from infra.tools.registry import build_tools
 from infra.training.checkpoint import CheckpointState, load_checkpoint
-from infra.training.memory import release_memory
+from infra.training.memory import freeze_live_objects, release_memory, thaw_live_objects
 
 if TYPE_CHECKING:
     from infra.engines.vllm_server import VLLMServer
@@ -89,10 +89,14 @@ class PolicyRuntime:
             self.server.close()
 
     def __enter__(self) -> PolicyRuntime:
+        freeze_live_objects()  # each phase boundary's collection then walks only what the run made (memory.py)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        try:
+            self.close()
+        finally:
+            thaw_live_objects()
 
     def cpu_seconds(self) -> float:
         """CPU seconds used so far by this process, its finished children (sandboxed code) and the managed vLLM

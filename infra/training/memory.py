@@ -107,6 +107,27 @@ _LIBC_NAME = ctypes.util.find_library("c")
 _LIBC = ctypes.CDLL(_LIBC_NAME) if _LIBC_NAME else None
 
 
+def freeze_live_objects() -> None:
+    """Collect garbage, then take every object alive now out of the cycle collector's walk (``gc.freeze``) until
+    :func:`thaw_live_objects`.
+
+    Each :func:`release_memory` is a full collection, and a full collection walks every tracked object: after the
+    trainer's imports that is ~650k (torch, transformers, MLflow, Prefect), walked at every phase boundary. On a
+    2-core Xeon VM (2026-12-06) each walk took 0.6–2.4 s, 15 s of a tiny 2-step run's 107 s; with the objects
+    that exist when a runtime starts (the libraries, the policy) frozen, that run took 38 s instead of 48 s (two
+    runs each, alternating). Frozen objects are still freed by reference counting; only a cycle among them waits
+    for the thaw.
+    """
+    gc.collect()
+    gc.freeze()
+
+
+def thaw_live_objects() -> None:
+    """Give what :func:`freeze_live_objects` froze back to the collector (a process that goes on, e.g. a test
+    session, then collects cycles among those objects again)."""
+    gc.unfreeze()
+
+
 def release_memory() -> None:
     """Collect garbage and hand the C heap's free pages back to the OS (glibc ``malloc_trim``).
 
