@@ -113,10 +113,11 @@ def freeze_live_objects() -> None:
 
     Each :func:`release_memory` is a full collection, and a full collection walks every tracked object: after the
     trainer's imports that is ~650k (torch, transformers, MLflow, Prefect), walked at every phase boundary. On a
-    2-core Xeon VM (2026-12-06) each walk took 0.6–2.4 s, 15 s of a tiny 2-step run's 107 s; with the objects
-    that exist when a runtime starts (the libraries, the policy) frozen, that run took 38 s instead of 48 s (two
-    runs each, alternating). Frozen objects are still freed by reference counting; only a cycle among them waits
-    for the thaw.
+    2-core Xeon VM (2026-12-06) each walk took 0.6–2.4 s. With the objects that exist when a runtime starts (the
+    libraries, the policy) frozen, a tiny 2-step ``aepo train`` under cProfile spent 0.27 s in its six
+    ``release_memory`` calls instead of 6.37 s, plus 0.84 s for this one collection. Frozen objects are still freed
+    by reference counting; only a cycle among them waits for the thaw. Nested runtimes: the inner one's thaw gives
+    everything back (the outer run's collections walk it all again; nothing is lost).
     """
     gc.collect()
     gc.freeze()
