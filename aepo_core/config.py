@@ -23,6 +23,9 @@ from aepo_core.config_section import Section
 from aepo_core.described_yaml import described_lines
 from aepo_core.tool_config import ToolsConfig
 
+SharePrefix = Literal["off", "common", "tree"]
+"""``optim.share_prefix``: which tokens the rows of a micro-batch share run through the decoder once."""
+
 
 class ModelConfig(Section):
     """The policy: which causal LM, its dtypes and its device."""
@@ -404,15 +407,26 @@ class OptimConfig(Section):
         "layers × (48·hidden + 12·intermediate) bytes to layers × 4·hidden plus one layer's (SmolLM2-135M: 1.38 → "
         "0.12 MB), for one more forward of the decoder per micro-batch.",
     )
-    share_prefix: bool = Field(
-        False,
-        description="Run the leading tokens every row of a micro-batch shares (the system prompt: ~100 of the "
-        "demo's ~117-token prompts, about a quarter of an RL sample's ~430 tokens) through the decoder once, every "
-        "row attending to that one copy: the same log-probs and gradients up to float rounding (a causal decoder's "
-        "states there do not depend on what follows), fewer tokens in SFT, scoring and gradient passes. Needs "
-        "activation_checkpointing off (a recomputed layer would extend the shared keys twice) and the torch "
-        "backend.",
+    share_prefix: SharePrefix = Field(
+        "off",
+        description="Run the tokens the rows of a micro-batch share through the decoder once, with the same "
+        "log-probs and gradients up to float rounding (a causal decoder's state at a position does not depend on "
+        "what follows). 'common': the leading tokens every row shares (the system prompt: ~100 of the demo's "
+        "~117-token prompts, about a quarter of an RL sample's ~430 tokens) as one row every row attends to; needs "
+        "activation_checkpointing off (a recomputed layer would extend the shared keys twice). 'tree': every "
+        "distinct prefix once, the rows packed as a trie with a 4-D attention mask (a question's leaves share "
+        "their prompt and their parent's segments: the powered sweep's trees held 2.35x fewer distinct tokens "
+        "than their leaves), micro-batches filled question by question up to micro_batch_tokens distinct tokens; "
+        "needs sdpa or eager attention. true/false mean 'common'/'off' (configs before 'tree'). Torch backend "
+        "only.",
     )
+
+    @field_validator("share_prefix", mode="before")
+    @classmethod
+    def _share_prefix_bool(cls, value: object) -> object:
+        """true/false, this field's values before 'tree' existed: 'common'/'off'."""
+        return {True: "common", False: "off"}[value] if isinstance(value, bool) else value
+
     old_logprobs: Literal["trainer", "rollout"] = Field(
         "trainer",
         description="π_old of the PPO ratio: the trainer's own no-grad forward before the update (exact under "
@@ -438,9 +452,9 @@ class OptimConfig(Section):
         if self.scoring_pass == "never" and self.old_logprobs != "rollout":
             raise ValueError("optim.scoring_pass=never needs optim.old_logprobs=rollout (without the scoring pass "
                              "π_old can only be the sampler's)")
-        if self.share_prefix and self.activation_checkpointing:
-            raise ValueError("optim.share_prefix needs optim.activation_checkpointing=false (a recomputed decoder "
-                             "layer would extend the shared keys and values a second time)")
+        if self.share_prefix == "common" and self.activation_checkpointing:
+            raise ValueError("optim.share_prefix=common needs optim.activation_checkpointing=false (a recomputed "
+                             "decoder layer would extend the shared keys and values a second time)")
         return self
 
 
@@ -733,9 +747,12 @@ class ExperimentConfig(Section):
             raise ValueError("optim.scoring_pass=never takes the token entropies from the sampler: with "
                              f"rollout.engine={r.engine} that needs rollout.exact_entropy=true (the top-k estimate "
                              "overstates them)")
-        if self.optim.share_prefix and self.train.backend != "torch":
+        if self.optim.share_prefix != "off" and self.train.backend != "torch":
             raise ValueError("optim.share_prefix runs on train.backend=torch only (the DeepSpeed engine's decoder "
                              "forward is not split)")
+        if self.optim.share_prefix == "tree" and self.model.attn_implementation not in (None, "sdpa", "eager"):
+            raise ValueError("optim.share_prefix=tree needs model.attn_implementation sdpa or eager (an arbitrary "
+                             f"4-D mask), not {self.model.attn_implementation}")
         return self
 
     def clip_active(self) -> bool:

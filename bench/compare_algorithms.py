@@ -124,8 +124,9 @@ def _sft_key(cfg: Any) -> str:
     # train.sft.seed (later still) orders SFT's batches in place of the run's seed: the key holds the seed that does.
     parts["seed"] = cfg.train.sft.order_seed(cfg.seed)
     del parts["train.sft"]["seed"]
-    if cfg.optim.share_prefix:  # another float rounding of the same SFT (as another micro-batch size): its own start
-        parts["optim.share_prefix"] = True
+    if cfg.optim.share_prefix != "off":  # another float rounding of the same SFT (as another micro-batch size): its
+        # own start; "common" keeps the key it had as the boolean true
+        parts["optim.share_prefix"] = True if cfg.optim.share_prefix == "common" else cfg.optim.share_prefix
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

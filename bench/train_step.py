@@ -150,6 +150,7 @@ class TimedBackend:
         self.compute_dtype = backend.compute_dtype
         self.device = backend.device
         self.chunked_projection = backend.chunked_projection
+        self.shares_tree = backend.shares_tree
         self.ranks = backend.ranks
         self.rss = rss
         self.step_s = 0.0

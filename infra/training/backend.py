@@ -43,6 +43,13 @@ class TrainBackend(Protocol):
         ...
 
     @property
+    def shares_tree(self) -> bool:
+        """Whether :meth:`forward_hidden` runs a batch as its token tree (``optim.share_prefix=tree``): positions
+        whose rows share their prefix then hold the very same state, so the vocabulary projection runs once per
+        distinct (prefix, next token) (:func:`infra.training.logprobs.response_logprobs_and_entropy`)."""
+        ...
+
+    @property
     def ranks(self) -> Ranks:
         """The data-parallel ranks whose gradients ``step()`` combines (one process: ``Ranks(0, 1)``)."""
         ...

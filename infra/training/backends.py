@@ -8,11 +8,12 @@ from collections.abc import Mapping
 import torch
 from transformers import DynamicCache
 
-from aepo_core.config import OptimConfig
+from aepo_core.config import OptimConfig, SharePrefix
 from infra.kv_cache import cache_kwarg, is_plain_dynamic
 from infra.ranks import Ranks
 from infra.training.backend import Stateful
 from infra.training.optim import build_optimizer, build_scheduler
+from infra.training.token_tree import token_tree
 
 log = logging.getLogger(__name__)
 
@@ -32,23 +33,33 @@ def shared_prefix_len(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> 
     return min(int(same.long().cumprod(0).sum()), input_ids.shape[1] - 1)
 
 
+def full_attention(decoder: torch.nn.Module) -> bool:
+    """Whether every layer of ``decoder`` attends to all earlier positions (no sliding window): what sharing a
+    prefix needs. The layer types come from the config, before any forward."""
+    return is_plain_dynamic(DynamicCache(config=decoder.config))
+
+
 def last_hidden_state(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      share_prefix: bool = False) -> torch.Tensor:
+                      share_prefix: SharePrefix = "off") -> torch.Tensor:
     """Last hidden states of a causal LM's decoder (the vocabulary projection is applied by the caller), with no
     KV cache: a training forward that builds one keeps every layer's keys and values alive to its end, which
     would undo activation checkpointing (``memory.checkpoint_decoder_layers``).
 
-    ``share_prefix`` (``optim.share_prefix``): the :func:`shared_prefix_len` leading tokens common to every row go
-    through the decoder once, as one row whose keys and values every row then attends to (expanded, not copied),
-    and only the rest of each row is run. A causal decoder's states at those positions do not depend on what
-    follows, so the states, and through the expansion's backward (a sum over rows) the gradients, are the
-    unshared forward's up to float rounding. Models whose cache is not a plain full-attention one (sliding
-    windows) and prefixes under :data:`MIN_SHARED_PREFIX` take the unshared forward."""
+    ``share_prefix`` (``optim.share_prefix``): ``tree``: :func:`tree_hidden_state`. ``common``: the
+    :func:`shared_prefix_len` leading tokens common to every row go through the decoder once, as one row whose keys
+    and values every row then attends to (expanded, not copied), and only the rest of each row is run. A causal
+    decoder's states at those positions do not depend on what follows, so the states, and through the expansion's
+    backward (a sum over rows) the gradients, are the unshared forward's up to float rounding. Models whose cache
+    is not a plain full-attention one (sliding windows: a window is not a prefix, nor a custom mask's business)
+    and prefixes under :data:`MIN_SHARED_PREFIX` take the unshared forward."""
     decoder = model.base_model
-    p = shared_prefix_len(input_ids, attention_mask) if share_prefix else 0
-    cache = DynamicCache(config=decoder.config) if p >= MIN_SHARED_PREFIX else None
-    if cache is None or not is_plain_dynamic(cache):  # (the layer types come from the config, before any forward)
+    shared = share_prefix != "off" and full_attention(decoder)
+    if shared and share_prefix == "tree":
+        return tree_hidden_state(decoder, input_ids, attention_mask)
+    p = shared_prefix_len(input_ids, attention_mask) if shared else 0
+    if p < MIN_SHARED_PREFIX:
         return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    cache = DynamicCache(config=decoder.config)
     kwarg = cache_kwarg(decoder)
     head = decoder(input_ids=input_ids[:1, :p], attention_mask=attention_mask[:1, :p], use_cache=True,
                    **{kwarg: cache})  # fills ``cache`` in place
@@ -59,8 +70,23 @@ def last_hidden_state(model: torch.nn.Module, input_ids: torch.Tensor, attention
     return torch.cat([head.last_hidden_state.expand(b, -1, -1), rest.last_hidden_state], dim=1)
 
 
+def tree_hidden_state(decoder: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The decoder's last hidden states of a right-padded batch run as its :func:`token_tree`: each distinct prefix
+    once, the rows' states gathered from their nodes (see :mod:`infra.training.token_tree`). Every real position's
+    state, and through the gather's backward every gradient, is the unshared forward's up to float rounding; padded
+    positions hold the first node's state (nothing reads them)."""
+    tree = token_tree(input_ids, attention_mask)
+    mask = tree.attention_mask
+    if decoder.config._attn_implementation == "eager":  # eager adds its mask to the scores: 0 or the dtype's min
+        mask = torch.zeros(mask.shape, dtype=decoder.dtype, device=mask.device).masked_fill_(
+            ~mask, torch.finfo(decoder.dtype).min)
+    hidden = decoder(input_ids=tree.input_ids, attention_mask=mask, position_ids=tree.position_ids,
+                     use_cache=False).last_hidden_state
+    return hidden[0, tree.index]
+
+
 def decoder_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   compute_dtype: torch.dtype | None = None, share_prefix: bool = False) -> torch.Tensor:
+                   compute_dtype: torch.dtype | None = None, share_prefix: SharePrefix = "off") -> torch.Tensor:
     """:func:`last_hidden_state`; with ``compute_dtype`` under autocast: bf16 matmuls, float32 master weights."""
     with torch.autocast(input_ids.device.type, dtype=compute_dtype or torch.float32,
                         enabled=compute_dtype is not None):
@@ -70,11 +96,12 @@ def decoder_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
 class _InProcessModel:
     """A whole model in this process: forward passes under optional autocast; its parameters are its full weights."""
 
-    def __init__(self, model: torch.nn.Module, compute_dtype: torch.dtype | None, share_prefix: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, compute_dtype: torch.dtype | None,
+                 share_prefix: SharePrefix = "off") -> None:
         self.model = model
         self.compute_dtype = compute_dtype
         self.share_prefix = share_prefix
-        """``optim.share_prefix``: the rows' common leading tokens run through the decoder once."""
+        """``optim.share_prefix``: which tokens the rows share run through the decoder once."""
 
     @property
     def module(self) -> torch.nn.Module:
@@ -87,6 +114,11 @@ class _InProcessModel:
     @property
     def chunked_projection(self) -> bool:
         return True
+
+    @property
+    def shares_tree(self) -> bool:
+        """``optim.share_prefix=tree`` on a full-attention model (a sliding-window one runs every row)."""
+        return self.share_prefix == "tree" and full_attention(self.model.base_model)
 
     @property
     def ranks(self) -> Ranks:

@@ -15,6 +15,7 @@ import torch
 
 from aepo_core.rollout.tree import RolloutTree
 from aepo_core.scoring import LeafScore, check_aligned
+from infra.training.token_tree import Trie
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,21 @@ def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[i
     if current:
         batches.append(current)
     return batches
+
+
+def plan_tree_micro_batches(rows: Sequence[Sequence[int]], token_budget: int) -> list[list[int]]:
+    """Micro-batches for ``optim.share_prefix=tree``: the rows in their order (a question's samples together, so
+    that its leaves share their tree), each micro-batch taking rows while its :class:`Trie` holds ≤ token_budget
+    distinct tokens (the decoder's tokens under ``tree``; a longer single row gets its own)."""
+    batches: list[list[int]] = [[]]
+    trie = Trie()
+    for i, row in enumerate(rows):
+        if batches[-1] and trie.nodes + trie.extension(row) > token_budget:
+            batches.append([])
+            trie = Trie()
+        batches[-1].append(i)
+        trie.add(row)
+    return batches if batches[-1] else []
 
 
 def split_mini_batches(samples: Sequence[TrainSample], questions_per_batch: int) -> list[list[int]]:

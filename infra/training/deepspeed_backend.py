@@ -254,6 +254,11 @@ class DeepSpeedBackend:
         return False
 
     @property
+    def shares_tree(self) -> bool:
+        """False: the engine's forward runs every row (``optim.share_prefix`` is the torch backend's)."""
+        return False
+
+    @property
     def ranks(self) -> Ranks:
         """The launcher's data-parallel ranks (the default process group); ``Ranks(0, 1)`` single-process."""
         return self._ranks

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from infra.training.batching import PaddedBatch, TrainSample, collate, plan_micro_batches
+from infra.training.token_tree import prefix_nodes
 
 if TYPE_CHECKING:
     from infra.training.backend import TrainBackend
@@ -130,6 +131,9 @@ def response_logprobs_and_entropy(
     with torch.set_grad_enabled(with_grad):
         hidden, rows, cols, h, targets = _response_hidden(backend, batch)
         b, r = batch.targets.shape
+        inverse = None
+        if backend.shares_tree and targets.numel():  # one projection per distinct (prefix, next token): their rows are the same values
+            h, targets, inverse = _distinct_pairs(batch, rows, cols, h, targets)
         proj = VocabProjection(head, backend.compute_dtype, temperature,
                                chunk_rows or logits_chunk_rows(head.out_features))
         flat_ent: torch.Tensor | None
@@ -142,6 +146,9 @@ def response_logprobs_and_entropy(
             flat_ent = proj.forward(h.detach(), targets, with_entropy=True)[2] if with_entropy else None
         else:
             _, flat_lp, flat_ent = proj.forward(h, targets, with_entropy)
+        if inverse is not None:  # back to every response token (the gather's backward sums a pair's gradients)
+            flat_lp = flat_lp[inverse]
+            flat_ent = flat_ent[inverse] if flat_ent is not None else None
         index = rows * r + cols
         logprobs = hidden.new_zeros(b * r, dtype=torch.float32).index_put((index,), flat_lp).view(b, r)
         entropy = None
@@ -150,6 +157,20 @@ def response_logprobs_and_entropy(
     return logprobs, entropy
 
 
+
+
+def _distinct_pairs(batch: PaddedBatch, rows: torch.Tensor, cols: torch.Tensor, h: torch.Tensor,
+                    targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h, targets, inverse) of the distinct (prefix node, target) pairs among the response tokens (``h[inverse]``
+    is the input ``h``): under the token tree, a question's leaves share their prompt's last state and their
+    parent's segments, and project each once. A node's state is one tensor row whichever row reads it, so any
+    occurrence stands for all."""
+    nodes = prefix_nodes(batch.input_ids, batch.attention_mask)[rows, batch.response_start[rows] - 1 + cols]
+    key = nodes * (int(targets.max()) + 1) + targets
+    _, inverse = torch.unique(key, return_inverse=True)
+    first = torch.empty(int(inverse.max()) + 1, dtype=torch.long, device=h.device)
+    first.scatter_(0, inverse, torch.arange(inverse.numel(), device=h.device))
+    return h[first], targets[first], inverse
 
 
 def _head(backend: TrainBackend) -> torch.nn.Linear:

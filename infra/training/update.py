@@ -45,7 +45,14 @@ from aepo_core.losses import (
     loss_normalizer,
 )
 from infra.training.backend import TrainBackend
-from infra.training.batching import PaddedBatch, TrainSample, collate, plan_micro_batches, split_mini_batches
+from infra.training.batching import (
+    PaddedBatch,
+    TrainSample,
+    collate,
+    plan_micro_batches,
+    plan_tree_micro_batches,
+    split_mini_batches,
+)
 from infra.training.logprobs import response_logprobs_and_entropy
 from infra.training.memory import checkpoint_decoder_layers, micro_batch_token_cap, release_memory
 
@@ -98,8 +105,11 @@ class PolicyUpdater:
 
     # ------------------------------------------------------------------
     def _micro_batches(self, samples: Sequence[TrainSample], indices: Sequence[int]) -> list[list[int]]:
-        lengths = [len(samples[i].input_ids) for i in indices]
-        return [[indices[j] for j in mb] for mb in plan_micro_batches(lengths, self.micro_batch_tokens)]
+        if self.cfg.optim.share_prefix == "tree":
+            plan = plan_tree_micro_batches([samples[i].input_ids for i in indices], self.micro_batch_tokens)
+        else:
+            plan = plan_micro_batches([len(samples[i].input_ids) for i in indices], self.micro_batch_tokens)
+        return [[indices[j] for j in mb] for mb in plan]
 
     def _lockstep(self, samples: Sequence[TrainSample], share: Sequence[Sequence[int]]) -> list[list[int] | None]:
         """This rank's micro-batches of ``share[rank]``, padded with None to the most any rank has.
