@@ -132,7 +132,7 @@ def response_logprobs_and_entropy(
         hidden, rows, cols, h, targets = _response_hidden(backend, batch)
         b, r = batch.targets.shape
         inverse = None
-        if backend.shares_tree and targets.numel():  # one projection per distinct (prefix, next token): their rows are the same values
+        if backend.shares_tree and targets.numel():  # one projection per distinct (prefix, next token)
             h, targets, inverse = _distinct_pairs(batch, rows, cols, h, targets)
         proj = VocabProjection(head, backend.compute_dtype, temperature,
                                chunk_rows or logits_chunk_rows(head.out_features))
