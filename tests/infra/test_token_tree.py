@@ -156,3 +156,20 @@ def test_the_config_takes_the_old_booleans_and_refuses_a_tree_it_cannot_run():
     assert _sft_key(common) == _sft_key(legacy)  # the SFT caches made under `true` keep their key
     assert _sft_key(build_config({}, ["optim.share_prefix=tree"])) not in (_sft_key(common),
                                                                           _sft_key(build_config({}, [])))
+
+
+def test_a_sliding_window_model_takes_the_unshared_forward():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             sliding_window=8)).eval()
+    calls = DecoderCalls(model)
+    batch = collate(branched(), pad_id=0)
+    with torch.no_grad():
+        tree = last_hidden_state(model, batch.input_ids, batch.attention_mask, share_prefix="tree")
+        plain = last_hidden_state(model, batch.input_ids, batch.attention_mask)
+    assert calls.rows == [12, 12]  # a window is not a prefix: no packed tree, every row ran
+    torch.testing.assert_close(tree, plain, rtol=0, atol=0)
+    assert not TorchBackend(model, OptimConfig(share_prefix="tree"), total_steps=1).shares_tree
