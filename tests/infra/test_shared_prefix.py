@@ -89,13 +89,18 @@ def test_short_or_absent_prefixes_take_the_unshared_forward():
     assert calls.rows == [12, 12]
 
 
-def test_a_sliding_window_model_takes_the_unshared_forward_without_running_the_prefix():
+def sliding_window_model() -> torch.nn.Module:
+    """A tiny Mistral whose attention looks back 8 tokens only."""
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    model = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                             sliding_window=8)).eval()
+    return MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            sliding_window=8)).eval()
+
+
+def test_a_sliding_window_model_takes_the_unshared_forward_without_running_the_prefix():
+    model = sliding_window_model()
     calls = DecoderCalls(model)
     batch = collate(samples(), pad_id=0)
     with torch.no_grad():

@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from test_shared_prefix import DecoderCalls
+from test_shared_prefix import DecoderCalls, sliding_window_model
 from test_update import VOCAB, tiny_model
 
 from aepo_core.config import ConfigError, OptimConfig
@@ -159,12 +159,7 @@ def test_the_config_takes_the_old_booleans_and_refuses_a_tree_it_cannot_run():
 
 
 def test_a_sliding_window_model_takes_the_unshared_forward():
-    from transformers import MistralConfig, MistralForCausalLM
-
-    torch.manual_seed(0)
-    model = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                             sliding_window=8)).eval()
+    model = sliding_window_model()
     calls = DecoderCalls(model)
     batch = collate(branched(), pad_id=0)
     with torch.no_grad():
