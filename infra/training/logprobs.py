@@ -165,6 +165,8 @@ def _distinct_pairs(batch: PaddedBatch, rows: torch.Tensor, cols: torch.Tensor, 
     is the input ``h``): under the token tree, a question's leaves share their prompt's last state and their
     parent's segments, and project each once. A node's state is one tensor row whichever row reads it, so any
     occurrence stands for all."""
+    # The trie is built again here (the forward's is behind TrainBackend.forward_hidden): 11 ms for 16 leaves of
+    # 5 349 tokens on a 2-core Xeon; a demo step of ~4 such micro-batches updates in 21 s (bench/README).
     nodes = prefix_nodes(batch.input_ids, batch.attention_mask)[rows, batch.response_start[rows] - 1 + cols]
     key = nodes * (int(targets.max()) + 1) + targets
     _, inverse = torch.unique(key, return_inverse=True)

@@ -38,14 +38,19 @@ class TokenTree:
 
 
 class Trie:
-    """Distinct prefixes of the rows added so far: what a micro-batch of them costs the decoder under ``tree``."""
+    """Distinct prefixes of the rows added so far, numbered in order of first appearance (a parent before its
+    children): what a micro-batch of them costs the decoder under ``tree``, and its packed sequence."""
 
     def __init__(self) -> None:
         self._children: dict[tuple[int, int], int] = {}
+        self.tokens: list[int] = []
+        """Each node's token."""
+        self.depths: list[int] = []
+        """Each node's depth (its position in any row through it)."""
 
     @property
     def nodes(self) -> int:
-        return len(self._children)
+        return len(self.tokens)
 
     def extension(self, row: Sequence[int]) -> int:
         """The nodes ``row`` would add: its tokens past its longest prefix already here."""
@@ -57,32 +62,26 @@ class Trie:
             node = child
         return 0
 
-    def add(self, row: Sequence[int]) -> None:
-        node = -1
-        for tok in row:
-            node = self._children.setdefault((node, tok), len(self._children))
-
-
-def _trie(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[list[int], list[int], list[list[int]]]:
-    """(each node's token, each node's depth, each row's path of nodes) of the rows' real tokens, nodes numbered
-    in order of first appearance (a parent before its children)."""
-    children: dict[tuple[int, int], int] = {}
-    tokens: list[int] = []
-    depth: list[int] = []
-    paths: list[list[int]] = []
-    for row, n in zip(input_ids.tolist(), attention_mask.sum(1).tolist(), strict=True):
+    def add(self, row: Sequence[int]) -> list[int]:
+        """Add ``row``; returns its path (the node of each of its positions)."""
         node, path = -1, []
-        for t in range(int(n)):
-            key = (node, row[t])
-            child = children.get(key)
+        for depth, tok in enumerate(row):
+            child = self._children.get((node, tok))
             if child is None:
-                child = children[key] = len(tokens)
-                tokens.append(row[t])
-                depth.append(t)
+                child = self._children[(node, tok)] = len(self.tokens)
+                self.tokens.append(tok)
+                self.depths.append(depth)
             node = child
             path.append(node)
-        paths.append(path)
-    return tokens, depth, paths
+        return path
+
+
+def _trie(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[Trie, list[list[int]]]:
+    """The :class:`Trie` of the rows' real tokens and each row's path through it."""
+    trie = Trie()
+    paths = [trie.add(row[: int(n)]) for row, n in zip(input_ids.tolist(), attention_mask.sum(1).tolist(),
+                                                       strict=True)]
+    return trie, paths
 
 
 def _index(paths: list[list[int]], like: torch.Tensor) -> torch.Tensor:
@@ -95,19 +94,18 @@ def _index(paths: list[list[int]], like: torch.Tensor) -> torch.Tensor:
 def prefix_nodes(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """[B, T]: the :class:`TokenTree` node of each row position (0 at padding): positions with the same node have
     the same prefix, so under the tree the same state."""
-    return _index(_trie(input_ids, attention_mask)[2], input_ids)
+    return _index(_trie(input_ids, attention_mask)[1], input_ids)
 
 
 def token_tree(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> TokenTree:
     """The :class:`TokenTree` of a right-padded batch (``attention_mask`` 1 on each row's leading real tokens)."""
-    tokens, depth, paths = _trie(input_ids, attention_mask)
-    n_nodes = len(tokens)
-    mask = torch.zeros((n_nodes, n_nodes), dtype=torch.bool)
+    trie, paths = _trie(input_ids, attention_mask)
+    mask = torch.zeros((trie.nodes, trie.nodes), dtype=torch.bool)
     for path in paths:  # along a row, position t attends to positions ≤ t: a lower triangle over its nodes
         p = torch.tensor(path, dtype=torch.long)
         q, k = torch.tril_indices(len(path), len(path))
         mask[p[q], p[k]] = True
     device = input_ids.device
-    return TokenTree(input_ids=torch.tensor([tokens], dtype=input_ids.dtype, device=device),
-                     position_ids=torch.tensor([depth], dtype=torch.long, device=device),
+    return TokenTree(input_ids=torch.tensor([trie.tokens], dtype=input_ids.dtype, device=device),
+                     position_ids=torch.tensor([trie.depths], dtype=torch.long, device=device),
                      attention_mask=mask.to(device)[None, None], index=_index(paths, input_ids))
