@@ -15,8 +15,8 @@ import yaml
 
 from aepo_core.config import ExperimentConfig
 from aepo_core.config_keys import ConfigError
-from aepo_core.overrides import build_config, parse_override
-from infra.config_files import load_config, read_config_text
+from aepo_core.overrides import config_from_yaml, parse_override
+from infra.config_files import read_config_text
 
 SPEC_KEYS = frozenset({"name", "base", "overrides", "seeds", "grid", "cells", "runs_dir", "description"})
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -113,17 +113,20 @@ def load_sweep(source: str | Path | Mapping[str, Any], overrides: Sequence[str] 
     if unknown:
         raise ConfigError(f"{label}: unknown sweep key(s) {unknown}; known: {sorted(SPEC_KEYS)}")
     name = _check_name(str(raw.get("name") or "sweep"), "name")
+    # Every config is built from the base file's text, never from a resolved config: fields whose unset value
+    # follows another (algorithm.dual_clip and loss_agg follow the loss) are then derived for each cell exactly as
+    # `aepo train -c <base> --set <the cell's overrides>` derives them.
     base_ref = raw.get("base")
     if base_ref is None:
-        base, base_source = load_config(None), "defaults"
+        base_text, base_source = "{}", "defaults"
     else:
         base_path = Path(str(base_ref)).expanduser()
         base_path = base_path if base_path.is_absolute() else here / base_path
-        base, base_source = load_config(base_path), str(base_path.resolve())
+        base_text, base_source = read_config_text(base_path, "config file"), str(base_path.resolve())
     forced = _override_map(list(overrides), "--set")
     common = {**_override_map(raw.get("overrides"), "overrides"), **forced}
-    if common:  # the parent run too: it logs where the children do (e.g. tracking.tracking_uri of a server)
-        base = build_config(base.to_dict(), common, source=f"{label}, overrides")
+    # the parent run's config: it logs where the children do (e.g. tracking.tracking_uri of a server)
+    base = config_from_yaml(base_text, common, source=f"{label}, base {base_source}")
     seeds_raw = raw.get("seeds")
     seeds = [base.seed] if seeds_raw is None else seeds_raw
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool)
@@ -149,8 +152,8 @@ def load_sweep(source: str | Path | Mapping[str, Any], overrides: Sequence[str] 
     runs = []
     for cell, ov in cells.items():
         for seed in seeds:
-            cfg = build_config(base.to_dict(), {**common, **ov, "seed": seed, **forced},
-                               source=f"{label}, cell {cell}")
+            cfg = config_from_yaml(base_text, {**common, **ov, "seed": seed, **forced},
+                                   source=f"{label}, cell {cell}")
             if (cfg.tracking.tracking_uri, cfg.tracking.experiment) != (base.tracking.tracking_uri,
                                                                         base.tracking.experiment):
                 raise ConfigError(f"{label}, cell {cell}: tracking.* must match the base config (the children are "
