@@ -33,10 +33,11 @@ Everything that touches the outside world is handed in: the engine (token ids in
 
 Randomness is keyed by what a path is, never by when things happen: a path's identity is ``g<j>`` (the j-th global
 sample), ``f<j>`` (fill), ``probe`` (a discarded probe) or ``<parent>/<step>.<b>`` (the b-th fork made at the
-parent's tool step ``step``).  Segment seeds are derived from (seed, question, path, segment), and each branch
-decision's uniform draw from (seed, question, path, tool step), so a path's tokens do not depend on batch
-composition, and two arms that reach the same decision (same path, same step) draw the same u: their decisions
-are paired.
+parent's tool step ``step``).  A question's identity is its ``question_id`` (``<id>#<n>`` for the n-th repeat of
+an id within one batch), never its position in the batch.  Segment seeds are derived from (seed, question, path,
+segment), and each branch decision's uniform draw from (seed, question, path, tool step), so a question's tree does
+not depend on what else is in its batch or in which order, and two arms that reach the same decision (same
+question, path and step) draw the same u: their decisions are paired.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class _ProbeRecord:
 class _Path:
     """A trajectory being generated (internal state; becomes a Leaf when done)."""
 
-    qi: int
+    question_key: str  # the question's identity in the seeds (module docstring)
     leaf_id: int
     node_ids: list[int]
     kind: SampleKind
@@ -116,7 +117,7 @@ class _Path:
 
 @dataclass
 class _QuestionState:
-    index: int
+    key: str  # the question's identity in the seeds: its id, ``<id>#<n>`` for the n-th repeat in the batch
     question: Question
     nodes: list[Node]
     paths: list[_Path] = field(default_factory=list)
@@ -178,6 +179,18 @@ def merge_results(parts: Sequence[RolloutResult]) -> RolloutResult:
     return RolloutResult(trees, stats, dict(parts[0].branch_rate_by_consecutive))
 
 
+def question_keys(questions: Sequence[Question]) -> list[str]:
+    """Each question's identity in the seeds: its id, and ``<id>#<n>`` for the n-th (n ≥ 1) repeat of that id in
+    the batch, so that a question asked twice gets two samples, not one sample twice."""
+    seen: Counter[str] = Counter()
+    keys = []
+    for q in questions:
+        n = seen[q.question_id]
+        seen[q.question_id] += 1
+        keys.append(q.question_id if n == 0 else f"{q.question_id}#{n}")
+    return keys
+
+
 def derive_seed(*parts: object) -> int:
     """A stable 63-bit seed from any parts (Python's hash() is salted per process)."""
     digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
@@ -209,8 +222,8 @@ class RolloutScheduler:
         self._prompt_tokens = 0
         self._decisions: list[tuple[int, bool]] = []
         self._seed = seed
-        states = [_QuestionState(i, q, [Node(0, None, 0, "prompt", list(q.prompt_ids))])
-                  for i, q in enumerate(questions)]
+        states = [_QuestionState(key, q, [Node(0, None, 0, "prompt", list(q.prompt_ids))])
+                  for key, q in zip(question_keys(questions), questions, strict=True)]
         start = time.perf_counter()
         # Headroom past tool_workers: threads of abandoned (timed-out) calls keep running until their tool returns,
         # and the calls after them must still start at once (_run_calls caps live calls at tool_workers).
@@ -252,7 +265,7 @@ class RolloutScheduler:
             key = f"g{st.globals_started}" if kind == "global" else f"f{st.fills}"
         if kind == "fill":
             st.fills += 1
-        path = _Path(qi=st.index, leaf_id=st.leaves_started, node_ids=[0], kind=kind, key=key)
+        path = _Path(question_key=st.key, leaf_id=st.leaves_started, node_ids=[0], kind=kind, key=key)
         st.paths.append(path)
         return path
 
@@ -342,7 +355,7 @@ class RolloutScheduler:
             cap = min(remaining, cfg.max_segment_tokens) if cfg.max_segment_tokens else remaining
             ids = [t for i in p.node_ids for t in st.nodes[i].token_ids]
             requests.append(
-                GenerationRequest(ids, max(1, cap), STOP_STRINGS, seed=derive_seed(self._seed, p.qi, p.key, p.segments))
+                GenerationRequest(ids, max(1, cap), STOP_STRINGS, seed=derive_seed(self._seed, p.question_key, p.key, p.segments))
             )
         return self._engine_generate(requests, sampling)
 
@@ -485,7 +498,7 @@ class RolloutScheduler:
         l_count = consecutive_branch_count(p.step_history)
         h_init = p.h_init if p.h_init is not None else node.segment_entropy
         delta = node.segment_entropy - h_init
-        u = random.Random(derive_seed(self._seed, p.qi, p.key, "u", len(p.step_history))).random()
+        u = random.Random(derive_seed(self._seed, p.question_key, p.key, "u", len(p.step_history))).random()
         d: BranchDecision = branch_decision(u, delta, l_count, gamma=cfg.gamma, tau=cfg.tau, lam=lam)
         branched = d.branch and budget_left > 0
         node.delta_entropy = delta
@@ -630,7 +643,7 @@ class RolloutScheduler:
         """budget_rule official: H_root of each question from a separate sample of ``root_sample_tokens`` tokens
         from the prompt (no stop strings), the mean entropy of its tokens; its tokens are paid and not kept."""
         requests = [GenerationRequest(list(st.question.prompt_ids), self.cfg.root_sample_tokens, (),
-                                      seed=derive_seed(self._seed, st.index, "root")) for st in states]
+                                      seed=derive_seed(self._seed, st.key, "root")) for st in states]
         for st, res in zip(states, self._engine_generate(requests, sampling), strict=True):
             st.root_sample_entropy = sum(res.entropies) / len(res.entropies) if res.entropies else math.nan
 

@@ -431,3 +431,40 @@ def test_segment_cap_below_the_entropy_window_is_a_config_error():
         build_config({"rollout": {"max_segment_tokens": 8, "entropy_window": 9}})
     assert build_config({}, ["rollout.max_segment_tokens=16", "rollout.entropy_window=16"]).rollout.entropy_window == 16
     assert build_config({}, ["rollout.max_segment_tokens=20"]).rollout.max_segment_tokens == 20
+
+
+@pytest.mark.parametrize("mode", ["aepo", "arpo", "independent"])
+def test_a_question_s_tree_does_not_depend_on_the_rest_of_its_batch(mode):
+    """Randomness is keyed by the question's id, not its position in the batch (issue 49 §4): the same question
+    gets the same tree alone, second in a batch, after others are removed, or with the batch reordered; so arms
+    that see different batches still pair question by question."""
+    rng_script = lambda transcript, seed: Segment(  # noqa: E731
+        "<search>q</search>" if transcript.count("<result>") < 2 else "<answer>\\boxed{1}</answer>",
+        random.Random(seed).uniform(0, 5),
+    )
+    cfg = RolloutConfig(mode=mode, premonitor=True, **{**BASE, "k": 6, "branch_penalty": 0.05})
+    prompts = {qid: [ord(c) for c in f"Q{qid}: what is x?\n"] for qid in ("a", "b", "c", "d")}
+
+    def trees(order: list[str]) -> dict[str, list[tuple]]:
+        sched = RolloutScheduler(ScriptedEngine(rng_script), {"search": EchoSearch()}, cfg)
+        res = sched.run([Question(q, prompts[q]) for q in order], seed=11)
+        return {t.question_id: [(n.parent_id, n.kind, n.branch_reason, tuple(n.token_ids), n.segment_entropy)
+                                for n in t.nodes] for t in res.trees}
+
+    full = trees(["a", "b", "c", "d"])
+    assert trees(["b"])["b"] == full["b"]
+    assert trees(["d", "c", "b", "a"]) == full
+    assert trees(["a", "c", "d"])["c"] == full["c"]
+    assert len({str(t) for t in full.values()}) == 4  # the questions themselves differ (the test can see a mix-up)
+
+
+def test_a_question_repeated_in_a_batch_gets_its_own_draws():
+    """Two rows of one question id in a batch (a question sampled twice) are distinct samples, not copies."""
+    rng_script = lambda transcript, seed: Segment(  # noqa: E731
+        "<search>q</search>" if transcript.count("<result>") < 2 else "<answer>\\boxed{1}</answer>",
+        random.Random(seed).uniform(0, 5),
+    )
+    cfg = RolloutConfig(mode="aepo", premonitor=True, **{**BASE, "k": 6})
+    sched = RolloutScheduler(ScriptedEngine(rng_script), {"search": EchoSearch()}, cfg)
+    first, second = sched.run([Question("a", PROMPT), Question("a", PROMPT)], seed=3).trees
+    assert [n.segment_entropy for n in first.nodes] != [n.segment_entropy for n in second.nodes]
