@@ -168,11 +168,13 @@ class RolloutConfig(Section):
     )
     premonitor: bool = Field(True, description="Entropy pre-monitoring decides the global/branch split.")
     probe: Literal["reuse", "discard"] = Field(
-        "reuse",
-        description="Pre-monitoring's probe once it has measured the question: reuse keeps it as the first of the m "
-        "global samples, replaying its stored segments one per round beside the other m − 1 globals so that its tool "
-        "steps compete for branches in the same rounds and order as theirs (no tokens paid twice); discard throws "
-        "it away and starts m fresh globals, as the published code does (its tokens are paid and not trained on).",
+        "discard",
+        description="Pre-monitoring's probe once it has measured the question: discard throws it away and starts m "
+        "fresh globals, as the published code does (its tokens are paid and not trained on; the default for claims: "
+        "no path's branching depends on the entropies that set m). reuse keeps it as the first of the m globals, "
+        "replaying its stored segments one per round beside the other m − 1 (no tokens paid twice); when beta ≠ 0 "
+        "its steps take no branch decision, since its entropies set m (deciding too gave its path 0.759 vs 0.687 "
+        "branches at beta 0.5), so its branch budget goes to the other paths.",
     )
     budget_rule: Literal["paper", "official"] = Field(
         "paper",

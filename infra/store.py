@@ -172,7 +172,8 @@ NODE_SCHEMA = _schema("nodes", [
            "input).", False),
     _field("branched", pa.bool_(), "This step created a branch.", False),
     _field("branch_reason", pa.string(), "The branch decision: branch / below_tau / penalized / budget_full; fork "
-           "for a branch's first segment; \"\" where no decision was taken.", False),
+           "for a branch's first segment; probe for a step of a kept probe whose entropies set m (no decision); \"\" "
+           "where no decision was taken.", False),
     _field("branch_score", pa.float64(), "The score compared to τ (null without a decision)."),
     _field("tool_name", pa.string(), "The tool whose result this segment is (null on other nodes)."),
     _field("tool_argument", pa.string(), "The tool call's argument (null on other nodes)."),

@@ -6,10 +6,14 @@ parallel → append results as separately tokenized ids (loss mask 0) → branch
 Modes:
 - ``aepo``: one probe per question first (batched); m from its entropies (``budget_rule``); consecutive branch
   penalty λ.  With ``premonitor`` off, m = ``initial_rollouts``.  The probe never branches while it measures.
+  ``probe: discard`` (the default, the published code) throws it away and starts m fresh globals.
   ``probe: reuse`` keeps it as the first global sample: when it ends, the question's tree is rewound to the prompt
   and the probe's stored segments and tool results are replayed one per round beside the m − 1 new globals, so its
-  tool steps are decided in the same rounds, order and budget as theirs (as if all m had started together), and no
-  token is sampled twice.  ``probe: discard`` throws it away and starts m fresh globals (the published code).
+  tool steps fall in the same rounds and order as theirs (as if all m had started together), and no token is
+  sampled twice.  Its entropies set m, so when β ≠ 0 they must not also drive its own decisions (a probe whose
+  post-tool entropy is high would both lower m, opening branch budget, and branch more: 0.759 vs 0.687 branches
+  on the first global's path at β = 0.5, tests/core/test_rollout_fairness.py): its steps are then recorded
+  (reason ``probe``) and never branch.  At β = 0, m does not depend on it and it decides like any global.
 - ``arpo``: m = ``initial_rollouts``, the same branch rule with λ = 0.
 - ``independent``: k global samples, no branching (GRPO-style rollouts).
 
@@ -110,6 +114,7 @@ class _Path:
     last_tool_failed: bool = False
     record: _ProbeRecord | None = None  # the probe, while it measures: what it got, for a replay
     replay: _ProbeRecord | None = None  # the reused probe: served from its record instead of the engine and tools
+    set_budget: bool = False  # the reused probe whose entropies set m (β ≠ 0): its steps take no decision
     status: LeafStatus | None = None
     started: float = field(default_factory=time.perf_counter)
     wall_s: float = 0.0
@@ -277,7 +282,7 @@ class RolloutScheduler:
         point = st.fork_points[tool_node]
         key = f"{point.key}/{len(point.step_history)}.{branch}"
         path = replace(point, leaf_id=st.leaves_started, kind="branch", key=key, node_ids=list(point.node_ids),
-                       step_history=list(history), fork_pending=True, record=None, replay=None,
+                       step_history=list(history), fork_pending=True, record=None, replay=None, set_budget=False,
                        started=time.perf_counter())
         st.paths.append(path)
         return path
@@ -315,7 +320,8 @@ class RolloutScheduler:
             record = st.probe.record
             st.nodes, st.paths, st.fork_points = st.nodes[:1], [], {}
             if self.cfg.probe == "reuse":
-                self._new_path(st, "global").replay = record
+                kept = self._new_path(st, "global")
+                kept.replay, kept.set_budget = record, self.cfg.beta != 0.0
             self._start_globals(st)
             return True
         if st.leaves_started >= self.cfg.k:
@@ -422,6 +428,10 @@ class RolloutScheduler:
             if p.fork_pending:
                 p.fork_pending = False
                 node.branch_reason = "fork"
+            elif branching and p.set_budget:
+                node.delta_entropy = node.segment_entropy - (p.h_init if p.h_init is not None else math.nan)
+                node.branch_reason = "probe"
+                p.step_history.append(False)
             elif branching:
                 self._decide(st, p, node, budget_left=cfg.k - st.leaves_started)
 

@@ -40,7 +40,8 @@ class Node:
     """A segment.  Branch fields are set on model segments that follow a real tool result (the measured step).
 
     ``branch_reason``: ``branch`` / ``below_tau`` / ``penalized`` / ``budget_full`` for a decision, ``fork``
-    for the first segment of a branch (no decision: its step already branched), ``""`` otherwise.
+    for the first segment of a branch (no decision: its step already branched), ``probe`` for a step of a kept
+    probe whose entropies set m (no decision: they must not also drive its own branching), ``""`` otherwise.
     """
 
     node_id: int

@@ -74,6 +74,27 @@ def test_the_probe_gets_no_preferential_share_of_branches(probe, arpo):
     assert first_global_branches(aepo) <= first_global_branches(arpo) + 0.05
 
 
+def test_a_kept_probe_gets_no_more_branches_than_a_fresh_first_global_at_any_beta():
+    """β > 0 (issue 49 §2): m is a function of the probe's own H_root − H̄_tool, and the same entropies give its ΔH
+    at each tool step, so a kept probe whose post-tool entropy is high both lowers m (more branch budget) and
+    branches more.  Before the fix, at λ = 0 (3 seeds × 300 questions, k = 8) the kept probe's path took 0.759,
+    0.730 and 0.692 branches per question at β = 0.5, 1, 2 against 0.687, 0.651 and 0.583 for the first global under
+    ``discard`` (a fresh sample).  A kept probe's entropies now set m and do not drive its own decisions: its
+    path never branches when β ≠ 0 (and branches like any global at β = 0, where m does not depend on it)."""
+    questions = [Question(f"q{i}", [ord(c) for c in f"Q{i}: what is x?\n"]) for i in range(300)]
+    excess = []
+    for beta in (0.5, 1.0, 2.0):
+        first = {}
+        for probe in ("reuse", "discard"):
+            cfg = RolloutConfig(mode="aepo", premonitor=True, beta=beta, branch_penalty=0.0, probe=probe, **BASE)
+            ts = [t for s in (0, 1, 2) for t in RolloutScheduler(ScriptedEngine(random_script),
+                                                                  {"search": EchoSearch()}, cfg).run(questions, s).trees]
+            first[probe] = first_global_branches(ts)
+        assert first["discard"] > 0.3  # a fresh first global does branch: the comparison can see a difference
+        excess.append(first["reuse"] - first["discard"])
+    assert max(excess) <= 0.0, excess
+
+
 def decisions(ts: list[RolloutTree]) -> dict[tuple[str, str], tuple[float, int, str]]:
     """Every branch decision by (question, transcript up to and including its segment): (score, l, reason)."""
     out = {}
