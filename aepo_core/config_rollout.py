@@ -181,11 +181,19 @@ class RolloutConfig(Section):
         description="How pre-monitoring turns the probe into m. paper: m = clamp(round(k·σ(β(H_root − H̄_tool))), 1, "
         "k), half up, H_root = the probe's first segment, H̄_tool = mean of its segments after a tool result "
         "(AEPO.md §3). official (the published code): m = min(k, int(k·σ(β(H_root − H̄_tool))) + 1), H̄_tool also "
-        "averages the first segment, H_root = mean token entropy of a separate sample of root_sample_tokens tokens.",
+        "averages the first segment, H_root = the entropy of the first W tokens of a separate sample of at most "
+        "root_sample_tokens tokens from the prompt that stops at the tool tags (on entropy_scale's scale).",
     )
     root_sample_tokens: int = Field(
-        50, ge=1, description="budget_rule official: length of the separate sample from the prompt that H_root is "
-        "measured on (the published code's 50)."
+        50, ge=1, description="budget_rule official: most tokens of the separate sample from the prompt whose first "
+        "W tokens H_root is measured on (the published code's 50)."
+    )
+    entropy_scale: Literal["nats", "official"] = Field(
+        "nats",
+        description="The segment entropy that branching (ΔH) and pre-monitoring (H_root, H̄_tool) read. nats (AEPO.md "
+        "§2): the mean full-vocabulary entropy of the first W tokens. official (the published code): the sum over "
+        "the first W tokens of the entropy of the top-10 log-probs ÷ ln|V| (≈ 1.68× nats for Qwen at W = 20), on "
+        "which the published β and γ were set. Token entropies (the advantage, the gate) stay exact nats.",
     )
     beta: float = Field(0.5, description="β of the budget rule's σ(β(H_root − H̄_tool)).")
     entropy_window: int = Field(20, ge=1, description="W: tokens at the start of a segment whose entropy is averaged.")

@@ -69,3 +69,30 @@ def topk_entropy_estimate(topk_logprobs: Sequence[float], vocab_size: int) -> fl
     if tail <= 0.0 or rest == 0:
         return head
     return head - tail * math.log(tail / rest)
+
+
+
+PUBLISHED_TOP_K = 10
+"""Log-probs per position that the published AEPO/ARPO code asks vLLM for (``logprobs=10``)."""
+
+
+def published_token_entropy(top_logprobs: Sequence[float], sampled_logprob: float, vocab_size: int,
+                            k: int = PUBLISHED_TOP_K) -> float:
+    """The published code's per-position entropy term: −Σ p·log p over the ``k`` largest log-probs at the position
+    plus the sampled token's when it is not among them (vLLM returns both: ``k`` or ``k + 1`` entries), ÷ ln|V|.
+    A truncation, not the entropy: the tail is dropped (AEPO.md §9)."""
+    if vocab_size < 2:
+        raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+    top = sorted(top_logprobs, reverse=True)[:k]
+    if not top or sampled_logprob < top[-1]:
+        top.append(sampled_logprob)
+    return -sum(math.exp(lp) * lp for lp in top) / math.log(vocab_size)
+
+
+def published_segment_entropy(token_terms: Sequence[float], window: int) -> float:
+    """Segment entropy on the published code's scale (``rollout.entropy_scale: official``): the sum, not the mean,
+    of the first ``window`` per-position terms (:func:`published_token_entropy`); 0 for an empty segment, as
+    there.  At W = 20 it is ≈ 1.68× the mean-nats scale for Qwen's vocabulary, so β and γ act on another scale."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    return float(sum(token_terms[:window]))

@@ -36,6 +36,9 @@ class GenerationResult:
     ``weight_version`` is the label of the weights that sampled the tokens as a server reported it (the RL step
     after a weight sync); None where the engine does not track versions (the in-process engine samples from the
     trainer's own weights).
+    ``published_entropies`` are the published code's per-position terms (top-10 truncated entropy ÷ ln|V|,
+    :func:`aepo_core.entropy.published_token_entropy`), read only under ``rollout.entropy_scale: official``;
+    None where the engine does not report them.
     """
 
     token_ids: list[int]
@@ -46,6 +49,7 @@ class GenerationResult:
     entropy_is_estimate: bool = False
     error: str | None = None
     weight_version: str | None = None
+    published_entropies: list[float] | None = None
 
 
 @dataclass(frozen=True)

@@ -163,8 +163,9 @@ NODE_SCHEMA = _schema("nodes", [
            "an index into prompt_tokens.", False),
     _field("token_end", pa.int32(), "End (exclusive) of the segment's token span; relative as token_start.", False),
     _field("finish_reason", pa.string(), "Why generation of a model segment stopped (\"\" otherwise).", False),
-    _field("segment_entropy", pa.float64(), "Mean entropy of the first W tokens of a model segment (null if "
-           "unmeasured)."),
+    _field("segment_entropy", pa.float64(), "What the rules read of a model segment: the mean entropy (nats) of its "
+           "first W tokens, or under rollout.entropy_scale official the sum of their top-10 entropy terms ÷ ln|V| "
+           "(null if unmeasured)."),
     _field("delta_entropy", pa.float64(), "ΔH: the segment's entropy against the tree's H_root (null if "
            "unmeasured)."),
     _field("entropy_is_estimate", pa.bool_(), "The entropies are a top-k estimate (remote engines).", False),

@@ -57,7 +57,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 
 from aepo_core.config import RolloutConfig
-from aepo_core.entropy import segment_entropy
+from aepo_core.entropy import published_segment_entropy, segment_entropy
 from aepo_core.interfaces import Engine, GenerationRequest, GenerationResult, SamplingParams, Tool, ToolResult
 from aepo_core.protocol import ANSWER_CLOSE, STOP_STRINGS, ToolCall, parse_tool_call, result_block
 from aepo_core.rollout.branching import BranchDecision, branch_decision, consecutive_branch_count
@@ -129,7 +129,7 @@ class _QuestionState:
     m: int = 0
     h_root: float = math.nan
     h_tool: float = math.nan
-    root_sample_entropy: float = math.nan  # budget_rule official: mean token entropy of the separate root sample
+    root_sample_entropy: float = math.nan  # budget_rule official: the separate root sample's segment entropy
     fills: int = 0
     probing: bool = False  # the pre-monitoring probe is still running (aepo with premonitor)
     fork_points: dict[int, _Path] = field(default_factory=dict)  # real tool-result node → path state just after it
@@ -413,7 +413,7 @@ class RolloutScheduler:
             token_start=parent.token_end if parent.kind != "prompt" else 0,
             text=text,
             finish_reason=res.finish_reason,
-            segment_entropy=segment_entropy(res.entropies, cfg.entropy_window),
+            segment_entropy=self._segment_entropy(res),
             entropy_is_estimate=res.entropy_is_estimate,
             weight_version=res.weight_version,
         )
@@ -465,6 +465,16 @@ class RolloutScheduler:
             self._close(p, "tool_error" if p.last_tool_failed else "truncated")
         # else: the segment cap was hit with budget left; the path continues in the next round
         return None
+
+    def _segment_entropy(self, res: GenerationResult) -> float:
+        """What the rules read of a segment, on ``rollout.entropy_scale``: the mean entropy (nats) of its first W
+        tokens, or the published code's sum of top-10 terms ÷ ln|V| over them."""
+        if self.cfg.entropy_scale == "nats":
+            return segment_entropy(res.entropies, self.cfg.entropy_window)
+        if res.published_entropies is None:
+            raise ValueError(f"rollout.entropy_scale=official needs the engine's top-10 entropy terms, which "
+                             f"{type(self.engine).__name__} does not report; use rollout.entropy_scale=nats")
+        return published_segment_entropy(res.published_entropies, self.cfg.entropy_window)
 
     def _cut_at_first_stop(self, turn: str, res: GenerationResult) -> GenerationResult:
         """The segment cut right after the token that completes the turn's first stop string.
@@ -650,12 +660,14 @@ class RolloutScheduler:
         st.m = global_budget(cfg.k, h_root, st.h_tool, cfg.beta)
 
     def _sample_roots(self, states: list[_QuestionState], sampling: SamplingParams) -> None:
-        """budget_rule official: H_root of each question from a separate sample of ``root_sample_tokens`` tokens
-        from the prompt (no stop strings), the mean entropy of its tokens; its tokens are paid and not kept."""
-        requests = [GenerationRequest(list(st.question.prompt_ids), self.cfg.root_sample_tokens, (),
+        """budget_rule official: H_root of each question from a separate sample of at most ``root_sample_tokens``
+        tokens from the prompt that stops at the tool tags, as the published code samples it, scored on its first
+        W tokens (:meth:`_segment_entropy`); its tokens are paid and not kept.  A failed sample: NaN."""
+        requests = [GenerationRequest(list(st.question.prompt_ids), self.cfg.root_sample_tokens, STOP_STRINGS,
                                       seed=derive_seed(self._seed, st.key, "root")) for st in states]
         for st, res in zip(states, self._engine_generate(requests, sampling), strict=True):
-            st.root_sample_entropy = sum(res.entropies) / len(res.entropies) if res.entropies else math.nan
+            failed = res.finish_reason == "error" or res.error is not None
+            st.root_sample_entropy = math.nan if failed else self._segment_entropy(res)
 
     def _finish(self, st: _QuestionState) -> RolloutTree:
         if math.isnan(st.h_root) and st.paths:

@@ -73,6 +73,7 @@ import torch
 from transformers import DynamicCache
 
 from aepo_core.config import ModelConfig
+from aepo_core.entropy import PUBLISHED_TOP_K
 from aepo_core.interfaces import FinishReason, GenerationRequest, GenerationResult, SamplingParams
 from infra.engines.prefix_cache import LayerKV, PrefixKV, PrefixKVStore
 from infra.engines.weights import PolicyWeights, WeightSource
@@ -97,6 +98,7 @@ class _Row:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)
+    published_entropies: list[float] = field(default_factory=list)
     finish: FinishReason | None = None
     stop_string: str | None = None
     error: str | None = None
@@ -105,6 +107,7 @@ class _Row:
         return GenerationResult(
             token_ids=list(self.ids), logprobs=list(self.logprobs), entropies=list(self.entropies),
             finish_reason=self.finish or "error", stop_string=self.stop_string, error=self.error,
+            published_entropies=list(self.published_entropies),
         )
 
 
@@ -162,8 +165,10 @@ def sampling_distribution(logits: torch.Tensor, sampling: SamplingParams) -> tup
 
 
 def sample_next(logits: torch.Tensor, generators: Sequence[torch.Generator], sampling: SamplingParams
-            ) -> tuple[list[int], list[float], list[float], list[bool]]:
-    """Sample one token per row; return ids, log-probs, entropies and rows with non-finite logits.
+            ) -> tuple[list[int], list[float], list[float], list[float], list[bool]]:
+    """Sample one token per row; return ids, log-probs, entropies, the published code's top-10 entropy terms
+    (:func:`~aepo_core.entropy.published_token_entropy`, ÷ ln of the logits' width) and rows with non-finite
+    logits.
 
     Few passes over ``[B, V]`` (each is a thread sync on CPU): shifted exponentials ``e = exp(z − max)``
     give the normalizer ``s``, the entropy ``log s − Σ e·(z − max) / s`` and the CDF. Each row draws one
@@ -189,10 +194,22 @@ def sample_next(logits: torch.Tensor, generators: Sequence[torch.Generator], sam
         v = torch.minimum(u[:, None] * last, torch.nextafter(last, torch.zeros_like(last)))
         tokens_t = torch.searchsorted(cdf, v.contiguous(), right=True).clamp_(max=z.shape[-1] - 1)
     chosen = shifted.gather(-1, tokens_t).squeeze(-1) - total.log().squeeze(-1)
-    packed = torch.stack([tokens_t.squeeze(-1).double(), chosen.double(), entropy.double()], -1)
-    tokens, chosen_l, entropy_l = zip(*packed.tolist(), strict=True) if len(generators) else ((), (), ())
+    published = _published_terms(shifted, total, chosen)
+    packed = torch.stack([tokens_t.squeeze(-1).double(), chosen.double(), entropy.double(), published.double()], -1)
+    tokens, chosen_l, entropy_l, published_l = (zip(*packed.tolist(), strict=True) if len(generators)
+                                                 else ((), (), (), ()))
     bad = [not (math.isfinite(h) and math.isfinite(c)) for h, c in zip(entropy_l, chosen_l, strict=True)]
-    return [int(t) for t in tokens], list(chosen_l), list(entropy_l), bad
+    return [int(t) for t in tokens], list(chosen_l), list(entropy_l), list(published_l), bad
+
+
+def _published_terms(shifted: torch.Tensor, total: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """Per row, :func:`~aepo_core.entropy.published_token_entropy` of the sampled distribution: −Σ p·log p over its
+    top-10 log-probs and the sampled token's when outside them, ÷ ln V (V: the logits' width)."""
+    top = shifted.topk(min(PUBLISHED_TOP_K, shifted.shape[-1]), dim=-1).values - total.log()
+    head = -(top.exp() * top.masked_fill(~torch.isfinite(top), 0.0)).sum(-1)
+    outside = chosen < top[:, -1]
+    extra = torch.where(outside, -(chosen.exp() * chosen), torch.zeros_like(chosen))
+    return (head + extra) / math.log(shifted.shape[-1])
 
 
 class HFEngine:
@@ -426,7 +443,7 @@ class HFEngine:
             log.warning("batched generation of %d rows failed (%s: %s); retrying row by row",
                         len(rows), type(exc).__name__, exc)
         for row in rows:
-            row.ids, row.logprobs, row.entropies = [], [], []
+            row.ids, row.logprobs, row.entropies, row.published_entropies = [], [], [], []
             row.finish = row.stop_string = row.error = None
             try:
                 self._run_batch([row], sampling, stats)
@@ -468,7 +485,7 @@ class HFEngine:
         active = list(range(len(rows)))
 
         while True:
-            tokens, logps, ents, bad = sample_next(logits, [generators[a] for a in active], sampling)
+            tokens, logps, ents, published, bad = sample_next(logits, [generators[a] for a in active], sampling)
             keep: list[int] = []
             for j, a in enumerate(active):
                 row = rows[a]
@@ -481,6 +498,7 @@ class HFEngine:
                 row.ids.append(tok)
                 row.logprobs.append(logps[j])
                 row.entropies.append(ents[j])
+                row.published_entropies.append(published[j])
                 if tok in self._eos_ids:
                     row.finish = "eos"
                 elif row.stop and (hit := self._match_stop(row, windows[a])) is not None:

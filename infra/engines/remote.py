@@ -47,7 +47,7 @@ import torch
 from safetensors.torch import save_file
 
 from aepo_core.config import RemoteEngineConfig
-from aepo_core.entropy import topk_entropy_estimate
+from aepo_core.entropy import published_token_entropy, topk_entropy_estimate
 from aepo_core.interfaces import GenerationRequest, GenerationResult, SamplingParams
 from infra.atomic import atomic_dir
 from infra.engines.weights import PolicyWeights, WeightSource
@@ -305,13 +305,18 @@ class RemoteEngine:
                                         "token's probability is never assumed")
         logprobs = [float(x) for x in logprobs]
         entropies = [topk_entropy_estimate(list(top.values()), self.vocab_size) for top in tops]
+        # the published code's terms: its top-10 of the server's top log-probs (ask for at least 10) and the sampled
+        published = [published_token_entropy(list(top.values()), lp_t, self.vocab_size)
+                     for top, lp_t in zip(tops, logprobs, strict=True)]
         finish = choice.get("finish_reason") or "length"
         stop_reason = choice.get("stop_reason")
         eos = self.eos_token_id
         if finish == "stop" and token_ids and eos is not None and token_ids[-1] == eos:
-            return GenerationResult(token_ids, logprobs, entropies, "eos", None, True)
-        if finish == "stop":
+            finish, matched = "eos", None
+        elif finish == "stop":
             matched = stop_reason if isinstance(stop_reason, str) else next(
                 (s for s in req.stop if self.decode(token_ids).endswith(s)), None)
-            return GenerationResult(token_ids, logprobs, entropies, "stop" if matched else "eos", matched, True)
-        return GenerationResult(token_ids, logprobs, entropies, "length", None, True)
+            finish = "stop" if matched else "eos"
+        else:
+            finish, matched = "length", None
+        return GenerationResult(token_ids, logprobs, entropies, finish, matched, True, published_entropies=published)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 from aepo_core.interfaces import GenerationRequest, GenerationResult, SamplingParams, ToolResult
 
 EOS = 0
+SCRIPTED_VOCAB = 1000
 
 
 @dataclass
@@ -66,7 +68,10 @@ class ScriptedEngine:
                     finish, stop = "stop", s
             if len(ids) > req.max_tokens:
                 ids, finish, stop = ids[: req.max_tokens], "length", None
-            out.append(GenerationResult(ids, [-0.5] * len(ids), [seg.entropy] * len(ids), finish, stop))
+            # the published code's per-position terms: on a scale of their own (÷ SCRIPTED_VOCAB's log)
+            published = [seg.entropy / math.log(SCRIPTED_VOCAB)] * len(ids)
+            out.append(GenerationResult(ids, [-0.5] * len(ids), [seg.entropy] * len(ids), finish, stop,
+                                        published_entropies=published))
         return out
 
 

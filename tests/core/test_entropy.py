@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
 
-from aepo_core.entropy import segment_entropy, token_entropy, topk_entropy_estimate
+from aepo_core.entropy import (
+    published_segment_entropy,
+    published_token_entropy,
+    segment_entropy,
+    token_entropy,
+    topk_entropy_estimate,
+)
+from aepo_core.rollout.budget import official_global_budget, official_tool_entropy
 
 
 def test_uniform_and_one_hot():
@@ -72,3 +80,49 @@ def test_topk_estimate_bounds_the_true_entropy():
     truncated = -sum(math.exp(x) * x for x in top)  # what the published code effectively used
     assert truncated < true <= est + 1e-9
     assert abs(est - true) < abs(truncated - true)
+
+
+def _published_step_entropy(logprob_dicts: list[dict[int, float]], vocab_size: int) -> float:
+    """The published code's step entropy, as it computes it: the values of the first ≤ 20 positions' log-prob
+    dicts (vLLM's top-10 plus the sampled token when outside them) flattened, −Σ p·l, ÷ ln(vocab size)."""
+    flat = [lp for d in logprob_dicts[:20] for lp in d.values()]
+    return -sum(math.exp(lp) * lp for lp in flat) / math.log(vocab_size) if flat else 0.0
+
+
+def _published_initial_rollouts(h_root: float, step_entropies: list[float], n: int) -> int:
+    """The published code's m: int(n·σ(0.5·(H_root − mean step entropy))) + 1, within [1, n]."""
+    avg = sum(step_entropies) / len(step_entropies) if step_entropies else h_root
+    return max(1, min(int(n * (1 / (1 + math.exp(-0.5 * (h_root - avg))))) + 1, n))
+
+
+def _recorded_positions(rng: random.Random, n: int) -> tuple[list[dict[int, float]], list[float]]:
+    """Positions as vLLM reports them with logprobs=10: a dict of the top-10 ids → log-prob, plus the sampled token
+    when it is outside them (11 entries), and the sampled token's log-prob."""
+    dicts, sampled = [], []
+    for _ in range(n):
+        logits = [rng.gauss(0, rng.choice([0.5, 2.0, 5.0])) for _ in range(64)]
+        lse = math.log(sum(math.exp(v) for v in logits))  # a 64-token support of the vocabulary
+        logp = sorted(((v - lse, i) for i, v in enumerate(logits)), reverse=True)
+        pick = rng.randrange(len(logp)) if rng.random() < 0.3 else rng.randrange(3)
+        d = {i: lp for lp, i in logp[:10]}
+        d[logp[pick][1]] = logp[pick][0]
+        dicts.append(d)
+        sampled.append(logp[pick][0])
+    return dicts, sampled
+
+
+@pytest.mark.parametrize("vocab", [49152, 151665])
+def test_published_budget_matches_the_published_function_on_recorded_positions(vocab: int) -> None:
+    """budget_rule official with entropy_scale official gives the published code's step entropies and m (issue 49
+    §3), over 200 probes of a root sample and 0–3 post-tool steps of 5–60 tokens."""
+    rng = random.Random(7)
+    for _ in range(200):
+        steps = [_recorded_positions(rng, rng.randint(5, 60)) for _ in range(rng.randint(1, 4))]
+        root = _recorded_positions(rng, rng.randint(5, 50))
+        ours = [published_segment_entropy([published_token_entropy(list(d.values()), s, vocab) for d, s in
+                                           zip(ds, ss, strict=True)], 20) for ds, ss in [root, *steps]]
+        theirs = [_published_step_entropy(ds, vocab) for ds, _ in [root, *steps]]
+        assert ours == pytest.approx(theirs, rel=1e-12, abs=1e-15)
+        k = rng.choice([8, 12, 16])
+        m_ours = official_global_budget(k, ours[0], official_tool_entropy(ours[1], ours[2:]), beta=0.5)
+        assert m_ours == _published_initial_rollouts(theirs[0], theirs[1:], k)

@@ -18,6 +18,7 @@ import pytest
 from scripted_engine import EchoSearch, ScriptedEngine, Segment
 
 from aepo_core.config import RolloutConfig
+from aepo_core.interfaces import GenerationResult
 from aepo_core.rollout.scheduler import Question, RolloutResult, RolloutScheduler
 from aepo_core.rollout.study import branch_points_by_leaf
 from aepo_core.rollout.tree import RolloutTree
@@ -151,10 +152,13 @@ def test_pre_monitoring_at_arpos_m_and_lambda_samples_arpos_trees(probe):
 
 
 def test_official_budget_rule_reads_a_separate_root_sample():
-    """budget_rule official: H_root is the mean token entropy of a separate sample of root_sample_tokens tokens
-    from the prompt (no stop strings), H̄_tool averages the probe's first segment with its post-tool ones, and
-    m = min(k, int(k·σ(β(H_root − H̄_tool))) + 1)."""
+    """budget_rule official (issue 49 §3): H_root is the entropy of the first W tokens of a separate sample of at
+    most root_sample_tokens tokens from the prompt that stops at the tool tags (as the published code samples it),
+    H̄_tool averages the probe's first segment with its post-tool ones, and m = min(k, int(k·σ(β(H_root −
+    H̄_tool))) + 1)."""
     from scripted_engine import tool_then_answer
+
+    from aepo_core.protocol import STOP_STRINGS
 
     requests = []
 
@@ -170,11 +174,49 @@ def test_official_budget_rule_reads_a_separate_root_sample():
     questions = [Question("q0", [ord(c) for c in "Q: what is x?\n"])]
     (tree,) = RolloutScheduler(Recording(script), {"search": EchoSearch()}, cfg).run(questions, seed=0).trees
     root = requests[0]
-    assert (root.max_tokens, tuple(root.stop)) == (50, ())
+    assert (root.max_tokens, tuple(root.stop)) == (50, tuple(STOP_STRINGS))
     assert (tree.h_root, tree.h_tool, tree.global_budget) == (2.0, 2.0, 5)
     paper = RolloutScheduler(ScriptedEngine(script), {"search": EchoSearch()},
                              RolloutConfig(mode="aepo", premonitor=True, **BASE)).run(questions, seed=0).trees[0]
     assert (paper.h_tool, paper.global_budget) == (2.0, 4)
+
+
+def test_the_root_sample_is_scored_on_its_first_w_tokens_only():
+    """The published code samples ≤ 50 root tokens and scores the first ≤ 20: tokens past W do not move H_root."""
+
+    class LateSpike(ScriptedEngine):
+        def generate(self, reqs, sampling):
+            out = super().generate(reqs, sampling)
+            return [r if q.max_tokens != 50 else
+                    GenerationResult(r.token_ids, r.logprobs, [1.0] * 20 + [9.0] * (len(r.entropies) - 20),
+                                     r.finish_reason, r.stop_string)
+                    for q, r in zip(reqs, out, strict=True)]
+
+    long_first = lambda transcript, seed: Segment("x" * 60, 1.0)  # noqa: E731  (never stops: 50 root tokens)
+    cfg = RolloutConfig(mode="aepo", premonitor=True, budget_rule="official", **{**BASE, "max_response_tokens": 100})
+    (tree,) = RolloutScheduler(LateSpike(long_first), {"search": EchoSearch()}, cfg).run(
+        [Question("q0", [ord(c) for c in "Q: what is x?\n"])], seed=0).trees
+    assert tree.h_root == 1.0
+
+
+def test_the_official_entropy_scale_sums_the_published_terms_over_w_tokens():
+    """entropy_scale official: segments read Σ of the first W published terms (top-10 entropy ÷ ln|V|), the
+    published code's scale, in branching (ΔH) and in the budget alike; token entropies stay in nats."""
+    import math
+
+    from scripted_engine import SCRIPTED_VOCAB, tool_then_answer
+
+    script = tool_then_answer(1, h_first=1.0, h_after_tool=3.0)
+    cfg = RolloutConfig(mode="aepo", premonitor=True, budget_rule="official", entropy_scale="official", **BASE)
+    (tree,) = RolloutScheduler(ScriptedEngine(script), {"search": EchoSearch()}, cfg).run(
+        [Question("q0", [ord(c) for c in "Q: what is x?\n"])], seed=0).trees
+    scale = 20 / math.log(SCRIPTED_VOCAB)  # every segment here is ≥ W = 20 tokens long
+    first = next(n for n in tree.nodes if n.kind == "model")
+    assert first.segment_entropy == pytest.approx(1.0 * scale) and first.entropies[0] == 1.0
+    assert tree.h_root == pytest.approx(1.0 * scale)
+    assert tree.h_tool == pytest.approx((1.0 + 3.0) / 2 * scale)
+    steps = [n for n in tree.nodes if n.branch_reason in ("branch", "below_tau", "budget_full")]
+    assert steps and all(n.delta_entropy == pytest.approx(2.0 * scale) for n in steps)
 
 
 def test_official_budget_rule_without_a_root_sample_uses_the_probes_first_segment():

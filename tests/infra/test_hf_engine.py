@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from aepo_core.config import ModelConfig
-from aepo_core.entropy import token_entropy
+from aepo_core.entropy import published_token_entropy, token_entropy
 from aepo_core.interfaces import Engine, GenerationRequest, GenerationResult, SamplingParams
 from infra.engines.hf import HFEngine, sample_next, sampling_distribution
 from infra.models import load_policy
@@ -170,7 +170,7 @@ def test_sample_next_matches_the_reference_distribution() -> None:
     logits = (torch.randn(3, 49152, generator=torch.Generator().manual_seed(1)) * 300).to(torch.bfloat16)
     gens = [torch.Generator().manual_seed(i) for i in range(3)]
     for sampling in (HOT_BIG, SamplingParams(top_k=20), SamplingParams(top_p=0.5)):
-        tokens, logps, ents, bad = sample_next(logits, gens, sampling)
+        tokens, logps, ents, _published, bad = sample_next(logits, gens, sampling)
         ref_logp, ref_h = sampling_distribution(logits, sampling)
         z = logits.double() / sampling.temperature
         exact = torch.distributions.Categorical(logits=z).entropy() if sampling == HOT_BIG else None
@@ -180,6 +180,21 @@ def test_sample_next_matches_the_reference_distribution() -> None:
         assert torch.allclose(torch.tensor(ents), ref_h, atol=1e-3)
         picked = ref_logp.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
         assert torch.isfinite(picked).all() and torch.allclose(torch.tensor(logps), picked, atol=1e-4)
+
+
+def test_sample_next_reports_the_published_codes_top10_entropy_terms() -> None:
+    """The published code's per-position term (issue 49 §3): −Σ p·log p over the top-10 log-probs plus the
+    sampled token's when outside them, ÷ ln V; equal to the pure reference on the same distribution."""
+    logits = torch.randn(4, 3000, generator=torch.Generator().manual_seed(2)) * 3
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    for sampling in (HOT_BIG, SamplingParams(top_k=5), SamplingParams()):
+        tokens, logps, _ents, published, _bad = sample_next(logits, gens, sampling)
+        ref_logp, _ = sampling_distribution(logits, sampling)
+        for row, (tok, term) in enumerate(zip(tokens, published, strict=True)):
+            top = [v for v in ref_logp[row].topk(10).values.tolist() if math.isfinite(v)]
+            expected = published_token_entropy(top, float(ref_logp[row, tok]), 3000)
+            assert term == pytest.approx(expected, rel=1e-4, abs=1e-6)
+        assert 0 < min(published) and max(published) < math.log(11) / math.log(3000) + 1e-6
 
 
 def test_sample_next_frequencies_and_filtering() -> None:
