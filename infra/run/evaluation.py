@@ -125,7 +125,8 @@ def evaluate_dataset(runtime: PolicyRuntime, dataset: str, rows: Sequence[Questi
     """Sample ``ev.n_samples`` answers per row in batches of ``batch_size`` questions and summarize them; the
     samples of the first ``traces`` questions are kept in the report (:class:`TracedSamples`).
 
-    Seeds derive from (seed, dataset, batch start), so an evaluation repeats exactly for the same weights.
+    Seeds derive from (seed, dataset) and, inside the rollout, each question's id: an evaluation repeats exactly for
+    the same weights, and a question's samples do not depend on the batch size or the other questions.
     """
     rows = list(rows)[: ev.max_questions] if ev.max_questions else list(rows)
     rollout = eval_rollout_config(runtime.cfg.rollout, ev)
@@ -134,7 +135,7 @@ def evaluate_dataset(runtime: PolicyRuntime, dataset: str, rows: Sequence[Questi
     traced = TracedSamples([], [], {})
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
-        result = runtime.sample(chunk, rollout, derive_seed(seed, "eval", dataset, start),
+        result = runtime.sample(chunk, rollout, derive_seed(seed, "eval", dataset),
                                 SamplingParams(ev.temperature, ev.top_p, 0))
         for row, tree in zip(chunk, result.trees, strict=True):
             rewards = leaf_rewards(row, tree, runtime.reward_fn)
