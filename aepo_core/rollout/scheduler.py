@@ -360,9 +360,8 @@ class RolloutScheduler:
             remaining = cfg.max_response_tokens - p.response_len
             cap = min(remaining, cfg.max_segment_tokens) if cfg.max_segment_tokens else remaining
             ids = [t for i in p.node_ids for t in st.nodes[i].token_ids]
-            requests.append(
-                GenerationRequest(ids, max(1, cap), STOP_STRINGS, seed=derive_seed(self._seed, p.question_key, p.key, p.segments))
-            )
+            seed = derive_seed(self._seed, p.question_key, p.key, p.segments)
+            requests.append(GenerationRequest(ids, max(1, cap), STOP_STRINGS, seed=seed))
         return self._engine_generate(requests, sampling)
 
     def _engine_generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationResult]:

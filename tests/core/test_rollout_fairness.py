@@ -88,8 +88,8 @@ def test_a_kept_probe_gets_no_more_branches_than_a_fresh_first_global_at_any_bet
         first = {}
         for probe in ("reuse", "discard"):
             cfg = RolloutConfig(mode="aepo", premonitor=True, beta=beta, branch_penalty=0.0, probe=probe, **BASE)
-            ts = [t for s in (0, 1, 2) for t in RolloutScheduler(ScriptedEngine(random_script),
-                                                                  {"search": EchoSearch()}, cfg).run(questions, s).trees]
+            scheduler = RolloutScheduler(ScriptedEngine(random_script), {"search": EchoSearch()}, cfg)
+            ts = [t for s in (0, 1, 2) for t in scheduler.run(questions, s).trees]
             first[probe] = first_global_branches(ts)
         assert first["discard"] > 0.3  # a fresh first global does branch: the comparison can see a difference
         excess.append(first["reuse"] - first["discard"])

@@ -188,7 +188,7 @@ def test_sample_next_reports_the_published_codes_top10_entropy_terms() -> None:
     logits = torch.randn(4, 3000, generator=torch.Generator().manual_seed(2)) * 3
     gens = [torch.Generator().manual_seed(i) for i in range(4)]
     for sampling in (HOT_BIG, SamplingParams(top_k=5), SamplingParams()):
-        tokens, logps, _ents, published, _bad = sample_next(logits, gens, sampling)
+        tokens, _logps, _ents, published, _bad = sample_next(logits, gens, sampling)
         ref_logp, _ = sampling_distribution(logits, sampling)
         for row, (tok, term) in enumerate(zip(tokens, published, strict=True)):
             top = [v for v in ref_logp[row].topk(10).values.tolist() if math.isfinite(v)]
