@@ -7,8 +7,9 @@ checkpoint before that step on that step's stored samples (``aepo replay --losse
 ``aepo-replay-rules``). Per token class — tool-call tokens, high-entropy tokens (the run's top
 ``algorithm.high_entropy_quantile`` by start entropy), the rest — the share of token updates whose gradient the rule
 zeroed, the class's share of the gradient weight |∂L/∂logπ_t|, the sampled tokens' log-prob change, the KL to the
-start policy and the entropy after the update: 95 % CIs over samples (redrawn within their step) and each rule's
-paired difference from the first (:mod:`aepo_core.update_comparison`).
+start policy and the entropy after the update: 95 % CIs over questions (redrawn within their step, each with all its
+samples: a question's leaves share prefixes and one advantage normalisation) and each rule's paired difference from
+the first (:mod:`aepo_core.update_comparison`).
 
 The paper's update-phase claim this tests: under PPO/DAPO clipping the gradients of high-entropy tokens are dropped,
 under AEPO's stop-gradient clip they are kept (rescaled). Report it whichever way it falls.
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace, runs: Path) -> int:
     result: dict[str, Any] = {
         "benchmark": "update_rules", "environment": env, "config": str(args.config),
         "training_overrides": training_overrides(args), "run_name": compared.run_name, "run_id": compared.run_id,
-        "steps": compared.steps, "samples": compared.samples, "rules": compared.rules,
+        "steps": compared.steps, "samples": compared.samples, "questions": compared.questions, "rules": compared.rules,
         "reference": compared.reference, "overrides": compared.overrides, "numerics": compared.numerics,
         "train_wall_s": t_train, "wall_s": wall,
         "rows": [asdict(r) for r in compared.rows], "update_metrics": compared.update_metrics,
@@ -131,14 +132,16 @@ def write_figure(compared: Any, path: Path) -> Path:
         panel = panels.setdefault(PANELS[r.quantity], {}).setdefault(r.rule, {})
         panel[r.token_class] = Estimate(r.value, r.ci_low, r.ci_high, r.tokens)
     title = (f"Update rules on the same samples: {compared.run_name}, steps "
-             f"{', '.join(map(str, compared.steps))} ({sum(compared.samples.values())} samples; 95% CI)")
+             f"{', '.join(map(str, compared.steps))} ({sum(compared.samples.values())} samples of "
+             f"{sum(compared.questions.values())} questions; 95% CI over questions)")
     return save_png(estimates_figure(panels, list(TOKEN_CLASSES), title), path)
 
 
 def print_rows(compared: Any) -> None:
     from flows.cli.replay import rule_records
 
-    print_table(f"Update rules on the same samples (diff = rule − {compared.reference}, paired, 95% CI)",
+    print_table(f"Update rules on the same samples (diff = rule − {compared.reference}, paired, 95% CI over "
+                "questions)",
                 ["quantity", "class", "rule", "value", "diff", "tokens"],
                 [list(record.values()) for record in rule_records(compared)])
 

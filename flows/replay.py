@@ -161,7 +161,9 @@ class RuleComparison:
     rules: list[str]
     reference: str
     samples: dict[int, int]
-    """Per replayed step, its samples (the bootstrap's strata)."""
+    """Per replayed step (the bootstrap's strata), its samples."""
+    questions: dict[int, int]
+    """Per replayed step, its questions (the clusters the bootstrap redraws, every sample of a drawn one)."""
     numerics: str
     overrides: list[str]
     rows: list[ComparisonRow]
@@ -175,7 +177,8 @@ def replay_rules(run: str, steps: list[int], rules: list[str], overrides: list[s
                  n_resamples: int = 2000, seed: int = 0) -> RuleComparison:
     """Apply each update rule (``<loss>[@key=value,…]``; the first is the reference of the paired differences) to
     each step's stored samples from the checkpoint before that step, and compare per token class what the updates
-    did (:func:`aepo_core.update_comparison.compare_rules`; samples resampled within their step)."""
+    did (:func:`aepo_core.update_comparison.compare_rules`; questions resampled within their step, each with all
+    its samples)."""
     logger = get_run_logger()
     _check_steps(steps)
     if not rules:
@@ -186,7 +189,9 @@ def replay_rules(run: str, steps: list[int], rules: list[str], overrides: list[s
     configs = rule_configs(stored.cfg, rules, overrides or [])
     per_rule: dict[str, list[SampleTokens]] = {rule: [] for rule in rules}
     strata: list[int] = []
+    clusters: list[str] = []
     sizes: dict[int, int] = {}
+    questions: dict[int, int] = {}
     metrics: dict[int, dict[str, dict[str, float]]] = {}
     for step in steps:
         samples = update_samples(stored.store, stored.run_id, step)
@@ -198,8 +203,10 @@ def replay_rules(run: str, steps: list[int], rules: list[str], overrides: list[s
             for rule in rules:
                 per_rule[rule].append(sample[rule])
         strata += [step] * len(tokens)
+        clusters += [s.question_id for s in samples]
         sizes[step] = len(tokens)
-    rows = compare_rules(per_rule, strata, reference=rules[0], n_resamples=n_resamples, seed=seed)
-    return RuleComparison(stored.run_id, stored.name, list(steps), list(rules), rules[0], sizes,
+        questions[step] = len({s.question_id for s in samples})
+    rows = compare_rules(per_rule, strata, clusters, reference=rules[0], n_resamples=n_resamples, seed=seed)
+    return RuleComparison(stored.run_id, stored.name, list(steps), list(rules), rules[0], sizes, questions,
                           f"{stored.numerics.compute_dtype}, {stored.numerics.generation_dtype}", list(overrides or []),
                           rows, metrics)

@@ -39,8 +39,9 @@ def replay_cmd(
     With --losses, each update rule starts from the same checkpoint and updates on the same samples; per token
     class (tool-call tokens, high-entropy tokens, the rest) the table shows the share of token updates whose
     gradient the rule zeroed, the class's share of the gradient weight, the sampled tokens' log-prob change, the KL
-    to the start policy and the entropy after the update, with 95 % CIs over samples and each rule's paired
-    difference from the first. A rule's own settings follow @, separated by ';' (e.g. aepo@clip_gate=high_entropy).
+    to the start policy and the entropy after the update, with 95 % CIs over questions (redrawn within their step,
+    each with all its samples) and each rule's paired difference from the first. A rule's own settings follow @,
+    separated by ';' (e.g. aepo@clip_gate=high_entropy).
 
     \b
     Examples:
@@ -78,7 +79,8 @@ def replay_cmd(
         fail(str(exc))
     print_records(f"aepo replay: {compared.run_name} ({compared.run_id}) steps "
                   f"{', '.join(map(str, compared.steps))}: update rules on the same samples "
-                  f"({sum(compared.samples.values())}; 95% CI over samples; diff = rule − {compared.reference})",
+                  f"({sum(compared.samples.values())} samples of {sum(compared.questions.values())} questions; 95% CI "
+                  f"over questions; diff = rule − {compared.reference})",
                   rule_records(compared) if output is OutputFormat.table else [asdict(r) for r in compared.rows],
                   output, right=("value", "diff", "tokens"))
 

@@ -76,7 +76,7 @@ def update_samples(store: TrajectoryStore, run_id: str, step: int) -> list[Train
             rollout_logprobs=[float(x) for x in r.logprobs], advantage=float(r.update_advantage),
             group=int(r.update_group),
             rollout_entropies=None if any((r.question_id, int(n)) in estimated for n in r.path)
-            else [float(x) for x in r.entropies]))
+            else [float(x) for x in r.entropies], question_id=str(r.question_id)))
     return samples
 
 

@@ -29,6 +29,9 @@ class TrainSample:
     # Per response token, the sampler's exact full-vocabulary entropy (0 on tool tokens); None when the engine
     # only estimated it (top-k + tail). Lets an on-policy update skip the scoring pass.
     rollout_entropies: list[float] | None = None
+    # The question's id (its rollout tree's): the leaves of one question share prefixes and one advantage
+    # normalisation, so a statistic over samples resamples questions, not leaves (aepo_core.update_comparison).
+    question_id: str = ""
 
     @property
     def response_len(self) -> int:
@@ -60,6 +63,7 @@ def samples_from_trees(trees: Sequence[RolloutTree], scores: Sequence[Sequence[L
                     rollout_entropies=None
                     if any(n.entropy_is_estimate for n in tree.path(leaf) if n.kind == "model")
                     else tree.entropies(leaf),
+                    question_id=tree.question_id,
                 )
             )
     return out

@@ -61,6 +61,8 @@ def test_the_same_samples_in_another_order_give_other_weights(run: tuple[Any, Pa
     numerics = run_numerics(tracker.client.get_run(out.run_id).data.params, numerics_for(cfg))
     samples = update_samples(TrajectoryStore(runs), out.run_id, 2)
     assert len({s.group for s in samples}) >= 2  # several groups, several mini-batches: the order matters
+    # every sample carries its question (the cluster a comparison's bootstrap redraws): one per group
+    assert len({(s.group, s.question_id) for s in samples}) == len({s.question_id for s in samples if s.question_id})
     assert sum(s.advantage != 0 for s in samples) >= 2  # and a gradient that depends on the samples
     before, after = (checkpoint_store(cfg, runs, NAME, out.run_id).fetch(s) for s in (1, 2))
     assert compare_weights(replay_update(cfg, numerics, before, samples, 3).weights, after).bit_identical
@@ -116,6 +118,7 @@ def test_update_rules_compared_on_the_same_samples(run: tuple[Any, Path]) -> Non
     out = replay_rules(run=NAME, steps=[2, 3], rules=rules, overrides=["optim.mini_batch_size=1"], runs_dir=str(runs),
                        n_resamples=200)
     assert out.reference == "aepo" and set(out.samples) == {2, 3} and all(n > 0 for n in out.samples.values())
+    assert set(out.questions) == {2, 3} and all(1 < out.questions[s] < out.samples[s] for s in (2, 3))
     rows = {(r.quantity, r.token_class, r.rule): r for r in out.rows}
     assert len(rows) == 6 * 3 * len(rules)
     assert rows[("kl_to_start", "rest", "aepo")].tokens > 0 and rows[("kl_to_start", "tool_call", "aepo")].tokens > 0

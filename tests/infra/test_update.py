@@ -76,9 +76,9 @@ def test_samples_from_trees_take_advantages_from_the_scores():
               for ti, t in enumerate(trees)]
     samples = samples_from_trees(trees, scores)
     assert len(samples) == 9
-    expected = [(ti, scores[ti][j].advantage, t.prompt_ids + t.response_ids(leaf), t.loss_mask(leaf))
+    expected = [(ti, f"q{ti}", scores[ti][j].advantage, t.prompt_ids + t.response_ids(leaf), t.loss_mask(leaf))
                 for ti, t in enumerate(trees) for j, leaf in enumerate(t.leaves[:3])]
-    assert [(s.group, s.advantage, s.input_ids, s.loss_mask) for s in samples] == expected
+    assert [(s.group, s.question_id, s.advantage, s.input_ids, s.loss_mask) for s in samples] == expected
     # The update's trees: uninformative groups dropped, groups renumbered within the kept trees.
     kept = StepScores(tuple(scores), {}, frozenset({"q0"})).kept(trees)
     assert [(s.group, s.advantage) for s in samples_from_trees(*kept)] == [(s.group - 1, s.advantage)
