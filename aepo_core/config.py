@@ -531,6 +531,11 @@ class ExperimentConfig(Section):
             raise ValueError("optim.scoring_pass=never takes the token entropies from the sampler: with "
                              f"rollout.engine={r.engine} that needs rollout.exact_entropy=true (the top-k estimate "
                              "overstates them)")
+        if self.optim.old_logprobs == "rollout" and (r.top_p < 1.0 or r.top_k > 0):
+            raise ValueError(f"optim.old_logprobs=rollout needs unfiltered sampling, got rollout.top_p={r.top_p} "
+                             f"rollout.top_k={r.top_k}: the sampler's log-prob is of the renormalized filtered "
+                             "distribution, so every ratio would start at the kept mass, not 1 (set "
+                             "optim.old_logprobs=trainer)")
         if self.optim.share_prefix != "off" and self.train.backend != "torch":
             raise ValueError("optim.share_prefix runs on train.backend=torch only (the DeepSpeed engine's decoder "
                              "forward is not split)")
@@ -546,8 +551,10 @@ class ExperimentConfig(Section):
         o = self.optim
         return o.ppo_epochs > 1 or o.mini_batch_size < self.train.batch_size or o.old_logprobs == "rollout"
 
-    def check_trainable(self) -> None:
-        """What a training run needs beyond a valid config; raises :class:`ConfigError` naming the key."""
+    def check_trainable(self, world_size: int = 1) -> None:
+        """What a training run needs beyond a valid config, on ``world_size`` data-parallel ranks (the launcher's);
+        raises :class:`ConfigError` naming the key."""
+        self.check_ranks(world_size)
         remote = self.rollout.remote
         if self.rollout.engine == "remote" and remote.weight_sync == "reload_url" and not remote.reload_url:
             raise ConfigError("rollout.engine=remote needs rollout.remote.reload_url (or rollout.remote.weight_sync="
@@ -556,6 +563,24 @@ class ExperimentConfig(Section):
         if self.train.sft.enabled and not is_synthetic(self.data.train):
             raise ConfigError(f"train.sft.enabled needs data.train=synthetic (oracle transcripts); got "
                               f"data.train={self.data.train!r}: run SFT beforehand and point model.name at it")
+
+    def check_ranks(self, world_size: int) -> None:
+        """Under ZeRO-3 on several ranks every forward of the training model gathers its partitions from all ranks
+        (a collective), while the ranks roll out different shards of the batch with different numbers of engine
+        calls: nothing in the rollout may run that forward, or the run hangs."""
+        r, t = self.rollout, self.train
+        if world_size < 2 or t.backend != "deepspeed" or t.zero_stage != 3:
+            return
+        if r.engine == "hf":
+            raise ConfigError(f"train.zero_stage=3 on {world_size} ranks needs rollout.engine=remote or vllm: the "
+                              "in-process engine would generate on partitioned weights, whose every forward is a "
+                              "collective that the ranks' different rollouts cannot keep in step")
+        if r.exact_entropy:
+            raise ConfigError(f"rollout.exact_entropy=true with rollout.engine={r.engine} under train.zero_stage=3 "
+                              f"on {world_size} ranks would hang (each rollout call scores with a forward of the "
+                              "partitioned training model, a collective the ranks' different rollouts cannot keep "
+                              "in step): set rollout.exact_entropy=false (the server's top-k entropy estimate, "
+                              "flagged on every segment) or train.zero_stage=2")
 
     def run_name_for(self, given: str | None = None) -> str:
         """The run's name — its MLflow run name, Prefect flow run name and checkpoint folder: the given one (the
