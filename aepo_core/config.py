@@ -70,6 +70,14 @@ class AlgorithmConfig(Section):
     entropy_advantage: bool = Field(True, description="Scale Â by max(0, 1 + α·z(H_t)) per token.")
     entropy_advantage_alpha: float = Field(0.2, ge=0.0, description="α of the entropy-aware advantage.")
     entropy_eps: float = Field(1e-6, gt=0.0, description="Added to the entropy std when standardizing.")
+    entropy_source: Literal["current", "old"] = Field(
+        "current",
+        description="Whose token entropies the entropy-aware advantage and the high-entropy gate read. current "
+        "(AEPO.md §5, the paper's): the policy being differentiated, H_t from the gradient forward (detached), "
+        "standardized (and the gate's quantile taken) over the mini-batch at the same weights, which after the "
+        "step's first optimizer step costs one more no-grad forward of each mini-batch. old: π_old's (the scoring "
+        "pass's, or the sampler's when it is skipped) for every mini-batch of the step, no extra forward.",
+    )
     clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="ε_l.")
     clip_high: float = Field(0.2, ge=0.0, description="ε_h (DAPO clip-higher uses 0.28).")
     clip_gate: Literal["all", "high_entropy"] = Field(
@@ -214,13 +222,16 @@ class OptimConfig(Section):
     old_logprobs: Literal["trainer", "rollout"] = Field(
         "trainer",
         description="π_old of the PPO ratio: the trainer's own no-grad forward before the update (exact under "
-        "PPO epochs > 1, remote engines and top-p sampling), or the sampler's log-probs. The gap is logged.",
+        "PPO epochs > 1, remote engines and top-p sampling), or the sampler's log-probs (rollout: needs unfiltered "
+        "sampling, rollout.top_p 1 and top_k 0; every ratio then starts at the sampler–trainer gap, up to 2.3e-2 "
+        "nats under bf16 autocast even for the in-process engine on the training weights). The gap is logged.",
     )
     scoring_pass: Literal["auto", "always", "never"] = Field(
         "auto",
         description="The no-grad forward before the update. 'auto' skips it when it cannot change the update: "
         "the sampler is the trainer itself (the in-process engine on the training weights, generation_dtype "
-        "same, torch backend) sampling the unfiltered distribution (top_p 1, top_k 0), so its log-probs are "
+        "same, torch backend, float32 compute: under bf16 autocast the KV-cached decode and the full forward "
+        "differ by up to 2.3e-2 nats) sampling the unfiltered distribution (top_p 1, top_k 0), so its log-probs are "
         "π_old (on-policy: the gradient pass's own, detached) and its entropies the trainer's, for any number of "
         "mini-batches and epochs (a KL term still runs the reference model's pass). 'never' (needs "
         "old_logprobs=rollout): π_old and the token entropies (entropy-aware advantage, the high-entropy gate, "
