@@ -290,6 +290,14 @@ class TrainConfig(Section):
         "torch", description="torch: plain PyTorch in one process; deepspeed: DeepSpeed ZeRO (zero_stage)."
     )
     zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage (backend deepspeed only).")
+    deterministic: bool = Field(
+        False,
+        description="Deterministic kernels: torch.use_deterministic_algorithms (warning on an op that has none) and "
+        "CUBLAS_WORKSPACE_CONFIG=:4096:8, set before CUDA initializes. Bit-identical replay and resume are tested "
+        "on CPU in float32, where kernels are deterministic anyway; on CUDA several backward kernels are not by "
+        "default. Costs speed where a deterministic kernel replaces atomics, and 32 MiB of cuBLAS workspace per "
+        "stream. Not in the published scripts (false).",
+    )
     offload_optimizer: bool = Field(
         False, description="DeepSpeed ZeRO 1–3: optimizer state and step on CPU (DeepSpeed's CPU Adam; its first "
         "use compiles an op, minutes on a small CPU)."

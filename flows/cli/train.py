@@ -93,6 +93,9 @@ def train(
     if resume:
         check_resume(cfg, runs, cfg.run_name_for(run_name))
     prepare_environment(runs, rank=Ranks.current().rank)
+    from infra.determinism import use_deterministic_algorithms
+
+    use_deterministic_algorithms(cfg.train.deterministic)  # before the numerics probe initializes CUDA
     print_numerics(cfg)
     start_prefect_api()
     from flows.train import train as train_flow
