@@ -70,6 +70,14 @@ class AlgorithmConfig(Section):
     entropy_advantage: bool = Field(True, description="Scale Â by max(0, 1 + α·z(H_t)) per token.")
     entropy_advantage_alpha: float = Field(0.2, ge=0.0, description="α of the entropy-aware advantage.")
     entropy_eps: float = Field(1e-6, gt=0.0, description="Added to the entropy std when standardizing.")
+    entropy_source: Literal["current", "old"] = Field(
+        "current",
+        description="Whose token entropies the entropy-aware advantage and the high-entropy gate read. current "
+        "(AEPO.md §5, the paper's): the policy being differentiated, H_t from the gradient forward (detached), "
+        "standardized (and the gate's quantile taken) over the mini-batch at the same weights, which after the "
+        "step's first optimizer step costs one more no-grad forward of each mini-batch. old: π_old's (the scoring "
+        "pass's, or the sampler's when it is skipped) for every mini-batch of the step, no extra forward.",
+    )
     clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="ε_l.")
     clip_high: float = Field(0.2, ge=0.0, description="ε_h (DAPO clip-higher uses 0.28).")
     clip_gate: Literal["all", "high_entropy"] = Field(
@@ -214,13 +222,16 @@ class OptimConfig(Section):
     old_logprobs: Literal["trainer", "rollout"] = Field(
         "trainer",
         description="π_old of the PPO ratio: the trainer's own no-grad forward before the update (exact under "
-        "PPO epochs > 1, remote engines and top-p sampling), or the sampler's log-probs. The gap is logged.",
+        "PPO epochs > 1, remote engines and top-p sampling), or the sampler's log-probs (rollout: needs unfiltered "
+        "sampling, rollout.top_p 1 and top_k 0; every ratio then starts at the sampler–trainer gap, up to 2.3e-2 "
+        "nats under bf16 autocast even for the in-process engine on the training weights). The gap is logged.",
     )
     scoring_pass: Literal["auto", "always", "never"] = Field(
         "auto",
         description="The no-grad forward before the update. 'auto' skips it when it cannot change the update: "
         "the sampler is the trainer itself (the in-process engine on the training weights, generation_dtype "
-        "same, torch backend) sampling the unfiltered distribution (top_p 1, top_k 0), so its log-probs are "
+        "same, torch backend, float32 compute: under bf16 autocast the KV-cached decode and the full forward "
+        "differ by up to 2.3e-2 nats) sampling the unfiltered distribution (top_p 1, top_k 0), so its log-probs are "
         "π_old (on-policy: the gradient pass's own, detached) and its entropies the trainer's, for any number of "
         "mini-batches and epochs (a KL term still runs the reference model's pass). 'never' (needs "
         "old_logprobs=rollout): π_old and the token entropies (entropy-aware advantage, the high-entropy gate, "
@@ -279,6 +290,14 @@ class TrainConfig(Section):
         "torch", description="torch: plain PyTorch in one process; deepspeed: DeepSpeed ZeRO (zero_stage)."
     )
     zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage (backend deepspeed only).")
+    deterministic: bool = Field(
+        False,
+        description="Deterministic kernels: torch.use_deterministic_algorithms (warning on an op that has none) and "
+        "CUBLAS_WORKSPACE_CONFIG=:4096:8, set before CUDA initializes. Bit-identical replay and resume are tested "
+        "on CPU in float32, where kernels are deterministic anyway; on CUDA several backward kernels are not by "
+        "default. Costs speed where a deterministic kernel replaces atomics, and 32 MiB of cuBLAS workspace per "
+        "stream. Not in the published scripts (false).",
+    )
     offload_optimizer: bool = Field(
         False, description="DeepSpeed ZeRO 1–3: optimizer state and step on CPU (DeepSpeed's CPU Adam; its first "
         "use compiles an op, minutes on a small CPU)."
@@ -531,6 +550,11 @@ class ExperimentConfig(Section):
             raise ValueError("optim.scoring_pass=never takes the token entropies from the sampler: with "
                              f"rollout.engine={r.engine} that needs rollout.exact_entropy=true (the top-k estimate "
                              "overstates them)")
+        if self.optim.old_logprobs == "rollout" and (r.top_p < 1.0 or r.top_k > 0):
+            raise ValueError(f"optim.old_logprobs=rollout needs unfiltered sampling, got rollout.top_p={r.top_p} "
+                             f"rollout.top_k={r.top_k}: the sampler's log-prob is of the renormalized filtered "
+                             "distribution, so every ratio would start at the kept mass, not 1 (set "
+                             "optim.old_logprobs=trainer)")
         if self.optim.share_prefix != "off" and self.train.backend != "torch":
             raise ValueError("optim.share_prefix runs on train.backend=torch only (the DeepSpeed engine's decoder "
                              "forward is not split)")
@@ -546,8 +570,10 @@ class ExperimentConfig(Section):
         o = self.optim
         return o.ppo_epochs > 1 or o.mini_batch_size < self.train.batch_size or o.old_logprobs == "rollout"
 
-    def check_trainable(self) -> None:
-        """What a training run needs beyond a valid config; raises :class:`ConfigError` naming the key."""
+    def check_trainable(self, world_size: int = 1) -> None:
+        """What a training run needs beyond a valid config, on ``world_size`` data-parallel ranks (the launcher's);
+        raises :class:`ConfigError` naming the key."""
+        self.check_ranks(world_size)
         remote = self.rollout.remote
         if self.rollout.engine == "remote" and remote.weight_sync == "reload_url" and not remote.reload_url:
             raise ConfigError("rollout.engine=remote needs rollout.remote.reload_url (or rollout.remote.weight_sync="
@@ -556,6 +582,24 @@ class ExperimentConfig(Section):
         if self.train.sft.enabled and not is_synthetic(self.data.train):
             raise ConfigError(f"train.sft.enabled needs data.train=synthetic (oracle transcripts); got "
                               f"data.train={self.data.train!r}: run SFT beforehand and point model.name at it")
+
+    def check_ranks(self, world_size: int) -> None:
+        """Under ZeRO-3 on several ranks every forward of the training model gathers its partitions from all ranks
+        (a collective), while the ranks roll out different shards of the batch with different numbers of engine
+        calls: nothing in the rollout may run that forward, or the run hangs."""
+        r, t = self.rollout, self.train
+        if world_size < 2 or t.backend != "deepspeed" or t.zero_stage != 3:
+            return
+        if r.engine == "hf":
+            raise ConfigError(f"train.zero_stage=3 on {world_size} ranks needs rollout.engine=remote or vllm: the "
+                              "in-process engine would generate on partitioned weights, whose every forward is a "
+                              "collective that the ranks' different rollouts cannot keep in step")
+        if r.exact_entropy:
+            raise ConfigError(f"rollout.exact_entropy=true with rollout.engine={r.engine} under train.zero_stage=3 "
+                              f"on {world_size} ranks would hang (each rollout call scores with a forward of the "
+                              "partitioned training model, a collective the ranks' different rollouts cannot keep "
+                              "in step): set rollout.exact_entropy=false (the server's top-k entropy estimate, "
+                              "flagged on every segment) or train.zero_stage=2")
 
     def run_name_for(self, given: str | None = None) -> str:
         """The run's name — its MLflow run name, Prefect flow run name and checkpoint folder: the given one (the

@@ -28,7 +28,7 @@ class LossInputs:
     old_logprobs: torch.Tensor  # [B, T] behaviour policy
     advantages: torch.Tensor  # [B, T] per token
     mask: torch.Tensor  # [B, T] 1 on model tokens
-    entropy: torch.Tensor | None = None  # [B, T] current-policy token entropy (detached)
+    entropy: torch.Tensor | None = None  # [B, T] token entropy (detached): algorithm.entropy_source, current by default
     ref_logprobs: torch.Tensor | None = None  # [B, T] reference policy (only when kl_coef > 0)
 
 

@@ -149,10 +149,10 @@ def train(
     cfg = resolve_config(config, overrides)
     runs = flow_runs_dir(runs_dir, cfg.storage.runs_dir)
     runs.mkdir(parents=True, exist_ok=True)
-    cfg.check_trainable()
+    ranks = Ranks.current()  # the launcher's (the process group itself starts with the DeepSpeed backend)
+    cfg.check_trainable(world_size=ranks.world_size)
     name = cfg.run_name_for(run_name)
     rows = prepare_data(cfg.data.train, cfg.data, source_fingerprint(cfg.data.train, cfg.data.data_root))
-    ranks = Ranks.current()  # the launcher's (the process group itself starts with the DeepSpeed backend)
     tracker: RunLogger = Tracker.from_config(cfg, runs) if ranks.is_main else RankTracker(ranks.rank)
     # Rank 0 picks the run to continue from MLflow before the model loads: a wrong name or config fails fast.
     point = (find_resume_point(tracker, cfg, runs, name, force=force_resume)

@@ -79,9 +79,11 @@ def train(
       aepo train -c configs/tiny.yaml --set train.steps=4 --set checkpoint.every=1
       aepo train -c configs/tiny.yaml --resume
     """
+    from infra.ranks import Ranks
+
     cfg = load_checked_config(config, set_)
     try:
-        cfg.check_trainable()
+        cfg.check_trainable(world_size=Ranks.current().world_size)  # the launcher's (torchrun sets WORLD_SIZE)
     except ConfigError as exc:
         fail(str(exc))
     check_tracking_server(cfg.tracking.tracking_uri)
@@ -90,9 +92,10 @@ def train(
     check_storage(cfg, runs, cfg.run_name_for(run_name))
     if resume:
         check_resume(cfg, runs, cfg.run_name_for(run_name))
-    from infra.ranks import Ranks
-
     prepare_environment(runs, rank=Ranks.current().rank)
+    from infra.determinism import use_deterministic_algorithms
+
+    use_deterministic_algorithms(cfg.train.deterministic)  # before the numerics probe initializes CUDA
     print_numerics(cfg)
     start_prefect_api()
     from flows.train import train as train_flow

@@ -29,6 +29,7 @@ from aepo_core.losses import LossInputs, LossNormalizer, token_gradient_weights
 from aepo_core.overrides import build_config
 from aepo_core.protocol import tool_call_spans
 from aepo_core.update_comparison import SampleTokens, entropy_threshold, rule_algorithm, token_classes
+from infra.determinism import use_deterministic_algorithms
 from infra.models import load_policy, model_dir, pad_token_id
 from infra.numerics import Numerics, autocast_dtype
 from infra.run.trainer import build_backend, build_updater
@@ -131,6 +132,7 @@ def _update_from(cfg: ExperimentConfig, run_cfg: ExperimentConfig, numerics: Num
     """(backend, metrics, micro-batch token cap): ``cfg``'s update on ``samples`` from checkpoint ``before``
     (weights, optimizer, schedule, RNG; checked against the run's config ``run_cfg``), with the trainer's backend
     and updater, without an engine or tools."""
+    use_deterministic_algorithms(cfg.train.deterministic)  # the run's kernels (CUDA: before its first use here)
     model, tokenizer = load_policy(cfg.model)
     backend = build_backend(cfg, model, numerics, steps)
     updater = build_updater(cfg, backend, numerics, pad_token_id(tokenizer), observer=observer)

@@ -32,6 +32,7 @@ from aepo_core.scoring import StepScores, score_trees
 from infra.data.loaders import is_synthetic, load_dataset_rows
 from infra.data.rows import QuestionRow
 from infra.data.synthetic import SyntheticTask
+from infra.determinism import use_deterministic_algorithms
 from infra.engines.registry import build_engine
 from infra.engines.weights import PolicyEngine, PolicyWeights, WeightSource
 from infra.models import chat_prompt_ids, load_model_weights, load_policy, pad_token_id
@@ -200,8 +201,10 @@ def build_runtime(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], run_n
     """Seed, load the policy, build its engine, tools and reward function.
 
     ``runs_dir`` holds the tools' caches and (remote engines) the weight exports ``weights/<run name>/``. ``auto``
-    dtypes are resolved for this device (:mod:`infra.numerics`): the runtime's ``numerics``.
+    dtypes are resolved for this device (:mod:`infra.numerics`): the runtime's ``numerics``. With
+    ``train.deterministic`` the deterministic kernels are switched on first (:mod:`infra.determinism`).
     """
+    use_deterministic_algorithms(cfg.train.deterministic)  # before anything initializes CUDA
     numerics = numerics_for(cfg)
     runs = Path(runs_dir)
     seed_everything(cfg.seed)

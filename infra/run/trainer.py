@@ -47,10 +47,7 @@ def build_backend(cfg: ExperimentConfig, model: torch.nn.Module, numerics: Numer
                          "train.backend=deepspeed, whose ranks all-reduce their gradients")
     if Ranks.current().distributed and cfg.train.sft.enabled:
         raise ValueError("train.sft.enabled: cold-start SFT runs in one process; run it before launching ranks")
-    if Ranks.current().distributed and cfg.train.zero_stage == 3 and cfg.rollout.engine == "hf":
-        raise ValueError("train.zero_stage=3 under several ranks needs rollout.engine=remote: the in-process engine "
-                         "would generate on partitioned weights, whose every forward is a collective that the "
-                         "ranks' different rollouts cannot keep in step")
+    cfg.check_ranks(Ranks.current().world_size)  # ZeRO-3: no forward of the training model in the rollout
     if cfg.train.backend == "deepspeed":
         from infra.training.deepspeed_backend import DeepSpeedBackend
 

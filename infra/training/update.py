@@ -3,12 +3,17 @@
 1. A no-grad *scoring pass* over all samples with the pre-update policy gives, per response token, the
    trainer's log-prob (π_old of the ratio, and the rollout-vs-trainer gap) and its entropy (detached). It is
    skipped when it cannot change the update (``optim.scoring_pass: auto``): when the sampler is the trainer
-   itself (same weights, same precision, unfiltered sampling) its log-probs are π_old and its entropies the
+   itself (same weights, float32 compute, unfiltered sampling) its log-probs are π_old and its entropies the
    trainer's; on-policy (one epoch over one mini-batch) π_old is the gradient pass's own detached log-prob.
+   Under bf16 autocast the sampler's KV-cached decode and the trainer's full forward round differently (gap up to
+   2.3e-2 nats on a tiny Llama, 4.3e-6 in float32), so the pass runs and the gap is logged.
 2. For each PPO epoch and mini-batch (whole question groups): the entropy statistics and the high-entropy
    threshold are taken over the mini-batch's model tokens, so the entropy-aware advantage and the clip gate do
    not depend on how the mini-batch is split; micro-batches are length-sorted buckets under a token budget, and
    their losses use mini-batch normalizers so gradient accumulation gives the same update for any split.
+   ``algorithm.entropy_source: current`` (AEPO.md §5) gives each micro-batch the entropies of its own gradient
+   forward (detached) and, once the step has taken an optimizer step, the statistics of a no-grad forward of the
+   mini-batch at the same weights; ``old`` reads the scoring pass's (π_old's) throughout.
 3. Grad clipping, optimizer and LR-schedule step through the backend (torch or DeepSpeed).
 
 Under data-parallel ranks (``backend.ranks``) every rank gets the same global samples: the scoring pass is split
@@ -68,13 +73,16 @@ class MicroBatchObserver(Protocol):
         ...
 
 
-def sampler_is_trainer(cfg: ExperimentConfig, generation_dtype: str) -> bool:
+def sampler_is_trainer(cfg: ExperimentConfig, generation_dtype: str, compute_dtype: torch.dtype | None) -> bool:
     """Whether rollouts are sampled from the trainer's own weights at the trainer's precision: the in-process engine
-    on the training model itself (``model.generation_dtype: same``) under the torch backend. Anything else — a
-    low-precision copy, a remote server, DeepSpeed's own bf16 path — samples from a numerically different policy,
-    so its entropies and log-probs cannot stand in for the trainer's. ``generation_dtype`` is the resolved
-    ``model.generation_dtype`` (an unresolved ``auto`` counts as a copy: the scoring pass runs)."""
-    return cfg.rollout.engine == "hf" and generation_dtype == "same" and cfg.train.backend == "torch"
+    on the training model itself (``model.generation_dtype: same``) under the torch backend, computing in float32
+    (``compute_dtype`` None: no autocast). Anything else — a low-precision copy, a remote server, DeepSpeed's own
+    bf16 path, bf16 autocast (whose KV-cached decode rounds otherwise than the trainer's full forward) — samples
+    from a numerically different policy, so its entropies and log-probs cannot stand in for the trainer's.
+    ``generation_dtype`` is the resolved ``model.generation_dtype`` (an unresolved ``auto`` counts as a copy: the
+    scoring pass runs)."""
+    return (cfg.rollout.engine == "hf" and generation_dtype == "same" and cfg.train.backend == "torch"
+            and compute_dtype is None)
 
 
 @dataclass
@@ -130,13 +138,15 @@ class PolicyUpdater:
                 for r in range(self.ranks.world_size)]
 
     @torch.no_grad()
-    def score(self, samples: Sequence[TrainSample], policy: bool = True) -> _Scored:
-        """The no-grad pass with the pre-update policy (when ``policy``) and the reference policy (when KL is on)."""
+    def score(self, samples: Sequence[TrainSample], policy: bool = True, reference: bool = True) -> _Scored:
+        """The no-grad pass with the policy (when ``policy``) and the reference policy (when KL is on and
+        ``reference``)."""
         temp = self.cfg.rollout.temperature
         n = len(samples)
         logprobs: list[torch.Tensor] = [torch.empty(0)] * n
         entropy: list[torch.Tensor] = [torch.empty(0)] * n
-        ref: list[torch.Tensor] | None = [torch.empty(0)] * n if self.ref_backend is not None else None
+        ref_backend = self.ref_backend if reference else None
+        ref: list[torch.Tensor] | None = [torch.empty(0)] * n if ref_backend is not None else None
         self.backend.module.eval()
         share = [self.ranks.shard(range(n), r) for r in range(self.ranks.world_size)]
         for planned in self._lockstep(samples, share):
@@ -145,8 +155,8 @@ class PolicyUpdater:
             lp = ent = ref_lp = None
             if policy:
                 lp, ent = response_logprobs_and_entropy(self.backend, batch, temp, with_grad=False)
-            if self.ref_backend is not None:
-                ref_lp, _ = response_logprobs_and_entropy(self.ref_backend, batch, temp, with_grad=False,
+            if ref_backend is not None:
+                ref_lp, _ = response_logprobs_and_entropy(ref_backend, batch, temp, with_grad=False,
                                                           with_entropy=False)
             for row, i in enumerate(planned or []):
                 r = samples[i].response_len
@@ -169,7 +179,8 @@ class PolicyUpdater:
     def needs_scoring_pass(self, samples: Sequence[TrainSample]) -> bool:
         """False when the pre-update forward could not change the update (see ``optim.scoring_pass``): the sampler
         is the trainer itself, unfiltered, so its log-probs are π_old (for every mini-batch and epoch: π_old is the
-        pre-update policy, which is what sampled) and its entropies the trainer's, exactly. Measured on an AVX2 CPU
+        pre-update policy, which is what sampled) and its entropies the trainer's, exactly (float32 compute; under
+        bf16 autocast the gap reaches 2.3e-2 nats, and the pass runs). Measured on an AVX2 CPU
         in float32: 29–35 s of a 4.3-minute demo step. ``never``: False whatever the sampler, by the user's choice
         (π_old and the entropies are the sampler's)."""
         cfg = self.cfg
@@ -181,7 +192,8 @@ class PolicyUpdater:
                                  "sampler entropies (top-k estimates); set rollout.exact_entropy=true or "
                                  "optim.scoring_pass=auto")
             return False
-        exact = (sampler_is_trainer(cfg, self.generation_dtype) and cfg.rollout.top_p >= 1.0
+        exact = (sampler_is_trainer(cfg, self.generation_dtype, self.backend.compute_dtype)
+                 and cfg.rollout.top_p >= 1.0
                  and cfg.rollout.top_k == 0 and all(s.rollout_entropies is not None for s in samples))
         return not exact
 
@@ -216,12 +228,24 @@ class PolicyUpdater:
         release_memory()  # the activations' heap pages back to the OS before the next rollout (see memory.py)
         return self._metrics(step, tally, wall=time.perf_counter() - t0, t_score=t_score)
 
+    @property
+    def _current_entropies(self) -> bool:
+        """Whether the loss reads the differentiated policy's entropies (``algorithm.entropy_source: current``) and
+        anything reads them at all (the entropy-aware advantage, the high-entropy gate)."""
+        alg = self.cfg.algorithm
+        return alg.entropy_source == "current" and (alg.entropy_advantage or alg.clip_gate == "high_entropy")
+
     def _mini_batch(self, step: _Step, mini: list[int], tally: _Tally) -> None:
         """One optimizer step: the mini-batch's entropy statistics and normalizers, then its micro-batches."""
         samples, alg = step.samples, self.cfg.algorithm
         mini_mask = self._stack([torch.tensor(samples[i].loss_mask, dtype=torch.float32) for i in mini],
                                 max(samples[i].response_len for i in mini))
-        mini_ent = self._stack([step.entropies[i] for i in mini], mini_mask.shape[1])
+        entropies = step.entropies  # π_old's: the policy as it is until the step's first optimizer step
+        if self._current_entropies and tally.grad_norms:  # the policy has moved: its own, at these weights
+            entropies = list(entropies)
+            for i, ent in zip(mini, self.score([samples[i] for i in mini], reference=False).entropy, strict=True):
+                entropies[i] = ent
+        mini_ent = self._stack([entropies[i] for i in mini], mini_mask.shape[1])
         stats = entropy_stats(mini_ent, mini_mask, per_sequence=alg.loss in SEQUENCE_LEVEL_LOSSES)
         norm = loss_normalizer(mini_mask, mini_ent, alg)
         mini_loss = 0.0
@@ -247,15 +271,18 @@ class PolicyUpdater:
         tally.real_tokens += batch.real_tokens
         tally.padded_tokens += batch.padded_tokens
         width = batch.targets.shape[1]
-        ent = self._stack([step.entropies[i] for i in mb], width)
         ref_logprobs = step.scored.ref_logprobs if step.scored is not None else None
         ref = self._stack([ref_logprobs[i] for i in mb], width) if ref_logprobs else None
+        current = self._current_entropies
+        logprobs, forward_ent = response_logprobs_and_entropy(self.backend, batch, cfg.rollout.temperature, True,
+                                                              with_entropy=current)
+        # H_t: this forward's own (algorithm.entropy_source=current; never differentiable), else π_old's
+        ent = forward_ent if current and forward_ent is not None else self._stack(
+            [step.entropies[i] for i in mb], width)
         adv = batch.advantages
         if alg.entropy_advantage:
             adv = entropy_aware_advantage(adv, ent, batch.loss_mask, alg.entropy_advantage_alpha, stats,
                                           alg.entropy_eps)
-        logprobs, _ = response_logprobs_and_entropy(self.backend, batch, cfg.rollout.temperature, True,
-                                                    with_entropy=False)
         old = self._old_logprobs(step, mb, batch, logprobs)
         if not step.scoring and not tally.grad_norms:  # before the first optimizer step: the sampler–trainer gap
             tally.add_gap(logprobs.detach(), batch.rollout_logprobs, batch.loss_mask)

@@ -194,3 +194,42 @@ def test_the_paper_config_can_train():
 
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "paper" / "qwen3_14b_deepsearch.yaml")
     cfg.check_trainable()
+
+
+def test_exact_entropies_refused_under_zero3_on_several_ranks():
+    """Issue 49 §6: ExactEntropyEngine scores every rollout call with a forward of the training model in this
+    process, a collective under ZeRO-3, while the ranks roll out different shards with different numbers of calls:
+    the run would hang. Refused at start naming the keys; one rank, ZeRO-2 or exact_entropy off are fine."""
+    remote = ["rollout.engine=remote", "rollout.remote.url=http://127.0.0.1:8000", "rollout.remote.weight_sync=vllm",
+              "train.backend=deepspeed", "train.zero_stage=3"]
+    cfg = build_config({}, remote)
+    with pytest.raises(ConfigError, match=r"rollout\.exact_entropy=true.*rollout\.engine=remote.*"
+                                          r"train\.zero_stage=3.*2 ranks.*rollout\.exact_entropy=false"):
+        cfg.check_trainable(world_size=2)
+    with pytest.raises(ConfigError, match=r"rollout\.engine=vllm"):
+        build_config({}, [*remote, "rollout.engine=vllm"]).check_trainable(world_size=2)
+    cfg.check_trainable(world_size=1)
+    build_config({}, [*remote, "train.zero_stage=2"]).check_trainable(world_size=2)
+    build_config({}, [*remote, "rollout.exact_entropy=false"]).check_trainable(world_size=2)
+    with pytest.raises(ConfigError, match=r"rollout\.engine=remote"):  # the in-process engine: refused as before
+        build_config({}, [*remote, "rollout.engine=hf"]).check_trainable(world_size=2)
+
+
+def test_the_paper_config_runs_on_several_ranks_and_discards_the_probe():
+    """The paper config (remote engine, ZeRO-3) trains on 8 ranks: its exact entropies are off (the server's top-k
+    estimate, flagged); the published numbers come from pre-monitoring with the probe discarded."""
+    cfg = load_config(CONFIGS / "paper" / "qwen3_14b_deepsearch.yaml")
+    cfg.check_trainable(world_size=8)
+    assert not cfg.rollout.exact_entropy and cfg.rollout.probe == "discard"
+    text = (CONFIGS / "paper" / "qwen3_14b_deepsearch.yaml").read_text()
+    assert "Departures from the published scripts" in text
+
+
+def test_rollout_logprobs_are_not_pi_old_under_filtered_sampling():
+    """Issue 49 §7a: with top-p < 1 or top-k > 0 the sampler's log-prob is of the renormalized filtered
+    distribution, so every ratio would start at the kept mass (0.081 at top-k 20), not 1."""
+    for filtered in ("rollout.top_p=0.9", "rollout.top_k=20"):
+        with pytest.raises(ConfigError, match=r"optim\.old_logprobs=rollout.*rollout\.top_p.*rollout\.top_k"):
+            build_config({}, ["optim.old_logprobs=rollout", filtered])
+        build_config({}, [filtered])  # π_old from the trainer's scoring pass: fine
+    build_config({}, ["optim.old_logprobs=rollout"])

@@ -85,6 +85,20 @@ def test_bad_config_exits_2_before_anything_is_created(tmp_path: Path, override:
     assert not runs.exists()  # no MLflow store, no Prefect home, nothing
 
 
+def test_exact_entropies_under_zero3_on_two_ranks_exit_2_before_anything_is_created(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 49 §6: rank 0 of a 2-rank launch (the launcher's WORLD_SIZE) refuses the combination that would hang
+    in the first rollout, in one line naming the keys."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    runs = tmp_path / "runs"
+    sets = ["rollout.engine=remote", "rollout.remote.url=http://127.0.0.1:9", "rollout.remote.weight_sync=vllm",
+            "train.backend=deepspeed", "train.zero_stage=3"]
+    result = invoke("train", "-c", TINY, "--runs-dir", str(runs), *[a for s in sets for a in ("--set", s)])
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "rollout.exact_entropy=true" in result.stderr and "train.zero_stage=3 on 2 ranks" in result.stderr
+    assert not runs.exists()
+
+
 def test_missing_config_file_exits_2(tmp_path: Path) -> None:
     result = invoke("train", "-c", str(tmp_path / "none.yaml"), "--runs-dir", str(tmp_path / "runs"))
     assert result.exit_code == 2 and "config file not found" in result.stderr

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from infra.config_files import load_config
@@ -156,3 +158,24 @@ def test_while_a_runtime_lives_the_collector_skips_what_existed_before_it(model_
     assert gc.get_freeze_count() == frozen_before
     gc.collect()
     assert gone() is None
+
+
+def test_a_deterministic_run_switches_on_deterministic_algorithms(model_cache: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 49 §7d: CUDA backward kernels are not deterministic by default, so bit-identical replay is tested on
+    CPU only; `train.deterministic: true` makes the runtime switch on torch's deterministic algorithms and cuBLAS's
+    fixed workspace (CUBLAS_WORKSPACE_CONFIG, read when CUDA initializes) before the policy loads. Off by default."""
+    from aepo_core.config import ExperimentConfig
+
+    assert ExperimentConfig().train.deterministic is False
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    tiny = [f"model.cache_dir={model_cache}"]
+    try:
+        build_runtime(load_config(REPO / "configs" / "tiny.yaml", tiny), tmp_path / "default").close()
+        assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+        build_runtime(load_config(REPO / "configs" / "tiny.yaml", [*tiny, "train.deterministic=true"]),
+                      tmp_path / "deterministic").close()
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(False)

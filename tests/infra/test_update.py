@@ -253,7 +253,7 @@ SPLIT = ["optim.ppo_epochs=2", "optim.micro_batch_tokens=20", "optim.lr=1e-3"]
 
 def test_combined_diagnostics_are_pinned():
     """The update's loss diagnostics on a fixed example (values from before diagnostics declared their reduction)."""
-    _, met = run_update(SPLIT)
+    _, met = run_update([*SPLIT, "algorithm.entropy_source=old"])  # the entropies the values were pinned with
     pinned = {
         "clip_frac": 57 / 136, "clip_frac_high": 24 / 136, "clip_frac_low": 33 / 136,
         "approx_kl": 0.2360767496001619, "ratio_mean": 1.1249514088472898, "ratio_max": 17.262943267822266,
@@ -370,7 +370,7 @@ def test_a_sampler_that_is_not_the_trainer_never_skips_the_scoring_pass(override
     precision; otherwise z(H), the high-entropy gate and train/entropy_mean would come from the sampler."""
     samples = _noisy_rollout_entropies(make_samples())
     common = ["optim.mini_batch_size=8", "algorithm.entropy_advantage=true", "algorithm.clip_gate=high_entropy",
-              *overrides]
+              "algorithm.entropy_source=old", *overrides]  # π_old's entropies drive the loss (current: the forward's)
     auto, met_auto = run_update([*common, "optim.scoring_pass=auto"], samples)
     always, met_always = run_update([*common, "optim.scoring_pass=always"], samples)
     assert met_auto["train/scoring_pass"] == 1.0
@@ -477,7 +477,7 @@ def test_scoring_pass_never_takes_pi_old_and_the_entropies_from_a_sampler_that_i
     to the trainer's the update is the scored one; with the copy's own (noisy) entropies it differs, and only in
     what the entropies drive."""
     common = ["model.generation_dtype=bfloat16", "optim.old_logprobs=rollout", "algorithm.entropy_advantage=true",
-              "algorithm.clip_gate=high_entropy"]
+              "algorithm.clip_gate=high_entropy", "algorithm.entropy_source=old"]  # π_old's entropies drive the loss
     exact = _with_exact_rollout_entropies(make_samples())
     auto, met_auto = run_update([*common, "optim.scoring_pass=auto"], exact)
     never, met_never = run_update([*common, "optim.scoring_pass=never"], exact)
@@ -502,3 +502,72 @@ def test_scoring_pass_never_refuses_estimated_entropies_and_a_trainer_pi_old():
         build_config({}, ["optim.scoring_pass=never", "optim.old_logprobs=rollout", "rollout.engine=vllm",
                           "rollout.exact_entropy=false"])
     build_config({}, ["optim.scoring_pass=never", "optim.old_logprobs=rollout", "rollout.engine=vllm"])
+
+
+class _EntropyRecorder:
+    """At each micro-batch's loss (after its gradient forward, before its backward, so the policy is the one being
+    differentiated): the entropies and advantages the loss got, and what the policy itself gives there now."""
+
+    def __init__(self, samples: list[TrainSample], cfg) -> None:
+        self.samples, self.cfg, self.updater = samples, cfg, None
+        self.seen: list[dict[str, object]] = []
+
+    def _current(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = update_mod.collate([self.samples[i] for i in indices], 0, torch.device("cpu"))
+        _, ent = update_mod.response_logprobs_and_entropy(self.updater.backend, batch, 1.0, with_grad=False)
+        return ent, batch.loss_mask
+
+    def micro_batch(self, samples, inputs, norm, norm_len) -> None:
+        current, mask = self._current(samples)
+        mini = next(m for m in split_mini_batches(self.samples, self.cfg.optim.mini_batch_size) if samples[0] in m)
+        mini_ent, mini_mask = self._current(mini)
+        stats = update_mod.entropy_stats(mini_ent, mini_mask)
+        expected_adv = update_mod.entropy_aware_advantage(
+            torch.tensor([self.samples[i].advantage for i in samples])[:, None] * mask, current, mask,
+            self.cfg.algorithm.entropy_advantage_alpha, stats, self.cfg.algorithm.entropy_eps)
+        self.seen.append({"entropy": inputs.entropy * inputs.mask, "current": current * mask,
+                          "advantages": inputs.advantages, "expected_adv": expected_adv,
+                          "grad": inputs.entropy.requires_grad or inputs.advantages.requires_grad})
+
+
+def _record_entropies(source: str) -> list[dict[str, object]]:
+    samples = make_samples()
+    cfg = build_config({}, ["optim.lr=1e-2", "optim.grad_clip=100", "optim.mini_batch_size=1",
+                            "optim.micro_batch_tokens=400", "model.generation_dtype=same",
+                            "algorithm.entropy_advantage=true", f"algorithm.entropy_source={source}"])
+    recorder = _EntropyRecorder(samples, cfg)
+    updater = PolicyUpdater(TorchBackend(tiny_model(), cfg.optim, total_steps=10), cfg, pad_id=0, observer=recorder)
+    recorder.updater = updater
+    updater.update(samples)
+    return recorder.seen
+
+
+def test_entropy_source_current_reads_the_gradient_forwards_entropies():
+    """Issue 49 §7c: AEPO.md §5's H_t is the current policy's, from the training forward (detached), z over the
+    mini-batch. `current` (the default) gives every micro-batch the entropies of the policy it differentiates, and
+    the advantage standardized with that policy's mini-batch statistics; `old` keeps π_old's (the scoring pass's)
+    all step, which agree on the first mini-batch (no optimizer step yet) and differ on every later one."""
+    assert build_config({}).algorithm.entropy_source == "current"
+    current, old = _record_entropies("current"), _record_entropies("old")
+    assert len(current) == len(old) == 3  # one micro-batch per mini-batch (one question each)
+    for seen in current:
+        assert not seen["grad"]  # detached: no gradient through the entropies or the scaled advantages
+        torch.testing.assert_close(seen["entropy"], seen["current"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(seen["advantages"], seen["expected_adv"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(old[0]["entropy"], current[0]["entropy"], rtol=1e-5, atol=1e-5)
+    for seen in old[1:]:
+        assert not seen["grad"]
+        assert (seen["entropy"] - seen["current"]).abs().max() > 1e-3  # π_old's, not the policy being trained
+        assert (seen["advantages"] - seen["expected_adv"]).abs().max() > 1e-4
+
+
+def test_auto_runs_the_scoring_pass_under_bf16_autocast():
+    """Issue 49 §7b: under bf16 autocast the in-process sampler on the training weights (generation_dtype same) is
+    not the trainer to float precision (its KV-cached decode and the trainer's full forward round differently: a
+    log-prob gap up to 2.3e-2 on a tiny Llama, 4.3e-6 in float32), so `auto` skips the scoring pass only under
+    float32 compute; the step then logs the gap from the scoring pass."""
+    cfg = build_config({}, ["model.generation_dtype=same", "optim.mini_batch_size=2"])
+    samples = _with_exact_rollout_entropies(make_samples())
+    for compute, scored in ((None, False), (torch.bfloat16, True)):
+        backend = TorchBackend(tiny_model(), cfg.optim, total_steps=10, compute_dtype=compute)
+        assert PolicyUpdater(backend, cfg, pad_id=0).needs_scoring_pass(samples) is scored, compute
