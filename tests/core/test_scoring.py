@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -18,12 +19,14 @@ from aepo_core.scoring import LeafScore, StepScores, fill_informative, score_tre
 
 
 def answer_script(answers):
-    """Leaf i (by seed order) answers answers[i % len]; every path searches once first."""
+    """The n-th answer the engine writes is answers[n % len] (a question's leaves answer in one round, in leaf
+    order, so every group of k ≥ len(answers) gets them all); every path searches once first."""
+    written = itertools.count()
 
     def script(transcript, seed):
         if "<result>" not in transcript:
             return Segment("<think>look</think><search>q</search>", 1.0)
-        ans = answers[seed % len(answers)]
+        ans = answers[next(written) % len(answers)]
         return Segment(f"<think>ok</think><answer>\\boxed{{{ans}}}</answer>", 1.0)
 
     return script
