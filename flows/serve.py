@@ -24,15 +24,17 @@ from infra.config_files import load_config
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
 DEFAULT_SWEEP = "configs/sweeps/tiny.yaml"
-DEFAULT_SWEEP_CRON = "0 3 * * 1"  # Mondays 03:00
+WEEKLY_SWEEP_CRON = "0 3 * * 1"  # Mondays 03:00: what `aepo serve --cron` is typically given (none by default)
 SERVED_SUFFIX = "-served"
 """Appended to the names of served deployments (see the module docstring)."""
 
 
 def build_deployments(runs_dir: str | Path = "runs", config: str | Path = DEFAULT_CONFIG,
-                      sweep_file: str | Path = DEFAULT_SWEEP, sweep_cron: str | None = DEFAULT_SWEEP_CRON) -> list[Any]:
+                      sweep_file: str | Path = DEFAULT_SWEEP, sweep_cron: str | None = None) -> list[Any]:
     """RunnerDeployments named ``train-served``, ``evaluate-served``, ``rollout-study-served`` and ``sweep-served``
-    (the last on ``sweep_cron``; None: no schedule), their runs in ``runs_dir``.
+    (the last on ``sweep_cron`` when asked for one, e.g. :data:`WEEKLY_SWEEP_CRON`; None, the default: no schedule),
+    their runs in ``runs_dir``. A scheduled sweep deployment passes ``dated``: each firing is a new sweep, its cells
+    all run again (:mod:`flows.sweep`); without a schedule a run of it is like ``aepo sweep`` (finished cells reused).
 
     The train deployment's ``config`` parameter is the resolved config (the UI renders it as a form); the
     evaluate and sweep deployments take file paths, resolved to absolute paths here so runs do not depend on
@@ -54,6 +56,8 @@ def build_deployments(runs_dir: str | Path = "runs", config: str | Path = DEFAUL
                                     description="Rollout study at a fixed policy: sampling modes × k on the same "
                                     "questions, paired seeds, bootstrap CIs", tags=["aepo"]),
         sweep.to_deployment(name=f"sweep{SERVED_SUFFIX}", cron=sweep_cron,
-                            parameters={"sweep_config": str(Path(sweep_file).resolve()), "runs_dir": runs},
-                            description="Scheduled sweep of training runs with a comparison table", tags=["aepo"]),
+                            parameters={"sweep_config": str(Path(sweep_file).resolve()), "runs_dir": runs,
+                                        **({"dated": True} if sweep_cron else {})},
+                            description=("Scheduled sweep (a new dated sweep each firing)" if sweep_cron else "Sweep")
+                            + " of training runs with a comparison table", tags=["aepo"]),
     ]

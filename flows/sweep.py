@@ -35,6 +35,22 @@ re-parented: its ``mlflow.parentRunId`` tag is moved to the new parent run (the 
 ``sweep_previous_parent_run_id`` tag), so the comparison, which selects the children by parent, and the MLflow
 UI both show the whole sweep under the newest parent; the earlier parent's logged comparison is unchanged.
 
+A scheduled sweep is a new sweep each time it fires (flow parameter ``dated``, which the scheduled deployments pass):
+its parent run is named ``<name>-<UTC date-time of the firing>`` (tag ``sweep_date``), its comparison goes to
+``<runs_dir>/sweeps/<name>/<date-time>/``, and every cell runs again, under it alone: nothing of an earlier firing is
+reused, and its cells are never reused (re-parented) by a later sweep. Skipping finished cells by config hash alone
+made the weekly schedule re-run nothing from its second week on. The alternative, skipping only cells whose config
+and code version (commit, dirty diff) match, was not taken: it would make every release re-run every finished cell
+of a sweep continued by hand (what ``ran_with`` keeps from happening across a release that adds a config field),
+and a scheduled sweep of unchanged code would still measure nothing new. ``--resume`` continues the newest firing
+(finished cells of that firing skipped).
+
+The numerics are decided once per sweep (issue 49 §8): the parent run records the machine's facts (``system.*`` tags
+and ``numerics.auto``, read back on ``--resume``) and every cell computes in them (the train flow's ``machine``
+parameter, :func:`infra.numerics.numerics_for`): two arms never differ in numerics because of the load when each
+started. A cell on a worker of another machine kind says so in one line, and refuses where the sweep chose bf16 and
+bf16 is the slow path there.
+
 ``--resume`` (flow parameter ``resume``) continues a stopped sweep instead — Ctrl-C, SIGKILL, a lost worker, the
 end of a working session: in the same parent run (the newest of the sweep's name), skipping the finished children
 as above, and resuming each child that started and did not finish (same config) from its last checkpoint in its own
@@ -71,7 +87,7 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -89,6 +105,7 @@ from aepo_core.cost import COST_PREFIX, TOTAL
 from flows.common import artifact_key, flow_runs_dir, run_origin
 from flows.sweep_spec import SweepRun, SweepSpec, load_sweep, parse_shard, shard_runs
 from flows.train import train
+from infra.numerics import DeviceFacts, auto_dtype, facts_for
 from infra.plots import save_png
 from infra.run.lock import Claims
 from infra.run.resume import NothingToResumeError
@@ -100,6 +117,8 @@ log = logging.getLogger(__name__)
 TAG_SWEEP = "sweep_name"
 TAG_CELL = "sweep_cell"
 TAG_PREVIOUS_PARENT = "sweep_previous_parent_run_id"  # set on a child re-parented by a re-run of its sweep
+TAG_DATE = "sweep_date"  # a dated sweep's (a scheduled firing's) UTC date-time, on its parent and its children
+TAG_NUMERICS = "numerics.auto"  # on the parent: what `auto` chose for every cell (with the machine's system.* tags)
 POLL_S = 2.0  # seconds between two reads of the children's states in a fan-out (one API call per child in flight)
 HEARTBEAT_CHECK_S = 5.0  # seconds between two reads of a running child's newest heartbeat event
 LOST_HEARTBEATS = 3  # default child_lost_after_s: this many heartbeat intervals (as Prefect's zombie automation)
@@ -279,6 +298,8 @@ class SweepResult:
     """Run names of the children this invocation ran (or submitted)."""
     reused: list[str] = field(default_factory=list)
     """Run names of the children that had already FINISHED in MLflow and were not run again."""
+    date: str | None = None
+    """A dated sweep's (a scheduled firing's) UTC date-time: its parent run is ``<name>-<date>``."""
 
 
 def sweep_spec(sweep_config: str | dict[str, Any], shard: str | None, overrides: Sequence[str] | None = None,
@@ -307,7 +328,8 @@ def sweep_flow_run_name() -> str:
 def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None, shard: str | None = None,
           deployment: str | None = None, max_parallel: int = 4,
           child_timeout_s: float | None = None, child_lost_after_s: float | None = None,
-          overrides: list[str] | None = None, cells: list[str] | None = None, resume: bool = False) -> SweepResult:
+          overrides: list[str] | None = None, cells: list[str] | None = None, resume: bool = False,
+          dated: bool = False) -> SweepResult:
     """Run every (cell, seed) of the sweep — or of one shard ``"i/N"`` — as a nested training run, then compare
     them; returns the tables' paths. ``overrides`` (``"key=value"``) apply to every cell after its own;
     ``cells`` keeps only those cells.
@@ -322,7 +344,10 @@ def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None, shard
 
     ``resume`` continues a stopped sweep (Ctrl-C, SIGKILL, a lost worker, the end of a working session) in its own
     parent MLflow run, the newest of this sweep's name: finished children are skipped as above, and a child that
-    started and did not finish (same config) resumes from its last checkpoint in its own MLflow run."""
+    started and did not finish (same config) resumes from its last checkpoint in its own MLflow run.
+
+    ``dated`` (what a schedule passes) makes this call a new sweep: a parent run of its own named after the firing's
+    date-time, every cell run again (see the module docstring: why, and why not a code version in the hash)."""
     logger = get_run_logger()
     spec = sweep_spec(sweep_config, shard, overrides, cells)
     if max_parallel < 1:
@@ -341,16 +366,24 @@ def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None, shard
     # touches the parent run or starts a cell.
     with Claims(runs, sweep=spec.name):
         previous = sweep_to_resume(tracker, spec) if resume else None
-        parent = tracker.start(spec.base, run_name=spec.name, group=True, resume_run_id=previous, origin=run_origin(
+        recorded = tracker.client.get_run(previous).data.tags if previous else {}
+        date = recorded.get(TAG_DATE) if previous else (_firing_date() if dated else None)
+        facts = DeviceFacts.from_tags(recorded, recorded.get("system.numerics_source", "")) or facts_for(spec.base)
+        parent = tracker.start(spec.base, run_name=f"{spec.name}-{date}" if date else spec.name, group=True,
+                               resume_run_id=previous, origin=run_origin(
                                    "flows/sweep.py:sweep", f"AEPO sweep {spec.name}: {len(spec.cells)} cells × "
                                    f"{len(spec.seeds)} seeds, one nested training run each."),
                                tags={"kind": "sweep", TAG_SWEEP: spec.name, "sweep_cells": len(spec.cells),
                                      "sweep_seeds": ",".join(map(str, spec.seeds)),
-                                     "sweep_deployment": deployment or "in-process"})
-        out_dir = runs / "sweeps" / spec.name
+                                     "sweep_deployment": deployment or "in-process", **facts.tags(),
+                                     TAG_NUMERICS: auto_dtype(facts), **({TAG_DATE: date} if date else {})})
+        logger.info("sweep %s: numerics for every cell decided on %s (auto: %s)", spec.name, facts.describe(),
+                    auto_dtype(facts))
+        launch = _Launch(parent, date, replace(facts, source=f"sweep {parent}").as_dict())
+        out_dir = runs / "sweeps" / spec.name / date if date else runs / "sweeps" / spec.name
         with tracker:
             tracker.log_dict(spec.as_dict(), "sweep.json")
-            done = finished_children(tracker, spec, configs)
+            done = finished_children(tracker, spec, configs, within=parent if date else None)
             for name, old in done.items():  # re-parent: the new parent run shows the whole sweep (see the docstring)
                 if old.parent_run_id != parent:  # (a resumed sweep's own children stay as they are)
                     tracker.client.set_tag(old.run_id, "mlflow.parentRunId", parent)
@@ -361,10 +394,10 @@ def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None, shard
             for name in sorted(started & {r.run_name for r in todo}):
                 logger.info("sweep run %s started and did not finish: it resumes from its last checkpoint", name)
             if deployment is None:
-                failed = _run_children(spec, todo, configs, runs, parent, started, logger)
+                failed = _run_children(spec, todo, configs, runs, launch, started, logger)
             else:
                 watch = _Watch(child_timeout_s, _lost_after(child_lost_after_s))
-                failed = _fan_out(spec, todo, configs, runs, parent, deployment, max_parallel, watch, started, logger)
+                failed = _fan_out(spec, todo, configs, runs, launch, deployment, max_parallel, watch, started, logger)
             _end_abandoned(tracker, parent, failed, logger)
             per_run, summary, markdown, files = _compare(spec, tracker, parent, out_dir)
             artifact_id = create_markdown_artifact(markdown=markdown, key=artifact_key("sweep", spec.name),
@@ -375,7 +408,26 @@ def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None, shard
                                    f"(comparison written to {out_dir})")
         return SweepResult(spec.name, parent, str(runs), str(out_dir), tracker.tracking_uri, str(artifact_id),
                            {k: str(v) for k, v in files.items()}, per_run.to_dict(orient="records"),
-                           summary.to_dict(orient="records"), [r.run_name for r in todo], sorted(done))
+                           summary.to_dict(orient="records"), [r.run_name for r in todo], sorted(done), date)
+
+
+def _firing_date() -> str:
+    """The UTC date-time a dated sweep is named after: its flow run's scheduled start (a schedule's firing time)."""
+    start = flow_run.scheduled_start_time or datetime.now(timezone.utc)
+    return start.astimezone(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """What every cell of one sweep invocation starts with besides its config: the parent run, the firing's date
+    (a dated sweep) and the machine facts the sweep's numerics were decided from."""
+
+    parent: str
+    date: str | None
+    machine: dict[str, Any]
+
+    def tags(self, spec: SweepSpec, run: SweepRun) -> dict[str, str]:
+        return {TAG_SWEEP: spec.name, TAG_CELL: run.cell, **({TAG_DATE: self.date} if self.date else {})}
 
 
 def child_config(cfg: ExperimentConfig, tracker: Tracker) -> ExperimentConfig:
@@ -394,16 +446,21 @@ class FinishedChild:
     parent_run_id: str
 
 
-def finished_children(tracker: Tracker, spec: SweepSpec, configs: Mapping[str, ExperimentConfig]
-                      ) -> dict[str, FinishedChild]:
+def finished_children(tracker: Tracker, spec: SweepSpec, configs: Mapping[str, ExperimentConfig],
+                      within: str | None = None) -> dict[str, FinishedChild]:
     """Run name → the newest FINISHED MLflow run of the experiment with that name, this sweep's ``sweep_name``
-    tag and the config hash the child would run with now (a changed sweep file re-runs the cells it changes)."""
-    found = tracker.search_runs(filter_string=f"tags.{TAG_SWEEP} = '{spec.name}' AND attributes.status = 'FINISHED'")
+    tag and the config hash the child would run with now (a changed sweep file re-runs the cells it changes).
+
+    ``within``: only the children of that parent run (a dated sweep reuses nothing of another firing). Without it,
+    a dated sweep's children are none of another invocation's (they stay under their firing's parent)."""
+    scope = f" AND tags.mlflow.parentRunId = '{within}'" if within else ""
+    found = tracker.search_runs(filter_string=f"tags.{TAG_SWEEP} = '{spec.name}' AND attributes.status = 'FINISHED'"
+                                              f"{scope}")
     out: dict[str, FinishedChild] = {}
     for _, row in found.iterrows():  # newest first (search_runs orders by start time, descending)
         name = row["run_name"]
         cfg = configs.get(name)
-        if cfg is None or name in out:
+        if cfg is None or name in out or (within is None and _is_dated(row)):
             continue
         if not ran_with(tracker, row, cfg):
             log.info("sweep run %s (MLflow %s) FINISHED with another config: it runs again", name, row["run_id"])
@@ -412,11 +469,20 @@ def finished_children(tracker: Tracker, spec: SweepSpec, configs: Mapping[str, E
     return out
 
 
+def _is_dated(row: Mapping[str, Any]) -> bool:
+    """Whether a ``search_runs`` row is a dated sweep's run (its ``sweep_date`` tag set)."""
+    value = row.get(f"tags.{TAG_DATE}")
+    return isinstance(value, str) and bool(value)
+
+
 def sweep_to_resume(tracker: Tracker, spec: SweepSpec) -> str:
-    """The parent run ``resume`` continues: the newest sweep run of this name (a shard's name for a shard). Raises
-    :class:`NothingToResumeError`: starting a new sweep instead would hide a wrong name, runs dir or tracking URI."""
+    """The parent run ``resume`` continues: the newest sweep run of this name (a shard's name for a shard), dated
+    (``<name>-<date>``, a scheduled firing) or not. Raises :class:`NothingToResumeError`: starting a new sweep
+    instead would hide a wrong name, runs dir or tracking URI."""
     found = tracker.search_runs(filter_string=f"tags.kind = 'sweep' AND tags.{TAG_SWEEP} = '{spec.name}'")
-    found = found[found["run_name"] == spec.name] if not found.empty else found
+    if not found.empty:
+        dates = found[f"tags.{TAG_DATE}"] if f"tags.{TAG_DATE}" in found else pd.Series("", index=found.index)
+        found = found[(found["run_name"] == spec.name) | (found["run_name"] == spec.name + "-" + dates.fillna(""))]
     if found.empty:
         raise NothingToResumeError(f"nothing to resume: no sweep named {spec.name!r} in experiment "
                                    f"{tracker.experiment!r} at {tracker.tracking_uri} (drop --resume to start it)")
@@ -457,8 +523,8 @@ class ChildFailure:
 
 
 def _run_children(spec: SweepSpec, todo: Sequence[SweepRun], configs: Mapping[str, ExperimentConfig], runs: Path,
-                  parent: str, started: set[str], logger: Any) -> list[ChildFailure]:
-    """Every (cell, seed) as a child ``train`` flow run nested under ``parent`` (resumed when ``started``);
+                  launch: _Launch, started: set[str], logger: Any) -> list[ChildFailure]:
+    """Every (cell, seed) as a child ``train`` flow run nested under the parent (resumed when ``started``);
     returns the failed runs."""
     failed = []
     for i, run in enumerate(todo):
@@ -466,16 +532,12 @@ def _run_children(spec: SweepSpec, todo: Sequence[SweepRun], configs: Mapping[st
                "sweep cell %d/%d: %s (%s)", i + 1, len(todo), run.run_name,
                ", ".join(f"{k}={v}" for k, v in run.overrides.items()))
         state = train(config=configs[run.run_name], runs_dir=str(runs), run_name=run.run_name,
-                      parent_run_id=parent, tags=_child_tags(spec, run), resume=run.run_name in started,
-                      return_state=True)
+                      parent_run_id=launch.parent, tags=launch.tags(spec, run), resume=run.run_name in started,
+                      machine=launch.machine, return_state=True)
         if not state.is_completed():
             failed.append(ChildFailure(run.run_name, state.name or state.type.value))
             logger.error("sweep run %s ended %s: %s", run.run_name, state.type.value, state.message)
     return failed
-
-
-def _child_tags(spec: SweepSpec, run: SweepRun) -> dict[str, str]:
-    return {TAG_SWEEP: spec.name, TAG_CELL: run.cell}
 
 
 def check_deployment(deployment: str, tracking_uri: str, logger: Any) -> None:
@@ -562,7 +624,7 @@ def _newest_heartbeat(client: Any, flow_run_id: UUID) -> Any:
 
 
 def _fan_out(spec: SweepSpec, todo: Sequence[SweepRun], configs: Mapping[str, ExperimentConfig], runs: Path,
-             parent: str, deployment: str, max_parallel: int, watch: _Watch, started: set[str], logger: Any
+             launch: _Launch, deployment: str, max_parallel: int, watch: _Watch, started: set[str], logger: Any
              ) -> list[ChildFailure]:
     """Every (cell, seed) as a flow run of ``deployment`` (named like its MLflow run), at most ``max_parallel``
     submitted and unfinished at once; polls their states and returns the runs that did not complete (ended in
@@ -573,6 +635,7 @@ def _fan_out(spec: SweepSpec, todo: Sequence[SweepRun], configs: Mapping[str, Ex
     from prefect.states import Cancelling, Crashed
 
     pending = list(todo)
+    parent = launch.parent
     invocation = flow_run.id
     in_flight: dict[UUID, _Child] = {}
     failed: list[ChildFailure] = []
@@ -590,7 +653,8 @@ def _fan_out(spec: SweepSpec, todo: Sequence[SweepRun], configs: Mapping[str, Ex
                         idempotency_key=f"{parent}/{run.run_name}/{invocation}",
                         parameters={"config": configs[run.run_name].to_dict(), "runs_dir": str(runs),
                                     "run_name": run.run_name, "parent_run_id": parent, "overrides": [],
-                                    "resume": resume, "tags": _child_tags(spec, run)})
+                                    "resume": resume, "tags": launch.tags(spec, run),
+                                    "machine": launch.machine})
                     in_flight[submitted.id] = _Child(run, time.monotonic())
                     report(logger, Progress("cell", done=finished, total=len(todo), name=run.run_name),
                            "sweep run %s submitted to %s as flow run %s (%d in flight)", run.run_name, deployment,

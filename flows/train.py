@@ -36,6 +36,7 @@ from flows.common import (
     run_origin,
     train_flow_run_name,
 )
+from infra.numerics import DeviceFacts, numerics_for
 from infra.plots import curves_figure, rollout_tree_figure
 from infra.ranks import Ranks
 from infra.run.checkpoints import CheckpointError, CheckpointStore, checkpoint_store, open_checkpoints
@@ -140,11 +141,15 @@ def train(
     parent_run_id: str | None = None,
     force_resume: bool = False,
     tags: dict[str, str] | None = None,
+    machine: dict[str, Any] | None = None,
 ) -> TrainResult:
     """Train a policy with the configured algorithm; returns the evaluations and where everything went.
 
     ``parent_run_id`` nests the MLflow run under another (a sweep's parent run); ``tags`` are extra MLflow tags
-    set when the run is created (a sweep's ``sweep_name`` / ``sweep_cell``, by which a re-run finds it)."""
+    set when the run is created (a sweep's ``sweep_name`` / ``sweep_cell``, by which a re-run finds it).
+    ``machine``: the device facts a sweep decided its ``auto`` numerics from (``DeviceFacts.as_dict``), the same for
+    every cell (:func:`infra.numerics.numerics_for`). A resumed run computes in the numerics it recorded at its
+    start, neither this machine's nor the sweep's."""
     logger = get_run_logger()
     cfg = resolve_config(config, overrides)
     runs = flow_runs_dir(runs_dir, cfg.storage.runs_dir)
@@ -157,9 +162,12 @@ def train(
     # Rank 0 picks the run to continue from MLflow before the model loads: a wrong name or config fails fast.
     point = (find_resume_point(tracker, cfg, runs, name, force=force_resume)
              if resume and isinstance(tracker, Tracker) else None)
+    numerics = (point.numerics if point is not None and point.numerics is not None
+                else numerics_for(cfg, DeviceFacts.from_dict(machine) if machine else None))
     # One live process per run (infra.run.lock): a run another process still trains is not resumed; claimed first.
     claims = Claims(runs if ranks.is_main else None, run_id=point.run_id if point else None)
-    with claims, build_runtime(cfg, runs, name) as runtime:  # the runtime stops a managed vLLM server however it ends
+    # The runtime stops a managed vLLM server however it ends.
+    with claims, build_runtime(cfg, runs, name, numerics) as runtime:
         logger.info("%s", runtime.numerics.describe())
         datasets = [dataset_record(cfg.data.train, rows, "training"), *check_eval_datasets(runtime)]
         trajectories = (TrajectoryStore.from_config(cfg.storage) if cfg.storage.trajectories_uri

@@ -11,29 +11,58 @@ thread, torch 2.13), and a demo tuned for AMX did not finish. So ``auto`` (the d
   than float32 (flags can lie: a VM may advertise what it traps, and ``ONEDNN_MAX_CPU_ISA=AVX2`` hides AMX from
   the kernels while the flags still show it); float32 elsewhere.
 
-Explicit dtypes still win (bf16 numerics on purpose); a warning names the slow path when they are one. The
-decision is made once per process (:func:`device_facts` is cached) and recorded with every run
-(:meth:`Numerics.params`, :meth:`Numerics.tags`).
+Explicit dtypes still win (bf16 numerics on purpose); a warning names the slow path when they are one.
+
+The decision is the machine's, not its momentary load's. The probe read 0.61-0.66x float32 idle and 0.16x beside
+one other process on a 2-core Xeon with AVX512-BF16 (no AMX): a 4x swing, enough to flip a CPU nearer the threshold
+(a Zen 4 EPYC measured 2.2-2.4x idle), so the same config trained under other numerics by the hour, and two arms of
+one sweep could differ in numerics. So the speed-up is measured once per machine, as the best of
+:data:`PROBE_ROUNDS` probes, and cached on disk (:func:`cache_path`: ``$AEPO_NUMERICS_CACHE``, else
+``$XDG_CACHE_HOME/aepo/numerics.json``, else ``~/.cache/aepo/numerics.json``), keyed by the CPU model, torch's
+capability, the torch version and ``ONEDNN_MAX_CPU_ISA`` (:func:`machine_key`). The cache is per machine, not per
+runs dir: one machine's runs dirs then agree, and a runs dir shared by several machines holds none of it. Written
+atomically under a lock (workers starting together measure once, not under each other's load); a corrupt file is
+measured again with a warning. A measurement taken on a busy machine says so, with the file to delete.
+
+Every run records the decision (:meth:`Numerics.params`, :meth:`Numerics.tags`, ``system.numerics_source``); a
+resumed run computes in the numerics it started with (:func:`recorded_numerics`, from its params and tags, no
+probe); a sweep decides once for all its cells (:func:`numerics_for` with the sweep's ``decided`` facts).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import fcntl
 import functools
+import json
 import logging
+import math
 import os
 import platform
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from aepo_core.config import ExperimentConfig
+from infra.atomic import atomic_file
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AUTOCAST_DTYPES", "GENERATION_DTYPES", "DeviceFacts", "Numerics", "auto_dtype", "autocast_dtype",
-           "bf16_speedup", "device_facts", "numerics_for", "resolve_numerics", "vllm_device"]
+__all__ = ["AUTOCAST_DTYPES", "GENERATION_DTYPES", "DeviceFacts", "MachineMismatchError", "Numerics", "auto_dtype",
+           "autocast_dtype", "bf16_speedup", "cache_path", "device_facts", "facts_for", "machine_key",
+           "numerics_for", "recorded_numerics", "resolve_numerics", "vllm_device"]
+
+CACHE_ENV = "AEPO_NUMERICS_CACHE"
+"""The cache file's path (default: see :func:`cache_path`)."""
+PROBE_ROUNDS = 5
+"""Probes per measurement: the best speed-up counts (load slows the bf16 rep more than the float32 one, never less)."""
+SOURCE_TAG = "system.numerics_source"
 
 AUTO = "auto"
 
@@ -61,6 +90,9 @@ class DeviceFacts:
     bf16_speedup: float | None = None
     """float32 time ÷ bf16 time of the probe matmul (> 1: bf16 faster); None where no probe ran (CUDA, or a CPU
     without native bf16: nothing to confirm)."""
+    source: str = field(default="", compare=False)
+    """Where the speed-up comes from: ``measured``, ``cache <file>``, ``run <id>`` (a resumed run's record),
+    ``sweep <parent run id>`` (the sweep's decision); empty: not said."""
 
     @property
     def fast_bf16(self) -> bool:
@@ -71,6 +103,44 @@ class DeviceFacts:
         """``<name>, <capability>, native bf16 (3.1× float32)`` — what the dtypes were chosen for."""
         probe = f" ({self.bf16_speedup:.1f}× float32)" if self.bf16_speedup is not None else ""
         return f"{self.name}, {self.capability}, {'native bf16' if self.native_bf16 else 'no native bf16'}{probe}"
+
+    def same_kind(self, other: DeviceFacts) -> bool:
+        """Another machine of the same kind: device type, CPU or GPU model and kernel capability."""
+        return (self.device, self.name, self.capability) == (other.device, other.name, other.capability)
+
+    def tags(self) -> dict[str, str]:
+        """MLflow tags of the machine (``system.*``): :meth:`from_tags` reads them back."""
+        return {"system.device": self.device, "system.cpu" if self.device == "cpu" else "system.gpu": self.name,
+                "system.capability": self.capability, "system.native_bf16": str(self.native_bf16).lower(),
+                "system.cores": str(self.cores),
+                **({"system.bf16_speedup": f"{self.bf16_speedup:.2f}"} if self.bf16_speedup is not None else {}),
+                **({SOURCE_TAG: self.source} if self.source else {})}
+
+    @classmethod
+    def from_tags(cls, tags: Mapping[str, str], source: str = "") -> DeviceFacts | None:
+        """The facts a run recorded in its ``system.*`` tags (None: it recorded none, or not all)."""
+        device = tags.get("system.device")
+        name = tags.get("system.cpu" if device == "cpu" else "system.gpu")
+        try:
+            if device is None or name is None:
+                return None
+            speedup = tags.get("system.bf16_speedup")
+            return cls(device, name, tags["system.capability"], tags["system.native_bf16"] == "true",
+                       int(tags["system.cores"]), float(speedup) if speedup is not None else None, source)
+        except (KeyError, ValueError):
+            return None
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready (a flow parameter): :meth:`from_dict` reads it back."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DeviceFacts:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"device facts: unknown keys {unknown}")
+        return cls(**data)
 
 
 @dataclass(frozen=True)
@@ -91,17 +161,14 @@ class Numerics:
                 "numerics.vllm_dtype": self.vllm_dtype}
 
     def tags(self) -> dict[str, str]:
-        """MLflow tags of the machine the numerics were chosen for."""
-        f = self.facts
-        return {"system.device": f.device, "system.cpu" if f.device == "cpu" else "system.gpu": f.name,
-                "system.capability": f.capability, "system.native_bf16": str(f.native_bf16).lower(),
-                "system.cores": str(f.cores),
-                **({"system.bf16_speedup": f"{f.bf16_speedup:.2f}"} if f.bf16_speedup is not None else {})}
+        """MLflow tags of the machine the numerics were chosen for, and where the decision came from."""
+        return self.facts.tags()
 
     def describe(self) -> str:
         """One line for a terminal: the dtypes and the machine they were chosen for."""
+        source = f" [{self.facts.source}]" if self.facts.source else ""
         return (f"numerics: compute {self.compute_dtype}, generation {self.generation_dtype}, vLLM {self.vllm_dtype}"
-                f" — {self.facts.describe()}")
+                f" — {self.facts.describe()}{source}")
 
 
 AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -149,9 +216,59 @@ def _warn_once(message: str) -> None:
     log.warning("%s", message)
 
 
-def numerics_for(cfg: ExperimentConfig) -> Numerics:
-    """The dtypes ``cfg`` resolves to on this process's device (the config itself keeps what was asked)."""
-    return resolve_numerics(cfg, device_facts(torch.device(cfg.model.device).type))
+class MachineMismatchError(RuntimeError):
+    """A sweep cell on a machine where the sweep's ``auto`` numerics (bf16) are the slow path."""
+
+
+def facts_for(cfg: ExperimentConfig) -> DeviceFacts:
+    """The facts of the device ``cfg`` computes on (``model.device``) in this process."""
+    return device_facts(torch.device(cfg.model.device).type)
+
+
+def numerics_for(cfg: ExperimentConfig, decided: DeviceFacts | None = None) -> Numerics:
+    """The dtypes ``cfg`` resolves to on this process's device (the config itself keeps what was asked).
+
+    ``decided``: the facts a sweep decided its numerics from, once for all its cells: the cell resolves ``cfg`` with
+    them, so every arm computes alike. On a machine of another kind it says so in one warning line, and it refuses
+    (:class:`MachineMismatchError`) where the sweep's ``auto`` is bf16 and bf16 is the slow path here (up to 31×)."""
+    if decided is None:
+        return resolve_numerics(cfg, facts_for(cfg))
+    here = facts_for(cfg)
+    if not here.same_kind(decided):
+        if auto_dtype(decided) != auto_dtype(here) and decided.fast_bf16 and _asks_auto(cfg):
+            raise MachineMismatchError(
+                f"the sweep chose bf16 numerics on {decided.describe()}; bf16 is the slow path on this machine "
+                f"({here.describe()}): run its cells on the sweep's machine kind, or set model.compute_dtype / "
+                "model.generation_dtype explicitly in the sweep")
+        log.warning("this cell runs on %s, the sweep decided its numerics on %s: it computes in the sweep's (%s)",
+                    here.describe(), decided.describe(), auto_dtype(decided))
+    return resolve_numerics(cfg, dataclasses.replace(decided, cores=here.cores))
+
+
+def _asks_auto(cfg: ExperimentConfig) -> bool:
+    """Whether any dtype ``cfg`` computes in is left to ``auto``."""
+    asked = [cfg.model.compute_dtype, cfg.model.generation_dtype]
+    if cfg.rollout.engine == "vllm":
+        asked.append(cfg.rollout.vllm.dtype)
+    return AUTO in asked
+
+
+def recorded_numerics(cfg: ExperimentConfig, params: Mapping[str, str], tags: Mapping[str, str], run_id: str
+                      ) -> Numerics | None:
+    """The numerics a run started with, from its ``numerics.*`` params and ``system.*`` tags (None: it logged none):
+    what its resume computes in, without a probe, whatever ``auto`` would choose on this machine today. A dtype
+    ``cfg`` sets explicitly is kept (the tracker then records the changed param)."""
+    if "numerics.compute_dtype" not in params:
+        return None
+    source = f"run {run_id}"
+    facts = DeviceFacts.from_tags(tags, source) or dataclasses.replace(
+        _local_facts(torch.device(cfg.model.device).type, probe=False), source=source)
+    m = cfg.model
+    compute = params["numerics.compute_dtype"] if m.compute_dtype == AUTO else m.compute_dtype
+    generation = params.get("numerics.generation_dtype", "same") if m.generation_dtype == AUTO else m.generation_dtype
+    vllm_dtype = (params.get("numerics.vllm_dtype", auto_dtype(facts)) if cfg.rollout.vllm.dtype == AUTO
+                  else cfg.rollout.vllm.dtype)
+    return Numerics(compute, generation, vllm_dtype, facts)
 
 
 def vllm_device() -> str:
@@ -161,14 +278,96 @@ def vllm_device() -> str:
 
 @functools.cache
 def device_facts(device: str = "cpu") -> DeviceFacts:
-    """The facts of this process's ``device`` type (cached: the probe runs once per process)."""
+    """The facts of this process's ``device`` type (cached per process; a CPU's probe once per machine, on disk)."""
+    return _local_facts(device, probe=True)
+
+
+def _local_facts(device: str, probe: bool) -> DeviceFacts:
+    """This machine's facts; ``probe``: the CPU's bf16 speed-up from the cache, measured when not cached."""
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
         return DeviceFacts("cuda", props.name, f"sm_{props.major}{props.minor}", torch.cuda.is_bf16_supported(),
                            props.multi_processor_count)
     native = _cpu_native_bf16()
-    return DeviceFacts("cpu", cpu_model(), torch.backends.cpu.get_cpu_capability(), native, torch.get_num_threads(),
-                       bf16_speedup() if native else None)
+    name, capability = cpu_model(), torch.backends.cpu.get_cpu_capability()
+    speedup, source = cached_speedup(machine_key(name, capability)) if native and probe else (None, "")
+    return DeviceFacts("cpu", name, capability, native, torch.get_num_threads(), speedup, source)
+
+
+def cache_path() -> Path:
+    """The per-machine numerics cache: ``$AEPO_NUMERICS_CACHE``, else ``<user cache dir>/aepo/numerics.json``."""
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "aepo" / "numerics.json"
+
+
+def machine_key(name: str, capability: str) -> str:
+    """What a cached speed-up holds for: the CPU model, torch's kernel capability, the torch version and the oneDNN
+    ISA limit (``ONEDNN_MAX_CPU_ISA`` holds bf16 kernels back while the flags still advertise them)."""
+    return f"{name} | {capability} | torch {torch.__version__} | oneDNN {os.environ.get('ONEDNN_MAX_CPU_ISA', 'all')}"
+
+
+def cached_speedup(key: str) -> tuple[float, str]:
+    """The bf16 speed-up of the machine ``key`` from the cache, else measured (best of :data:`PROBE_ROUNDS`) and
+    written there; with where it came from (``cache <file>`` / ``measured``). The read-measure-write holds a lock:
+    processes starting together measure once. A corrupt cache is measured again with a warning; an unwritable one
+    leaves the measurement to this process, with a warning."""
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_name(f".{path.name}.lock"), "a+b")  # held across the measurement
+    except OSError as exc:
+        log.warning("numerics cache %s cannot be used (%s): measuring the bf16 speed-up in this process", path, exc)
+        return _measure()[0], "measured"
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        entries = _read_cache(path)
+        entry = entries.get(key)
+        if isinstance(entry, dict) and _valid_speedup(entry.get("bf16_speedup")):
+            return float(entry["bf16_speedup"]), f"cache {path}"
+        speedup, readings = _measure()
+        load = os.getloadavg()[0]
+        entries[key] = {"bf16_speedup": speedup, "readings": readings, "load_1min": round(load, 2),
+                        "cpus": os.cpu_count(), "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        try:
+            with atomic_file(path, "w") as f:
+                json.dump(entries, f, indent=1, sort_keys=True)
+        except OSError as exc:
+            log.warning("numerics cache %s not written (%s): the next process measures again", path, exc)
+        if load >= 0.5 * (os.cpu_count() or 1):
+            log.warning("bf16 speed-up %.2f measured on a busy machine (load %.1f on %s CPUs) and cached in %s: "
+                        "delete it to measure again on idle cores", speedup, load, os.cpu_count(), path)
+        return speedup, "measured"
+
+
+def _valid_speedup(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    """The cache's entries ({} when there is no file yet; a corrupt one is reported and measured over)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        log.warning("numerics cache %s unreadable (%s): measuring again", path, exc)
+        return {}
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        log.warning("numerics cache %s is corrupt (not a JSON object): measuring again and rewriting it", path)
+        return {}
+    return data
+
+
+def _measure() -> tuple[float, list[float]]:
+    """The best of :data:`PROBE_ROUNDS` probes (another process's load only lowers a reading) and all readings."""
+    readings = [round(bf16_speedup(), 3) for _ in range(PROBE_ROUNDS)]
+    return max(readings), readings
 
 
 def _cpu_native_bf16() -> bool:

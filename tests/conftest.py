@@ -192,6 +192,15 @@ def tool_user(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
         return out
 
 
+@pytest.fixture(scope="session", autouse=True)
+def numerics_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's per-machine numerics cache (``infra.numerics``), for its processes and their children: a probe
+    measured under the suite's load must not become the user's cached decision."""
+    path = tmp_path_factory.mktemp("numerics") / "numerics.json"
+    os.environ.setdefault("AEPO_NUMERICS_CACHE", str(path))
+    return Path(os.environ["AEPO_NUMERICS_CACHE"])
+
+
 @pytest.fixture(scope="session")
 def prefect_imported(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Prefect imported once for the session, with a session Prefect home, before any test's output capture.

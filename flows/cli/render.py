@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import typer
@@ -28,6 +28,9 @@ from aepo_core.config import ExperimentConfig
 from flows.cli.environment import sigterm_unwinds, verbosity
 from tasks.progress import Progress as ProgressEvent
 from tasks.progress import progress_of
+
+if TYPE_CHECKING:
+    from infra.numerics import Numerics
 
 EXIT_USAGE = 2
 CLI_TAGS = ("aepo", "cli")
@@ -175,11 +178,12 @@ def ui_hint(tracking_uri: str, runs: Path) -> str:
             "(Prefect + MLflow)")
 
 
-def print_numerics(cfg: ExperimentConfig) -> None:
-    """The dtypes the run will compute in and the machine they were chosen for, once, on stderr."""
+def print_numerics(cfg: ExperimentConfig, recorded: Numerics | None = None) -> None:
+    """The dtypes the run will compute in and the machine they were chosen for, once, on stderr: ``recorded``
+    (a resumed run's own) or this machine's."""
     from infra.numerics import numerics_for
 
-    err().print(escape(numerics_for(cfg).describe()), soft_wrap=True, highlight=False)
+    err().print(escape((recorded or numerics_for(cfg)).describe()), soft_wrap=True, highlight=False)
 
 
 class ProgressHandler(logging.Handler):

@@ -19,8 +19,8 @@ def serve(
                                          "deployments.")] = Path("configs/tiny.yaml"),
     sweep_file: Annotated[Path, typer.Option("--sweep", help="Sweep file of the scheduled sweep deployment.")
                           ] = Path("configs/sweeps/tiny.yaml"),
-    cron: Annotated[str, typer.Option("--cron", help="Schedule of the sweep deployment ('' for none).")
-                    ] = "0 3 * * 1",
+    cron: Annotated[str, typer.Option("--cron", help="Schedule the sweep deployment (cron, e.g. '0 3 * * 1': Mondays "
+                                       "03:00; each firing a new dated sweep). Default: no schedule.")] = "",
     api_url: Annotated[str, typer.Option("--api-url", envvar="PREFECT_API_URL", help="Prefect server API.")
                        ] = "http://127.0.0.1:4200/api",
 ) -> None:

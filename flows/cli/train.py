@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -26,19 +26,23 @@ from flows.cli.inputs import (
 from flows.cli.render import eval_table, fail, flow_progress, out, print_numerics, ui_hint, where_table
 from tasks.progress import Progress as ProgressEvent
 
+if TYPE_CHECKING:
+    from infra.numerics import Numerics
 
-def check_resume(cfg: ExperimentConfig, runs: Path, run_name: str) -> None:
+
+def check_resume(cfg: ExperimentConfig, runs: Path, run_name: str) -> Numerics | None:
     """``--resume`` needs a run of that name in the tracking store (then it continues that run, from its newest
     complete checkpoint or, without one, from step 0): exits 2 when there is none, local and remote checkpoints
     alike, before anything is created, and when another process still trains it. Rank 0 alone asks (the others
-    follow its choice)."""
+    follow its choice). Returns the numerics the run recorded at its start (what the resume computes in)."""
+    from infra.numerics import recorded_numerics
     from infra.ranks import Ranks
     from infra.run.resume import NothingToResumeError, nothing_to_resume, run_to_resume
     from infra.tracking.client import resolve_tracking
     from infra.tracking.run import Tracker
 
     if not Ranks.current().is_main:
-        return
+        return None
     uri, _ = resolve_tracking(cfg, runs)
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
         fail(f"--resume: {nothing_to_resume(run_name, cfg.tracking.experiment, uri)}")  # not even a store yet
@@ -47,6 +51,7 @@ def check_resume(cfg: ExperimentConfig, runs: Path, run_name: str) -> None:
     except NothingToResumeError as exc:
         fail(f"--resume: {exc}")
     check_not_running(runs, run_id=run.run_id)
+    return recorded_numerics(cfg, run.params, run.tags, run.run_id)
 
 
 def _train_progress(bar: Progress, task: Any, event: ProgressEvent) -> None:
@@ -90,13 +95,12 @@ def train(
     runs = resolve_runs_dir(runs_dir, cfg)
     cfg = with_runs_dir(cfg, runs)
     check_storage(cfg, runs, cfg.run_name_for(run_name))
-    if resume:
-        check_resume(cfg, runs, cfg.run_name_for(run_name))
+    recorded = check_resume(cfg, runs, cfg.run_name_for(run_name)) if resume else None
     prepare_environment(runs, rank=Ranks.current().rank)
     from infra.determinism import use_deterministic_algorithms
 
     use_deterministic_algorithms(cfg.train.deterministic)  # before the numerics probe initializes CUDA
-    print_numerics(cfg)
+    print_numerics(cfg, recorded)
     start_prefect_api()
     from flows.train import train as train_flow
     from tasks.retry import USER_ERRORS

@@ -8,12 +8,14 @@ MLflow run. The trainer then restores the point (:meth:`~infra.run.trainer.Train
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from aepo_core.config import ExperimentConfig
+from infra.numerics import Numerics, recorded_numerics
 from infra.run.checkpoints import as_store, checkpoint_store, unkeyed_checkpoint_store
 from infra.tracking.client import param_value
 from infra.tracking.run import NamedRun, Tracker
@@ -34,6 +36,9 @@ class ResumePoint:
     path: Path | None
     where: str = ""
     """The store holding the checkpoint (its URI; each rank reads it from there)."""
+    numerics: Numerics | None = None
+    """The numerics the run started with (its ``numerics.*`` params, ``system.*`` tags): the resume computes in them
+    and does not probe the machine again. None: the run recorded none (this machine's ``auto`` decides)."""
 
 
 class NothingToResumeError(CheckpointError):
@@ -101,11 +106,12 @@ def find_resume_point(tracker: Tracker, cfg: ExperimentConfig, runs_dir: str | o
     run = run_to_resume(tracker, cfg, name)
     store = checkpoint_store(cfg, runs_dir, name, run.run_id)
     point = latest_point(store, cfg, force) or _unkeyed_point(cfg, runs_dir, name, run.run_id, force)
+    numerics = recorded_numerics(cfg, run.params, run.tags, run.run_id)
     if point is None:
         log.warning("MLflow run %s (%s, %s) has no complete checkpoint under %s: resuming it from step 0", run.run_id,
                     name, run.status, store.uri)
-        return ResumePoint(run.run_id, 0, None)
+        return ResumePoint(run.run_id, 0, None, numerics=numerics)
     if point.run_id != run.run_id:
         raise CheckpointError(f"{point.path} belongs to MLflow run {point.run_id!r}, not to {run.run_id!r} whose "
                               "checkpoints it is filed under")
-    return point
+    return dataclasses.replace(point, numerics=numerics)

@@ -196,16 +196,17 @@ class PolicyRuntime:
         self._prompts.clear()
 
 
-def build_runtime(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], run_name: str | None = None
-                  ) -> PolicyRuntime:
+def build_runtime(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], run_name: str | None = None,
+                  numerics: Numerics | None = None) -> PolicyRuntime:
     """Seed, load the policy, build its engine, tools and reward function.
 
     ``runs_dir`` holds the tools' caches and (remote engines) the weight exports ``weights/<run name>/``. ``auto``
-    dtypes are resolved for this device (:mod:`infra.numerics`): the runtime's ``numerics``. With
-    ``train.deterministic`` the deterministic kernels are switched on first (:mod:`infra.determinism`).
+    dtypes are resolved for this device (:mod:`infra.numerics`) unless ``numerics`` are given (a resumed run's
+    recorded ones, a sweep cell's): the runtime's ``numerics``. With ``train.deterministic`` the deterministic
+    kernels are switched on first (:mod:`infra.determinism`).
     """
     use_deterministic_algorithms(cfg.train.deterministic)  # before anything initializes CUDA
-    numerics = numerics_for(cfg)
+    numerics = numerics or numerics_for(cfg)
     runs = Path(runs_dir)
     seed_everything(cfg.seed)
     task = SyntheticTask.from_config(cfg.data) if uses_synthetic(cfg) else None

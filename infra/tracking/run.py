@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, Self
 
@@ -91,11 +91,12 @@ class DatasetRecord:
 
 @dataclass(frozen=True)
 class NamedRun:
-    """A run found by its name: its id, status and the params it started with (the config, flattened)."""
+    """A run found by its name: its id, status, the params it started with (the config, flattened) and its tags."""
 
     run_id: str
     status: str
     params: Mapping[str, str]
+    tags: Mapping[str, str] = field(default_factory=dict)
 
 
 class RunLogger(Protocol):
@@ -331,7 +332,7 @@ class Tracker(RunLogger):
         quoted = name.replace("'", "\\'")
         found = self.client.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{quoted}'",
                                         run_view_type=ViewType.ACTIVE_ONLY, order_by=["attributes.start_time DESC"])
-        return [NamedRun(r.info.run_id, r.info.status, dict(r.data.params)) for r in found]
+        return [NamedRun(r.info.run_id, r.info.status, dict(r.data.params), dict(r.data.tags)) for r in found]
 
     def _standard_tags(self, cfg: ExperimentConfig, group: bool) -> dict[str, str]:
         """The config's tags (algorithm, mode, seed, hash: none for a ``group`` run) and the code's commit."""

@@ -271,7 +271,7 @@ def test_served_deployments_are_built(prefect_harness: Any, tmp_path: Path) -> N
     assert set(deployments) == {"train-served", "evaluate-served", "rollout-study-served", "sweep-served"}
     assert deployments["train-served"].parameters["config"]["name"] == "tiny"
     assert deployments["train-served"].parameters["runs_dir"] == str(tmp_path.resolve())
-    assert [s.schedule.cron for s in deployments["sweep-served"].schedules] == ["0 3 * * 1"]
+    assert deployments["sweep-served"].schedules == []  # a schedule only when asked (`aepo serve --cron`)
 
 
 def test_prefect_yaml_deployments_load_and_validate(prefect_harness: Any) -> None:
@@ -290,7 +290,9 @@ def test_prefect_yaml_deployments_load_and_validate(prefect_harness: Any) -> Non
     params = load_flow_from_entrypoint(str(REPO / "flows/train.py:train")).validate_parameters(
         deployments["train"]["parameters"])
     assert params["config"] == load_config(TINY)  # the deployment's default is the tiny config
-    assert deployments["sweep"]["schedules"][0]["cron"]
+    (schedule,) = deployments["sweep"]["schedules"]  # declared, paused: nobody gets a 03:00 run unasked
+    assert schedule["cron"] and schedule["active"] is False
+    assert deployments["sweep"]["parameters"]["dated"] is True  # each firing a new sweep (flows/sweep.py)
 
 
 def _cmdline(p: Any) -> str:

@@ -50,7 +50,7 @@ def test_serve_after_deploy_keeps_both_and_a_served_run_completes(server: Stack,
                                                                   model_cache: Path) -> None:
     from prefect.exceptions import ObjectNotFound
 
-    from flows.serve import build_deployments
+    from flows.serve import SERVED_SUFFIX, build_deployments
 
     runs = tmp_path / "served-runs"
     served = {d.name for d in build_deployments(runs, REPO / "configs" / "tiny.yaml",
@@ -85,6 +85,10 @@ def test_serve_after_deploy_keeps_both_and_a_served_run_completes(server: Stack,
             assert time.monotonic() < deadline, f"flow run still {state}:\n{server.log_tail('serve', 80)}"
             time.sleep(2)
         name = client.read_flow_run(flow_run.id).name
+        # `aepo serve` schedules nothing unless asked (--cron); prefect.yaml's weekly sweep is declared paused
+        assert client.read_deployment_by_name(f"aepo-sweep/sweep{SERVED_SUFFIX}").schedules == []
+        weekly = client.read_deployment_by_name("aepo-sweep/sweep")
+        assert [s.active for s in weekly.schedules] == [False] and weekly.parameters["dated"] is True
     assert state.is_completed(), f"{state}:\n{server.log_tail('serve', 80)}"
     assert name.startswith("tiny-eval-step0-")  # renamed after its MLflow run once that was named
     assert list((runs / "eval").glob("*/synthetic_test.parquet")) and (runs / "mlflow.db").is_file()

@@ -127,6 +127,46 @@ def test_runs_of_one_name_keep_their_own_checkpoints_and_resume_finds_its_own(
     assert (Path(other.checkpoint_dir) / "step-000001" / "manifest.json").is_file()
 
 
+def test_a_resumed_run_computes_in_the_numerics_it_started_with_and_does_not_probe(
+        prefect_harness: Any, no_evals: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`auto` chose bf16 at the start (the probe read 2.3× float32 on idle cores); the run is killed; by the resume
+    the machine is busy (a probe would read 0.5×: float32) and its cached decision is gone. The resumed run reads the
+    numerics it started with from its own record: bf16, no probe."""
+    from flows.train import train
+    from infra.numerics import device_facts
+
+    readings = {"speedup": 2.3, "probes": 0}
+
+    def probe(*args: object, **kwargs: object) -> float:
+        readings["probes"] += 1
+        return readings["speedup"]
+
+    monkeypatch.setenv("AEPO_NUMERICS_CACHE", str(tmp_path / "numerics.json"))
+    monkeypatch.setattr("infra.numerics._cpu_native_bf16", lambda: True)
+    monkeypatch.setattr("infra.numerics.bf16_speedup", probe)
+    auto = ("train.steps=2", "model.compute_dtype=auto", "model.generation_dtype=auto")
+    device_facts.cache_clear()
+    try:
+        with killed_in_checkpoint(monkeypatch, at_step=2):
+            train(config=_cfg(*auto), runs_dir=str(tmp_path))
+        (killed,) = _runs(tmp_path)
+        assert killed.data.params["numerics.compute_dtype"] == "bfloat16"
+        assert killed.data.tags["system.bf16_speedup"] == "2.30" and readings["probes"] > 0
+
+        readings.update(speedup=0.5, probes=0)  # loaded now
+        (tmp_path / "numerics.json").unlink(missing_ok=True)
+        device_facts.cache_clear()  # a new process
+        out = train(config=_cfg(*auto), runs_dir=str(tmp_path), resume=True)
+    finally:
+        device_facts.cache_clear()
+    assert out.run_id == killed.info.run_id and out.steps == 2
+    assert readings["probes"] == 0
+    (run,) = _runs(tmp_path)
+    assert run.data.tags["system.bf16_speedup"] == "2.30"
+    assert run.data.tags["system.numerics_source"] == f"run {out.run_id}"
+    assert "resume_changed_params" not in run.data.tags
+
+
 def test_resume_with_nothing_to_resume_exits_2(prefect_harness: Any, tmp_path: Path) -> None:
     import flows.train  # noqa: F401  (Prefect's console handler on pytest's stream, as in test_cli)
 

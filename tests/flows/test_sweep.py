@@ -289,3 +289,59 @@ def test_a_cell_finished_before_a_config_field_was_added_is_not_run_again(tmp_pa
     logged_before_the_field("tiny-sweep-grpo-s0", "KILLED", parent)
     logged_before_the_field("tiny-sweep-aepo-s0", "KILLED", parent, lr=0.5)
     assert started_children(tracker, spec, configs, parent) == {"tiny-sweep-grpo-s0"}
+
+
+def test_a_scheduled_sweep_is_a_new_sweep_each_time_it_fires(prefect_harness: Any, tmp_path: Path) -> None:
+    """Issue 49 §9: the weekly sweep re-ran nothing from its second week on (every cell FINISHED with the same config
+    hash was skipped). The scheduled deployment's parameters make each firing a new sweep: its own dated parent run,
+    every cell run again; `resume` still continues the newest firing. The sweep decides its numerics once (§8),
+    records them on the parent and every cell computes in them."""
+    from flows.serve import build_deployments
+    from flows.sweep import sweep
+    from infra.tracking.run import Tracker
+
+    (scheduled,) = [d for d in build_deployments(tmp_path, REPO / "configs" / "tiny.yaml", TINY_SWEEP,
+                                                 sweep_cron="0 3 * * 1") if d.name.startswith("sweep")]
+    assert scheduled.schedules
+    params = {**scheduled.parameters, "cells": ["aepo"]}  # one cell: the test's time
+    first = sweep(**params)
+    second = sweep(**params)
+    assert first.started == second.started == ["tiny-sweep-aepo-s0"] and first.reused == second.reused == []
+    assert first.parent_run_id != second.parent_run_id and first.out_dir != second.out_dir
+    tracker = Tracker(first.tracking_uri)
+    for result in (first, second):
+        parent = tracker.client.get_run(result.parent_run_id)
+        assert parent.info.run_name == f"tiny-sweep-{parent.data.tags['sweep_date']}"  # dated
+        assert parent.data.tags["numerics.auto"] in ("bfloat16", "float32") and "system.capability" in parent.data.tags
+        (child,) = tracker.search_runs(filter_string=f"tags.mlflow.parentRunId = '{result.parent_run_id}'"
+                                       ).itertuples()  # its own cell, not the other firing's re-parented
+        assert child.status == "FINISHED"
+        tags = tracker.client.get_run(child.run_id).data.tags
+        assert tags["system.numerics_source"] == f"sweep {result.parent_run_id}"
+        assert tags["system.capability"] == parent.data.tags["system.capability"]
+        assert (Path(result.out_dir) / "comparison.csv").is_file()
+
+    resumed = sweep(**params, resume=True)  # continues the newest firing: nothing left to run
+    assert resumed.parent_run_id == second.parent_run_id and resumed.started == []
+    again = sweep(sweep_config=str(TINY_SWEEP), runs_dir=str(tmp_path), cells=["aepo"])  # by hand, undated
+    assert again.started == ["tiny-sweep-aepo-s0"]  # a firing's cells stay under their own parent
+
+
+def test_aepo_serve_adds_a_schedule_only_when_asked(tmp_path: Path) -> None:
+    """`aepo serve` put a weekly sweep on the server by default ("Scheduled for 03:00", asked for by nobody)."""
+    import inspect
+
+    from flows.cli.serve import serve
+    from flows.serve import build_deployments
+
+    def served_sweep(**kwargs: Any) -> Any:
+        (dep,) = [d for d in build_deployments(tmp_path, REPO / "configs" / "tiny.yaml", TINY_SWEEP, **kwargs)
+                  if d.name.startswith("sweep")]
+        return dep
+
+    plain = served_sweep()
+    assert not plain.schedules and not plain.parameters.get("dated")
+    asked = served_sweep(sweep_cron="0 3 * * 1")
+    (schedule,) = asked.schedules
+    assert schedule.schedule.cron == "0 3 * * 1" and asked.parameters["dated"] is True
+    assert not inspect.signature(serve).parameters["cron"].default  # the CLI asks for none unless --cron
