@@ -594,6 +594,11 @@ class ExperimentConfig(Section):
             raise ConfigError(f"train.zero_stage=3 on {world_size} ranks needs rollout.engine=remote or vllm: the "
                               "in-process engine would generate on partitioned weights, whose every forward is a "
                               "collective that the ranks' different rollouts cannot keep in step")
+        if r.engine == "vllm":
+            raise ConfigError(f"rollout.engine=vllm under train.zero_stage=3 on {world_size} ranks: each rank's own "
+                              "managed server needs the full weights, which ZeRO-3 gathers to rank 0 alone; use "
+                              "rollout.engine=remote (one server all ranks share, reloaded by rank 0) or "
+                              "train.zero_stage=2")
         if r.exact_entropy:
             raise ConfigError(f"rollout.exact_entropy=true with rollout.engine={r.engine} under train.zero_stage=3 "
                               f"on {world_size} ranks would hang (each rollout call scores with a forward of the "

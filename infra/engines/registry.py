@@ -28,6 +28,7 @@ import torch
 from aepo_core.config import ExperimentConfig, RemoteEngineConfig
 from infra.engines.weights import PolicyEngine
 from infra.numerics import GENERATION_DTYPES, Numerics, autocast_dtype
+from infra.ranks import Ranks
 
 if TYPE_CHECKING:
     from infra.engines.remote import WeightReceiver
@@ -111,7 +112,7 @@ def _remote(cfg: ExperimentConfig, numerics: Numerics, model: torch.nn.Module, t
     elif r.reload_url:
         receiver = ReloadEndpoint(r.reload_url)
     section = r.model_copy(update={"model": r.model or cfg.model.name})
-    engine = RemoteEngine(section, tokenizer, receiver=receiver, weights_dir=weights_dir)
+    engine = RemoteEngine(section, tokenizer, receiver=receiver, weights_dir=weights_dir, shared_by=Ranks.current())
     return BuiltEngine(_exact_entropies(cfg, numerics, model, tokenizer, engine))
 
 

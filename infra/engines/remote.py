@@ -35,6 +35,7 @@ import logging
 import os
 import shutil
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -51,6 +52,7 @@ from aepo_core.entropy import published_token_entropy, topk_entropy_estimate
 from aepo_core.interfaces import GenerationRequest, GenerationResult, SamplingParams
 from infra.atomic import atomic_dir
 from infra.engines.weights import PolicyWeights, WeightSource
+from infra.ranks import Ranks
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +74,14 @@ def export_hf_checkpoint(model: Any, tokenizer: Any, path: Path,
     scaling the embedding by 1.2, the server's log-probs were off by 1.6 nats.  With both names, the loader
     either skips the alias (tie intact) or fills ``lm_head`` with the same values.
     """
-    state = {k: v.detach().to("cpu").contiguous() for k, v in (state_dict or model.state_dict()).items()}
+    full = model.state_dict() if state_dict is None else state_dict
+    if not full:
+        raise RemoteEngineError(f"{path}: no weights to export (under ZeRO-3 a rank other than 0 holds only "
+                                "partitions)")
+    state = {k: v.detach().to("cpu").contiguous() for k, v in full.items()}
     if model.config.tie_word_embeddings:
-        embed = model.get_input_embeddings().weight
-        name = next(k for k, v in model.state_dict().items() if v.data_ptr() == embed.data_ptr())
+        embed = model.get_input_embeddings()  # found by module, not storage: ZeRO-3 partitions share empty ones
+        name = next(n for n, m in model.named_modules() if m is embed) + ".weight"
         state["lm_head.weight"] = state[name]
     seen: dict[int, str] = {}
     for key, tensor in list(state.items()):  # safetensors refuses shared storage: clone the aliases
@@ -115,8 +121,14 @@ class ReloadEndpoint:
         request = urllib.request.Request(self.url, data=json.dumps({"path": str(weights_dir), "version": version}
                                                                     ).encode(),
                                          headers={"Content-Type": "application/json"}, method="POST")
-        with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
-            resp.read()
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
+                resp.read()
+        except urllib.error.HTTPError as e:  # the server's own words name the cause: keep them
+            raise RemoteEngineError(f"{self.url} refused to reload {weights_dir} (version {version}): HTTP {e.code}: "
+                                    f"{e.read().decode(errors='replace')[:500]}") from None
+        except OSError as e:
+            raise RemoteEngineError(f"cannot reach {self.url} to reload {weights_dir}: {e}") from None
 
     def weight_version(self) -> str | None:
         return None
@@ -150,11 +162,16 @@ class RemoteEngine:
         loaded_version: str | None = None,
         served_export: str | os.PathLike[str] | None = None,
         http: HTTPOptions | None = None,
+        shared_by: Ranks | None = None,
     ) -> None:
+        """``shared_by``: the data-parallel ranks that sample from this one server (``rollout.engine=remote`` under a
+        launcher): rank 0 alone exports the weights and has the server reload them, every rank waits until it
+        has (a barrier). None: the server is this process's alone (a managed vLLM server, one per rank)."""
         if not section.url or not section.model:
             raise RemoteEngineError(f"a remote engine needs a server URL and a model name (got {section.url!r}, "
                                     f"{section.model!r})")
         self.receiver = receiver
+        self.shared_by = shared_by or Ranks()
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
         self.url = section.url.rstrip("/") + "/v1/completions"
         self.model = section.model
@@ -201,21 +218,30 @@ class RemoteEngine:
 
     def load_weights(self, source: WeightSource) -> None:
         """The weight-update hook: live weights are exported as an HF checkpoint under ``weights_dir/step-NNNNNN``
-        (a filesystem the server shares), then handed to the receiver; a checkpoint directory is sent as it is."""
+        (a filesystem the server shares), then handed to the receiver; a checkpoint directory is sent as it is.
+
+        A server shared by several ranks is handed the weights once, by rank 0, which holds them whole (under
+        ZeRO-3 the gather is a collective every rank takes part in, and only rank 0 receives the full tensors; a
+        rank > 0 exporting its own would send the server empty partitions); every rank then waits at a barrier
+        so that none samples from the server before it serves the new weights."""
         if self.receiver is None:
             log.warning("this remote engine has no weight receiver (rollout.remote.reload_url is not set): the "
                         "server keeps sampling from its old weights")
             return
         if isinstance(source, PolicyWeights):
-            path, version = self._export(source), str(source.version)
+            state = source.full_state_dict()  # under ZeRO-3 a collective: every rank calls it
+            version = str(source.version)
+            path = self._export(source, state) if self.shared_by.is_main else None
         else:
-            path = Path(source)
-            version = path.name
-        self.receiver.reload(path, version)
+            path, version = Path(source), Path(source).name
+        if self.shared_by.is_main:
+            assert path is not None
+            self.receiver.reload(path, version)
+            if self._exported is not None and self._exported != path:
+                shutil.rmtree(self._exported, ignore_errors=True)  # the server no longer reads it
+            self._exported = path if isinstance(source, PolicyWeights) else None
+        self.shared_by.barrier()
         self._loaded_version = version
-        if self._exported is not None and self._exported != path:
-            shutil.rmtree(self._exported, ignore_errors=True)  # the server no longer reads it
-        self._exported = path if isinstance(source, PolicyWeights) else None
 
     @property
     def weight_version(self) -> str | None:
@@ -230,11 +256,11 @@ class RemoteEngine:
             shutil.rmtree(self._exported, ignore_errors=True)
             self._exported = None
 
-    def _export(self, weights: PolicyWeights) -> Path:
+    def _export(self, weights: PolicyWeights, state: Mapping[str, torch.Tensor] | None) -> Path:
         if self.weights_dir is None:
             raise RemoteEngineError("a remote engine that follows training weights needs a weights_dir to save them")
         path = self.weights_dir / f"step-{weights.version:06d}"
-        export_hf_checkpoint(weights.model, self.tokenizer, path, weights.full_state_dict())
+        export_hf_checkpoint(weights.model, self.tokenizer, path, state)
         return path
 
     def _served_version(self) -> str | None:

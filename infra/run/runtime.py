@@ -38,6 +38,7 @@ from infra.engines.weights import PolicyEngine, PolicyWeights, WeightSource
 from infra.models import chat_prompt_ids, load_model_weights, load_policy, pad_token_id
 from infra.numerics import Numerics, numerics_for
 from infra.processes import cpu_seconds
+from infra.ranks import Ranks
 from infra.tools.registry import build_tools
 from infra.training.checkpoint import CheckpointState, load_checkpoint
 from infra.training.memory import freeze_live_objects, release_memory, thaw_live_objects
@@ -200,7 +201,8 @@ def build_runtime(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], run_n
                   numerics: Numerics | None = None) -> PolicyRuntime:
     """Seed, load the policy, build its engine, tools and reward function.
 
-    ``runs_dir`` holds the tools' caches and (remote engines) the weight exports ``weights/<run name>/``. ``auto``
+    ``runs_dir`` holds the tools' caches and (remote engines) the weight exports ``weights/<run name>/`` (a
+    launcher's rank r > 0: ``weights/<run name>-rank<r>/``). ``auto``
     dtypes are resolved for this device (:mod:`infra.numerics`) unless ``numerics`` are given (a resumed run's
     recorded ones, a sweep cell's): the runtime's ``numerics``. With ``train.deterministic`` the deterministic
     kernels are switched on first (:mod:`infra.determinism`).
@@ -211,7 +213,8 @@ def build_runtime(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], run_n
     seed_everything(cfg.seed)
     task = SyntheticTask.from_config(cfg.data) if uses_synthetic(cfg) else None
     model, tokenizer = load_policy(cfg.model)
-    weights_dir = runs / "weights" / (run_name or cfg.name)
+    rank = Ranks.current().rank  # each rank's own export folder (a managed server per rank reads its own)
+    weights_dir = runs / "weights" / f"{run_name or cfg.name}{f'-rank{rank}' if rank else ''}"
     tools = build_tools(cfg.tools, runs, documents=task.documents() if task else None)
     built = build_engine(cfg, numerics, model, tokenizer, weights_dir)
     return PolicyRuntime(cfg, model, tokenizer, built.engine, tools, make_reward_fn(cfg.reward), task, numerics,

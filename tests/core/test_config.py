@@ -215,6 +215,18 @@ def test_exact_entropies_refused_under_zero3_on_several_ranks():
         build_config({}, [*remote, "rollout.engine=hf"]).check_trainable(world_size=2)
 
 
+
+def test_a_managed_vllm_server_per_rank_refused_under_zero3_on_several_ranks():
+    """Each rank's own managed vLLM server must be handed full weights, which ZeRO-3 gathers to rank 0 alone (a
+    rank > 0 would export its empty partitions): refused at start, pointing at one shared server
+    (rollout.engine=remote, which rank 0 reloads for all) or ZeRO-2, where every rank holds the full weights."""
+    vllm = ["rollout.engine=vllm", "rollout.exact_entropy=false", "train.backend=deepspeed", "train.zero_stage=3"]
+    with pytest.raises(ConfigError, match=r"rollout\.engine=vllm.*train\.zero_stage=3.*2 ranks.*"
+                                          r"rollout\.engine=remote"):
+        build_config({}, vllm).check_trainable(world_size=2)
+    build_config({}, vllm).check_trainable(world_size=1)
+    build_config({}, [*vllm, "train.zero_stage=2"]).check_trainable(world_size=2)
+
 def test_the_paper_config_runs_on_several_ranks_and_discards_the_probe():
     """The paper config (remote engine, ZeRO-3) trains on 8 ranks: its exact entropies are off (the server's top-k
     estimate, flagged); the published numbers come from pre-monitoring with the probe discarded."""

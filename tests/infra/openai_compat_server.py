@@ -2,7 +2,8 @@
 
 It implements the subset of vLLM's ``/v1/completions`` that ``RemoteEngine`` uses — token-id prompts,
 per-request seeds, stop strings kept in the output, top-k log-probs, ``token_id:<id>`` tokens — over real
-HTTP on 127.0.0.1, with the tiny model doing the generation.
+HTTP on 127.0.0.1, with the tiny model doing the generation, and the ``rollout.remote.reload_url`` contract:
+``POST /reload {"path": …, "version": …}`` loads that HF checkpoint before the next completion.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class CompletionsServer:
         self.fail_first = fail_first
         self.missing_logprob = missing_logprob
         self.requests: list[dict[str, Any]] = []
+        self.reloads: list[dict[str, Any]] = []  # every /reload body, in order
         self.connections: set[tuple[str, int]] = set()  # client (host, port) pairs: one per TCP connection
         self.lock = threading.Lock()  # one generation at a time (the model is shared)
         outer = self
@@ -63,6 +65,8 @@ class CompletionsServer:
             self.requests.append(body)
             if len(self.requests) <= self.fail_first:
                 return 503, {"error": "warming up"}
+        if path == "/reload":
+            return self._reload(body)
         if path != "/v1/completions":
             return 404, {"error": f"no route {path}"}
         prompt = body.get("prompt")
@@ -89,6 +93,16 @@ class CompletionsServer:
             },
         }
         return 200, {"id": "cmpl-test", "object": "text_completion", "choices": [choice]}
+
+    def _reload(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """Load the checkpoint directory at ``body["path"]`` (a filesystem this server shares with the trainer)."""
+        with self.lock:
+            try:
+                self.engine.load_weights(body["path"])
+            except (KeyError, OSError, ValueError, RuntimeError) as e:  # RuntimeError: ModelLoadError
+                return 400, {"error": f"cannot reload {body.get('path')!r}: {e}"}
+            self.reloads.append(body)
+        return 200, {"loaded": body["path"], "version": body.get("version")}
 
     @torch.no_grad()
     def _top_logprobs(self, prompt: list[int], tokens: list[int], temperature: float, k: int) -> list[dict[str, float]]:

@@ -173,3 +173,32 @@ def test_aepo_train_on_two_ranks_logs_once_and_resumes(tmp_path, prefect_api_url
     assert {p.parts[1] for p in parts} == {run.info.run_id}
     assert sum(1 for p in parts if p.parts[0] == "trajectories") == 2  # one part per step, written by rank 0
     assert (runs / "prefect-rank1").is_dir() and not (runs / "mlflow-rank1").exists()
+
+
+def test_zero3_on_two_ranks_trains_a_step_with_a_remote_engine(tmp_path, prefect_api_url, tiny_cfg):
+    """The paper config's shape (a remote sampler, ZeRO-3 on several ranks) on configs/tiny.yaml: both ranks
+    sample from the suite's OpenAI-compatible server, update partitioned weights, and the server is handed the
+    step's full (gathered) weights through ``rollout.remote.reload_url``: once per version, equal to the step's
+    checkpoint. ``rollout.exact_entropy`` is off (``check_ranks`` refuses it here: its scorer's forward of the
+    partitioned model would be a collective the ranks' different rollouts cannot keep in step)."""
+    from openai_compat_server import CompletionsServer
+    from safetensors.torch import load_file
+
+    from infra.engines.hf import HFEngine
+    from infra.models import load_policy
+
+    model, tokenizer = load_policy(tiny_cfg)  # the server's own copy: reloads change it in place
+    runs = tmp_path / "runs"
+    with CompletionsServer(HFEngine(model, tokenizer, seed=0)) as srv:
+        aepo_train(runs, prefect_api_url, "--set", "train.steps=1", "--set", "train.zero_stage=3",
+                   "--set", "rollout.engine=remote", "--set", f"rollout.remote.url={srv.url}",
+                   "--set", f"rollout.remote.reload_url={srv.url}/reload", "--set", "rollout.exact_entropy=false",
+                   "--set", "eval.max_questions=1")
+        completions = len(srv.requests) - len(srv.reloads)
+    assert completions > 0  # both ranks' rollouts (and the evaluation) were sampled by the server
+    assert [r["version"] for r in srv.reloads] == ["1"], srv.reloads  # rank 0 alone exports, after the update
+    (step,) = (runs / "checkpoints" / "tiny").glob("*/step-000001")
+    saved = load_file(str(step / "model" / "model.safetensors"))
+    served = model.state_dict()
+    for name, tensor in saved.items():
+        torch.testing.assert_close(served[name], tensor, rtol=0, atol=0, msg=name)

@@ -10,7 +10,7 @@ from aepo_core.interfaces import GenerationRequest, SamplingParams
 from aepo_core.protocol import STOP_STRINGS
 from aepo_core.rollout.scheduler import Question, RolloutScheduler
 from infra.engines.hf import HFEngine
-from infra.engines.remote import HTTPOptions, ReloadEndpoint, RemoteEngine
+from infra.engines.remote import HTTPOptions, ReloadEndpoint, RemoteEngine, RemoteEngineError
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +119,16 @@ def test_a_round_goes_concurrently_over_keep_alive_connections(server, tiny_poli
         assert all(r.error is None and r.weight_version is None for r in got)
     assert 1 <= len(server.connections) <= 4
     remote.close()
+
+
+def test_a_refused_reload_is_one_error_in_the_servers_words(tiny_policy, tmp_path):
+    """A reload the server refuses (here: a checkpoint folder it cannot read) stops the run with the server's
+    reason and the folder, not a bare ``HTTP Error 400: Bad Request``; the served weights are unchanged."""
+    model, tokenizer = tiny_policy
+    with CompletionsServer(HFEngine(model, tokenizer)) as srv:
+        remote = RemoteEngine(RemoteEngineConfig(url=srv.url, model="tiny"), tokenizer,
+                              receiver=ReloadEndpoint(srv.url + "/reload"), weights_dir=tmp_path)
+        with pytest.raises(RemoteEngineError, match=r"refused to reload .*missing \(version missing\): HTTP 400: "
+                                                    r".*no safetensors weights"):
+            remote.load_weights(tmp_path / "missing")
+        assert srv.reloads == [] and remote.weight_version is None

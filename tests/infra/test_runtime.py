@@ -179,3 +179,19 @@ def test_a_deterministic_run_switches_on_deterministic_algorithms(model_cache: P
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_each_rank_exports_its_weights_into_its_own_folder(model_cache: Path, tmp_path: Path, monkeypatch) -> None:
+    """Under a launcher every rank builds its runtime with the same runs dir: rank 0 exports the weights its
+    server loads into ``weights/<run>/``, a rank > 0 into ``weights/<run>-rank<r>/`` (two managed vLLM servers
+    under ZeRO-2 would otherwise write ``initial`` and every ``step-NNNNNN`` into one folder at once)."""
+    sets = [f"model.cache_dir={model_cache}", "rollout.engine=remote", "rollout.remote.url=http://127.0.0.1:9",
+            "rollout.exact_entropy=false"]
+    cfg = load_config(REPO / "configs" / "tiny.yaml", sets)
+    folders = {}
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        with build_runtime(cfg, tmp_path, run_name="r") as runtime:
+            folders[rank] = runtime.engine.weights_dir
+    assert folders == {0: tmp_path / "weights" / "r", 1: tmp_path / "weights" / "r-rank1"}
