@@ -130,8 +130,9 @@ TRAJECTORY_SCHEMA = _schema("trajectories", [
     _field("update_group", pa.int32(), "The position of the trajectory's group (its question) among the update's "
            "groups: the update's samples are these groups in this order, each group's leaves by leaf_id. Null when "
            "the group was not in the update, and before schema version 4."),
-    _field("status", pa.string(), "How the trajectory ended: answered / truncated / tool_limit / tool_error / "
-           "engine_error.", False),
+    _field("status", pa.string(), "How the trajectory ended: answered / truncated / tool_limit / tool_error "
+           "(engine_error only in stores written before issue 50: a rollout in which the engine failed is now "
+           "never stored).", False),
     _field("num_tool_calls", pa.int32(), "Tool calls on the path.", False),
     _field("tool_names", _STRING_LIST, "The tools called, in call order.", False),
     _field("tool_errors", pa.int32(), "Tool calls on the path that did not succeed.", False),

@@ -148,6 +148,21 @@ class _QuestionState:
         return self.paths[0]
 
 
+class EngineFailure(RuntimeError):
+    """Requests the engine could not answer after its own retries (a dead or overloaded server, an out-of-memory
+    error): the rollout that met them returns nothing, so no failed leaf is ever scored, stored or trained on.
+    ``engine`` names the engine in the message (the runtime sets it, :meth:`on`)."""
+
+    def __init__(self, failed: int, requests: int, first_error: str, engine: str = "the engine") -> None:
+        self.failed, self.requests, self.first_error, self.engine = failed, requests, first_error, engine
+        super().__init__(f"{engine} failed {failed} of {requests} requests (after its own retries); the first: "
+                         f"{first_error}. Nothing of this rollout was scored or stored")
+
+    def on(self, engine: str) -> EngineFailure:
+        """The same failure, naming ``engine``."""
+        return EngineFailure(self.failed, self.requests, self.first_error, engine)
+
+
 @dataclass
 class RolloutResult:
     trees: list[RolloutTree]
@@ -226,6 +241,8 @@ class RolloutScheduler:
         self._generated_tokens = 0
         self._prompt_tokens = 0
         self._decisions: list[tuple[int, bool]] = []
+        self._requests = 0
+        self._engine_errors: list[str] = []
         self._seed = seed
         states = [_QuestionState(key, q, [Node(0, None, 0, "prompt", list(q.prompt_ids))])
                   for key, q in zip(question_keys(questions), questions, strict=True)]
@@ -249,6 +266,8 @@ class RolloutScheduler:
             self._run_rounds(states, sampling)
         finally:  # a hung tool call must not hold the rollout back after it has been timed out
             self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._engine_errors:  # a fault is never data: no tree of this rollout is returned
+            raise EngineFailure(len(self._engine_errors), self._requests, self._engine_errors[0])
         trees = [self._finish(st) for st in states]
         total = time.perf_counter() - start
         stats, by_l = rollout_stats(trees, self._decisions)
@@ -372,9 +391,11 @@ class RolloutScheduler:
             results = self.engine.generate(requests, sampling)
             if len(results) != len(requests):
                 raise RuntimeError(f"engine returned {len(results)} results for {len(requests)} requests")
-        except Exception as exc:  # one bad row must not fail the step: retry rows one by one
+        except Exception as exc:  # a batch that fails is retried row by row: each row's own error is then known
             log.warning("batched generation failed (%s); retrying %d rows one by one", exc, len(requests))
             results = [self._generate_one(r, sampling) for r in requests]
+        self._requests += len(requests)
+        self._engine_errors += [r.error or "error" for r in results if r.finish_reason == "error" or r.error]
         self._timers["generate_s"] += time.perf_counter() - t0
         self._generated_tokens += sum(len(r.token_ids) for r in results)  # engine work, tokens cut later included
         return results
@@ -394,7 +415,7 @@ class RolloutScheduler:
         tool call.
         """
         cfg = self.cfg
-        if res.finish_reason == "error" or res.error:
+        if res.finish_reason == "error" or res.error:  # the path ends; run() then raises EngineFailure
             self._close(p, "engine_error")
             log.warning("engine error on question %s leaf %d: %s", st.question.question_id, p.leaf_id, res.error)
             return None

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 NodeKind = Literal["prompt", "model", "tool"]
+# engine_error: the path's engine request failed. RolloutScheduler.run then raises EngineFailure, so no tree it
+# returns holds one (a fault is never data); the value stays to read trajectories stored before that.
 LeafStatus = Literal["answered", "truncated", "tool_limit", "tool_error", "engine_error"]
 SampleKind = Literal["global", "branch", "fill"]
 LEAF_STATUSES: tuple[LeafStatus, ...] = ("answered", "truncated", "tool_limit", "tool_error", "engine_error")

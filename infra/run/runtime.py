@@ -27,7 +27,7 @@ from aepo_core.config import ExperimentConfig, RolloutConfig
 from aepo_core.interfaces import RewardFn, SamplingParams, Tool
 from aepo_core.protocol import AgentProtocol
 from aepo_core.rewards import make_reward_fn
-from aepo_core.rollout.scheduler import Question, RolloutResult, RolloutScheduler
+from aepo_core.rollout.scheduler import EngineFailure, Question, RolloutResult, RolloutScheduler
 from aepo_core.scoring import StepScores, score_trees
 from infra.data.loaders import is_synthetic, load_dataset_rows
 from infra.data.rows import QuestionRow
@@ -131,12 +131,16 @@ class PolicyRuntime:
     def sample(self, rows: Sequence[QuestionRow], rollout: RolloutConfig, seed: int,
                sampling: SamplingParams | None = None) -> RolloutResult:
         """Rollout trees of ``rows`` under ``rollout`` (training: the configured AEPO/ARPO/independent sampling;
-        evaluation: n independent samples), with the configured tools."""
+        evaluation: n independent samples), with the configured tools. Requests the engine could not answer after
+        its own retries raise :class:`~aepo_core.rollout.scheduler.EngineFailure` naming ``rollout.engine`` (the
+        task's retry, then the run, takes over): a failed leaf is never scored, stored or trained on."""
         scheduler = RolloutScheduler(self.engine, self.tools, rollout, tool_timeout_s=self.cfg.tools.timeout_s,
                                      tool_workers=self.cfg.tools.workers)
         try:
             result = scheduler.run([Question(row.id, self.prompt_ids(row.question)) for row in rows], seed=seed,
                                    sampling=sampling)
+        except EngineFailure as e:
+            raise e.on(f"rollout.engine={self.cfg.rollout.engine}") from None
         finally:
             self.engine.release()  # retained KV of this rollout is never asked for again: free it now
             release_memory()  # and its heap pages, or the update stacks on them

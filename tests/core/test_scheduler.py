@@ -10,7 +10,7 @@ from scripted_engine import EchoSearch, ScriptedEngine, Segment, tool_then_answe
 from aepo_core.config import RolloutConfig
 from aepo_core.config_keys import ConfigError
 from aepo_core.overrides import build_config
-from aepo_core.rollout.scheduler import Question, RolloutScheduler
+from aepo_core.rollout.scheduler import EngineFailure, Question, RolloutScheduler
 from aepo_core.rollout.tree import RolloutTree
 
 PROMPT = [ord(c) for c in "Q: what is x?\n"]
@@ -155,12 +155,26 @@ def test_no_question_ever_exceeds_k_leaves(mode):
             assert sum(1 for leaf in tree.leaves if leaf.sample_kind == "global") <= tree.global_budget
 
 
-def test_engine_error_on_one_row_does_not_fail_the_others():
+def test_an_engine_error_on_any_row_fails_the_rollout_and_returns_no_tree():
+    """Issue 50: a fault is never data. Before, the failed rows became leaves with status engine_error beside the
+    other question's answered ones, and were scored (as wrong) and trained on. Now the rollout raises, counting the
+    failed requests among all it sent and quoting the first error."""
     engine = ScriptedEngine(SCRIPT, fail_when=lambda t: t.count("<result>") == 1 and "q0" in t and "step 1" not in t)
     cfg = RolloutConfig(mode="independent", **BASE)
-    res, _ = run(SCRIPT, cfg, n_questions=2, engine=engine)
-    statuses = [leaf.status for t in res.trees for leaf in t.leaves]
-    assert statuses == ["engine_error"] * 8  # every path fails at the same scripted step
+    with pytest.raises(EngineFailure, match=r"the engine failed 8 of 16 requests \(after its own retries\); the "
+                                            r"first: scripted failure\. Nothing of this rollout was scored"):
+        run(SCRIPT, cfg, n_questions=2, engine=engine)  # every path's second segment fails: 8 of 8 + 8
+    failed: list[str] = []
+
+    def first_second_segment(transcript: str) -> bool:  # fails one request: the first second segment asked for
+        hit = transcript.count("<result>") == 1 and not failed
+        failed.extend([transcript] if hit else [])
+        return hit
+
+    one = ScriptedEngine(SCRIPT, fail_when=first_second_segment)
+    with pytest.raises(EngineFailure, match=r"failed 1 of \d+ requests") as caught:  # one failed row is enough
+        run(SCRIPT, cfg, n_questions=2, engine=one)
+    assert str(caught.value.on("rollout.engine=vllm")).startswith("rollout.engine=vllm failed 1 of ")
     engine_ok = ScriptedEngine(SCRIPT, fail_when=lambda t: False)
     res_ok, _ = run(SCRIPT, cfg, n_questions=2, engine=engine_ok)
     assert all(leaf.status == "answered" for t in res_ok.trees for leaf in t.leaves)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -20,10 +21,18 @@ from infra.engines.hf import HFEngine
 
 
 class CompletionsServer:
-    def __init__(self, engine: HFEngine, fail_first: int = 0, missing_logprob: bool = False) -> None:
-        """``missing_logprob``: answer with the last token's log-prob as null (a server bug)."""
+    def __init__(self, engine: HFEngine, fail_first: int = 0, missing_logprob: bool = False,
+                 fault: Callable[[CompletionsServer], str | None] | None = None) -> None:
+        """``fail_first``: the first n requests answer 503 (a server warming up); ``fault``: asked at every
+        completion (``completions`` already counts it), a message makes the server answer HTTP 500 with it (every
+        time: a server dead inside, e.g. out of GPU memory; every n-th: a transient fault that a retry gets past;
+        once ``reloads`` holds a version: a server that dies mid-run); ``missing_logprob``: answer with the last
+        token's log-prob as null (a server bug)."""
         self.engine = engine
         self.fail_first = fail_first
+        self.fault = fault
+        self.completions = 0  # completion requests received, failed ones included
+        self.failures = 0  # of which answered with a fault
         self.missing_logprob = missing_logprob
         self.requests: list[dict[str, Any]] = []
         self.reloads: list[dict[str, Any]] = []  # every /reload body, in order
@@ -69,6 +78,12 @@ class CompletionsServer:
             return self._reload(body)
         if path != "/v1/completions":
             return 404, {"error": f"no route {path}"}
+        with self.lock:
+            self.completions += 1
+            fault = self.fault(self) if self.fault is not None else None
+            if fault is not None:
+                self.failures += 1
+                return 500, {"error": fault}
         prompt = body.get("prompt")
         if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
             return 400, {"error": "prompt must be a list of token ids"}
