@@ -8,19 +8,18 @@ HTTP on 127.0.0.1, with the tiny model doing the generation, and the ``rollout.r
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import torch
+from json_server import JsonServer
 
 from aepo_core.interfaces import GenerationRequest, SamplingParams
 from infra.engines.hf import HFEngine
 
 
-class CompletionsServer:
+class CompletionsServer(JsonServer):
     def __init__(self, engine: HFEngine, fail_first: int = 0, missing_logprob: bool = False,
                  fault: Callable[[CompletionsServer], str | None] | None = None) -> None:
         """``fail_first``: the first n requests answer 503 (a server warming up); ``fault``: asked at every
@@ -28,51 +27,21 @@ class CompletionsServer:
         time: a server dead inside, e.g. out of GPU memory; every n-th: a transient fault that a retry gets past;
         once ``reloads`` holds a version: a server that dies mid-run); ``missing_logprob``: answer with the last
         token's log-prob as null (a server bug)."""
+        super().__init__(self.handle)
         self.engine = engine
         self.fail_first = fail_first
         self.fault = fault
+        self.received = 0  # requests of any route
         self.completions = 0  # completion requests received, failed ones included
         self.failures = 0  # of which answered with a fault
         self.missing_logprob = missing_logprob
-        self.requests: list[dict[str, Any]] = []
         self.reloads: list[dict[str, Any]] = []  # every /reload body, in order
-        self.connections: set[tuple[str, int]] = set()  # client (host, port) pairs: one per TCP connection
         self.lock = threading.Lock()  # one generation at a time (the model is shared)
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"  # keep-alive, as real servers do
-
-            def log_message(self, *args: object) -> None:
-                return
-
-            def do_POST(self) -> None:
-                outer.connections.add(self.client_address)
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                status, payload = outer.handle(self.path, body)
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self) -> CompletionsServer:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
     def handle(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         with self.lock:
-            self.requests.append(body)
-            if len(self.requests) <= self.fail_first:
+            self.received += 1
+            if self.received <= self.fail_first:
                 return 503, {"error": "warming up"}
         if path == "/reload":
             return self._reload(body)

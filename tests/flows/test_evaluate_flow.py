@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from json_server import JsonServer
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
@@ -22,41 +21,6 @@ FAST = ["eval.max_questions=2", "eval.n_samples=2", "eval.pass_k=2", "eval.top_p
         "tracking.system_metrics=false"]
 DS = "synthetic:test"
 KEY = "synthetic_test"  # the dataset's name in results, metrics, files and tables
-
-
-class JsonServer:
-    """A real HTTP server on 127.0.0.1 whose POST handler is a Python function (body → (status, payload))."""
-
-    def __init__(self, handle: Callable[[str, dict[str, Any]], tuple[int, dict[str, Any]]]) -> None:
-        self.requests: list[dict[str, Any]] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:
-                return
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.requests.append(body)
-                status, payload = handle(self.path, body)
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self) -> JsonServer:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def fake_judge(fail_first: int = 0) -> Callable[[str, dict[str, Any]], tuple[int, dict[str, Any]]]:
