@@ -17,7 +17,7 @@ from flows.cli.inputs import (
     RunsOpt,
     SetOpt,
     check_datasets,
-    check_tracking_server,
+    check_tracking_store,
     load_checked_config,
     resolve_runs_dir,
     with_runs_dir,
@@ -85,7 +85,7 @@ def eval_(
             probe(cfg.storage.evaluations_uri, storage_options(cfg.storage, cfg.storage.evaluations_uri))
     except (ConfigError, CheckpointError, StorageError, RegistryError) as exc:
         fail(str(exc))
-    check_tracking_server(cfg.tracking.tracking_uri)
+    check_tracking_store(cfg.tracking.tracking_uri, runs)
     print_numerics(cfg)
     start_prefect_api()  # after every check: bad input exits without starting a server
     cfg = with_runs_dir(cfg, runs)

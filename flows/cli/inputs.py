@@ -110,12 +110,20 @@ def healthy(base_url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def check_tracking_server(uri: str | None) -> None:
-    """An ``http(s)://`` tracking URI must answer before anything starts: MLflow's client would otherwise retry
-    a refused connection for minutes, and a run would fail half-created. Exits 1 with the URI named."""
+def check_tracking_store(uri: str | None, runs: Path) -> None:
+    """The MLflow store a command will use must work before anything starts: an ``http(s)://`` tracking URI must
+    answer (MLflow's client would otherwise retry a refused connection for minutes, and a run would fail
+    half-created; exits 1 with the URI named), and a SQLite store (``uri``, else the runs dir's) must read as one
+    (a damaged file failed the run with a SQLAlchemy traceback; exits 2 naming it, the file untouched)."""
+    from infra.tracking.client import tracking_uri_for, unreadable_sqlite_store
+
     if is_http(uri) and not healthy(str(uri), timeout_s=5.0):
         fail(f"no MLflow server answers at {uri} (tracking.tracking_uri / --tracking-uri): start one with "
              "`aepo ui`, or check the host and port", code=1)
+    problem = unreadable_sqlite_store(uri or tracking_uri_for(runs))
+    if problem is not None:
+        fail(f"the MLflow store is not a readable SQLite database ({problem}): move it aside (a new one is then "
+             "created) or restore it from a copy; nothing was written")
 
 
 def reading_tracking_uri(runs: Path, tracking_uri: str | None, required: bool = True) -> str | None:
@@ -123,7 +131,7 @@ def reading_tracking_uri(runs: Path, tracking_uri: str | None, required: bool = 
     dir's SQLite store, which must exist (``required=False``: None where it does not)."""
     from infra.tracking.client import tracking_uri_for
 
-    check_tracking_server(tracking_uri)
+    check_tracking_store(tracking_uri, runs)
     uri = tracking_uri or tracking_uri_for(runs)
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
         if not required and tracking_uri is None:

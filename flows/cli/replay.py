@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from flows.cli.environment import prepare_environment, start_prefect_api
-from flows.cli.inputs import FormatOpt, RunsOpt, TrackingOpt, check_tracking_server, resolve_runs_dir
+from flows.cli.inputs import FormatOpt, RunsOpt, TrackingOpt, check_tracking_store, resolve_runs_dir
 from flows.cli.render import OutputFormat, fail, fmt, interval, print_records
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ def replay_cmd(
       aepo replay tiny --step 2 --step 3 --losses aepo,ppo_clip,dapo,gppo,cispo
     """
     runs = resolve_runs_dir(runs_dir)
-    check_tracking_server(tracking_uri)
+    check_tracking_store(tracking_uri, runs)
     prepare_environment(runs)
     from aepo_core.config_keys import ConfigError
     from flows.replay import replay, replay_rules

@@ -23,7 +23,7 @@ from flows.cli.inputs import (
     RunsOpt,
     check_datasets,
     check_not_running,
-    check_tracking_server,
+    check_tracking_store,
     healthy,
 )
 from flows.cli.render import (
@@ -162,7 +162,7 @@ def sweep_cmd(
     from flows.sweep import sweep
     from tasks.retry import USER_ERRORS
 
-    check_tracking_server(spec.base.tracking.tracking_uri)
+    check_tracking_store(spec.base.tracking.tracking_uri, runs)
     if resume:
         _check_resume(config, shard, set_, only, runs)
     check_not_running(runs, sweep=spec.name)

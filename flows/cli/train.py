@@ -18,7 +18,7 @@ from flows.cli.inputs import (
     SetOpt,
     check_not_running,
     check_storage,
-    check_tracking_server,
+    check_tracking_store,
     load_checked_config,
     resolve_runs_dir,
     with_runs_dir,
@@ -91,8 +91,8 @@ def train(
         cfg.check_trainable(world_size=Ranks.current().world_size)  # the launcher's (torchrun sets WORLD_SIZE)
     except ConfigError as exc:
         fail(str(exc))
-    check_tracking_server(cfg.tracking.tracking_uri)
     runs = resolve_runs_dir(runs_dir, cfg)
+    check_tracking_store(cfg.tracking.tracking_uri, runs)
     cfg = with_runs_dir(cfg, runs)
     check_storage(cfg, runs, cfg.run_name_for(run_name))
     recorded = check_resume(cfg, runs, cfg.run_name_for(run_name)) if resume else None

@@ -67,14 +67,20 @@ def trajectories(
       aepo trajectories tiny --step 2 --format json
       aepo trajectories tiny --step 2 --show <question id>/0
     """
-    from infra.store import TrajectoryStore
+    from infra.store import StoreError, TrajectoryStore
 
     if show is not None and step is None:
         fail("--show needs --step N (the step whose tree to show)")
     rdir = resolve_runs_dir(runs_dir)
     uri = reading_tracking_uri(rdir, tracking_uri, required=False)
     store = TrajectoryStore(store_uri or rdir)
-    run_id = _resolve_store_run(store, run, uri, experiment)
+    try:  # a damaged part (or a bad run id or step) is one line naming it, exit 2
+        _summarize(store, _resolve_store_run(store, run, uri, experiment), step, show, output)
+    except StoreError as exc:
+        fail(str(exc))
+
+
+def _summarize(store: Any, run_id: str, step: int | None, show: str | None, output: OutputFormat) -> None:
     if show is not None and step is not None:
         _show(store, run_id, step, show)
         return
