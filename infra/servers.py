@@ -15,16 +15,20 @@ ends them (with the log written by the child itself, a SIGKILLed trainer left tw
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
+
+import psutil
 
 from infra.processes import set_parent_death_signal
 
@@ -111,7 +115,7 @@ class ManagedServer:
                                   f"\n{self.tail()}")
             try:
                 with urllib.request.urlopen(pending[0], timeout=2) as resp:
-                    if resp.status == 200:
+                    if resp.status == 200 and self.listens_on(urllib.parse.urlsplit(pending[0]).port):
                         pending.pop(0)
                         continue
             except OSError:  # not listening yet: poll again
@@ -121,6 +125,25 @@ class ManagedServer:
                 raise ServerError(f"the {self.name} server did not answer at {pending[0]} within {timeout_s:.0f} s"
                                   f"{setting}; its last lines:\n{self.tail()}")
             time.sleep(0.5)
+
+    def listens_on(self, port: int | None) -> bool:
+        """Whether this server's process, its group or its descendants (``aepo ui`` starts its servers in groups
+        of their own) listen on ``port``: a health answer counts only then. The port was free when picked, but
+        another process can bind it before ours does (two runs started at once); that one then answers our health
+        URL while ours dies on "address already in use"."""
+        if port is None or self.proc is None:
+            return True  # a URL without a port: nothing to tell apart
+        pids = set(live_members(self.proc.pid))
+        with contextlib.suppress(psutil.NoSuchProcess):
+            pids |= {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
+        for pid in pids:
+            try:
+                if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                       for c in psutil.Process(pid).net_connections("inet")):
+                    return True
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return False
 
     @property
     def running(self) -> bool:

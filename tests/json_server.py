@@ -14,9 +14,9 @@ Handle = Callable[[str, dict[str, Any]], tuple[int, dict[str, Any]]]
 
 
 class JsonServer:
-    """``handle`` behind real HTTP (keep-alive, as real servers; one thread per connection) on a port the OS picks
-    and the server binds itself (no probe-then-bind race). Every body received is in ``requests``, every client
-    connection in ``connections``."""
+    """``handle`` behind real HTTP (POST; a GET is handled with an empty body), keep-alive as real servers are, one
+    thread per connection, on a port the OS picks and the server binds itself (no probe-then-bind race). Every
+    body received is in ``requests``, every client connection in ``connections``."""
 
     def __init__(self, handle: Handle) -> None:
         self.requests: list[dict[str, Any]] = []
@@ -29,11 +29,16 @@ class JsonServer:
             def log_message(self, *args: object) -> None:
                 return
 
+            def do_GET(self) -> None:  # a health check: the handler sees an empty body
+                self.answer(*handle(self.path, {}))
+
             def do_POST(self) -> None:
                 outer.connections.add(self.client_address)
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.requests.append(body)
-                status, payload = handle(self.path, body)
+                self.answer(*handle(self.path, body))
+
+            def answer(self, status: int, payload: dict[str, Any]) -> None:
                 data = json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")

@@ -75,3 +75,18 @@ def test_a_server_deaf_to_sigterm_is_killed_after_its_grace(tmp_path: Path) -> N
         time.sleep(0.05)
     assert server.stop(grace_s=1) is False  # SIGTERM did not suffice: SIGKILL did
     assert live_members(pgid) == []
+
+
+def test_a_health_check_answered_by_another_process_is_not_this_server_starting(tmp_path: Path) -> None:
+    """The port picked for a server is taken by another HTTP server before ours binds it (a probe-then-bind race:
+    two runs at once). The other answers our health URL with 200; before, start() returned as if our server were
+    up while it had died on "address already in use", and the run talked to a stranger. Now a health answer counts
+    only from a port our server's process group listens on: start() fails with our server's own reason."""
+    from json_server import JsonServer
+
+    with JsonServer(lambda path, body: (200, {})) as stranger:
+        port = int(stranger.url.rsplit(":", 1)[1])
+        server = ManagedServer("http", [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                               health=[f"http://127.0.0.1:{port}/"])
+        with pytest.raises(ServerError, match=r"exited with code 1 while starting(.|\n)*[Aa]ddress already in use"):
+            server.start(timeout_s=60)
