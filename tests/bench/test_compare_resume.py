@@ -9,7 +9,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from bench.compare_algorithms import main
+
+pytestmark = pytest.mark.slow  # trains or evaluates real runs (the heavy tier; CI runs every tier)
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_SWEEP = REPO / "configs" / "sweeps" / "tiny.yaml"

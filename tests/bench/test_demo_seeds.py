@@ -13,6 +13,8 @@ import pytest
 from aepo_core.config_keys import ConfigError
 from bench.demo_seeds import RunRecord, cell_summary, family_summaries, main, run_gain, sweep_spec
 
+pytestmark = pytest.mark.slow  # trains or evaluates real runs (the heavy tier; CI runs every tier)
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
 

@@ -84,6 +84,7 @@ sys.exit(flow_bench_main("probe", Path(sys.argv[1]), body))
 """
 
 
+@pytest.mark.slow
 def test_a_sigkilled_bench_leaves_no_temporary_prefect_server(tmp_path: Path) -> None:
     """A bench killed by SIGKILL (the OOM killer, `kill -9`) runs no atexit: Prefect's temporary API server, which
     Prefect starts on the first flow run, was left behind as an orphan (seen after a bench was killed by hand).

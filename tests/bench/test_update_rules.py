@@ -12,6 +12,8 @@ import pytest
 
 from bench.update_rules import main
 
+pytestmark = pytest.mark.slow  # trains or evaluates real runs (the heavy tier; CI runs every tier)
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
 

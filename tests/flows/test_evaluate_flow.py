@@ -14,6 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 from json_server import JsonServer
 
+pytestmark = pytest.mark.slow  # trains or evaluates real runs (the heavy tier; CI runs every tier)
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
 FAST = ["eval.max_questions=2", "eval.n_samples=2", "eval.pass_k=2", "eval.top_p=1.0",
@@ -230,6 +232,7 @@ def test_judge_client_verdicts_over_http() -> None:
 EVAL_ONLY = """
 import sys
 from flows.cli import app
+
 try:
     app(sys.argv[1:], standalone_mode=False)
 finally:

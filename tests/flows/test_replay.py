@@ -14,6 +14,8 @@ from typer.testing import CliRunner
 
 from infra.config_files import load_config
 
+pytestmark = pytest.mark.slow  # trains or evaluates real runs (the heavy tier; CI runs every tier)
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
 NAME = "tiny-replay"

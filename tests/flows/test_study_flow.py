@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.slow  # trains or evaluates real runs (the heavy tier; CI runs every tier)
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
 FAST = ["rollout.max_response_tokens=48", "rollout.max_segment_tokens=16", "rollout.entropy_window=16",

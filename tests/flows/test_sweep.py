@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 TINY_SWEEP = REPO / "configs" / "sweeps" / "tiny.yaml"
 
 
+@pytest.mark.slow
 def test_sweep_of_two_cells_nests_runs_and_compares(prefect_harness: Any, tmp_path: Path) -> None:
     from prefect.artifacts import Artifact
 
@@ -67,6 +68,7 @@ def test_sweep_of_two_cells_nests_runs_and_compares(prefect_harness: Any, tmp_pa
     assert "| aepo |" in artifact.data and result.parent_run_id in artifact.data
 
 
+@pytest.mark.slow
 def test_a_sweep_continued_a_cell_at_a_time_is_compared_whole(prefect_harness: Any, tmp_path: Path) -> None:
     """A sweep run one cell (or seed) per invocation under one parent (``cells``, a bench's ``--seeds N``): the
     parent's comparison shows every finished child, not only the last invocation's (which overwrote it)."""

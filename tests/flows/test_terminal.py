@@ -213,4 +213,6 @@ def test_a_stop_that_lands_in_a_garbage_collector_callback_still_stops_the_run(n
     steps = [line for line in result.stdout.splitlines() if line.startswith("step")]
     assert "trained to the end" not in result.stdout, result.stderr[-2000:]
     assert result.returncode in (128 + signum, -signum), (result.returncode, result.stderr[-2000:])
-    assert len(steps) <= 2, steps
+    # A lost stop runs all 40 steps; a redelivered one stops after REDELIVERY_DELAY_S (one step idle; 2 printed in
+    # 4 of 10 runs, and a loaded machine's scheduler adds a few): far from the end is what tells them apart.
+    assert len(steps) <= 10, steps

@@ -10,6 +10,8 @@ import pytest
 
 from infra.data.rows import BadRowError
 
+pytestmark = pytest.mark.slow  # trains or evaluates real runs (the heavy tier; CI runs every tier)
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.yaml")
 
