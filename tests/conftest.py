@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+import slowdown
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the HF hub from tests
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -59,11 +60,37 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return ByUnit(config, log)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The run's slowdown factor, measured once by the controller before any worker starts (workers inherit it)."""
+    slowdown.factor()
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return (f"slowdown factor {slowdown.factor():.2f} (tests/slowdown.py): per-test timeouts and child deadlines are "
+            "scaled by it")
+
+
+def _scale_timeouts(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test's timeout (its own marker's, else the configured per-test one) × the slowdown factor, as a marker
+    put first (pytest-timeout reads the closest)."""
+    base = config.getoption("timeout", None)
+    factor = slowdown.factor()
+    if factor <= 1.0:
+        return
+    for item in items:
+        own = item.get_closest_marker("timeout")
+        seconds = own.args[0] if own is not None and own.args else base
+        if seconds:
+            item.add_marker(pytest.mark.timeout(float(seconds) * factor), append=False)
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """One worker: the vLLM tests run last (`make test` builds .venv-vllm in the background meanwhile, Makefile).
-    Under xdist: the heavy units first (the vLLM group waits for that build on one worker while the other works),
-    so that the workers end together. Every module whose tests carry ``vllm`` or ``server`` is in :data:`SHARED`."""
+    """Timeouts scaled to the machine (:func:`_scale_timeouts`). One worker: the vLLM tests run last (`make test`
+    builds .venv-vllm in the background meanwhile, Makefile). Under xdist: the heavy units first (the vLLM group
+    waits for that build on one worker while the other works), so that the workers end together. Every module whose
+    tests carry ``vllm`` or ``server`` is in :data:`SHARED`."""
+    _scale_timeouts(config, items)
     for item in items:
         module = _module(item.nodeid)
         for marker in ("vllm", "server"):

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
+from slowdown import scaled
 from typer.testing import CliRunner
 
 from flows.cli import app
@@ -357,11 +358,11 @@ def test_sigterm_or_sigkill_of_the_trainer_leaves_no_temporary_prefect_server(tm
     procs = {n: _start_long_train(runs[n], logs[n], model_cache) for n in names}
     trees: dict[str, list[psutil.Process]] = {}
     try:
-        deadline = time.time() + 400
+        deadline = time.time() + scaled(400)
         trees = {n: _wait_for_its_server(procs[n], runs[n], logs[n], deadline) for n in names}
         procs["sigterm"].send_signal(signal.SIGTERM)
         procs["sigkill"].kill()  # the main process only: its children are not signalled
-        assert procs["sigterm"].wait(timeout=120) != 0
+        assert procs["sigterm"].wait(timeout=scaled(120)) != 0
         procs["sigkill"].wait(timeout=30)
         for n, timeout in (("sigterm", 60), ("sigkill", 10)):
             _, alive = psutil.wait_procs([p for p in trees[n] if "uvicorn" in _cmdline(p)], timeout=timeout)
@@ -391,7 +392,7 @@ def test_a_run_still_training_cannot_be_resumed_by_a_second_process(tmp_path: Pa
     runs, log = tmp_path / "runs", tmp_path / "first.log"
     first = _start_long_train(runs, log, model_cache, "checkpoint.every=1")
     try:
-        deadline = time.time() + 400
+        deadline = time.time() + scaled(400)
         _wait_for_its_server(first, runs, log, deadline)
         while not list(runs.glob("checkpoints/*/*/step-*")):  # its MLflow run exists and has trained a step
             assert first.poll() is None and time.time() < deadline, log.read_text()[-3000:]
@@ -401,7 +402,7 @@ def test_a_run_still_training_cannot_be_resumed_by_a_second_process(tmp_path: Pa
         second = subprocess.run([sys.executable, "-m", "flows.cli", "train", "-c", TINY, "--runs-dir", str(runs),
                                  "--resume", *sets("train.steps=50", "checkpoint.every=1", *FAST)], env=env,
                                 capture_output=True,
-                                text=True, timeout=300, cwd=REPO)
+                                text=True, timeout=scaled(300), cwd=REPO)
         said = second.stdout + second.stderr
         assert second.returncode == 2, said[-3000:]
         assert f"in another process (pid {first.pid}" in said, said[-3000:]

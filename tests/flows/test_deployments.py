@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from server_stack import BIN, POOL, REPO, Stack, base_env
+from slowdown import scaled
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]  # the heavy tier (CI runs every tier)
 
@@ -62,7 +63,7 @@ def test_serve_after_deploy_keeps_both_and_a_served_run_completes(server: Stack,
     _wait_for_log(server, "serve", "serving")
     evaluate = next(name for name in served if name.startswith("evaluate"))
     with _client(server) as client:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         while True:  # the serving process registers its deployments after printing its banner
             try:
                 dep = client.read_deployment_by_name(f"aepo-evaluate/{evaluate}")
@@ -77,7 +78,7 @@ def test_serve_after_deploy_keeps_both_and_a_served_run_completes(server: Stack,
         assert dep.parameters["runs_dir"] == str(runs.resolve())
         flow_run = client.create_flow_run_from_deployment(
             dep.id, parameters={"overrides": ["eval.max_questions=1"]})
-        deadline = time.monotonic() + 420
+        deadline = time.monotonic() + scaled(420)
         while True:
             state = client.read_flow_run(flow_run.id).state
             if state is not None and state.is_final():

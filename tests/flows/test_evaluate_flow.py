@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from json_server import JsonServer
+from slowdown import scaled
 
 pytestmark = pytest.mark.slow  # trains or evaluates real runs (the heavy tier; CI runs every tier)
 
@@ -261,7 +262,7 @@ def test_aepo_eval_needs_no_training_data_and_never_imports_deepspeed(checkpoint
     env.pop("PREFECT_HOME", None)  # the CLI sets its own under the runs dir
     proc = subprocess.run([sys.executable, "-c", EVAL_ONLY, "eval", "--checkpoint", str(checkpoint), "-c", str(config),
                            "--runs-dir", str(runs), "--run-name", "eval-only"], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=scaled(600))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "DEEPSPEED_IMPORTED=False" in proc.stdout, proc.stdout[-3000:]
     assert (runs / "eval" / "eval-only" / f"{KEY}.parquet").is_file()

@@ -24,6 +24,7 @@ import pandas as pd
 import pytest
 import yaml
 from server_stack import AWS, BIN, POOL, REPO, Stack, base_env
+from slowdown import scaled
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]  # the heavy tier (CI runs every tier)
 
@@ -122,14 +123,14 @@ def test_fanout_sweep_runs_children_on_workers_and_matches_in_process(
             lost_seed = sweep(sweep_config=lost, runs_dir=str(tmp_path / "in-process"))
             t0 = time.monotonic()
             fan = sweep(sweep_config=_sweep_spec(stack, stack.mlflow_url), runs_dir=str(tmp_path / "fanout"),
-                        deployment=DEPLOYMENT, max_parallel=2, child_timeout_s=600)
+                        deployment=DEPLOYMENT, max_parallel=2, child_timeout_s=scaled(600))
             t_fan = time.monotonic() - t0
             child_flow_runs = _flow_runs_on(stack, DEPLOYMENT)
             tracker = Tracker(stack.mlflow_url)  # (the re-run below re-parents the children: read them now)
             children = tracker.search_runs(filter_string=f"tags.mlflow.parentRunId = '{fan.parent_run_id}'")
             t0 = time.monotonic()
             again = sweep(sweep_config=_sweep_spec(stack, stack.mlflow_url), runs_dir=str(tmp_path / "fanout"),
-                          deployment=DEPLOYMENT, max_parallel=2, child_timeout_s=600)
+                          deployment=DEPLOYMENT, max_parallel=2, child_timeout_s=scaled(600))
             t_again = time.monotonic() - t0
             flow_runs_after = _flow_runs_on(stack, DEPLOYMENT)
     finally:
@@ -201,7 +202,7 @@ def test_fanout_sweep_runs_children_on_workers_and_matches_in_process(
     broken["cells"] = {"broken": {"data.train": str(tmp_path / "no-such-dataset.parquet")}}
     with _on_server(stack, tmp_path / "prefect-home"), pytest.raises(RuntimeError) as failure:
         sweep(sweep_config=broken, runs_dir=str(tmp_path / "fanout"), deployment=DEPLOYMENT, max_parallel=2,
-              child_timeout_s=600)
+              child_timeout_s=scaled(600))
     assert "1 of 3 runs failed: fan-broken-s1 (Failed)" in str(failure.value)
     table = pd.read_csv(tmp_path / "fanout" / "sweeps" / "fan" / "comparison.csv")
     assert sorted(table["run_name"]) == sorted(names) and set(table["status"]) == {"FINISHED"}
@@ -255,7 +256,7 @@ def test_a_child_whose_worker_is_killed_mid_run_is_reported_and_the_others_compa
     killed: dict[str, Any] = {}
 
     def kill_the_victim_s_worker() -> None:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + scaled(300)
         with _on_server(stack, tmp_path / "killer-home"):
             while time.monotonic() < deadline:
                 run = tracker.search_runs(filter_string=f"attributes.run_name = '{victim}'")
@@ -276,7 +277,7 @@ def test_a_child_whose_worker_is_killed_mid_run_is_reported_and_the_others_compa
     t0 = time.monotonic()
     with _on_server(stack, tmp_path / "prefect-home"), pytest.raises(RuntimeError) as failure:
         sweep(sweep_config=spec, runs_dir=str(tmp_path / "fanout"), deployment=DEPLOYMENT, max_parallel=2,
-              child_timeout_s=300, child_lost_after_s=60)
+              child_timeout_s=scaled(300), child_lost_after_s=60)
     elapsed = time.monotonic() - t0
     killer.join(timeout=30)
     print(f"sweep with a killed worker: {elapsed:.0f} s; {killed}")
@@ -286,7 +287,7 @@ def test_a_child_whose_worker_is_killed_mid_run_is_reported_and_the_others_compa
     assert killed["state_15s_later"] == "Running"  # Prefect itself never learns that the flow run is gone
     message = str(failure.value)
     assert "1 of 2 runs failed" in message and f"{victim} (lost: no heartbeat for over 60 s)" in message, message
-    assert "timed out" not in message and elapsed < 300
+    assert "timed out" not in message and elapsed < scaled(300)
     assert _flow_run_state(stack, killed["flow_run_id"]) == "Crashed"
     table = pd.read_csv(tmp_path / "fanout" / "sweeps" / "lost" / "comparison.csv")
     assert dict(zip(table["run_name"], table["status"])) == {"lost-slow-s0": "KILLED", "lost-fast-s0": "FINISHED"}

@@ -19,6 +19,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from flow_processes import kill_group, log_tail
+from slowdown import scaled
 
 from infra.tracking.client import tracking_uri_for
 from infra.training.checkpoint_store import CheckpointStore
@@ -67,7 +68,7 @@ def test_a_sweep_killed_mid_cell_resumes_to_the_uninterrupted_table(
     procs = [_sweep(straight, **run), _sweep(killed, **run)]  # type: ignore[arg-type]
     try:
         store = CheckpointStore(killed / "checkpoints" / KILLED_CELL)
-        deadline = time.time() + 600
+        deadline = time.time() + scaled(600)
         while not any(1 in store.child(r).steps() for r in store.run_folders()):
             assert procs[1].poll() is None, log_tail(killed)
             assert time.time() < deadline, log_tail(killed)
@@ -75,12 +76,12 @@ def test_a_sweep_killed_mid_cell_resumes_to_the_uninterrupted_table(
         time.sleep(random.Random(0).uniform(0.0, 1.0))
         kill_group(procs[1])
         before = _runs(killed)
-        assert procs[0].wait(timeout=600) == 0, log_tail(straight)
+        assert procs[0].wait(timeout=scaled(600)) == 0, log_tail(straight)
         (child,) = before[before["run_name"] == KILLED_CELL]["run_id"]
         assert before.set_index("run_id").loc[child, "status"] == "RUNNING"  # killed mid-cell, short of the end
         assert _steps_logged(killed, child)[-1:] != [STEPS]
         procs.append(_sweep(killed, resume=True, **run))  # type: ignore[arg-type]
-        assert procs[-1].wait(timeout=600) == 0, log_tail(killed, "resume.log")
+        assert procs[-1].wait(timeout=scaled(600)) == 0, log_tail(killed, "resume.log")
     finally:
         for proc in procs:  # whatever happened, no sweep process outlives the test
             kill_group(proc)
@@ -129,7 +130,8 @@ def test_a_sweep_another_process_is_running_exits_2_and_touches_nothing(tmp_path
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
         second = subprocess.run([sys.executable, "-m", "flows.cli", "sweep", "-c", str(TINY_SWEEP), "--runs-dir",
-                                 str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                                 str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
+                                timeout=scaled(300))
     finally:
         holder.kill()
         holder.wait()

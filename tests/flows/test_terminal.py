@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
+from slowdown import scaled
 from typer.testing import CliRunner
 
 from flows.cli import app
@@ -49,7 +50,7 @@ def test_train_prints_no_library_noise_and_a_table_that_fits_100_columns(tmp_pat
     env.pop("DO_NOT_TRACK", None)
     proc = subprocess.run([sys.executable, "-m", "flows.cli", "train", "-c", TINY, "--runs-dir", str(tmp_path / "runs"),
                            *sets("train.steps=1", "tracking.log_model=true", "tracking.system_metrics=true", *FAST)],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=scaled(900))
     assert proc.returncode == 0, proc.stderr[-3000:]
     noise = [n for n in NOISE if n in proc.stderr + proc.stdout]
     assert not noise, f"{noise} in:\n{proc.stderr[-3000:]}"
@@ -209,7 +210,7 @@ def test_a_stop_that_lands_in_a_garbage_collector_callback_still_stops_the_run(n
 
     signum = signal.Signals[name]
     result = subprocess.run([sys.executable, "-c", _STOP_IN_A_GC_CALLBACK, name], capture_output=True, text=True,
-                            timeout=60, cwd=Path(__file__).resolve().parents[2])
+                            timeout=scaled(60), cwd=Path(__file__).resolve().parents[2])
     steps = [line for line in result.stdout.splitlines() if line.startswith("step")]
     assert "trained to the end" not in result.stdout, result.stderr[-2000:]
     assert result.returncode in (128 + signum, -signum), (result.returncode, result.stderr[-2000:])

@@ -25,6 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 from server_stack import REPO, Stack, base_env, free_port
+from slowdown import scaled
 from test_cli import FAST, TINY, invoke, sets
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]  # the heavy tier (CI runs every tier)
@@ -41,7 +42,7 @@ def _aepo(st: Stack, model_cache: Path, *args: str) -> subprocess.CompletedProce
     env = base_env(PREFECT_API_URL=st.prefect_api, COLUMNS="250", OMP_NUM_THREADS="1",
                    AEPO_MODEL_CACHE=str(model_cache))
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=scaled(600))
 
 
 def _prefect_state(st: Stack, flow_run_id: str) -> str:
@@ -148,7 +149,8 @@ def test_sigterm_stops_the_ui_and_both_servers(tmp_path: Path) -> None:
     try:
         server.start_ui()
         ui = server.procs["ui"]
-        deadline = time.monotonic() + 60  # the ui says it is ready once both servers answer (not at its timeout)
+        # the ui says it is ready once both servers answer (not at its timeout)
+        deadline = time.monotonic() + scaled(60)
         while "Ctrl-C stops the servers" not in (server.tmp / "ui.log").read_text(errors="replace"):
             assert time.monotonic() < deadline and ui.running, server.log_tail("ui")
             time.sleep(0.2)
@@ -159,7 +161,7 @@ def test_sigterm_stops_the_ui_and_both_servers(tmp_path: Path) -> None:
         # uses) took 23 s of CPU a minute, idle (AMD EPYC, 2 cores)
         assert not [c for c in cmdlines if "huey" in c], cmdlines
         os.kill(ui.pid, signal.SIGTERM)
-        assert ui.proc is not None and ui.proc.wait(timeout=60) == 0
+        assert ui.proc is not None and ui.proc.wait(timeout=scaled(60)) == 0
         _, alive = psutil.wait_procs(tree, timeout=30)
         assert not alive, [p.cmdline() for p in alive]
         for url in (f"{server.mlflow_url}/health", f"{server.prefect_api}/health"):

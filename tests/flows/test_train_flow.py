@@ -19,6 +19,7 @@ import pyarrow.dataset as pads
 import pytest
 from flow_processes import kill_group, log_tail
 from safetensors.torch import load_file
+from slowdown import scaled
 
 from infra.config_files import load_config
 from infra.numerics import auto_dtype, device_facts
@@ -163,7 +164,7 @@ def test_prefect_api_shows_the_completed_runs(tiny_run):
             # The train flow run of the fixture: the completed run whose parameters name its runs dir.
             mine = [f for f in done if f.parameters.get("runs_dir") == out.runs_dir]
             # The server records task runs from their events, asynchronously: wait for them, bounded.
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + scaled(60)
             while True:
                 tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [mine[0].id]}))
                 settled = expected <= {t.name for t in tasks} and all(t.state.is_completed() for t in tasks)
@@ -315,16 +316,16 @@ def test_kill_after_checkpoint_and_resume_on_another_worker_from_s3_is_bit_ident
     procs = [run(straight, False, 6), run(killed, False, 6, storage=on_s3)]
     p_straight, p_killed = procs
     try:
-        deadline = time.time() + 600
+        deadline = time.time() + scaled(600)
         while not any(4 in by_name.child(r).steps() for r in by_name.run_folders()):
             assert p_killed.poll() is None, log_tail(killed)
             assert time.time() < deadline
             time.sleep(0.2)
         time.sleep(random.Random(0).uniform(0.0, 1.5))  # a random point after the checkpoint
         kill_group(p_killed)
-        assert p_straight.wait(timeout=600) == 0, log_tail(straight)
+        assert p_straight.wait(timeout=scaled(600)) == 0, log_tail(straight)
         procs.append(run(resumed, True, 6, storage=on_s3))
-        assert procs[-1].wait(timeout=600) == 0, log_tail(resumed, "resume.log")
+        assert procs[-1].wait(timeout=scaled(600)) == 0, log_tail(resumed, "resume.log")
     finally:
         for proc in procs:  # whatever happened, no flow process or Prefect server outlives the test
             kill_group(proc)

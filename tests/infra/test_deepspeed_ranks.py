@@ -26,6 +26,7 @@ import pytest
 import torch
 from capabilities import require
 from ds_rank_worker import SAMPLES, SCENARIOS
+from slowdown import scaled
 from test_deepspeed_backend import OVERRIDES, TOTAL_STEPS
 from test_update import make_samples, params, tiny_model
 
@@ -60,7 +61,7 @@ def launch(out: Path, stage: int, ranks: int = 2) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
                f"--master_port={free_port()}", str(WORKER), str(out), str(stage)]
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled(400))
         except subprocess.TimeoutExpired as e:
             pytest.fail(f"ZeRO-{stage} launch timed out after {e.timeout} s\n{tails(e.stdout, e.stderr)}")
         if proc.returncode == 0 or not PORT_TAKEN.search(proc.stdout + proc.stderr):
@@ -142,7 +143,7 @@ def aepo_train(runs: Path, api_url: str, *extra: str) -> subprocess.CompletedPro
            "-m", "flows.cli", "train", "-c", str(ROOT / "configs" / "tiny.yaml"), "--runs-dir", str(runs),
            "--set", "train.backend=deepspeed", "--set", "train.zero_stage=2", "--set", "eval.max_questions=2",
            "--set", "tracking.log_model=false", *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=runs.parent)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled(400), cwd=runs.parent)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return proc
 

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from slowdown import scaled
 
 pytestmark = pytest.mark.slow  # two Prefect servers
 
@@ -48,7 +49,7 @@ def test_two_runs_started_at_once_in_one_runs_dir_each_run_on_their_own_server(t
     env.update(PREFECT_HOME=str(tmp_path / "prefect"), PYTHONPATH=str(ROOT))
     procs = [subprocess.Popen([sys.executable, "-c", CHILD], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]
-    done = [p.communicate(timeout=300) for p in procs]
+    done = [p.communicate(timeout=scaled(300)) for p in procs]
     seen = []
     for proc, (out, err) in zip(procs, done, strict=True):
         assert proc.returncode == 0, err[-3000:]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from slowdown import scaled
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
 from scripted_engine import EchoSearch, ScriptedEngine, tool_then_answer
@@ -247,7 +248,7 @@ def test_system_metrics_are_logged(runs_dir: Path) -> None:
     cfg = make_cfg(runs_dir, **{"tracking.system_metrics": True})
     tracker = Tracker.from_config(cfg, system_metrics_interval_s=0.2)
     rid = tracker.start(cfg)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     names: list[str] = []
     while time.monotonic() < deadline and not names:
         time.sleep(0.2)
@@ -369,9 +370,9 @@ def test_two_processes_opening_a_fresh_store_at_once_both_succeed(tmp_path: Path
     procs = [ctx.Process(target=_open_fresh_store, args=(str(tmp_path / "runs"), barrier, results)) for _ in range(2)]
     for p in procs:
         p.start()
-    outcomes = [results.get(timeout=240) for _ in procs]
+    outcomes = [results.get(timeout=scaled(240)) for _ in procs]
     for p in procs:
-        p.join(timeout=60)
+        p.join(timeout=scaled(60))
     assert outcomes == ["ok", "ok"], "\n---\n".join(o for o in outcomes if o != "ok")
 
 
@@ -426,7 +427,8 @@ def test_a_fluent_call_leaves_the_process_tracking_uri_as_it_found_it(tmp_path: 
             "print(mlflow.is_tracking_uri_set())\n")
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=scaled(120),
                           env={**env, "PYTHONPATH": str(root)})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
