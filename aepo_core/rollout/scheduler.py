@@ -237,6 +237,8 @@ class RolloutScheduler:
     def run(self, questions: Sequence[Question], seed: int, sampling: SamplingParams | None = None) -> RolloutResult:
         cfg = self.cfg
         sampling = sampling or SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k)
+        if cfg.entropy_scale == "official":  # the rules read the published terms: ask the engine for them
+            sampling = replace(sampling, published_entropy=True)
         self._timers = {"generate_s": 0.0, "tools_s": 0.0}
         self._generated_tokens = 0
         self._prompt_tokens = 0

@@ -103,11 +103,12 @@ class _Row:
     stop_string: str | None = None
     error: str | None = None
 
-    def result(self) -> GenerationResult:
+    def result(self, published: bool) -> GenerationResult:
+        """``published``: the published entropy terms were asked for (``SamplingParams.published_entropy``)."""
         return GenerationResult(
             token_ids=list(self.ids), logprobs=list(self.logprobs), entropies=list(self.entropies),
             finish_reason=self.finish or "error", stop_string=self.stop_string, error=self.error,
-            published_entropies=list(self.published_entropies),
+            published_entropies=list(self.published_entropies) if published else None,
         )
 
 
@@ -167,8 +168,8 @@ def sampling_distribution(logits: torch.Tensor, sampling: SamplingParams) -> tup
 def sample_next(logits: torch.Tensor, generators: Sequence[torch.Generator], sampling: SamplingParams
             ) -> tuple[list[int], list[float], list[float], list[float], list[bool]]:
     """Sample one token per row; return ids, log-probs, entropies, the published code's top-10 entropy terms
-    (:func:`~aepo_core.entropy.published_token_entropy`, ÷ ln of the logits' width) and rows with non-finite
-    logits.
+    (:func:`~aepo_core.entropy.published_token_entropy`, ÷ ln of the logits' width; NaN unless
+    ``sampling.published_entropy``) and rows with non-finite logits.
 
     Few passes over ``[B, V]`` (each is a thread sync on CPU): shifted exponentials ``e = exp(z − max)``
     give the normalizer ``s``, the entropy ``log s − Σ e·(z − max) / s`` and the CDF. Each row draws one
@@ -194,7 +195,8 @@ def sample_next(logits: torch.Tensor, generators: Sequence[torch.Generator], sam
         v = torch.minimum(u[:, None] * last, torch.nextafter(last, torch.zeros_like(last)))
         tokens_t = torch.searchsorted(cdf, v.contiguous(), right=True).clamp_(max=z.shape[-1] - 1)
     chosen = shifted.gather(-1, tokens_t).squeeze(-1) - total.log().squeeze(-1)
-    published = _published_terms(shifted, total, chosen)
+    published = (_published_terms(shifted, total, chosen) if sampling.published_entropy
+                 else torch.full_like(chosen, math.nan))  # not asked for: NaN, reported as None
     packed = torch.stack([tokens_t.squeeze(-1).double(), chosen.double(), entropy.double(), published.double()], -1)
     tokens, chosen_l, entropy_l, published_l = (zip(*packed.tolist(), strict=True) if len(generators)
                                                  else ((), (), (), ()))
@@ -339,7 +341,7 @@ class HFEngine:
         log.debug("generated %d tokens for %d rows in %.2f s (%.1f tok/s, %d passes, %d row-steps)",
                   stats.new_tokens, stats.rows, stats.seconds, stats.tokens_per_s, stats.forward_passes,
                   stats.row_steps)
-        return [r.result() for r in rows]
+        return [r.result(sampling.published_entropy) for r in rows]
 
     def score(self, rows: Sequence[tuple[Sequence[int], Sequence[int]]],
               sampling: SamplingParams | None = None) -> list[list[float]]:

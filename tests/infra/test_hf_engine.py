@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -187,8 +188,10 @@ def test_sample_next_reports_the_published_codes_top10_entropy_terms() -> None:
     sampled token's when outside them, ÷ ln V; equal to the pure reference on the same distribution."""
     logits = torch.randn(4, 3000, generator=torch.Generator().manual_seed(2)) * 3
     gens = [torch.Generator().manual_seed(i) for i in range(4)]
-    for sampling in (HOT_BIG, SamplingParams(top_k=5), SamplingParams()):
+    for asked in (HOT_BIG, SamplingParams(top_k=5), SamplingParams()):
+        sampling = dataclasses.replace(asked, published_entropy=True)
         tokens, _logps, _ents, published, _bad = sample_next(logits, gens, sampling)
+        assert all(math.isnan(t) for t in sample_next(logits, gens, asked)[3])  # not asked for: not computed
         ref_logp, _ = sampling_distribution(logits, sampling)
         for row, (tok, term) in enumerate(zip(tokens, published, strict=True)):
             top = [v for v in ref_logp[row].topk(10).values.tolist() if math.isfinite(v)]

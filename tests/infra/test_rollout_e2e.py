@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from aepo_core.config import OptimConfig, RolloutConfig, SFTConfig
-from aepo_core.interfaces import SamplingParams
+from aepo_core.interfaces import GenerationRequest, SamplingParams
 from aepo_core.protocol import SYSTEM_PROMPT
 from aepo_core.rollout.scheduler import Question, RolloutScheduler
 from aepo_core.tool_config import ToolsConfig
@@ -116,3 +116,16 @@ class _CountingEngine:
         self.prefill += self.engine.last_stats.prefill_tokens
         self.reused += self.engine.last_stats.reused_tokens
         return out
+
+
+def test_the_official_entropy_scale_asks_the_in_process_engine_for_the_published_terms(taught):
+    """The in-process engine computes the published code's top-10 terms only when the sampler asks
+    (``SamplingParams.published_entropy``, set by the scheduler under ``entropy_scale: official``); the official
+    budget rule then reads them: H_root is a sum of at most W terms, each below ln 11 / ln V."""
+    import math
+
+    engine = taught[0]
+    (tree,) = rollout(taught, 0, budget_rule="official", entropy_scale="official").trees
+    assert 0 < tree.h_root < RolloutConfig().entropy_window * math.log(11) / math.log(len(engine.tokenizer))
+    (plain,) = engine.generate([GenerationRequest(taught[3], 4, ())], SamplingParams())
+    assert plain.published_entropies is None  # not asked for, not paid for
