@@ -234,7 +234,7 @@ def _log_policy(tracker: Tracker, runtime: PolicyRuntime, cfg: ExperimentConfig,
                 final: dict[str, dict[str, float]], step: int) -> str | None:
     """Log the final policy with its agent protocol; register it under ``tracking.registered_model`` (with the
     final evaluation metrics as version tags). Returns the registered version's URI, None when not registered."""
-    logged = log_model(tracker, runtime.model, runtime.tokenizer, name="policy", protocol=runtime.protocol)
+    logged = log_model(tracker, runtime.model, runtime.tokenizer, step, name="policy", protocol=runtime.protocol)
     if not cfg.tracking.registered_model:
         return None
     metrics = {f"eval/{ds}/{key}": value for ds, summary in final.items() for key, value in summary.items()}

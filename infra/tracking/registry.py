@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from mlflow.entities import LoggedModelStatus
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
@@ -49,6 +50,8 @@ PROTOCOL_METADATA = "aepo_protocol"
 REGISTRY_SCHEME = "models:/"
 VERSION_TAG_MODEL_ID = "model_id"
 """The model version tag naming its MLflow LoggedModel (by which an evaluation run is linked to it)."""
+MODEL_TAG_STEP = "aepo.step"
+"""The LoggedModel tag holding the training step of the weights it holds."""
 
 
 @dataclass(frozen=True)
@@ -99,23 +102,37 @@ def is_registered_model(location: str | None) -> bool:
     return location is not None and location.startswith(REGISTRY_SCHEME)
 
 
-def log_model(tracker: Tracker, model: Any, tokenizer: Any, name: str = "model", task: str = "text-generation",
-              protocol: AgentProtocol | None = None) -> LoggedPolicy:
-    """Log a transformers model + tokenizer with ``mlflow.transformers``; with a ``protocol``, the model carries
-    it (metadata :data:`PROTOCOL_METADATA`) and its prompt template is the rollout prompt, so a served model
-    answers from the system prompt it was trained with."""
+def log_model(tracker: Tracker, model: Any, tokenizer: Any, step: int, name: str = "model",
+              task: str = "text-generation", protocol: AgentProtocol | None = None) -> LoggedPolicy:
+    """Log a transformers model + tokenizer at training ``step`` with ``mlflow.transformers``; with a
+    ``protocol``, the model carries it (metadata :data:`PROTOCOL_METADATA`) and its prompt template is the rollout
+    prompt, so a served model answers from the system prompt it was trained with.
+
+    Once per run and step: a run resumed after a kill finds the model an earlier attempt logged whole (READY, tag
+    :data:`MODEL_TAG_STEP` = ``step``) and returns it; one that attempt left half-written (still PENDING, or FAILED)
+    is deleted first. Without this a kill during model logging left the run with two ``policy`` models."""
     import mlflow.transformers
     import torch
     import transformers
 
     from infra.models import chat_prompt_template
 
-    reqs = [f"transformers=={transformers.__version__}", f"torch=={torch.__version__.split('+')[0]}"]
     run_id = tracker.run_id
+    experiment = tracker.client.get_run(run_id).info.experiment_id
+    for earlier in tracker.client.search_logged_models(
+            experiment_ids=[experiment], filter_string=f"source_run_id = '{run_id}' AND name = '{name}'"):
+        if earlier.tags.get(MODEL_TAG_STEP) != str(step):
+            continue  # the policy of an earlier end of this run (resumed with more steps): kept
+        if earlier.status == LoggedModelStatus.READY:
+            log.info("model %s of run %s at step %d was logged before the resume", earlier.model_id, run_id, step)
+            return LoggedPolicy(f"{REGISTRY_SCHEME}{earlier.model_id}", earlier.model_id)
+        log.info("deleting model %s (%s): left half-logged by a killed attempt", earlier.model_id, earlier.status)
+        tracker.client.delete_logged_model(earlier.model_id)
+    reqs = [f"transformers=={transformers.__version__}", f"torch=={torch.__version__.split('+')[0]}"]
     # Created here so it belongs to the run's experiment (the fluent path would use the process's active
     # experiment, "Default", and its ./mlruns artifact root).
-    logged = tracker.client.create_logged_model(tracker.client.get_run(run_id).info.experiment_id, name=name,
-                                                source_run_id=run_id)
+    logged = tracker.client.create_logged_model(experiment, name=name, source_run_id=run_id,
+                                                tags={MODEL_TAG_STEP: str(step)})
     extra: dict[str, Any] = {}
     if protocol is not None:
         extra = {"metadata": {PROTOCOL_METADATA: protocol.as_dict()},
@@ -136,7 +153,10 @@ def register_model(tracker: Tracker, logged: LoggedPolicy, name: str, metrics: M
                    description: str, provenance: PolicyProvenance) -> str:
     """Register ``logged`` as a new version of ``name`` (created when absent), tagged with ``metrics`` (MLflow
     names), its training ``step`` and its ``provenance``; link the LoggedModel back to it and point ``best`` at it
-    when its selection metric is at least the best's; returns ``models:/<name>/<version>``."""
+    when its selection metric is at least the best's; returns ``models:/<name>/<version>``.
+
+    Once per LoggedModel: a run resumed after a kill during registration finds the version already made from
+    ``logged`` and finishes linking it instead of adding a second version of the same weights."""
     try:
         tracker.client.create_registered_model(name, description="AEPO policies: each version the final policy "
                                                "of a training run, with its evaluation metrics as tags.")
@@ -149,9 +169,11 @@ def register_model(tracker: Tracker, logged: LoggedPolicy, name: str, metrics: M
     tags.update(provenance.tags())
     # The source is the model's artifact location, not its models:/m-… URI: MLflow's SQL registry resolves
     # the latter through the process-global tracking URI (its own TODO), not this client's.
+    made = [v for v in tracker.client.search_model_versions(f"name = '{name}' AND run_id = '{tracker.run_id}'")
+            if v.tags.get(VERSION_TAG_MODEL_ID) == logged.model_id]
     source = tracker.client.get_logged_model(logged.model_id).artifact_location
-    version = tracker.client.create_model_version(name, source=source, run_id=tracker.run_id, tags=tags,
-                                                  description=description, model_id=logged.model_id)
+    version = made[0] if made else tracker.client.create_model_version(
+        name, source=source, run_id=tracker.run_id, tags=tags, description=description, model_id=logged.model_id)
     uri = f"{REGISTRY_SCHEME}{name}/{version.version}"
     _link_logged_model(tracker, logged.model_id, name, str(version.version))
     client = tracker.client
@@ -176,6 +198,8 @@ def _link_logged_model(tracker: Tracker, model_id: str, name: str, version: str)
 
     model = tracker.client.get_logged_model(model_id)
     listed = json.loads(model.tags.get(MLFLOW_MODEL_VERSIONS, "[]"))
+    if {"name": name, "version": version} in listed:  # linked before a kill
+        return
     tracker.client.set_logged_model_tags(model_id, {MLFLOW_MODEL_VERSIONS: json.dumps(
         [*listed, {"name": name, "version": version}])})
 

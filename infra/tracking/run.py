@@ -547,11 +547,14 @@ class Tracker(RunLogger):
     def _write_traces(self, target: TraceTarget, trees: Sequence[RolloutTree],
                       scores: Sequence[Sequence[LeafScore]] | None, questions: Mapping[str, QuestionRow], end_ns: int
                       ) -> list[str]:
-        """Build and write the traces; their cost is the metric ``traces/<kind>_s`` at their step."""
+        """Build and write the traces; their cost is a metric at their step: ``traces/train_s``, and per evaluation
+        ``traces/eval/<label>_s`` (``traces/eval/sft/gsm8k_s``: the start and the post-SFT evaluation share step 0,
+        and each dataset of a stage its step)."""
         t0 = time.perf_counter()
         ids = write_traces(self.tracking_uri, rollout_traces(target, trees, scores, questions, end_ns))
+        key = "traces/train_s" if target.kind == "train" else f"traces/{target.kind}/{target.label}_s"
         # through log_metrics: a resumed run that repeats the step does not log it a second time
-        self.log_metrics({f"traces/{target.kind}_s": time.perf_counter() - t0}, target.step)
+        self.log_metrics({key: time.perf_counter() - t0}, target.step)
         return ids
 
     def _drain_traces(self) -> None:

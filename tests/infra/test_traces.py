@@ -133,6 +133,23 @@ def test_finish_waits_for_the_background_writes(tmp_path: Path,
     assert sorted(t.info.tags[TAG_STEP] for t in found) == ["1"] * len(trees) + ["2"] * len(trees)
 
 
+def test_each_evaluation_s_trace_cost_is_its_own_metric_point(
+        tmp_path: Path, scored: tuple[list[RolloutTree], list[list[LeafScore]]]) -> None:
+    """The start and the post-SFT evaluations both log at step 0 (and each stage once per dataset): one key for all
+    of them logged two points at one step, and a run resumed after the first kept only that one (a resumed run logs
+    a (key, step) once), so the key names the evaluation."""
+    trees, scores = scored
+    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", artifact_location=(tmp_path / "art").as_uri())
+    run_id = tracker.start(ExperimentConfig())
+    for label in ("start/gsm8k", "sft/gsm8k", "sft/hotpotqa"):
+        tracker.log_rollout_traces(trees, scores, step=0, kind="eval", label=label, questions={})
+    tracker.finish()
+    logged = {key: [m.step for m in tracker.client.get_metric_history(run_id, key)]
+              for key in tracker.client.get_run(run_id).data.metrics}
+    assert logged == {"traces/eval/start/gsm8k_s": [0], "traces/eval/sft/gsm8k_s": [0],
+                      "traces/eval/sft/hotpotqa_s": [0]}
+
+
 def test_long_texts_are_cut_and_timing_is_rebuilt(scored: tuple[list[RolloutTree], list[list[LeafScore]]]) -> None:
     tree = scored[0][0]
     tool = next(n for n in tree.nodes if n.tool is not None)

@@ -37,6 +37,7 @@ from infra.tracking.client import (
     tracking_uri_for,
 )
 from infra.tracking.registry import (
+    MODEL_TAG_STEP,
     PolicyProvenance,
     RegistryError,
     load_model,
@@ -277,17 +278,19 @@ def test_log_model_is_loadable(runs_dir: Path, tmp_path: Path, monkeypatch: pyte
     cfg = make_cfg(runs_dir)
     tracker = Tracker.from_config(cfg)
     tracker.start(cfg, run_name="with-model")
-    logged = log_model(tracker, model, tokenizer, name="policy", protocol=AgentProtocol(system_prompt="Be {brief}."))
+    protocol = AgentProtocol(system_prompt="Be {brief}.")
+    logged = log_model(tracker, model, tokenizer, 3, name="policy", protocol=protocol)
     uri = logged.uri
-    # Registered twice, the second version scoring lower: linked both ways, tagged with what made it, `best` on
-    # the better one (the newest is models:/<name>/latest, built in).
+    # Two policies of the run (step 3, and step 4 after a resume with more steps), the second scoring lower: linked
+    # both ways, tagged with what made them, `best` on the better one (the newest is models:/<name>/latest).
     made = PolicyProvenance("aepo", "aepo", "tiny-random", 7, cfg.config_hash(), "eval/synthetic_test/pass_at_1")
-    for score in (0.5, 0.25):
-        register_model(tracker, logged, "policy-reg", {"eval/synthetic_test/pass@1": score}, 3, "test", made)
+    register_model(tracker, logged, "policy-reg", {"eval/synthetic_test/pass@1": 0.5}, 3, "test", made)
+    later = log_model(tracker, model, tokenizer, 4, name="policy", protocol=protocol)
+    register_model(tracker, later, "policy-reg", {"eval/synthetic_test/pass@1": 0.25}, 4, "test", made)
     client = tracker.client
     v1, v2 = (client.get_model_version("policy-reg", v) for v in ("1", "2"))
     assert {k: v1.tags[k] for k in made.tags()} == made.tags() and v1.tags["seed"] == "7"
-    assert v2.tags["eval/synthetic_test/pass_at_1"] == "0.25"
+    assert v2.tags["eval/synthetic_test/pass_at_1"] == "0.25" and v2.tags["model_id"] == later.model_id
     assert resolve_version(tracker, "models:/policy-reg@best").version == v1.version
     assert resolve_version(tracker, "models:/policy-reg/latest").version == v2.version
     for bad in ("models:/policy-reg@", "models:/policy-reg/newest", "models:/policy-reg@worst"):
@@ -295,7 +298,24 @@ def test_log_model_is_loadable(runs_dir: Path, tmp_path: Path, monkeypatch: pyte
             resolve_version(tracker, bad)
     assert client.get_model_version_by_alias("policy-reg", "best").version == v1.version
     versions = json.loads(client.get_logged_model(logged.model_id).tags["mlflow.modelVersions"])
-    assert versions == [{"name": "policy-reg", "version": "1"}, {"name": "policy-reg", "version": "2"}]
+    assert versions == [{"name": "policy-reg", "version": "1"}]
+
+    # A resumed run that logs and registers its step-4 policy again (it was killed after doing so): the same
+    # LoggedModel and version, nothing twice. A model an attempt left half-logged (PENDING) is replaced.
+    again = log_model(tracker, model, tokenizer, 4, name="policy", protocol=protocol)
+    assert again == later
+    assert register_model(tracker, again, "policy-reg", {"eval/synthetic_test/pass@1": 0.25}, 4, "test",
+                          made) == "models:/policy-reg/2"
+    assert len(client.search_model_versions("name = 'policy-reg'")) == 2
+    assert json.loads(client.get_logged_model(later.model_id).tags["mlflow.modelVersions"]) == [
+        {"name": "policy-reg", "version": "2"}]
+    half = client.create_logged_model(tracker.experiment_id(), name="policy", source_run_id=tracker.run_id,
+                                      tags={MODEL_TAG_STEP: "5"})
+    fifth = log_model(tracker, model, tokenizer, 5, name="policy", protocol=protocol)
+    ready = client.search_logged_models(experiment_ids=[tracker.experiment_id()],
+                                        filter_string=f"source_run_id = '{tracker.run_id}'")
+    assert sorted(m.model_id for m in ready) == sorted([logged.model_id, later.model_id, fifth.model_id])
+    assert half.model_id not in {m.model_id for m in ready}
     tracker.finish()
 
     local = download_artifacts(tracker.tracking_uri, uri, tmp_path / "dl")
