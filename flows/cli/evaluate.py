@@ -17,6 +17,7 @@ from flows.cli.inputs import (
     RunsOpt,
     SetOpt,
     check_datasets,
+    check_storage,
     check_tracking_store,
     load_checked_config,
     resolve_runs_dir,
@@ -60,7 +61,7 @@ def eval_(
     """
     base = load_checked_config(config, [], training=False) if config is not None else None
     runs = resolve_runs_dir(runs_dir, base)
-    from infra.fs import StorageError, is_remote, probe, storage_options
+    from infra.fs import StorageError, is_remote
 
     if compare_to is not None and not is_remote(compare_to) and not Path(compare_to).exists():
         fail(f"--compare-to {compare_to}: no such file or directory")
@@ -81,10 +82,9 @@ def eval_(
         ckpt = resolve_checkpoint(checkpoint if registered is None else None, eval_storage(base, set_), runs)
         cfg = resolve_eval_config(base, ckpt, set_, dataset, registered)
         check_datasets(cfg, training=False)
-        if cfg.storage.evaluations_uri:
-            probe(cfg.storage.evaluations_uri, storage_options(cfg.storage, cfg.storage.evaluations_uri))
     except (ConfigError, CheckpointError, StorageError, RegistryError) as exc:
         fail(str(exc))
+    check_storage(cfg, runs)
     check_tracking_store(cfg.tracking.tracking_uri, runs)
     print_numerics(cfg)
     start_prefect_api()  # after every check: bad input exits without starting a server

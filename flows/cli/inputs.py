@@ -75,14 +75,18 @@ def load_checked_config(path: Path | None, sets: Sequence[str] | None, training:
     return cfg
 
 
-def check_storage(cfg: ExperimentConfig, runs: Path, run_name: str) -> None:
-    """Every remote store the run writes (``s3://`` trajectories, checkpoints) must be reachable: exits 2 naming the
-    location."""
+def check_storage(cfg: ExperimentConfig, runs: Path, run_name: str | None = None) -> None:
+    """Every remote store the run writes must be usable with the credentials at hand — ``s3://`` trajectories,
+    checkpoints (with a ``run_name``: a training run), evaluation results, MLflow artifacts — or the command exits 2
+    naming the location and S3's reason (wrong keys, no bucket, no endpoint), before anything starts. Unchecked, a
+    wrong key for the evaluations or the artifacts failed the run at its first write: after training."""
     from infra.fs import StorageError, probe, storage_options
     from infra.run.checkpoints import checkpoint_root
 
+    checkpoints = checkpoint_root(cfg, runs, run_name) if run_name is not None else None
     try:
-        for uri in (cfg.storage.trajectories_uri, checkpoint_root(cfg, runs, run_name)):
+        for uri in (cfg.storage.trajectories_uri, checkpoints, cfg.storage.evaluations_uri,
+                    cfg.tracking.artifact_location):
             if uri:
                 probe(uri, storage_options(cfg.storage, uri))
     except StorageError as exc:

@@ -23,6 +23,7 @@ from flows.cli.inputs import (
     RunsOpt,
     check_datasets,
     check_not_running,
+    check_storage,
     check_tracking_store,
     healthy,
 )
@@ -163,6 +164,8 @@ def sweep_cmd(
     from tasks.retry import USER_ERRORS
 
     check_tracking_store(spec.base.tracking.tracking_uri, runs)
+    for run in selected:  # (cells may override the storage)
+        check_storage(run.config, runs, run.config.run_name_for(None))
     if resume:
         _check_resume(config, shard, set_, only, runs)
     check_not_running(runs, sweep=spec.name)
