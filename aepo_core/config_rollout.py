@@ -107,6 +107,12 @@ class VLLMConfig(Section):
         "lines (a cold CPU start compiles for ~4 minutes)."
     )
     port: int | None = Field(None, ge=1, le=65535, description="Port on 127.0.0.1; None: a free one.")
+    max_restarts: int = Field(
+        2, ge=0, description="Times a run restarts its server when the server process has died (a crash, the OOM "
+        "killer): on the same port, serving the weights it last served, after which the requests that failed are "
+        "sent again (same seeds). Past it, the rollout fails with EngineFailure and the task's retry, then the run, "
+        "takes over; a failed request is never scored."
+    )
     strict_weight_version: bool = Field(
         True, description="Fail the rollout when the server reports a weight version other than the last one the "
         "trainer loaded (a stale sample; also for rollout.remote.weight_sync=vllm); False: count stale model "

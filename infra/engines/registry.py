@@ -82,6 +82,7 @@ def _vllm(cfg: ExperimentConfig, numerics: Numerics, model: torch.nn.Module, tok
     """The run's own vLLM server, serving the policy as loaded (exported once to ``weights_dir/initial``), reloaded
     in place after every update."""
     from infra.engines.remote import RemoteEngine, export_hf_checkpoint
+    from infra.engines.restarting import RestartingEngine
     from infra.engines.vllm_server import VLLMServer
 
     initial = export_hf_checkpoint(model, tokenizer, weights_dir / "initial")
@@ -93,8 +94,9 @@ def _vllm(cfg: ExperimentConfig, numerics: Numerics, model: torch.nn.Module, tok
         raise
     served = RemoteEngineConfig(url=server.url, model=server.served_name, weight_sync="vllm",
                                 top_logprobs=cfg.rollout.vllm.top_logprobs)
-    engine = RemoteEngine(served, tokenizer, receiver=server.control, weights_dir=weights_dir,
+    remote = RemoteEngine(served, tokenizer, receiver=server.control, weights_dir=weights_dir,
                           loaded_version=INITIAL_VERSION, served_export=initial)
+    engine = RestartingEngine(remote, server, cfg.rollout.vllm.max_restarts)
     return BuiltEngine(_exact_entropies(cfg, numerics, model, tokenizer, engine), server)
 
 

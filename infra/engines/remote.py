@@ -188,6 +188,9 @@ class RemoteEngine:
         # The export of ours the server serves now (``served_export``: the caller's initial one): removed once the
         # server loads another, and on close (an export of SmolLM2 is ~650 MB; the checkpoints hold the policy).
         self._exported: Path | None = Path(served_export) if served_export is not None else None
+        self.serving: Path | None = self._exported
+        """The weights directory the server serves now (an export of ours or a checkpoint sent as it is), when this
+        engine gave it: what a restarted server must load."""
 
     # ------------------------------------------------------------------ Engine protocol
     def encode(self, text: str) -> list[int]:
@@ -240,6 +243,7 @@ class RemoteEngine:
             if self._exported is not None and self._exported != path:
                 shutil.rmtree(self._exported, ignore_errors=True)  # the server no longer reads it
             self._exported = path if isinstance(source, PolicyWeights) else None
+            self.serving = path
         self.shared_by.barrier()
         self._loaded_version = version
 
@@ -255,6 +259,7 @@ class RemoteEngine:
         if self._exported is not None:
             shutil.rmtree(self._exported, ignore_errors=True)
             self._exported = None
+        self.serving = None
 
     def _export(self, weights: PolicyWeights, state: Mapping[str, torch.Tensor] | None) -> Path:
         if self.weights_dir is None:

@@ -251,6 +251,16 @@ class VLLMServer:
         log.info("vLLM serving %s at %s after %.0f s", self.model_dir.name, self.url, time.monotonic() - t0)
         return self
 
+    def restart(self, model_dir: str | os.PathLike[str]) -> None:
+        """Stop what is left of the server and start it again on the same port, serving ``model_dir`` (the weights
+        it served last: a server's reloads live only in its memory)."""
+        self.close(grace_s=5.0)
+        self.server = None
+        self.model_dir = Path(model_dir)
+        if self.cfg.port is None:  # the port the engine sends to
+            self.cfg = self.cfg.model_copy(update={"port": self.port})
+        self.start()
+
     def last_log_lines(self, n: int = 15) -> str:
         """The server's last ``n`` log lines as :func:`quoted_lines` picks them."""
         return self.server.tail(n) if self.server is not None else ""
