@@ -157,12 +157,15 @@ def test_prefect_api_shows_the_completed_runs(tiny_run):
     # Task runs are named with their step (the evaluation with its stage), so the UI's list reads as the run went.
     expected = {f"{verb}-step-{i}" for verb in ("rollout", "score", "update", "store", "checkpoint") for i in (1, 2)}
 
+    # The train flow run of the fixture, by the id its MLflow run records (the session's API holds every test's
+    # flow runs, more than one page of them, in no set order).
+    flow_run_id = mlflow.tracking.MlflowClient(out.tracking_uri).get_run(out.run_id).data.tags["prefect_flow_run_id"]
+
     async def read():
         async with get_client() as client:
-            flows = await client.read_flow_runs()
-            done = [f for f in flows if f.state and f.state.is_completed()]
-            # The train flow run of the fixture: the completed run whose parameters name its runs dir.
-            mine = [f for f in done if f.parameters.get("runs_dir") == out.runs_dir]
+            flow = await client.read_flow_run(flow_run_id)
+            mine = [flow] if flow.state and flow.state.is_completed() and flow.parameters.get(
+                "runs_dir") == out.runs_dir else []
             # The server records task runs from their events, asynchronously: wait for them, bounded.
             deadline = time.monotonic() + scaled(60)
             while True:
