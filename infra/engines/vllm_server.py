@@ -106,6 +106,10 @@ def vllm_python(cfg: VLLMConfig) -> Path:
     return path
 
 
+PORT_TRIES = 3
+"""Starts of a managed server on a port of its own choosing when the last one was taken meanwhile."""
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -201,9 +205,7 @@ class VLLMServer:
         self.cfg = cfg
         self.model_dir = Path(model_dir)
         self.served_name = served_name
-        self.port = cfg.port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.control = VLLMControl(self.url, log_tail=self.last_log_lines)
+        self._use_port(cfg.port or free_port())
         self.log_path = log_path
         self.server: ManagedServer | None = None  # from start() on
         # vLLM's ZMQ IPC sockets (API server ↔ engine core) go to VLLM_RPC_BASE_PATH, by default the system temp dir,
@@ -238,18 +240,31 @@ class VLLMServer:
         remove_orphaned_rpc_dirs()
         self.rpc_dir = Path(tempfile.mkdtemp(prefix=f"{RPC_PREFIX}{os.getpid()}-"))
         env["VLLM_RPC_BASE_PATH"] = str(self.rpc_dir)
-        self.server = ManagedServer("vLLM", self.command(), health=[self.url + "/health"], env=env,
-                                    log_path=self.log_path, parent_death=signal.SIGTERM, tail_filter=quoted_lines,
-                                    through_pipe=True)
-        log.info("starting vLLM: %s", " ".join(self.server.command))
         t0 = time.monotonic()
-        try:
-            self.server.start(self.cfg.startup_timeout_s, timeout_setting="rollout.vllm.startup_timeout_s")
-        except ServerError as exc:
-            self._remove_rpc_dir()
-            raise VLLMServerError(str(exc)) from None
+        for attempt in range(1, PORT_TRIES + 1):
+            self.server = ManagedServer("vLLM", self.command(), health=[self.url + "/health"], env=env,
+                                        log_path=self.log_path, parent_death=signal.SIGTERM,
+                                        tail_filter=quoted_lines, through_pipe=True)
+            log.info("starting vLLM: %s", " ".join(self.server.command))
+            try:
+                self.server.start(self.cfg.startup_timeout_s, timeout_setting="rollout.vllm.startup_timeout_s")
+                break
+            except ServerError as exc:
+                # A free port is picked, released, then bound by the server: another process can take it between
+                # (two runs starting at once). Only a port of our own choosing is tried again.
+                if self.cfg.port is None and attempt < PORT_TRIES and "address already in use" in str(exc).lower():
+                    log.warning("port %d was taken before vLLM bound it; trying another", self.port)
+                    self._use_port(free_port())
+                    continue
+                self._remove_rpc_dir()
+                raise VLLMServerError(str(exc)) from None
         log.info("vLLM serving %s at %s after %.0f s", self.model_dir.name, self.url, time.monotonic() - t0)
         return self
+
+    def _use_port(self, port: int) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.control = VLLMControl(self.url, log_tail=self.last_log_lines)
 
     def restart(self, model_dir: str | os.PathLike[str]) -> None:
         """Stop what is left of the server and start it again on the same port, serving ``model_dir`` (the weights

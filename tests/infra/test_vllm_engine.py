@@ -172,6 +172,33 @@ def test_a_server_that_cannot_start_fails_with_its_last_log_lines(tmp_path: Path
     assert not server.running
 
 
+def test_a_port_taken_between_its_choice_and_the_servers_bind_is_replaced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The free port a server is given can be taken before the server binds it (two runs starting at once): the
+    start is tried again on another. vLLM binds its port before it loads the model, so a server for a model that
+    does not exist shows it cheaply: its first start fails on the taken port, its second on the missing model."""
+    import socket
+
+    import infra.engines.vllm_server as vllm_server
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    chosen = iter([port])
+    real = vllm_server.free_port
+    monkeypatch.setattr(vllm_server, "free_port", lambda: next(chosen, None) or real())
+    server = VLLMServer(tmp_path / "no-such-model", VLLMConfig(startup_timeout_s=300))
+    try:
+        with caplog.at_level("WARNING", logger="infra.engines.vllm_server"), pytest.raises(VLLMServerError) as err:
+            server.start()
+    finally:
+        taken.close()
+    assert f"port {port} was taken before vLLM bound it" in caplog.text
+    assert server.port != port and "no-such-model" in str(err.value)
+    assert "already in use" not in str(err.value).lower()
+
+
 def test_a_missing_vllm_interpreter_is_named(tmp_path: Path) -> None:
     with pytest.raises(VLLMServerError, match=r"make vllm"):
         vllm_python(VLLMConfig(python=str(tmp_path / "nothing" / "python")))
