@@ -396,6 +396,17 @@ class TrajectoryStore:
                         found[key] = StoredPart(key[0], key[1], f"{root}/{rel}", is_legacy)
         return [found[k] for k in sorted(found)]
 
+    def check_parts(self, run_id: str) -> None:
+        """Raise :class:`StoreError` naming the first part of the run (either table) whose Parquet footer cannot be
+        read: a file damaged after it was written (parts are written whole, by rename or a single PUT)."""
+        for table in SCHEMAS:
+            for part in self.parts(table, run_id):
+                try:
+                    pq.read_metadata(part.path, filesystem=None if self.local else self.fs)
+                except (OSError, pa.ArrowInvalid) as exc:
+                    where = part.path if self.local else self._url(part.path)
+                    raise StoreError(f"{where} (step {part.step} of run {run_id}) is damaged: {exc}") from exc
+
     def adopt_nested_layout(self) -> bool:
         """Move the parts of the previous default layout (``<runs>/trajectories/{trajectories,nodes}/``, both tables
         under one directory that plain readers mixed) to the current one (``<runs>/{trajectories,nodes}/``); a part

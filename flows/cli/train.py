@@ -38,6 +38,7 @@ def check_resume(cfg: ExperimentConfig, runs: Path, run_name: str) -> Numerics |
     from infra.numerics import recorded_numerics
     from infra.ranks import Ranks
     from infra.run.resume import NothingToResumeError, nothing_to_resume, run_to_resume
+    from infra.store import StoreError, TrajectoryStore
     from infra.tracking.client import resolve_tracking
     from infra.tracking.run import Tracker
 
@@ -51,6 +52,12 @@ def check_resume(cfg: ExperimentConfig, runs: Path, run_name: str) -> Numerics |
     except NothingToResumeError as exc:
         fail(f"--resume: {exc}")
     check_not_running(runs, run_id=run.run_id)
+    store = TrajectoryStore.from_config(cfg.storage) if cfg.storage.trajectories_uri else TrajectoryStore(runs)
+    try:  # a damaged part would stay in the run's trajectories, unread until someone analyses them
+        store.check_parts(run.run_id)
+    except StoreError as exc:
+        fail(f"--resume: {exc}; move it away to resume (a step after the last checkpoint is then sampled again, an "
+             "earlier one stays missing from the trajectories)")
     return recorded_numerics(cfg, run.params, run.tags, run.run_id)
 
 

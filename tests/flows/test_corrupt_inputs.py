@@ -65,6 +65,21 @@ def test_a_damaged_trajectory_part_is_one_error_naming_it(trained: Path, tmp_pat
     assert digest(part) == before
 
 
+@pytest.mark.parametrize("table", ["trajectories", "nodes"])
+def test_a_damaged_trajectory_part_stops_a_resume_naming_it(trained: Path, tmp_path: Path, table: str) -> None:
+    """Before: --resume trained on past it (a step at or before the checkpoint is never read again), and the run
+    ended with a part no reader could open."""
+    runs = copy_of(trained, tmp_path)
+    (part,) = (runs / table).rglob("step-000001.parquet")
+    part.write_bytes(part.read_bytes()[:300])
+    before = digest(part)
+    result = invoke("train", "-c", TINY, "--resume", "--runs-dir", str(runs), *sets("train.steps=2"))
+    assert result.exit_code == 2, result.output
+    assert str(part) in result.stderr and "damaged" in result.stderr and "Traceback" not in result.output
+    assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1, result.stderr
+    assert digest(part) == before and not (part.parent / "step-000002.parquet").exists()
+
+
 @pytest.mark.parametrize("damage", ["not parquet", "truncated"])
 def test_a_damaged_training_file_is_one_error_naming_it(tmp_path: Path, damage: str) -> None:
     import pyarrow as pa
