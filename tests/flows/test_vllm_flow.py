@@ -1,5 +1,5 @@
 """The train flow on a real vLLM server (``rollout.engine: vllm``): every rollout is stamped with the weights
-that sampled it, the server follows each update, and it is gone when the flow returns.
+that sampled it, the server follows each update, comes back when it is killed, and is gone when the flow returns.
 
 SmolLM2-135M (vLLM's CPU attention has no kernel for the tiny model's head size 16); see
 tests/infra/test_vllm_engine.py for the engine-level checks and the lifecycle under SIGTERM/SIGKILL.
@@ -26,35 +26,6 @@ TINY = ROOT / "configs" / "tiny.yaml"
 pytestmark = [requires_vllm, pytest.mark.slow, pytest.mark.vllm]
 
 
-def test_two_steps_on_vllm_sample_each_step_from_the_last_update(prefect_harness, model_cache, tmp_path):
-    from mlflow.tracking import MlflowClient
-
-    from flows.train import train
-
-    # One question a step (the update's forward and backward through SmolLM2 dominate the test); the final
-    # checkpoint only; the smallest final evaluation; no MLflow model, no system metrics: none is under test here.
-    cfg = load_config(TINY, [f"model.cache_dir={model_cache}", *VLLM, "train.steps=2", "train.batch_size=1",
-                             "checkpoint.every=2", "eval.max_questions=1", "eval.n_samples=1", "eval.pass_k=1",
-                             "tracking.log_model=false", "tracking.system_metrics=false"])
-    out = train(config=cfg, runs_dir=str(tmp_path))
-    assert out.steps == 2
-    client = MlflowClient(out.tracking_uri)
-    assert client.get_run(out.run_id).info.status == "FINISHED"
-    history = {name: [(m.step, m.value) for m in client.get_metric_history(out.run_id, name)]
-               for name in ("rollout/weight_version", "rollout/stale_segments")}
-    # step 1 samples from the weights as loaded (version 0); step 2 from those after update 1
-    assert history["rollout/weight_version"] == [(1, 0.0), (2, 1.0)]
-    assert history["rollout/stale_segments"] == [(1, 0.0), (2, 0.0)]
-    table = pads.dataset(Path(out.trajectories) / "trajectories", partitioning="hive").to_table(
-        columns=["step", "weight_version"]).to_pylist()
-    assert {(r["step"], r["weight_version"]) for r in table} == {(1, "0"), (2, "1")}
-    assert not server_processes(str(tmp_path)), "the vLLM server outlived the flow"
-    # The weights the server loaded are exports of ~650 MB each (SmolLM2 in float32); the checkpoint holds the
-    # policy, so none may outlive the run (a CI disk once filled up with them).
-    exports = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "weights").rglob("*.safetensors"))
-    assert exports == [], f"weight exports left behind: {exports}"
-
-
 def _kill_server_at(log: Path, marker: str, kills: list[int], stop: threading.Event) -> None:
     """SIGKILL the run's vLLM server at the first completion it answers once it has had ``kills[0]`` weight-version
     labels (the start's, then one per reload or restart), and so on for each count of ``kills`` (mid-rollout, mid-
@@ -72,16 +43,19 @@ def _kill_server_at(log: Path, marker: str, kills: list[int], stop: threading.Ev
                 break
 
 
-def test_a_vllm_server_killed_mid_rollout_and_mid_evaluation_is_restarted_with_the_weights_it_served(
+def test_two_steps_on_vllm_sample_from_the_last_update_even_when_the_server_is_killed_twice(
         prefect_harness, model_cache, tmp_path, caplog):
-    """SIGKILL of the whole server (API server, engine core, worker) in step 2's rollout, after it loaded update 1,
-    and again in the final evaluation, after update 2: each time the engine restarts it on its port with the
+    """Each step samples from the weights of the last update, and the server is gone when the flow returns — also
+    when the whole server (API server, engine core, worker) is SIGKILLed in step 2's rollout, after it loaded update
+    1, and again in the final evaluation, after update 2: each time the engine restarts it on its port with the
     weights it served (labelled with their version) and resends the failed requests; the run completes, every
-    sample carries the version that the trainer expects, and no failed request became a leaf."""
+    sample carries the version the trainer expects, and no failed request became a leaf."""
     from mlflow.tracking import MlflowClient
 
     from flows.train import train
 
+    # One question a step (the update's forward and backward through SmolLM2 dominate the test); the final
+    # checkpoint only; the smallest final evaluation; no MLflow model, no system metrics: none is under test here.
     cfg = load_config(TINY, [f"model.cache_dir={model_cache}", *VLLM, "train.steps=2", "train.batch_size=1",
                              "checkpoint.every=2", "eval.max_questions=1", "eval.n_samples=2", "eval.pass_k=1",
                              "tracking.log_model=false", "tracking.system_metrics=false",
@@ -114,3 +88,7 @@ def test_a_vllm_server_killed_mid_rollout_and_mid_evaluation_is_restarted_with_t
     evaluated = pads.dataset(final, format="parquet").to_table(columns=["n"]).to_pylist()
     assert evaluated == [{"n": 2}]
     assert not server_processes(str(tmp_path)), "the vLLM server outlived the flow"
+    # The weights the server loaded are exports of ~650 MB each (SmolLM2 in float32); the checkpoint holds the
+    # policy, so none may outlive the run (a CI disk once filled up with them).
+    exports = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "weights").rglob("*.safetensors"))
+    assert exports == [], f"weight exports left behind: {exports}"
