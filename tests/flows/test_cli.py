@@ -51,6 +51,7 @@ def _only_run(runs: Path) -> Any:
     return frame.iloc[0]
 
 
+@pytest.mark.slow  # trains
 def test_train_leaves_mlflow_run_parquet_and_checkpoint(trained: tuple[Any, Path]) -> None:
     from infra.store import TrajectoryStore
 
@@ -146,6 +147,7 @@ def test_bad_dataset_row_exits_2_with_one_line_and_no_failed_run(prefect_harness
     assert "FAILED" not in _mlflow_statuses(runs)
 
 
+@pytest.mark.slow  # trains
 def test_runs_lists_the_run(trained: tuple[Any, Path]) -> None:
     _, runs = trained
     run = _only_run(runs)
@@ -155,6 +157,7 @@ def test_runs_lists_the_run(trained: tuple[Any, Path]) -> None:
     assert "tiny" in row and "FINISHED" in row and "aepo" in row and "train" in row
 
 
+@pytest.mark.slow  # trains
 def test_runs_piped_keep_every_cell_whole_and_csv_json_read_back(trained: tuple[Any, Path]) -> None:
     """stdout not a terminal and COLUMNS unset (``aepo runs | cat``): rich wrapped at 80 columns, cutting the run id
     and dropping columns; now the table is as wide as its cells. CSV and JSON carry the values unrounded."""
@@ -182,6 +185,7 @@ def test_runs_piped_keep_every_cell_whole_and_csv_json_read_back(trained: tuple[
     assert str(obj["tokens"]) in row.split()
 
 
+@pytest.mark.slow  # trains
 def test_each_evaluation_stage_has_its_own_point(trained: tuple[Any, Path]) -> None:
     """Start (before SFT), SFT and final evaluations: ``eval/…`` is the RL curve with one point per step (the SFT
     policy at step 0, the final one at the last step); the start evaluation is ``eval_start/…``. Before, start and
@@ -205,6 +209,7 @@ def test_runs_without_a_store_says_so(tmp_path: Path) -> None:
     assert not (tmp_path / "mlflow.db").exists()
 
 
+@pytest.mark.slow  # trains
 def test_trajectories_summarize_steps_and_questions(trained: tuple[Any, Path]) -> None:
     import csv
     import io
@@ -239,6 +244,7 @@ def test_trajectories_summarize_steps_and_questions(trained: tuple[Any, Path]) -
     assert missing.exit_code == 1 and "no stored trajectories" in missing.stderr
 
 
+@pytest.mark.slow  # trains
 def test_eval_command_on_the_trained_checkpoint(trained: tuple[Any, Path]) -> None:
     _, runs = trained
     result = invoke("eval", "--checkpoint", str(runs / "checkpoints" / "tiny"), "--runs-dir", str(runs),
@@ -434,6 +440,7 @@ def test_progress_comes_from_structured_events_not_from_the_log_text() -> None:
     assert seen == [Progress("update", done=3, total=5)]
 
 
+@pytest.mark.slow  # trains
 def test_registered_policy_loads_in_mlflow_and_through_aepo_eval(trained: tuple[Any, Path]) -> None:
     """The trained policy is registered with its final metrics and its protocol; MLflow loads it as a transformers
     model whose prompt template is the rollout prompt; `aepo eval models:/…` evaluates exactly its weights and

@@ -242,6 +242,7 @@ def test_shards_partition_the_runs_evenly(tmp_path: Path) -> None:
             shard_runs(spec.runs, bad)
 
 
+@pytest.mark.slow  # trains
 def test_a_shard_runs_its_share_under_its_own_parent(prefect_harness: Any, tmp_path: Path) -> None:
     from flows.sweep import sweep
     from infra.tracking.run import Tracker
@@ -293,6 +294,7 @@ def test_a_cell_finished_before_a_config_field_was_added_is_not_run_again(tmp_pa
     assert started_children(tracker, spec, configs, parent) == {"tiny-sweep-grpo-s0"}
 
 
+@pytest.mark.slow  # trains
 def test_a_scheduled_sweep_is_a_new_sweep_each_time_it_fires(prefect_harness: Any, tmp_path: Path) -> None:
     """Issue 49 §9: the weekly sweep re-ran nothing from its second week on (every cell FINISHED with the same config
     hash was skipped). The scheduled deployment's parameters make each firing a new sweep: its own dated parent run,

@@ -27,6 +27,8 @@ from infra.store import NODE_SCHEMA, TRAJECTORY_SCHEMA, TrajectoryStore
 from infra.tracking.client import tracking_uri_for
 from infra.training.checkpoint_store import CheckpointStore
 
+pytestmark = pytest.mark.slow  # the heavy tier: every test trains a run
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
 REQUIRED = ["rollout/reward_mean", "rollout/accuracy", "rollout/global_samples", "rollout/branch_samples",

@@ -17,6 +17,8 @@ from infra.run.sft import sft_loss, sft_sample, train_sft
 from infra.tools.registry import build_tools
 from infra.training.backends import TorchBackend
 
+pytestmark = pytest.mark.slow  # the heavy tier: its policy is taught by SFT first
+
 
 @pytest.fixture(scope="module")
 def taught(tiny_cfg, tmp_path_factory):

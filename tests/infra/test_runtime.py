@@ -23,6 +23,7 @@ def _copy_matches(runtime: PolicyRuntime) -> bool:
                                                               runtime.model.state_dict().values(), strict=True))
 
 
+@pytest.mark.slow  # trains
 def test_bf16_generation_copy_is_refreshed_after_sft_update_and_resume(model_cache: Path, tmp_path: Path) -> None:
     cfg = load_config(REPO / "configs" / "tiny.yaml", [
         f"model.cache_dir={model_cache}", "model.generation_dtype=bfloat16", "train.sft.enabled=true",
@@ -104,6 +105,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow  # trains
 def test_the_rl_schedule_does_not_reach_cold_start_sft(model_cache: Path, tmp_path: Path) -> None:
     """``optim`` is RL's: its warm-up and decay count RL optimizer steps. A demo regime with RL warm-up once ran its
     12-step SFT at half the LR for 6 steps, so two regimes differing only in RL settings had different SFT starts.
@@ -115,6 +117,7 @@ def test_the_rl_schedule_does_not_reach_cold_start_sft(model_cache: Path, tmp_pa
         "SFT's own warm-up did nothing"
 
 
+@pytest.mark.slow  # trains
 def test_a_fixed_sft_seed_gives_every_run_seed_the_same_start(model_cache: Path, tmp_path: Path) -> None:
     """The run's seed orders SFT's batches unless ``train.sft.seed`` fixes the order: then runs of several seeds
     differ in RL only (the demo's SFT Pass@1 moved from 0.486 to 0.806 with the order alone, bench/README)."""
