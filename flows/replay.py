@@ -110,7 +110,7 @@ def stored_run(tracker: Tracker, run: str, runs: Path) -> StoredRun:
     """The run ``run`` (id or name) as :class:`StoredRun`."""
     run_id, name = find_run(tracker, run)
     cfg = tracker.logged_config(run_id)
-    store = TrajectoryStore.from_config(cfg.storage) if cfg.storage.trajectories_uri else TrajectoryStore(runs)
+    store = TrajectoryStore.from_config(cfg.storage, runs_dir=runs)
     rows = training_rows(cfg, prepare_data(cfg.data.train, cfg.data,
                                            source_fingerprint(cfg.data.train, cfg.data.data_root)))
     params = tracker.client.get_run(run_id).data.params

@@ -170,8 +170,7 @@ def train(
     with claims, build_runtime(cfg, runs, name, numerics) as runtime:
         logger.info("%s", runtime.numerics.describe())
         datasets = [dataset_record(cfg.data.train, rows, "training"), *check_eval_datasets(runtime)]
-        trajectories = (TrajectoryStore.from_config(cfg.storage) if cfg.storage.trajectories_uri
-                        else TrajectoryStore(runs))
+        trajectories = TrajectoryStore.from_config(cfg.storage, runs_dir=runs)
         run_id = tracker.start(cfg, run_name=name, resume_run_id=point.run_id if point else None,
                                parent_run_id=parent_run_id,
                                origin=run_origin("flows/train.py:train", run_description(cfg)),

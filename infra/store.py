@@ -345,11 +345,12 @@ class TrajectoryStore:
         self.local = isinstance(self.fs, LocalFileSystem)
 
     @classmethod
-    def from_config(cls, storage: StorageConfig, storage_options: Mapping[str, Any] | None = None) -> TrajectoryStore:
+    def from_config(cls, storage: StorageConfig, storage_options: Mapping[str, Any] | None = None,
+                    runs_dir: str | os.PathLike[str] | None = None) -> TrajectoryStore:
         """The store of ``cfg.storage``: ``trajectories_uri``, else the runs dir (its ``trajectories/`` and
-        ``nodes/``); an S3 endpoint (MinIO, moto, …) from ``s3_endpoint_url`` unless ``storage_options`` already
-        name one."""
-        uri = storage.trajectories_uri or str(storage.runs_dir)
+        ``nodes/``: ``runs_dir`` where the run's differs from ``storage.runs_dir``, a flow's or a command's); an S3
+        endpoint (MinIO, moto, …) from ``s3_endpoint_url`` unless ``storage_options`` already name one."""
+        uri = storage.trajectories_uri or str(runs_dir if runs_dir is not None else storage.runs_dir)
         return cls(uri, fs_options(storage, uri, storage_options))
 
     def __repr__(self) -> str:

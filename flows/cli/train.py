@@ -52,7 +52,7 @@ def check_resume(cfg: ExperimentConfig, runs: Path, run_name: str) -> Numerics |
     except NothingToResumeError as exc:
         fail(f"--resume: {exc}")
     check_not_running(runs, run_id=run.run_id)
-    store = TrajectoryStore.from_config(cfg.storage) if cfg.storage.trajectories_uri else TrajectoryStore(runs)
+    store = TrajectoryStore.from_config(cfg.storage, runs_dir=runs)
     try:  # a damaged part would stay in the run's trajectories, unread until someone analyses them
         store.check_parts(run.run_id)
     except StoreError as exc:
