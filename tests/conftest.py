@@ -184,10 +184,17 @@ def tiny_engine(tiny_policy: tuple[Any, Any]) -> HFEngine:
     return HFEngine(model, tokenizer, seed=0)
 
 
-# A random tiny policy never calls a tool nor stops: a memorizing cold-start SFT on 8 oracle transcripts (which
-# search, run Python and answer) makes it call tools from the first step and end some responses early. The
-# kill-and-resume and traces tests run on it.
-TOOL_USER_SFT = ["train.sft.enabled=true", "train.sft.max_examples=8", "train.sft.epochs=15", "train.sft.lr=1e-2",
+# A random tiny policy never calls a tool, answers or stops: a memorizing cold-start SFT on 8 oracle transcripts
+# (which search, run Python and answer) makes it call tools from the first step and answer some of those 8 train
+# questions right, so tests can assert values a broken build would change (Pass@1, branching, accuracy). A
+# single-hop answer needs ~175 response tokens (tool results count): runs that must answer set
+# rollout.max_response_tokens=200 (tiny.yaml's 96 cut every answer). Measured on its 8 questions, 4 samples each at
+# 200 tokens (2 Zen 4 cores): 15 epochs (last batch loss 0.57) never answered; 20 (0.18) answered 0.28 but never
+# right; 30 (0.017, ~40 s once per session) Pass@1 0.19 at temperature 1 (0.28 at 0.6), right on 1-3 of the 4
+# samples of three single-hop questions, with 2-4 distinct responses per group (so groups carry an advantage);
+# 40 (0.005) answered the same tokens in every sample of a group (no advantage, no gradient: a sweep test's
+# non-vacuity check caught it).
+TOOL_USER_SFT = ["train.sft.enabled=true", "train.sft.max_examples=8", "train.sft.epochs=30", "train.sft.lr=1e-2",
                  "data.max_questions=8"]
 
 
@@ -211,7 +218,7 @@ def tool_user(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
         with build_runtime(cfg, tmp_path_factory.mktemp("tool-user-runs")) as runtime:
             rows = runtime.load_rows(cfg.data.train)[: cfg.data.max_questions]
             report = run_sft(runtime, rows)
-            assert report.loss_last_batch < 0.5 * report.loss_first_batch, report  # it memorized
+            assert report.loss_last_batch < 0.05, report  # it memorized (0.005 measured)
             tmp = shared / ".tiny-tool-user.tmp"
             runtime.model.save_pretrained(str(tmp))
             runtime.tokenizer.save_pretrained(str(tmp))

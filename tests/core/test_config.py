@@ -96,6 +96,33 @@ def test_shipped_configs_load(path):
     load_config(path)
 
 
+def _leaves(tree: dict, prefix: str = "") -> Iterator[tuple[str, object]]:
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+@pytest.mark.parametrize("path", sorted(p for p in CONFIGS.rglob("*.yaml") if "sweeps" not in p.parts),
+                         ids=lambda p: p.name)
+def test_a_shipped_config_is_what_its_file_says(path):
+    """Every value the file sets is the loaded config's (nothing dropped, renamed or defaulted over it), and what it
+    leaves unset is the default of the loss it names (DAPO has no dual-clip; GSPO aggregates per sequence)."""
+    import yaml
+
+    raw = dict(_leaves(yaml.safe_load(path.read_text())))
+    cfg = load_config(path)
+    flat = cfg.flat()
+    assert {k: flat.get(k, "<missing>") for k in raw} == raw
+    alg = cfg.algorithm
+    if "algorithm.dual_clip" not in raw:
+        assert alg.dual_clip == (None if alg.loss == "dapo" else 3.0), path.name
+    if "algorithm.loss_agg" not in raw:
+        assert alg.loss_agg == ("seq-mean-token-mean" if alg.loss == "gspo" else "seq-mean-token-sum-norm"
+                                if alg.advantage == "dr_grpo" else "token-mean"), path.name
+
+
 def test_paper_config_matches_the_spec():
     cfg = load_config(CONFIGS / "paper" / "qwen3_14b_deepsearch.yaml")
     assert cfg.rollout.k == 12 and cfg.rollout.beam_size == 2 and cfg.train.batch_size == 64

@@ -24,6 +24,11 @@ FAST = ["eval.max_questions=2", "eval.n_samples=2", "eval.pass_k=2", "eval.top_p
         "tracking.system_metrics=false"]
 DS = "synthetic:test"
 KEY = "synthetic_test"  # the dataset's name in results, metrics, files and tables
+# The checkpoint's evaluations: the session's tool user (conftest.tool_user) on the train questions it memorized,
+# where it answers some right and some not (a policy that never answers makes Pass@1 0 for any code).
+TRAIN_DS, TRAIN_KEY = "synthetic:train", "synthetic_train"
+ON_TRAIN = [f"eval.datasets=[{TRAIN_DS}]", "eval.max_questions=4", "eval.n_samples=2", "eval.pass_k=2",
+            "rollout.max_response_tokens=200", "tracking.system_metrics=false"]
 
 
 def fake_judge(fail_first: int = 0) -> Callable[[str, dict[str, Any]], tuple[int, dict[str, Any]]]:
@@ -49,12 +54,15 @@ def fake_judge(fail_first: int = 0) -> Callable[[str, dict[str, Any]], tuple[int
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory, tiny_policy: tuple[Any, Any], prefect_harness: Any) -> Path:
-    """A committed checkpoint of the tiny policy (saved, not trained: evaluation only reads it)."""
+def checkpoint(tmp_path_factory: pytest.TempPathFactory, tool_user: Path, model_cache: Path,
+               prefect_harness: Any) -> Path:
+    """A committed checkpoint of the session's tool user (saved as a run would; evaluation only reads it)."""
+    from aepo_core.config import ModelConfig
     from infra.config_files import load_config
+    from infra.models import load_policy
     from infra.training.checkpoint import save_checkpoint
 
-    model, tokenizer = tiny_policy
+    model, tokenizer = load_policy(ModelConfig(name=str(tool_user), dtype="float32", cache_dir=str(model_cache)))
     root = tmp_path_factory.mktemp("ckpt") / "tiny"
     return save_checkpoint(root, 3, model=model, tokenizer=tokenizer, config=load_config(TINY))
 
@@ -64,7 +72,7 @@ def first_eval(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> tu
     from flows.evaluate import evaluate
 
     runs = tmp_path_factory.mktemp("eval-runs")
-    state = evaluate(config=str(TINY), checkpoint=str(checkpoint.parent), overrides=FAST, runs_dir=str(runs),
+    state = evaluate(config=str(TINY), checkpoint=str(checkpoint.parent), overrides=ON_TRAIN, runs_dir=str(runs),
                      return_state=True)
     assert state.is_completed(), state.message
     return state.result(), runs
@@ -77,25 +85,33 @@ def test_eval_writes_per_question_parquet_mlflow_run_and_table(first_eval: tuple
 
     result, runs = first_eval
     assert result.checkpoint == str(checkpoint) and result.checkpoint_step == 3
-    path = Path(result.files[KEY])
-    assert path == runs / "eval" / result.run_name / "synthetic_test.parquet"
+    path = Path(result.files[TRAIN_KEY])
+    assert path == runs / "eval" / result.run_name / "synthetic_train.parquet"
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no temporary leftovers
     table = pq.read_table(path)
     assert table.schema.equals(QUESTION_SCHEMA, check_metadata=False)
     rows = table.to_pylist()
-    assert len(rows) == 2 and {r["dataset"] for r in rows} == {DS}
+    assert len(rows) == 4 and {r["dataset"] for r in rows} == {TRAIN_DS}
     for r in rows:
         assert r["n"] == 2 and len(r["answers"]) == 2 and r["golds"] and r["question"]
+        # correct counts the samples whose answer is a gold (the synthetic golds are exact names and numbers)
+        golds = {g.strip().lower() for g in r["golds"]}
+        assert r["correct"] == sum(a is not None and a.strip().lower() in golds for a in r["answers"]), r
         assert r["pass_at_1"] == r["correct"] / r["n"]
         assert r["judge_verdicts"] is None  # no judge configured
-    summary = result.summary[KEY]
-    assert summary["questions"] == 2 and 0.0 <= summary["pass@1_ci_low"] <= summary["pass@1"]
+    correct = [r["correct"] for r in rows]
+    assert 0 < sum(correct) < 8, f"the tool user should answer some of its train questions right, not all: {correct}"
+    summary = result.summary[TRAIN_KEY]
+    assert summary["questions"] == 4 and summary["pass@1"] == pytest.approx(sum(correct) / 8)
+    assert summary["answered_rate"] == pytest.approx(sum(a is not None for r in rows for a in r["answers"]) / 8)
+    # the interval is over questions, and they differ: it has width and holds the estimate
+    assert 0.0 <= summary["pass@1_ci_low"] < summary["pass@1"] < summary["pass@1_ci_high"] <= 1.0
 
     tracker = Tracker(result.tracking_uri)
     run = tracker.client.get_run(result.run_id)
     assert run.info.status == "FINISHED" and run.data.tags["kind"] == "eval"
     assert run.data.tags["checkpoint_step"] == "3"
-    assert "eval/synthetic_test/pass_at_1" in run.data.metrics
+    assert run.data.metrics["eval/synthetic_train/pass_at_1"] == pytest.approx(summary["pass@1"])
     artifacts = {f.path for f in tracker.client.list_artifacts(result.run_id, "eval")}
     assert "eval/summary.json" in artifacts
 
@@ -106,7 +122,7 @@ def test_eval_table_artifact(checkpoint: Path, tmp_path: Path) -> None:
 
     from flows.evaluate import evaluate
 
-    state = evaluate(config=str(TINY), checkpoint=str(checkpoint), overrides=[*FAST, "eval.max_questions=1"],
+    state = evaluate(config=str(TINY), checkpoint=str(checkpoint), overrides=[*ON_TRAIN, "eval.max_questions=1"],
                      runs_dir=str(tmp_path), return_state=True)
     assert state.is_completed()
     flow_run_id = state.state_details.flow_run_id
@@ -116,7 +132,7 @@ def test_eval_table_artifact(checkpoint: Path, tmp_path: Path) -> None:
     tables = [a for a in arts if a.type == "table"]
     assert len(tables) == 1
     data = json.loads(tables[0].data) if isinstance(tables[0].data, str) else tables[0].data
-    assert {r["family"] for r in data} >= {"all"} and all(r["dataset"] == KEY for r in data)
+    assert {r["family"] for r in data} >= {"all"} and all(r["dataset"] == TRAIN_KEY for r in data)
 
 
 def test_paired_comparison_with_itself_is_zero(first_eval: tuple[dict[str, Any], Path], checkpoint: Path) -> None:
@@ -124,12 +140,16 @@ def test_paired_comparison_with_itself_is_zero(first_eval: tuple[dict[str, Any],
     from infra.tracking.run import Tracker
 
     first, runs = first_eval
-    again = evaluate(config=str(TINY), checkpoint=str(checkpoint), overrides=FAST, runs_dir=str(runs),
+    again = evaluate(config=str(TINY), checkpoint=str(checkpoint), overrides=ON_TRAIN, runs_dir=str(runs),
                      compare_to=first.results_dir)
-    cmp = again.compare[KEY]
-    assert cmp["diff"] == 0.0 and cmp["ci_low"] <= 0.0 <= cmp["ci_high"] and cmp["questions"] == 2
+    # the same weights and seeds sample the same answers (the policy answers some right: 0 is not the only value)
+    before, after = (pq.read_table(r.files[TRAIN_KEY]).to_pylist() for r in (first, again))
+    assert [(r["question_id"], r["answers"], r["correct"]) for r in after] == [
+        (r["question_id"], r["answers"], r["correct"]) for r in before]
+    cmp = again.compare[TRAIN_KEY]
+    assert cmp["diff"] == 0.0 and cmp["ci_low"] <= 0.0 <= cmp["ci_high"] and cmp["questions"] == 4
     metrics = Tracker(again.tracking_uri).client.get_run(again.run_id).data.metrics
-    assert metrics["compare/synthetic_test/pass_at_1_diff"] == 0.0
+    assert metrics["compare/synthetic_train/pass_at_1_diff"] == 0.0
 
 
 def test_paired_comparison_pairs_by_question_and_keeps_the_sign(first_eval: tuple[dict[str, Any], Path],
@@ -139,18 +159,18 @@ def test_paired_comparison_pairs_by_question_and_keeps_the_sign(first_eval: tupl
     from flows.evaluate import evaluate, read_question_results
 
     first, runs = first_eval
-    rows = pq.read_table(first.files[KEY]).to_pylist()
+    rows = pq.read_table(first.files[TRAIN_KEY]).to_pylist()
     kept, dropped = rows[0], rows[1]
     doctored = [{**kept, "pass_at_1": kept["pass_at_1"] + 0.75},  # the earlier run did better on this one
                 {**kept, "question_id": "not-in-this-run", "pass_at_1": 0.0}]  # a question this run lacks
     earlier = tmp_path / "earlier"
     earlier.mkdir()
-    pq.write_table(pa.Table.from_pylist(doctored, schema=pq.read_schema(first.files[KEY])),
-                   earlier / "synthetic_test.parquet")
-    again = evaluate(config=str(TINY), checkpoint=str(checkpoint), overrides=FAST, runs_dir=str(runs),
+    pq.write_table(pa.Table.from_pylist(doctored, schema=pq.read_schema(first.files[TRAIN_KEY])),
+                   earlier / "synthetic_train.parquet")
+    again = evaluate(config=str(TINY), checkpoint=str(checkpoint), overrides=ON_TRAIN, runs_dir=str(runs),
                      compare_to=str(earlier))
-    now = read_question_results(again.files[KEY])[DS]
-    cmp = again.compare[KEY]
+    now = read_question_results(again.files[TRAIN_KEY])[TRAIN_DS]
+    cmp = again.compare[TRAIN_KEY]
     assert cmp["questions"] == 1 and dropped["question_id"] in now  # the unshared questions are left out
     assert cmp["diff"] == pytest.approx(now[kept["question_id"]] - (kept["pass_at_1"] + 0.75))
 

@@ -36,12 +36,14 @@ TINY = ROOT / "configs" / "tiny.yaml"
 
 pytestmark = pytest.mark.slow
 
-# The session's tool user as the base (memorized SFT: it calls tools, ends responses early) and a short SFT of the
-# run's own (4 optimizer steps at SFT's default learning rate) that the kill can interrupt.
+# The session's tool user as the base (memorized SFT: it calls tools and, in 200 tokens, answers some single-hop
+# questions right and others not: rewards differ within a group; at 160 tokens every answer was cut, every reward
+# the same and no gradient flowed) and a short SFT of the run's own (4 optimizer steps at SFT's default learning
+# rate) that the kill can interrupt.
 SFT = ["train.sft.enabled=true", "train.sft.max_examples=8", "train.sft.batch_size=2", "data.max_questions=8"]
 RUN = [*SFT, "train.steps=2", "checkpoint.every=1", "checkpoint.keep=3", "train.batch_size=2",
        "eval.at_start=true", "eval.max_questions=2", "tracking.log_model=true",
-       "rollout.max_response_tokens=160", "algorithm.overlong_buffer=120"]
+       "rollout.max_response_tokens=200", "algorithm.overlong_buffer=160"]
 
 # (phase, where the process dies): in run order, each process resuming what the one before it left.
 KILLS = [

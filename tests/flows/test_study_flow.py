@@ -13,17 +13,24 @@ pytestmark = pytest.mark.slow  # trains or evaluates real runs (the heavy tier; 
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
-FAST = ["rollout.max_response_tokens=48", "rollout.max_segment_tokens=16", "rollout.entropy_window=16",
-        "tracking.system_metrics=false", "eval.bootstrap_samples=200"]
+FAST = ["tracking.system_metrics=false", "eval.bootstrap_samples=200"]
+
+
+def on_tool_user(tool_user: Path, model_cache: Path) -> list[str]:
+    """The study's settings on the session's tool user (conftest.tool_user) over the train questions it memorized:
+    it calls tools (so aepo and arpo branch) and answers some right (so Pass@k and the pairs are not all 0)."""
+    return [*FAST, f"model.name={tool_user}", f"model.cache_dir={model_cache}", "rollout.max_response_tokens=200"]
 
 
 @pytest.fixture(scope="module")
-def study(tmp_path_factory: pytest.TempPathFactory, prefect_harness: Any) -> tuple[Any, Path]:
+def study(tmp_path_factory: pytest.TempPathFactory, prefect_harness: Any, tool_user: Path,
+          model_cache: Path) -> tuple[Any, Path]:
     from flows.study import rollout_study
 
     runs = tmp_path_factory.mktemp("study-runs")
-    result = rollout_study(config=str(TINY), overrides=FAST, runs_dir=str(runs), datasets=["synthetic:train"],
-                           ks=[2, 3], max_questions=5, chunk_questions=2, seed=3, run_name="study-test")
+    result = rollout_study(config=str(TINY), overrides=on_tool_user(tool_user, model_cache), runs_dir=str(runs),
+                           datasets=["synthetic:train"], ks=[2, 3], max_questions=5, chunk_questions=2, seed=3,
+                           run_name="study-test")
     return result, runs
 
 
@@ -42,6 +49,12 @@ def test_every_arm_is_profiled_on_the_same_questions(study: tuple[Any, Path]) ->
         assert all(p.leaves == arm.k for p in ps), arm  # every group full: k leaves
     # independent sampling never branches and plans k global samples
     assert all(p.branch_points == 0 and p.global_budget == 3 for p in profiles[Arm(3, "independent")])
+    # the tool user calls tools, so the branching arms fork at tool results, and it answers some questions right
+    for k in (2, 3):
+        for mode in ("aepo", "arpo"):
+            assert sum(p.branch_points for p in profiles[Arm(k, mode)]) > 0, (k, mode)
+    assert 0 < sum(p.correct for ps in profiles.values() for p in ps) < sum(p.leaves for ps in profiles.values()
+                                                                            for p in ps)
 
 
 def test_the_summary_is_reproduced_from_the_parquet_alone(study: tuple[Any, Path]) -> None:
@@ -100,7 +113,8 @@ def test_an_unknown_mode_fails_before_any_work(prefect_harness: Any, tmp_path: P
     assert not (tmp_path / "studies").exists()
 
 
-def test_an_arm_with_settings_and_a_study_that_resumes(prefect_harness: Any, tmp_path: Path) -> None:
+def test_an_arm_with_settings_and_a_study_that_resumes(prefect_harness: Any, tmp_path: Path, tool_user: Path,
+                                                       model_cache: Path) -> None:
     """``aepo@branch_penalty=0.5,premonitor=false`` is an arm of its own, paired against arpo; run again under the
     same name, a study keeps the chunks it has and samples only the rest (a stopped study loses one chunk at
     most), and refuses to resume with other settings."""
@@ -108,7 +122,8 @@ def test_an_arm_with_settings_and_a_study_that_resumes(prefect_harness: Any, tmp
     from infra.run.study import Arm, read_costs, read_profiles, write_costs, write_profiles
 
     arm = "aepo@branch_penalty=0.5,premonitor=false"
-    kw = dict(config=str(TINY), overrides=FAST, runs_dir=str(tmp_path), datasets=["synthetic:train"], ks=[2],
+    kw = dict(config=str(TINY), overrides=on_tool_user(tool_user, model_cache), runs_dir=str(tmp_path),
+              datasets=["synthetic:train"], ks=[2],
               max_questions=4, chunk_questions=2, seed=3, run_name="resume-test")
     first = rollout_study(modes=["arpo", arm], **kw)
     out = Path(first.out_dir)
@@ -122,7 +137,10 @@ def test_an_arm_with_settings_and_a_study_that_resumes(prefect_harness: Any, tmp
     write_costs(out / "costs.json", {**costs, Arm(2, arm): costs[Arm(2, arm)].__class__(1.0, 0.0, 0.0, 5.0)})
     again = rollout_study(modes=["arpo", arm], **kw)
     resumed = read_profiles(out / "profiles.parquet")
-    assert resumed == full  # the same questions, the kept chunk kept, the rest sampled again with the same seeds
+    # the same questions, the kept chunk kept, the rest sampled again with the same seeds: the groups the tool
+    # user samples differ (branches, answers), so another seed or question order would change them
+    assert len({(p.branch_points, p.correct, p.model_tokens) for p in full[Arm(2, arm)]}) > 1
+    assert resumed == full
     after = read_costs(out / "costs.json")
     assert after[Arm(2, "arpo")] == costs[Arm(2, "arpo")]  # nothing of arpo was sampled again
     assert after[Arm(2, arm)].tokens_generated > 5.0 and after[Arm(2, arm)].wall_s > 1.0

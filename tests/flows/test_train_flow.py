@@ -249,10 +249,10 @@ def test_transient_rollout_failure_is_retried(prefect_harness, tmp_path, monkeyp
 
 # A random tiny policy never stops or answers: every reward is the same, every advantage 0, and a resume that
 # lost the optimizer state would still look bit-identical. The session's tool user (conftest.TOOL_USER_SFT: a
-# memorizing cold-start SFT on 8 oracle transcripts) ends some responses early, and DAPO's soft overlong penalty
-# turns their lengths into different rewards: real gradients in the first steps, and AdamW moments that keep moving
-# every weight afterwards.
-LEARNING = ["rollout.max_response_tokens=160", "algorithm.overlong_buffer=120"]
+# memorizing cold-start SFT on 8 oracle transcripts) answers some single-hop questions right in 200 tokens and ends
+# other responses at other lengths, which DAPO's soft overlong penalty turns into different rewards: real gradients
+# in the first steps, and AdamW moments that keep moving every weight afterwards.
+LEARNING = ["rollout.max_response_tokens=200", "algorithm.overlong_buffer=160"]
 
 
 def _run(runs: Path, resume: bool, steps: int, model_cache: Path, policy: Path, api_url: str,
@@ -365,3 +365,7 @@ def test_kill_after_checkpoint_and_resume_on_another_worker_from_s3_is_bit_ident
     for name in ("cost/total_generated_tokens", "cost/total_prompt_tokens", "cost/total_tool_calls"):
         assert _history(resumed, name, tracking_uri) == _history(straight, name), name
     assert _history(straight, "cost/total_tool_calls")[-1][1] > 0  # (the tool user called tools)
+    # ... and answered some of its questions right: the resumed steps' accuracy is the straight run's, not 0 = 0
+    accuracy = _history(straight, "rollout/accuracy")
+    assert max(v for _, v in accuracy) > 0, accuracy
+    assert _history(resumed, "rollout/accuracy", tracking_uri) == accuracy
