@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
@@ -43,10 +42,9 @@ from flows.common import (
     run_origin,
 )
 from infra.config_files import load_config
-from infra.fs import is_remote, open_fs, storage_errors, storage_options
 from infra.judge import LLMJudge, Verdict
 from infra.run.checkpoints import checkpoint_config, checkpoint_source, find_checkpoint
-from infra.run.evaluation import EvalReport, EvalSource, ResultsDir
+from infra.run.evaluation import EvalReport, EvalSource, ResultsDir, read_question_results
 from infra.run.runtime import build_runtime
 from infra.tracking.registry import RegisteredPolicy, fetch_registered, is_registered_model, link_model
 from infra.tracking.run import Tracker
@@ -114,28 +112,6 @@ def resolve_checkpoint(path: str | os.PathLike[str] | None, storage: StorageConf
     newest complete checkpoint), local or remote (``s3://…``, read through a verified copy under
     ``<runs_dir>/cache/checkpoints``): a local directory."""
     return find_checkpoint(path, storage, runs_dir) if path is not None else None
-
-
-def read_question_results(path: str | os.PathLike[str], storage: StorageConfig | None = None
-                          ) -> dict[str, dict[str, float]]:
-    """Per-question Pass@1 of a previous evaluation (a ``<dataset>.parquet`` or its run directory, local or
-    remote), by dataset."""
-    text = str(path)
-    fs, root = open_fs(text if is_remote(text) else Path(text).expanduser(),
-                       storage_options(storage, text) if storage is not None else None)
-    with storage_errors(text, "cannot read"):
-        fs.invalidate_cache(root)
-        files = sorted(fs.glob(f"{root}/*.parquet")) if fs.isdir(root) else [root]
-        found = bool(files) and all(fs.isfile(f) for f in files)
-    if not found:
-        raise FileNotFoundError(f"compare_to {text}: no per-question Parquet file there")
-    out: dict[str, dict[str, float]] = {}
-    with storage_errors(text, "cannot read"):
-        for f in files:
-            table = pq.read_table(f, columns=["dataset", "question_id", "pass_at_1"], filesystem=fs).to_pylist()
-            for row in table:
-                out.setdefault(row["dataset"], {})[row["question_id"]] = float(row["pass_at_1"])
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- tasks

@@ -40,7 +40,7 @@ from infra.numerics import DeviceFacts, numerics_for
 from infra.plots import curves_figure, rollout_tree_figure
 from infra.ranks import Ranks
 from infra.run.checkpoints import CheckpointError, CheckpointStore, checkpoint_store, open_checkpoints
-from infra.run.evaluation import EvalReport, EvalSource, ResultsDir
+from infra.run.evaluation import EvalReport, EvalSource, ResultsDir, recorded_pass1
 from infra.run.lock import Claims
 from infra.run.resume import ResumePoint, find_resume_point
 from infra.run.runtime import PolicyRuntime, build_runtime
@@ -124,11 +124,21 @@ class _Evaluations:
         for ds in self.runtime.eval_datasets():
             result = evaluate.with_options(timeout_seconds=self.timeout_s)(self.runtime, ds, label)
             _log_eval(self.tracker, result, step, label, prefix)
+            self.tracker.flush_traces()  # the file makes the stage done: a resume will not log its traces again
             write_eval_results(self.runtime, result, source, where, label)
             self.tracker.log_artifact(where.local_file(result.key), f"eval/{label}")
             self.summaries.setdefault(label, {})[result.key] = result.summary
             self.per_question.setdefault(label, {})[result.key] = result.per_question_pass1
         self.tracker.log_metrics({f"{PHASE_TIME}eval_{label}_s": time.perf_counter() - t0}, step)
+
+    def recall(self, label: str) -> None:
+        """A stage a resumed run does not repeat (the start and post-SFT evaluations): its per-question Pass@1 read
+        back from the files it wrote, for the final − start and final − sft comparisons. Without them a run resumed
+        after its first checkpoint logged neither comparison (found when the kill chain's final-evaluation kill first
+        landed there). A stage that never ran has no files and is left out."""
+        where = ResultsDir.of(self.runtime.cfg.storage, self.runs, f"{self.run_name}/{label}")
+        if recorded := recorded_pass1(where, self.runtime.cfg.storage, self.runtime.eval_datasets()):
+            self.per_question[label] = recorded
 
 
 @flow(name="aepo-train", flow_run_name=train_flow_run_name, log_prints=True)
@@ -269,6 +279,9 @@ def _train_loop(trainer: Trainer, name: str, tracker: RunLogger, trajectories: T
                                            description=f"RL steps of {name}")
     # Evaluations run on rank 0 alone (its weights are whole under ZeRO 0–2; the Trainer refuses SFT and ZeRO-3
     # with the in-process engine under several ranks).
+    if resumed and trainer.ranks.is_main:
+        for label in ("start", "sft"):
+            evals.recall(label)
     if not resumed and trainer.ranks.is_main:
         if cfg.eval.at_start and (cfg.eval.before_sft or not cfg.train.sft.enabled):
             evals.run("start", 0, BEFORE_SFT if cfg.train.sft.enabled else "eval")
@@ -303,6 +316,7 @@ def _train_loop(trainer: Trainer, name: str, tracker: RunLogger, trajectories: T
                              f"{PHASE_TIME}rollout_s": t1 - t0, f"{PHASE_TIME}update_s": t2 - t1,
                              "step/wall_s": time.perf_counter() - t0}, step)
         if step % cfg.checkpoint.every == 0 or step == total:
+            tracker.flush_traces()  # (the steps up to a checkpoint are never repeated: their traces must be in)
             checkpoint(trainer)
         if cfg.eval.every and step % cfg.eval.every == 0 and step < total and trainer.ranks.is_main:
             evals.run(f"step{step}", step)

@@ -8,6 +8,7 @@ train flow's in-run evaluations and ``aepo eval`` of a checkpoint run the same c
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,7 +28,7 @@ from aepo_core.scoring import LeafScore, model_text
 from infra.atomic import atomic_file
 from infra.data.loaders import dataset_key
 from infra.data.rows import QuestionRow
-from infra.fs import is_remote, put_file, storage_options
+from infra.fs import is_remote, open_fs, put_file, storage_errors, storage_options
 from infra.judge import Verdict
 from infra.run.runtime import PolicyRuntime
 
@@ -248,3 +249,35 @@ def write_question_results(report: EvalReport, k: int, source: EvalSource, where
         return str(local)
     uri = f"{where.uri}/{report.key}.parquet"
     return put_file(local, uri, storage_options(storage, uri))
+
+
+def read_question_results(path: str | os.PathLike[str], storage: StorageConfig | None = None
+                          ) -> dict[str, dict[str, float]]:
+    """Per-question Pass@1 of a previous evaluation (a ``<dataset>.parquet`` or its run directory, local or
+    remote), by dataset."""
+    text = str(path)
+    fs, root = open_fs(text if is_remote(text) else Path(text).expanduser(),
+                       storage_options(storage, text) if storage is not None else None)
+    with storage_errors(text, "cannot read"):
+        fs.invalidate_cache(root)
+        files = sorted(fs.glob(f"{root}/*.parquet")) if fs.isdir(root) else [root]
+        found = bool(files) and all(fs.isfile(f) for f in files)
+    if not found:
+        raise FileNotFoundError(f"{text}: no per-question Parquet file there")
+    out: dict[str, dict[str, float]] = {}
+    with storage_errors(text, "cannot read"):
+        for f in files:
+            table = pq.read_table(f, columns=["dataset", "question_id", "pass_at_1"], filesystem=fs).to_pylist()
+            for row in table:
+                out.setdefault(row["dataset"], {})[row["question_id"]] = float(row["pass_at_1"])
+    return out
+
+
+def recorded_pass1(where: ResultsDir, storage: StorageConfig, specs: Sequence[str]) -> dict[str, dict[str, float]]:
+    """Per-question Pass@1 of an evaluation already written at ``where``, by dataset key among ``specs`` (the
+    datasets evaluated together); empty when nothing was written there."""
+    try:
+        by_spec = read_question_results(where.uri, storage)
+    except FileNotFoundError:
+        return {}
+    return {dataset_key(spec, among=specs): pass1 for spec, pass1 in by_spec.items()}

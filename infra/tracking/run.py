@@ -62,7 +62,15 @@ from infra.tracking.client import (
     run_page,
     ui_run_url,
 )
-from infra.tracking.traces import TraceKind, TraceTarget, rollout_traces, write_traces
+from infra.tracking.traces import (
+    TraceKey,
+    TraceKind,
+    TraceTarget,
+    logged_trace_keys,
+    rollout_traces,
+    trace_key,
+    write_traces,
+)
 
 if TYPE_CHECKING:
     from aepo_core.rollout.tree import RolloutTree
@@ -182,6 +190,11 @@ class RunLogger(Protocol):
         """Rollout trees as traces of the run at ``step``; the future holds the trace ids (None: none written)."""
         return None
 
+    def flush_traces(self) -> None:
+        """Wait until the traces logged so far are written: call it before a stage is made durable (its checkpoint,
+        its evaluation file), which a resumed run does not repeat, so a kill after it cannot lose them."""
+        return None
+
 
 class Tracker(RunLogger):
     """One MLflow run at a time, driven through :class:`MlflowClient` with an explicit run id.
@@ -203,6 +216,7 @@ class Tracker(RunLogger):
         self._monitor: Any = None
         self._renamed_keys: set[str] = set()
         self._logged_before: frozenset[tuple[str, int]] = frozenset()
+        self._traced_before: frozenset[TraceKey] = frozenset()
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aepo-traces")
         self._pending: list[Future[list[str]]] = []
 
@@ -314,6 +328,7 @@ class Tracker(RunLogger):
         self._log_params(run_id, {k: v for k, v in new.items() if k not in old})
         self._set_tags(run_id, tags)
         self._logged_before = self._logged_steps(run_id)
+        self._traced_before = logged_trace_keys(self.client, run.info.experiment_id, run_id)
         self.client.update_run(run_id, status="RUNNING")
         log.info("MLflow run %s resumed (resume #%s)", run_id, tags[TAG_RESUMES])
         return run_id
@@ -536,9 +551,13 @@ class Tracker(RunLogger):
         warning (traces are for reading a run, not part of its results)."""
         if scores is not None:
             check_aligned(trees, scores)
+        target = TraceTarget(self.experiment_id(), self.run_id, step, kind, label)
+        new = [i for i, t in enumerate(trees) if trace_key(target, t.question_id) not in self._traced_before]
+        if len(new) < len(trees):  # a resumed run repeating a stage whose traces were written before the kill
+            trees = [trees[i] for i in new]
+            scores = None if scores is None else [scores[i] for i in new]
         if not trees:
             return None
-        target = TraceTarget(self.experiment_id(), self.run_id, step, kind, label)
         end_ns = time.time_ns()
         future = self._background.submit(self._write_traces, target, trees, scores, questions, end_ns)
         self._pending.append(future)
@@ -556,6 +575,9 @@ class Tracker(RunLogger):
         # through log_metrics: a resumed run that repeats the step does not log it a second time
         self.log_metrics({key: time.perf_counter() - t0}, target.step)
         return ids
+
+    def flush_traces(self) -> None:
+        self._drain_traces()
 
     def _drain_traces(self) -> None:
         """Wait for the background trace writes; report the failed ones."""

@@ -43,10 +43,12 @@ tracer provider, so nothing goes through MLflow's process-global tracer, trace m
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from mlflow import MlflowClient
 from mlflow.entities import LiveSpan, SpanStatus, SpanStatusCode, SpanType, Trace, TraceData, TraceInfo
 from mlflow.entities.trace_location import TraceLocation
 from mlflow.entities.trace_state import TraceState
@@ -56,6 +58,7 @@ from mlflow.tracing.utils import generate_mlflow_trace_id_from_otel_trace_id
 from opentelemetry import trace as otel_trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.id_generator import IdGenerator
 
 from aepo_core.rollout.rows import leaf_row, node_row
 from aepo_core.rollout.tree import Leaf, Node, RolloutTree
@@ -79,8 +82,30 @@ TAG_LABEL = "aepo.label"
 TAG_STAGE = "aepo.stage"  # start, sft, step<N>, final, eval (the label without its dataset)
 TAG_QUESTION = "aepo.question_id"
 
+
+
+class _SystemRandomIds(IdGenerator):
+    """Trace and span ids from the OS (:class:`random.SystemRandom`), not from the global ``random`` that
+    OpenTelemetry's default generator draws on: a run seeds that one, so every run of one seed, and every resumed
+    process of a run, drew the same ids in the same order, and a later trace replaced an earlier one of the same id
+    in a shared store (the kill-and-resume chain kept 7 of its 10 traces); the draws, in the background writer's
+    thread, also moved the run's own random stream."""
+
+    _rng = random.SystemRandom()
+
+    def generate_span_id(self) -> int:
+        return self._rng.getrandbits(64) or 1  # (0 is OpenTelemetry's invalid id)
+
+    def generate_trace_id(self) -> int:
+        return self._rng.getrandbits(128) or 1
+
+    def is_trace_id_random(self) -> bool:
+        return True
+
+
 # Private: no processors, nothing exported by OpenTelemetry; its resource names the service (trace tags).
-_tracer = TracerProvider(resource=Resource({"service.name": "aepo"})).get_tracer("aepo.traces")
+_tracer = TracerProvider(resource=Resource({"service.name": "aepo"}), id_generator=_SystemRandomIds()
+                         ).get_tracer("aepo.traces")
 
 
 @dataclass(frozen=True)
@@ -261,6 +286,29 @@ def _node_durations_ns(tree: RolloutTree) -> dict[int, int]:
         for node, d in zip(segments, _durations_ns(segments, leaf), strict=True):
             out.setdefault(node.node_id, d)
     return out
+
+
+TraceKey = tuple[str, str, str, str]
+"""What a trace is the trace of: (kind, label, step, question id), its tags; a run has one trace per key."""
+
+
+def trace_key(target: TraceTarget, question_id: str) -> TraceKey:
+    return target.kind, target.label, str(target.step), question_id
+
+
+def logged_trace_keys(client: MlflowClient, experiment_id: str, run_id: str) -> frozenset[TraceKey]:
+    """The keys of the traces ``run_id`` has (without their spans): a resumed run that repeats a stage whose traces
+    were written before the kill skips them, as it skips the metric points it has."""
+    keys: set[TraceKey] = set()
+    token = None
+    while True:
+        page = client.search_traces(locations=[experiment_id], run_id=run_id, max_results=500, page_token=token,
+                                    include_spans=False)
+        keys.update((t.info.tags.get(TAG_KIND, ""), t.info.tags.get(TAG_LABEL, ""), t.info.tags.get(TAG_STEP, ""),
+                     t.info.tags.get(TAG_QUESTION, "")) for t in page)
+        token = page.token
+        if not token:
+            return frozenset(keys)
 
 
 def write_traces(tracking_uri: str, traces: Sequence[Trace]) -> list[str]:

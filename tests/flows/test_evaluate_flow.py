@@ -156,7 +156,8 @@ def test_paired_comparison_pairs_by_question_and_keeps_the_sign(first_eval: tupl
                                                                 checkpoint: Path, tmp_path: Path) -> None:
     """Against a doctored earlier evaluation with a known shift: only the questions both have are paired, by id, and
     the difference is this run's minus the earlier one's (a self-comparison gives 0 for almost any bug)."""
-    from flows.evaluate import evaluate, read_question_results
+    from flows.evaluate import evaluate
+    from infra.run.evaluation import read_question_results
 
     first, runs = first_eval
     rows = pq.read_table(first.files[TRAIN_KEY]).to_pylist()

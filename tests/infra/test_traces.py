@@ -133,6 +133,63 @@ def test_finish_waits_for_the_background_writes(tmp_path: Path,
     assert sorted(t.info.tags[TAG_STEP] for t in found) == ["1"] * len(trees) + ["2"] * len(trees)
 
 
+def test_a_resumed_run_that_repeats_a_stage_does_not_log_its_traces_twice(
+        tmp_path: Path, scored: tuple[list[RolloutTree], list[list[LeafScore]]]) -> None:
+    """A run killed after an evaluation's (or a step's) traces were written but before the stage was recorded done
+    repeats the stage when resumed: each trace (kind, label, step, question) goes in once, as its metric points do.
+    Found by the kill-at-every-phase chain once its policy answered: a kill in the final evaluation after its traces
+    were written left them twice. The other half, found next: traces still queued for the background writer when a
+    kill came after their stage was done (checkpoint saved, evaluation file written) were lost for good, since a
+    resume does not repeat that stage; the flow now flushes them first."""
+    trees, scores = scored
+    uri, art = f"sqlite:///{tmp_path}/mlflow.db", (tmp_path / "art").as_uri()
+    first = Tracker(uri, artifact_location=art)
+    run_id = first.start(ExperimentConfig())
+    first.log_rollout_traces(trees, scores, step=2, kind="eval", label="final/gsm8k", questions={})
+    first.log_rollout_traces(trees[:1], scores[:1], step=2, kind="train", label="step2", questions={})
+    first.flush_traces()  # what the flow does before a stage's checkpoint or evaluation file; then the process dies
+    on_disk = first.client.search_traces(locations=[first.experiment_id()], run_id=run_id, max_results=1000)
+    assert len(on_disk) == len(trees) + 1  # all written by then, not left in the background queue
+    resumed = Tracker(uri, artifact_location=art)
+    resumed.start(ExperimentConfig(), resume_run_id=run_id)
+    resumed.log_rollout_traces(trees, scores, step=2, kind="eval", label="final/gsm8k", questions={})
+    resumed.log_rollout_traces(trees, scores, step=2, kind="train", label="step2", questions={})  # one more tree
+    resumed.log_rollout_traces(trees, scores, step=3, kind="train", label="step3", questions={})
+    resumed.finish()
+    found = resumed.client.search_traces(locations=[resumed.experiment_id()], run_id=run_id, max_results=1000)
+    keys = sorted((t.info.tags[TAG_KIND], t.info.tags[TAG_LABEL], t.info.tags[TAG_STEP], t.info.tags[TAG_QUESTION])
+                  for t in found)
+    assert len(keys) == len(set(keys)), keys
+    per_stage = {}
+    for kind, label, step, _ in keys:
+        per_stage[(kind, label, step)] = per_stage.get((kind, label, step), 0) + 1
+    assert per_stage == {("eval", "final/gsm8k", "2"): len(trees), ("train", "step2", "2"): len(trees),
+                         ("train", "step3", "3"): len(trees)}
+
+
+def test_runs_seeded_alike_keep_their_own_traces(tmp_path: Path,
+                                                scored: tuple[list[RolloutTree], list[list[LeafScore]]]) -> None:
+    """Trace and span ids must not come from the global ``random`` that a run seeds: OpenTelemetry's default id
+    generator draws them there, so every run of seed 0 (and every resumed process of one run) wrote the same ids in
+    the same order, and a second run's traces replaced the first one's in a shared store (found by the kill chain:
+    7 traces left of 10). Drawing them there also moved the run's own random stream from a background thread."""
+    import random
+
+    trees, scores = scored
+    uri, art = f"sqlite:///{tmp_path}/mlflow.db", (tmp_path / "art").as_uri()
+    runs = []
+    for _ in range(2):
+        tracker = Tracker(uri, artifact_location=art)
+        runs.append(tracker.start(ExperimentConfig()))
+        random.seed(0)  # what a run does at its start
+        tracker.log_rollout_traces(trees, scores, step=1, kind="train", label="step1", questions={})
+        tracker.finish()
+        assert random.random() == random.Random(0).random()  # the run's stream was not drawn from
+    for run_id in runs:
+        found = tracker.client.search_traces(locations=[tracker.experiment_id()], run_id=run_id, max_results=100)
+        assert len(found) == len(trees), run_id
+
+
 def test_each_evaluation_s_trace_cost_is_its_own_metric_point(
         tmp_path: Path, scored: tuple[list[RolloutTree], list[list[LeafScore]]]) -> None:
     """The start and the post-SFT evaluations both log at step 0 (and each stage once per dataset): one key for all
