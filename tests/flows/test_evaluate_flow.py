@@ -27,7 +27,7 @@ KEY = "synthetic_test"  # the dataset's name in results, metrics, files and tabl
 # The checkpoint's evaluations: the session's tool user (conftest.tool_user) on the train questions it memorized,
 # where it answers some right and some not (a policy that never answers makes Pass@1 0 for any code).
 TRAIN_DS, TRAIN_KEY = "synthetic:train", "synthetic_train"
-ON_TRAIN = [f"eval.datasets=[{TRAIN_DS}]", "eval.max_questions=4", "eval.n_samples=2", "eval.pass_k=2",
+ON_TRAIN = [f"eval.datasets=[{TRAIN_DS}]", "eval.max_questions=5", "eval.n_samples=2", "eval.pass_k=2",
             "rollout.max_response_tokens=200", "tracking.system_metrics=false"]
 
 
@@ -91,7 +91,7 @@ def test_eval_writes_per_question_parquet_mlflow_run_and_table(first_eval: tuple
     table = pq.read_table(path)
     assert table.schema.equals(QUESTION_SCHEMA, check_metadata=False)
     rows = table.to_pylist()
-    assert len(rows) == 4 and {r["dataset"] for r in rows} == {TRAIN_DS}
+    assert len(rows) == 5 and {r["dataset"] for r in rows} == {TRAIN_DS}
     for r in rows:
         assert r["n"] == 2 and len(r["answers"]) == 2 and r["golds"] and r["question"]
         # correct counts the samples whose answer is a gold (the synthetic golds are exact names and numbers)
@@ -100,10 +100,10 @@ def test_eval_writes_per_question_parquet_mlflow_run_and_table(first_eval: tuple
         assert r["pass_at_1"] == r["correct"] / r["n"]
         assert r["judge_verdicts"] is None  # no judge configured
     correct = [r["correct"] for r in rows]
-    assert 0 < sum(correct) < 8, f"the tool user should answer some of its train questions right, not all: {correct}"
+    assert 0 < sum(correct) < 10, f"the tool user should answer some of its train questions right, not all: {correct}"
     summary = result.summary[TRAIN_KEY]
-    assert summary["questions"] == 4 and summary["pass@1"] == pytest.approx(sum(correct) / 8)
-    assert summary["answered_rate"] == pytest.approx(sum(a is not None for r in rows for a in r["answers"]) / 8)
+    assert summary["questions"] == 5 and summary["pass@1"] == pytest.approx(sum(correct) / 10)
+    assert summary["answered_rate"] == pytest.approx(sum(a is not None for r in rows for a in r["answers"]) / 10)
     # the interval is over questions, and they differ: it has width and holds the estimate
     assert 0.0 <= summary["pass@1_ci_low"] < summary["pass@1"] < summary["pass@1_ci_high"] <= 1.0
 
@@ -147,7 +147,7 @@ def test_paired_comparison_with_itself_is_zero(first_eval: tuple[dict[str, Any],
     assert [(r["question_id"], r["answers"], r["correct"]) for r in after] == [
         (r["question_id"], r["answers"], r["correct"]) for r in before]
     cmp = again.compare[TRAIN_KEY]
-    assert cmp["diff"] == 0.0 and cmp["ci_low"] <= 0.0 <= cmp["ci_high"] and cmp["questions"] == 4
+    assert cmp["diff"] == 0.0 and cmp["ci_low"] <= 0.0 <= cmp["ci_high"] and cmp["questions"] == 5
     metrics = Tracker(again.tracking_uri).client.get_run(again.run_id).data.metrics
     assert metrics["compare/synthetic_train/pass_at_1_diff"] == 0.0
 
@@ -201,7 +201,8 @@ def scripted_policy_server(tiny_policy: tuple[Any, Any]) -> Iterator[tuple[JsonS
     def handle(path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         prompt = tokenizer.decode(body["prompt"])
         answer = next(a for q, a in answers.items() if q in prompt)
-        ids = tokenizer.encode(f"<think>I know this.</think>\n<answer>{answer}</answer>", add_special_tokens=False)
+        ids = tokenizer.encode(f"<think>I know this.</think>\n<answer>The answer is \\boxed{{{answer}}}.</answer>",
+                               add_special_tokens=False)
         ids.append(tokenizer.eos_token_id)
         choice = {"index": 0, "text": tokenizer.decode(ids), "finish_reason": "stop", "stop_reason": None,
                   "logprobs": {"tokens": [f"token_id:{t}" for t in ids], "token_logprobs": [-0.5] * len(ids),
@@ -230,6 +231,9 @@ def test_judge_verdicts_are_recorded(scripted_policy_server: tuple[JsonServer, d
     assert rows[good]["judge_raw"] == ["CORRECT"] * 2 and rows[good]["judge_pass_at_1"] == 1.0
     assert rows[bad]["judge_verdicts"] == ["incorrect"] * 2 and rows[bad]["judge_correct"] == 0
     assert result.judge[KEY] == 0.5
+    # the reward's own grading agrees: an answered but wrong sample is not correct (both questions are answered)
+    assert (rows[good]["correct"], rows[bad]["correct"]) == (2, 0) and result.summary[KEY]["pass@1"] == 0.5
+    assert result.summary[KEY]["answered_rate"] == 1.0
 
 
 def test_judge_client_verdicts_over_http() -> None:
