@@ -117,8 +117,12 @@ class _Evaluations:
         self.summaries: Summaries = {}
         self.per_question: Summaries = {}
 
+    def _where(self, label: str) -> ResultsDir:
+        """Where the stage ``label`` writes its per-question files (and a resumed run reads them back)."""
+        return ResultsDir.of(self.runtime.cfg.storage, self.runs, f"{self.run_name}/{label}")
+
     def run(self, label: str, step: int, prefix: str = "eval") -> None:
-        where = ResultsDir.of(self.runtime.cfg.storage, self.runs, f"{self.run_name}/{label}")
+        where = self._where(label)
         source = EvalSource(self.tracker.run_id, self.run_name, None, step)
         t0 = time.perf_counter()
         for ds in self.runtime.eval_datasets():
@@ -136,8 +140,7 @@ class _Evaluations:
         back from the files it wrote, for the final − start and final − sft comparisons. Without them a run resumed
         after its first checkpoint logged neither comparison (found when the kill chain's final-evaluation kill first
         landed there). A stage that never ran has no files and is left out."""
-        where = ResultsDir.of(self.runtime.cfg.storage, self.runs, f"{self.run_name}/{label}")
-        if recorded := recorded_pass1(where, self.runtime.cfg.storage, self.runtime.eval_datasets()):
+        if recorded := recorded_pass1(self._where(label), self.runtime.cfg.storage, self.runtime.eval_datasets()):
             self.per_question[label] = recorded
 
 

@@ -379,7 +379,7 @@ class Tracker(RunLogger):
         with self._lock:
             if self._run_id is None:
                 return
-            self._drain_traces()
+            self.flush_traces()
             if self._monitor is not None:
                 try:
                     self._monitor.finish()
@@ -577,9 +577,6 @@ class Tracker(RunLogger):
         return ids
 
     def flush_traces(self) -> None:
-        self._drain_traces()
-
-    def _drain_traces(self) -> None:
         """Wait for the background trace writes; report the failed ones."""
         pending, self._pending = self._pending, []
         for future in pending:

@@ -81,7 +81,8 @@ TAG_STEP = "aepo.step"
 TAG_LABEL = "aepo.label"
 TAG_STAGE = "aepo.stage"  # start, sft, step<N>, final, eval (the label without its dataset)
 TAG_QUESTION = "aepo.question_id"
-
+KEY_TAGS = (TAG_KIND, TAG_LABEL, TAG_STEP, TAG_QUESTION)
+"""The tags that say what a trace is the trace of (:func:`trace_key`): a run has one trace per key."""
 
 
 class _SystemRandomIds(IdGenerator):
@@ -195,8 +196,8 @@ def tree_trace(target: TraceTarget, tree: RolloutTree, scores: Sequence[LeafScor
         request_preview=cut(f"[{target.label} · step {target.step}] {text}", PREVIEW_CHARS),
         response_preview=cut(_outcome_line(rows), PREVIEW_CHARS),
         trace_metadata={TraceMetadataKey.SOURCE_RUN: target.run_id},
-        tags={TraceTagKey.TRACE_NAME: name, TAG_KIND: target.kind, TAG_STEP: str(target.step),
-              TAG_LABEL: target.label, TAG_STAGE: target.label.split("/")[0], TAG_QUESTION: tree.question_id},
+        tags={TraceTagKey.TRACE_NAME: name, TAG_STAGE: target.label.split("/")[0],
+              **dict(zip(KEY_TAGS, trace_key(target, tree.question_id), strict=True))},
     )
     return Trace(info=info, data=TraceData(spans=[s.to_immutable_span() for s in spans]))
 
@@ -289,7 +290,7 @@ def _node_durations_ns(tree: RolloutTree) -> dict[int, int]:
 
 
 TraceKey = tuple[str, str, str, str]
-"""What a trace is the trace of: (kind, label, step, question id), its tags; a run has one trace per key."""
+"""What a trace is the trace of: (kind, label, step, question id), the values of its :data:`KEY_TAGS`."""
 
 
 def trace_key(target: TraceTarget, question_id: str) -> TraceKey:
@@ -304,8 +305,7 @@ def logged_trace_keys(client: MlflowClient, experiment_id: str, run_id: str) -> 
     while True:
         page = client.search_traces(locations=[experiment_id], run_id=run_id, max_results=500, page_token=token,
                                     include_spans=False)
-        keys.update((t.info.tags.get(TAG_KIND, ""), t.info.tags.get(TAG_LABEL, ""), t.info.tags.get(TAG_STEP, ""),
-                     t.info.tags.get(TAG_QUESTION, "")) for t in page)
+        keys.update(tuple(t.info.tags.get(tag, "") for tag in KEY_TAGS) for t in page)
         token = page.token
         if not token:
             return frozenset(keys)
