@@ -3,8 +3,9 @@
 :func:`score_trees` leaves the trees as they are and returns a :class:`StepScores`: one :class:`LeafScore` per
 leaf, aligned with the trees, and the step's rollout metrics.  A group is all leaves of one question.  With DAPO
 dynamic sampling, groups whose leaves are all correct or all incorrect carry no learning signal; their questions
-are returned so the update can leave them out (:meth:`StepScores.kept`), and :func:`fill_informative` samples
-further rounds of questions until the batch is full of informative groups.
+are returned so the update can leave them out (:meth:`StepScores.kept`), and
+:class:`aepo_core.dynamic_sampling.InformativeBatch` samples further rounds of questions until the batch is full of
+informative groups.
 
 Rewards read the answer only from what the model wrote (:func:`model_text`), never from a tool result, and the
 soft overlong penalty counts model tokens only.
@@ -12,9 +13,8 @@ soft overlong penalty counts model tokens only.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -134,60 +134,3 @@ def score_trees(
         ),
     }
     return StepScores(tuple(leaves), metrics, frozenset(uninformative) if alg.dynamic_sampling else frozenset())
-
-
-@dataclass(frozen=True)
-class FilledBatch:
-    """A step's sampling rounds (:func:`fill_informative`): what the update uses and what was sampled."""
-
-    trees: list[RolloutTree]  # the groups the update uses: informative ones, in sampling order, at most batch_size
-    scores: StepScores  # their scores (advantages over exactly these groups); metrics: first round's plus refill's
-    sampled_trees: list[RolloutTree]  # every tree of every round (the step's trajectories, for the store)
-    sampled_scores: StepScores  # their scores, aligned with sampled_trees (each round's own advantages)
-    tries: int  # sampling rounds made
-
-    def update_advantages(self) -> list[tuple[float, ...] | None]:
-        """Aligned with ``sampled_trees``: the advantages the update gives each tree's leaves, None for a tree it
-        leaves out (what the store keeps so that the update can be replayed)."""
-        used = {id(t): tuple(s.advantage for s in ts) for t, ts in zip(self.trees, self.scores.leaves, strict=True)}
-        return [used.get(id(t)) for t in self.sampled_trees]
-
-
-SampleRound = Callable[[int], tuple[Sequence[RolloutTree], StepScores]]
-"""``attempt`` (0, 1, …) → the trees of the next questions and their scores (seeds derive from the attempt)."""
-
-
-def fill_informative(sample_round: SampleRound, batch_size: int, alg: AlgorithmConfig) -> FilledBatch:
-    """DAPO dynamic sampling: sample rounds until ``batch_size`` informative groups or
-    ``alg.dynamic_sampling_max_tries`` rounds (one round when dynamic sampling is off: every group is kept).
-
-    The update's groups are the first ``batch_size`` informative ones; their advantages are recomputed over exactly
-    those groups (only batch-level estimators such as ``reinforce_pp_baseline`` change).  Metrics:
-    ``rollout/dynamic_sampling_tries``, ``rollout/informative_groups`` (groups in the update) and
-    ``rollout/sampled_groups``, on top of the first round's (the batch as drawn from the data order).
-    """
-    max_tries = alg.dynamic_sampling_max_tries if alg.dynamic_sampling else 1
-    rounds: list[tuple[Sequence[RolloutTree], StepScores]] = []
-    kept: list[tuple[RolloutTree, tuple[LeafScore, ...]]] = []
-    while len(rounds) < max_tries and len(kept) < batch_size:
-        trees, scores = sample_round(len(rounds))
-        rounds.append((trees, scores))
-        kept_trees, kept_scores = scores.kept(trees)
-        kept.extend(zip(kept_trees, kept_scores, strict=True))
-    kept = kept[:batch_size]
-    rewards = torch.tensor([s.reward for _, ts in kept for s in ts], dtype=torch.float64)
-    groups = torch.tensor([gi for gi, (_, ts) in enumerate(kept) for _ in ts], dtype=torch.long)
-    adv = compute_advantages(alg.advantage, rewards, groups, alg.adv_eps) if len(rewards) else rewards
-    adv_iter = iter(adv.tolist())
-    leaves = tuple(tuple(dataclasses.replace(s, advantage=next(adv_iter)) for s in ts) for _, ts in kept)
-    sampled_trees = [t for trees, _ in rounds for t in trees]
-    metrics = {
-        **rounds[0][1].metrics,
-        "rollout/dynamic_sampling_tries": float(len(rounds)),
-        "rollout/informative_groups": float(len(kept)),
-        "rollout/sampled_groups": float(len(sampled_trees)),
-    }
-    sampled = StepScores(tuple(ts for _, scores in rounds for ts in scores.leaves), metrics,
-                         frozenset().union(*(scores.uninformative_questions for _, scores in rounds)))
-    return FilledBatch([t for t, _ in kept], StepScores(leaves, metrics, frozenset()), sampled_trees, sampled,
-                       len(rounds))

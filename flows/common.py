@@ -1,13 +1,9 @@
-"""What every flow shares: its config parameter resolved with overrides, the flow run it runs in (the origin its
-MLflow run records), and the datasets it read."""
+"""What every flow shares: its config parameter resolved with overrides, its runs dir, and the flow run it runs in
+(the origin its MLflow run records)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import re
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,15 +11,11 @@ from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext
 from prefect.runtime import flow_run
 
-from aepo_core.config import RUNS_DIR_ENV, ExperimentConfig
+from aepo_core.config import ExperimentConfig
 from aepo_core.config_keys import ConfigError
 from aepo_core.overrides import build_config
-from infra.data.loaders import dataset_key
-from infra.data.rows import QuestionRow
-from infra.run.evaluation import EvalReport
-from infra.run.runtime import PolicyRuntime
-from infra.tracking.client import RunOrigin
-from infra.tracking.run import DatasetRecord, RunLogger
+from infra.run.preflight import resolve_runs_dir
+from infra.run.records import RunOrigin
 
 
 def resolve_config(config: ExperimentConfig | dict[str, Any] | None, overrides: list[str] | None) -> ExperimentConfig:
@@ -33,9 +25,8 @@ def resolve_config(config: ExperimentConfig | dict[str, Any] | None, overrides: 
 
 
 def flow_runs_dir(given: str | None, configured: str) -> Path:
-    """A flow's runs dir: its ``runs_dir`` parameter, else ``$AEPO_RUNS_DIR`` (as for the CLI: a deployment's run
-    then lands where the worker or ``aepo serve`` process says), else the configured one."""
-    return Path(given or os.environ.get(RUNS_DIR_ENV) or configured).expanduser()
+    """A flow's runs dir, decided as the CLI decides it (:func:`~infra.run.preflight.resolve_runs_dir`)."""
+    return resolve_runs_dir(given, configured)
 
 
 def flow_run_id() -> str | None:
@@ -100,28 +91,3 @@ def rename_flow_run(name: str) -> None:
     if run_id is not None:
         with get_client(sync_client=True) as client:
             client.update_flow_run(run_id, name=name)
-
-
-def dataset_record(spec: str, rows: Sequence[QuestionRow], context: str, among: Sequence[str] = ()) -> DatasetRecord:
-    """What MLflow records of a dataset a run read: its key, a digest of its rows' content (ids, questions, gold
-    answers: the same rows give the same digest wherever the file lies), its spec and its row count."""
-    h = hashlib.sha256()
-    for r in rows:
-        h.update(json.dumps([r.id, r.question, list(r.golds)], ensure_ascii=False).encode())
-    return DatasetRecord(dataset_key(spec, among), h.hexdigest()[:16], spec, len(rows), context)
-
-
-def check_eval_datasets(runtime: PolicyRuntime) -> list[DatasetRecord]:
-    """Read every evaluation dataset once before the MLflow run is created: a bad row (a user error) then fails the
-    flow before any run exists, instead of leaving a FAILED run behind after the training it followed. Returns
-    their records (:func:`dataset_record`, context ``evaluation``)."""
-    specs = runtime.eval_datasets()
-    return [dataset_record(spec, runtime.load_rows(spec), "evaluation", specs) for spec in specs]
-
-
-def log_eval_traces(tracker: RunLogger, report: EvalReport, step: int, label: str) -> None:
-    """The evaluation's kept samples (``tracking.eval_traces`` first questions) as MLflow traces at ``step``,
-    labelled ``<label>/<dataset key>`` (``final/synthetic_test``)."""
-    if report.traced is not None:
-        tracker.log_rollout_traces(report.traced.trees, report.traced.scores, step=step, kind="eval",
-                                   label=f"{label}/{report.key}", questions=report.traced.questions)

@@ -33,18 +33,12 @@ from prefect.cache_policies import NO_CACHE
 from aepo_core.config import ExperimentConfig, StorageConfig
 from aepo_core.evaluation import paired_comparison
 from aepo_core.overrides import build_config
-from flows.common import (
-    artifact_key,
-    check_eval_datasets,
-    flow_runs_dir,
-    log_eval_traces,
-    rename_flow_run,
-    run_origin,
-)
+from flows.common import artifact_key, flow_runs_dir, rename_flow_run, run_origin
 from infra.config_files import load_config
 from infra.judge import LLMJudge, Verdict
 from infra.run.checkpoints import checkpoint_config, checkpoint_source, find_checkpoint
 from infra.run.evaluation import EvalReport, EvalSource, ResultsDir, read_question_results
+from infra.run.records import check_eval_datasets, log_eval_traces
 from infra.run.runtime import build_runtime
 from infra.tracking.registry import RegisteredPolicy, fetch_registered, is_registered_model, link_model
 from infra.tracking.run import Tracker

@@ -251,8 +251,8 @@ def trees_to_tables(run_id: str, step: int, trees: Sequence[RolloutTree],
     ``reward`` and ``advantage`` columns are null and ``reward_reason`` is empty.  ``questions`` (question id →
     row) fills ``dataset``, ``question``, ``golds`` and ``family``; every tree's question must be there.  Without
     it those columns are null.  ``update[i]`` holds the advantages the update used for ``trees[i]``'s leaves, None
-    for a tree the update left out (:meth:`aepo_core.scoring.FilledBatch.update_advantages`: the update's groups
-    are the trees with advantages, in this order); without it ``update_advantage`` and ``update_group`` are null.
+    for a tree the update left out (:meth:`aepo_core.dynamic_sampling.FilledBatch.update_advantages`: the update's
+    groups are the trees with advantages, in this order); without it ``update_advantage`` and ``update_group`` are null.
     """
     check_run_id(run_id)
     check_step(step)

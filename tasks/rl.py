@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from aepo_core.dynamic_sampling import FilledBatch
 from aepo_core.rollout.scheduler import RolloutResult, derive_seed
 from aepo_core.scoring import StepScores
 from infra.data.rows import QuestionRow
@@ -52,8 +53,9 @@ def score(runtime: PolicyRuntime, result: RolloutResult, rows: Sequence[Question
 
 
 @task(name="update", task_run_name="update-step-{step}", cache_policy=NO_CACHE, retries=0)
-def update(trainer: Trainer, result: RolloutResult, scores: StepScores, step: int) -> dict[str, float]:
-    metrics = trainer.update(result, scores)
+def update(trainer: Trainer, batch: FilledBatch, step: int) -> dict[str, float]:
+    """One policy update on the step's batch: the groups dynamic sampling kept."""
+    metrics = trainer.update(batch.trees, batch.scores.leaves)
     report(get_run_logger(), Progress("update", done=step, total=trainer.total_steps),
            "step %d update: loss %.4f, grad norm %.3f, %.0f tok/s", step, metrics.get("train/loss", float("nan")),
            metrics.get("train/grad_norm", float("nan")), metrics.get("train/tokens_per_s", 0.0))
@@ -61,11 +63,12 @@ def update(trainer: Trainer, result: RolloutResult, scores: StepScores, step: in
 
 
 @task(name="store", task_run_name="store-step-{step}", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
-def store(trajectories: TrajectoryStore, run_id: str, step: int, result: RolloutResult, scores: StepScores,
-          questions: Mapping[str, QuestionRow], update: Sequence[Sequence[float] | None] | None = None) -> list[str]:
-    """One step's trees with their scores, questions (id → row: text, golds, dataset) and the advantages the update
-    used (aligned with the trees, None for a tree it left out) into the store."""
-    paths = trajectories.write_step(run_id, step, result.trees, scores.leaves, questions, update)
+def store(trajectories: TrajectoryStore, run_id: str, step: int, batch: FilledBatch,
+          questions: Mapping[str, QuestionRow]) -> list[str]:
+    """Every tree the step sampled with its scores, its question (id → row: text, golds, dataset) and the advantages
+    the update gave its leaves (None for a tree it left out) into the store."""
+    paths = trajectories.write_step(run_id, step, batch.sampled_trees, batch.sampled_scores.leaves, questions,
+                                    batch.update_advantages())
     get_run_logger().info("step %d stored %d trajectory parts", step, len(paths))
     return paths
 

@@ -98,7 +98,7 @@ def server_environment(runs: Path, prefect_ui_api_url: str) -> dict[str, str]:
 def start_prefect_api() -> None:
     """Start Prefect's temporary API server (when there is no ``PREFECT_API_URL``) here, in the main thread, so
     that it dies with this process even when SIGKILL leaves no time to stop it (:mod:`infra.prefect_api`)."""
-    from infra.prefect_api import start_temporary_api
+    from infra.run.services import start_temporary_api
 
     start_temporary_api()
 

@@ -74,6 +74,7 @@ def eval_(
         resolve_eval_config,
     )
     from infra.run.checkpoints import CheckpointError, checkpoint_source
+    from infra.run.runtime import planned_numerics
     from infra.tracking.registry import RegistryError, is_registered_model
     from tasks.retry import USER_ERRORS
 
@@ -86,7 +87,7 @@ def eval_(
         fail(str(exc))
     check_storage(cfg, runs)
     check_tracking_store(cfg.tracking.tracking_uri, runs)
-    print_numerics(cfg)
+    print_numerics(planned_numerics(cfg).describe())
     start_prefect_api()  # after every check: bad input exits without starting a server
     cfg = with_runs_dir(cfg, runs)
     source = checkpoint if registered is not None else checkpoint_source(checkpoint, ckpt)

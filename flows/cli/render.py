@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 import typer
@@ -24,13 +24,10 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from aepo_core.config import ExperimentConfig
 from flows.cli.environment import sigterm_unwinds, verbosity
+from infra.run.preflight import is_http
 from tasks.progress import Progress as ProgressEvent
 from tasks.progress import progress_of
-
-if TYPE_CHECKING:
-    from infra.numerics import Numerics
 
 EXIT_USAGE = 2
 CLI_TAGS = ("aepo", "cli")
@@ -166,10 +163,6 @@ def where_table(rows: Sequence[tuple[str, str]]) -> Table:
     return table
 
 
-def is_http(uri: str | None) -> bool:
-    return bool(uri) and str(uri).startswith(("http://", "https://"))
-
-
 def ui_hint(tracking_uri: str, runs: Path) -> str:
     """How to browse the runs of ``tracking_uri``."""
     if is_http(tracking_uri):
@@ -178,12 +171,10 @@ def ui_hint(tracking_uri: str, runs: Path) -> str:
             "(Prefect + MLflow)")
 
 
-def print_numerics(cfg: ExperimentConfig, recorded: Numerics | None = None) -> None:
-    """The dtypes the run will compute in and the machine they were chosen for, once, on stderr: ``recorded``
-    (a resumed run's own) or this machine's."""
-    from infra.numerics import numerics_for
-
-    err().print(escape((recorded or numerics_for(cfg)).describe()), soft_wrap=True, highlight=False)
+def print_numerics(description: str) -> None:
+    """The dtypes the run will compute in and the machine they were chosen for (``Numerics.describe``), once, on
+    stderr."""
+    err().print(escape(description), soft_wrap=True, highlight=False)
 
 
 class ProgressHandler(logging.Handler):

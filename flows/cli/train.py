@@ -2,63 +2,25 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
 from rich.progress import Progress
 
-from aepo_core.config import ExperimentConfig
-from aepo_core.config_keys import ConfigError
 from flows.cli.environment import prepare_environment, start_prefect_api
 from flows.cli.inputs import (
     ConfigOpt,
     RunsOpt,
     SetOpt,
-    check_not_running,
     check_storage,
     check_tracking_store,
+    exits,
     load_checked_config,
     resolve_runs_dir,
-    with_runs_dir,
 )
 from flows.cli.render import eval_table, fail, flow_progress, out, print_numerics, ui_hint, where_table
 from tasks.progress import Progress as ProgressEvent
-
-if TYPE_CHECKING:
-    from infra.numerics import Numerics
-
-
-def check_resume(cfg: ExperimentConfig, runs: Path, run_name: str) -> Numerics | None:
-    """``--resume`` needs a run of that name in the tracking store (then it continues that run, from its newest
-    complete checkpoint or, without one, from step 0): exits 2 when there is none, local and remote checkpoints
-    alike, before anything is created, and when another process still trains it. Rank 0 alone asks (the others
-    follow its choice). Returns the numerics the run recorded at its start (what the resume computes in)."""
-    from infra.numerics import recorded_numerics
-    from infra.ranks import Ranks
-    from infra.run.resume import NothingToResumeError, nothing_to_resume, run_to_resume
-    from infra.store import StoreError, TrajectoryStore
-    from infra.tracking.client import resolve_tracking
-    from infra.tracking.run import Tracker
-
-    if not Ranks.current().is_main:
-        return None
-    uri, _ = resolve_tracking(cfg, runs)
-    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
-        fail(f"--resume: {nothing_to_resume(run_name, cfg.tracking.experiment, uri)}")  # not even a store yet
-    try:
-        run = run_to_resume(Tracker.from_config(cfg, runs), cfg, run_name)
-    except NothingToResumeError as exc:
-        fail(f"--resume: {exc}")
-    check_not_running(runs, run_id=run.run_id)
-    store = TrajectoryStore.from_config(cfg.storage, runs_dir=runs)
-    try:  # a damaged part would stay in the run's trajectories, unread until someone analyses them
-        store.check_parts(run.run_id)
-    except StoreError as exc:
-        fail(f"--resume: {exc}; move it away to resume (a step after the last checkpoint is then sampled again, an "
-             "earlier one stays missing from the trajectories)")
-    return recorded_numerics(cfg, run.params, run.tags, run.run_id)
 
 
 def _train_progress(bar: Progress, task: Any, event: ProgressEvent) -> None:
@@ -91,37 +53,30 @@ def train(
       aepo train -c configs/tiny.yaml --set train.steps=4 --set checkpoint.every=1
       aepo train -c configs/tiny.yaml --resume
     """
-    from infra.ranks import Ranks
+    from infra.run.session import check_plan, plan_run
 
     cfg = load_checked_config(config, set_)
-    try:
-        cfg.check_trainable(world_size=Ranks.current().world_size)  # the launcher's (torchrun sets WORLD_SIZE)
-    except ConfigError as exc:
-        fail(str(exc))
-    runs = resolve_runs_dir(runs_dir, cfg)
-    check_tracking_store(cfg.tracking.tracking_uri, runs)
-    cfg = with_runs_dir(cfg, runs)
-    check_storage(cfg, runs, cfg.run_name_for(run_name))
-    recorded = check_resume(cfg, runs, cfg.run_name_for(run_name)) if resume else None
-    prepare_environment(runs, rank=Ranks.current().rank)
-    from infra.determinism import use_deterministic_algorithms
-
-    use_deterministic_algorithms(cfg.train.deterministic)  # before the numerics probe initializes CUDA
-    print_numerics(cfg, recorded)
+    check_tracking_store(cfg.tracking.tracking_uri, resolve_runs_dir(runs_dir, cfg))
+    # The run as the flow will plan it (runs dir, trainability, the run --resume continues): exits 2 before anything
+    # is created, when the config cannot train, there is nothing to resume or another process trains it.
+    plan = exits(plan_run)(cfg, runs_dir, run_name, resume=resume, force_resume=force_resume)
+    check_storage(plan.cfg, plan.runs, plan.name)
+    exits(check_plan)(plan)
+    prepare_environment(plan.runs, rank=plan.ranks.rank)
+    print_numerics(plan.numerics().describe())
     start_prefect_api()
     from flows.train import train as train_flow
     from tasks.retry import USER_ERRORS
 
     try:
-        with flow_progress(f"{cfg.run_name_for(run_name)}: starting", cfg.train.steps,
-                           _train_progress):
-            result = train_flow(config=cfg, resume=resume, runs_dir=str(runs), run_name=run_name,
+        with flow_progress(f"{plan.name}: starting", cfg.train.steps, _train_progress):
+            result = train_flow(config=plan.cfg, resume=resume, runs_dir=str(plan.runs), run_name=run_name,
                                 force_resume=force_resume)
     except USER_ERRORS as exc:  # the user's input (a bad row, a bad config), found by the flow: as before it
         fail(str(exc))
     except Exception as exc:
         fail(f"training failed: {exc}", code=1)
-    Ranks.current().finish()  # under a launcher: every rank ends together, the process group torn down
+    plan.ranks.finish()  # under a launcher: every rank ends together, the process group torn down
     console = out()
     console.print(eval_table(f"aepo train: {result.run_name} — evaluations ({result.steps} RL steps)",
                              result.final_eval, cfg.eval.pass_k, stages=result.evals))
@@ -136,4 +91,4 @@ def train(
         ("trajectories", f"{result.trajectories}/trajectories  (nodes: {result.trajectories}/nodes)"),
         ("runs dir", result.runs_dir),
     ]))
-    console.print(escape(ui_hint(result.tracking_uri, runs)))
+    console.print(escape(ui_hint(result.tracking_uri, plan.runs)))

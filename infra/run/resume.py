@@ -101,9 +101,14 @@ def _unkeyed_point(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], name
 
 def find_resume_point(tracker: Tracker, cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], name: str,
                       force: bool = False) -> ResumePoint:
-    """Where ``--resume`` of the run called ``name`` continues (:func:`run_to_resume`): its newest complete
-    checkpoint, or step 0 of the same MLflow run when it has none, never a new run."""
-    run = run_to_resume(tracker, cfg, name)
+    """Where ``--resume`` of the run called ``name`` continues (:func:`run_to_resume`, :func:`resume_point`)."""
+    return resume_point(run_to_resume(tracker, cfg, name), cfg, runs_dir, name, force)
+
+
+def resume_point(run: NamedRun, cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], name: str,
+                 force: bool = False) -> ResumePoint:
+    """Where ``--resume`` of ``run`` (called ``name``) continues: its newest complete checkpoint, or step 0 of the
+    same MLflow run when it has none, never a new run."""
     store = checkpoint_store(cfg, runs_dir, name, run.run_id)
     point = latest_point(store, cfg, force) or _unkeyed_point(cfg, runs_dir, name, run.run_id, force)
     numerics = recorded_numerics(cfg, run.params, run.tags, run.run_id)

@@ -36,7 +36,7 @@ from infra.determinism import use_deterministic_algorithms
 from infra.engines.registry import build_engine
 from infra.engines.weights import PolicyEngine, PolicyWeights, WeightSource
 from infra.models import chat_prompt_ids, load_model_weights, load_policy, pad_token_id
-from infra.numerics import Numerics, numerics_for
+from infra.numerics import DeviceFacts, Numerics, numerics_for
 from infra.processes import cpu_seconds
 from infra.ranks import Ranks
 from infra.tools.registry import build_tools
@@ -201,6 +201,14 @@ class PolicyRuntime:
         self._prompts.clear()
 
 
+def planned_numerics(cfg: ExperimentConfig, machine: DeviceFacts | None = None) -> Numerics:
+    """The dtypes a runtime built from ``cfg`` computes in: ``auto`` resolved for ``machine`` (a sweep's) or this one
+    (:func:`~infra.numerics.numerics_for`). With ``train.deterministic`` the deterministic kernels are switched on
+    first (:mod:`infra.determinism`: before anything, the probe included, initializes CUDA)."""
+    use_deterministic_algorithms(cfg.train.deterministic)
+    return numerics_for(cfg, machine)
+
+
 def build_runtime(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], run_name: str | None = None,
                   numerics: Numerics | None = None) -> PolicyRuntime:
     """Seed, load the policy, build its engine, tools and reward function.
@@ -211,8 +219,7 @@ def build_runtime(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], run_n
     recorded ones, a sweep cell's): the runtime's ``numerics``. With ``train.deterministic`` the deterministic
     kernels are switched on first (:mod:`infra.determinism`).
     """
-    use_deterministic_algorithms(cfg.train.deterministic)  # before anything initializes CUDA
-    numerics = numerics or numerics_for(cfg)
+    numerics = numerics or planned_numerics(cfg)
     runs = Path(runs_dir)
     seed_everything(cfg.seed)
     task = SyntheticTask.from_config(cfg.data) if uses_synthetic(cfg) else None

@@ -20,7 +20,7 @@ from aepo_core.config import ExperimentConfig
 from aepo_core.cost import Spend, cost_metrics, tool_calls_by_tool
 from aepo_core.rollout.scheduler import RolloutResult
 from aepo_core.rollout.tree import RolloutTree
-from aepo_core.scoring import StepScores
+from aepo_core.scoring import LeafScore
 from infra.data.rows import QuestionRow
 from infra.engines.weights import PolicyWeights
 from infra.models import load_policy
@@ -128,11 +128,11 @@ class Trainer:
         indices, self.cursor = self.order.next_batch(self.cursor)
         return [self.rows[i] for i in indices]
 
-    def update(self, result: RolloutResult, scores: StepScores) -> dict[str, float]:
-        """One policy update on the step's scored trees (uninformative groups left out); the engine then samples
-        from the new weights."""
-        trees, leaf_scores = scores.kept(result.trees)
-        metrics = self.updater.update(samples_from_trees(trees, leaf_scores))
+    def update(self, trees: Sequence[RolloutTree], scores: Sequence[Sequence[LeafScore]]) -> dict[str, float]:
+        """One policy update on the groups of the step's batch (:attr:`FilledBatch.trees
+        <aepo_core.dynamic_sampling.FilledBatch.trees>`: informative ones, their advantages over exactly them) and
+        their leaves' scores; the engine then samples from the new weights."""
+        metrics = self.updater.update(samples_from_trees(trees, scores))
         self._step += 1
         self.runtime.weights_changed(self.weights())
         return metrics

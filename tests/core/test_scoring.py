@@ -12,10 +12,11 @@ from scripted_engine import EchoSearch, ScriptedEngine, Segment
 
 from aepo_core.advantages import informative_groups
 from aepo_core.config import AlgorithmConfig, RewardConfig, RolloutConfig
+from aepo_core.dynamic_sampling import fill_informative
 from aepo_core.interfaces import ToolResult
 from aepo_core.rewards import make_reward_fn
 from aepo_core.rollout.scheduler import Question, RolloutScheduler
-from aepo_core.scoring import LeafScore, StepScores, fill_informative, score_trees
+from aepo_core.scoring import LeafScore, StepScores, score_trees
 
 
 def answer_script(answers):

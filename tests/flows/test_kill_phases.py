@@ -64,7 +64,7 @@ KILLS = [
     ("update of step 2", "flows.train:update.fn:2 > infra.training.backends:TorchBackend.step:1", "score-step-2"),
     ("final evaluation", "flows.train:write_eval_results:1",  # after the last checkpoint
      "evaluate-final"),
-    ("model logging", "flows.train:register_model:1",  # the model logged, not yet registered
+    ("model logging", "infra.run.session:register_model:1",  # the model logged, not yet registered
      "write-eval-results-final-synthetic_test"),
     ("model registration", "infra.tracking.registry:_link_logged_model:1",  # the version made, not linked
      "write-eval-results-final-synthetic_test"),

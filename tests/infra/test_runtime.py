@@ -42,7 +42,7 @@ def test_bf16_generation_copy_is_refreshed_after_sft_update_and_resume(model_cac
     batch = trainer.next_batch()
     result = runtime.sample(batch, cfg.rollout, seed=0)
     assert all(n.token_ids for t in result.trees for n in t.nodes)
-    trainer.update(result, runtime.score(result, batch))
+    trainer.update(*runtime.score(result, batch).kept(result.trees))
     assert trainer.step == 1 and _copy_matches(runtime)
     saved = trainer.save()
     assert Path(saved).is_dir()
@@ -86,7 +86,7 @@ def test_the_demo_config_runs_at_the_dtypes_resolved_for_this_machine(model_cach
     assert trainer.backend.compute_dtype == (torch.bfloat16 if fast else None)
     batch = trainer.next_batch()
     result = runtime.sample(batch, cfg.rollout, seed=0)
-    metrics = trainer.update(result, runtime.score(result, batch))
+    metrics = trainer.update(*runtime.score(result, batch).kept(result.trees))
     assert trainer.step == 1 and metrics["train/optimizer_steps"] == 2
 
 

@@ -1,0 +1,308 @@
+"""A training run composed once: :func:`plan_run` decides what the run is, :func:`open_run` opens what it writes to.
+
+Before, ``aepo train`` and the ``aepo-train`` flow each decided the runs dir, trainability and the run to resume
+(the CLI for its early exit code 2, the flow for itself), in two spellings that had begun to differ (the flow's runs
+dir was not made absolute, the CLI's was). Now both call :func:`plan_run`: the CLI for its early checks
+(:func:`check_plan`), the flow for the run itself (a deployment's flow run has no CLI in front of it, so the flow
+plans again from its parameters; the decisions are the same function's).
+
+:func:`open_run` then, in order: claims the run (one live process per run, :mod:`infra.run.lock`), builds the
+runtime (policy, engine, tools) in the plan's numerics, reads the evaluation datasets (a bad row fails before an
+MLflow run exists), starts or reopens the MLflow run, opens its checkpoints and trajectory store, builds the trainer
+and restores the resume point on every rank. What it yields, :class:`RunSession`, is what a flow orchestrates with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aepo_core.config import ExperimentConfig
+from aepo_core.config_keys import ConfigError
+from aepo_core.cost import COST_PREFIX, TOTAL
+from aepo_core.dynamic_sampling import FilledBatch
+from aepo_core.evaluation import paired_comparison
+from aepo_core.rollout.tree import RolloutTree
+from aepo_core.scoring import LeafScore
+from infra.data.rows import QuestionRow
+from infra.numerics import DeviceFacts, Numerics, recorded_numerics
+from infra.plots import curves_figure, rollout_tree_figure
+from infra.ranks import Ranks
+from infra.run.checkpoints import CheckpointError, CheckpointStore, checkpoint_store, open_checkpoints
+from infra.run.evaluation import EvalReport, ResultsDir, recorded_pass1
+from infra.run.lock import Claims
+from infra.run.preflight import InputError, check_not_running, resolve_runs_dir, with_runs_dir
+from infra.run.records import check_eval_datasets, dataset_record, log_eval_traces
+from infra.run.resume import NothingToResumeError, ResumePoint, nothing_to_resume, resume_point, run_to_resume
+from infra.run.runtime import PolicyRuntime, build_runtime, planned_numerics
+from infra.run.trainer import Trainer
+from infra.store import StoreError, TrajectoryStore
+from infra.tracking.client import RunOrigin, resolve_tracking
+from infra.tracking.registry import PolicyProvenance, log_model, register_model
+from infra.tracking.run import NamedRun, RankTracker, RunLogger, Tracker
+
+log = logging.getLogger(__name__)
+
+CURVE_METRICS = ("rollout/reward_mean", "rollout/accuracy", "train/entropy_mean", "rollout/delta_h_mean",
+                 "rollout/branch_samples", "rollout/max_branches_per_path", "train/loss", "train/clip_frac_high")
+"""The run's curves (``plots/curves.png``), beside each evaluated dataset's Pass@1."""
+TOKENS_SPENT = f"{COST_PREFIX}{TOTAL}generated_tokens"
+"""The x of the curves against the run's budget (:mod:`aepo_core.cost`)."""
+
+BEFORE_SFT = "eval_start"
+"""The metric prefix of the evaluation before cold-start SFT. ``eval/…`` is the RL curve, one point per step: at
+step 0 the policy RL starts from (the SFT policy when SFT runs), so the start evaluation gets its own names
+instead of a second point at step 0 (every eval chart began with a vertical segment)."""
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a training run is, decided once from the config and the command's options."""
+
+    cfg: ExperimentConfig
+    """The config with the runs dir actually used recorded (``storage.runs_dir``: the logged config re-runs so)."""
+    runs: Path
+    name: str
+    ranks: Ranks
+    """The launcher's data-parallel ranks (the process group itself starts with the DeepSpeed backend)."""
+    resume: NamedRun | None = None
+    """Rank 0, ``--resume``: the MLflow run it continues (:func:`~infra.run.resume.run_to_resume`); else None."""
+    resuming: bool = False
+    force_resume: bool = False
+    machine: DeviceFacts | None = None
+    """The device facts a sweep decided its ``auto`` numerics from, the same for every cell; None: this machine's."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.ranks.is_main
+
+    def numerics(self) -> Numerics:
+        """The dtypes the run computes in: a resumed run's own (recorded at its start: it does not probe the machine
+        again), else ``auto`` resolved for the sweep's machine or this one (:func:`~infra.numerics.numerics_for`).
+        (:func:`~infra.run.runtime.planned_numerics`)."""
+        if self.resume is not None:
+            recorded = recorded_numerics(self.cfg, self.resume.params, self.resume.tags, self.resume.run_id)
+            if recorded is not None:
+                return recorded
+        return planned_numerics(self.cfg, self.machine)
+
+    def tracker(self) -> RunLogger:
+        """Rank 0 records in MLflow; the other ranks' logger records nothing (and says whose run it is)."""
+        return Tracker.from_config(self.cfg, self.runs) if self.is_main else RankTracker(self.ranks.rank)
+
+
+def plan_run(cfg: ExperimentConfig, runs_dir: str | None, run_name: str | None = None, *, resume: bool = False,
+             force_resume: bool = False, machine: Mapping[str, Any] | None = None) -> RunPlan:
+    """Decide the run: its runs dir (:func:`~infra.run.preflight.resolve_runs_dir`), that the config trains on the
+    launcher's world size, its name, and with ``resume`` (rank 0 alone asks; the others follow its choice) the MLflow
+    run it continues. ``machine``: a sweep's device facts (``DeviceFacts.as_dict``). Raises
+    :class:`~infra.run.preflight.InputError` on a config that cannot train or nothing to resume, before the model
+    loads or anything is created (not even an MLflow store)."""
+    ranks = Ranks.current()
+    try:
+        cfg.check_trainable(world_size=ranks.world_size)
+    except ConfigError as exc:
+        raise InputError(str(exc)) from None
+    runs = resolve_runs_dir(runs_dir, cfg.storage.runs_dir)
+    cfg = with_runs_dir(cfg, runs)
+    name = cfg.run_name_for(run_name)
+    found = _run_to_resume(cfg, runs, name) if resume and ranks.is_main else None
+    return RunPlan(cfg, runs, name, ranks, found, resume, force_resume,
+                   DeviceFacts.from_dict(machine) if machine else None)
+
+
+def _run_to_resume(cfg: ExperimentConfig, runs: Path, name: str) -> NamedRun:
+    uri, _ = resolve_tracking(cfg, runs)
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        raise InputError(f"--resume: {nothing_to_resume(name, cfg.tracking.experiment, uri)}")  # no store yet
+    try:
+        return run_to_resume(Tracker.from_config(cfg, runs), cfg, name)
+    except NothingToResumeError as exc:
+        raise InputError(f"--resume: {exc}") from None
+
+
+def check_plan(plan: RunPlan) -> None:
+    """The CLI's early no for a resume: the run must not be trained by another live process, and its stored
+    trajectory parts must read (a damaged part would stay in the run's trajectories, unread until someone analyses
+    them). :class:`~infra.run.preflight.InputError`."""
+    if plan.resume is None:
+        return
+    check_not_running(plan.runs, run_id=plan.resume.run_id)
+    try:
+        TrajectoryStore.from_config(plan.cfg.storage, runs_dir=plan.runs).check_parts(plan.resume.run_id)
+    except StoreError as exc:
+        raise InputError(f"--resume: {exc}; move it away to resume (a step after the last checkpoint is then sampled "
+                         "again, an earlier one stays missing from the trajectories)") from None
+
+
+@dataclass
+class RunSession:
+    """An open training run: what the flow orchestrates with (:func:`open_run`)."""
+
+    plan: RunPlan
+    runtime: PolicyRuntime
+    trainer: Trainer
+    tracker: RunLogger
+    trajectories: TrajectoryStore
+    checkpoints: CheckpointStore
+    run_id: str
+    run_url: str | None
+    resumed: bool
+    """Resumed past step 0 (the start and post-SFT evaluations and the SFT are not repeated)."""
+
+    @property
+    def cfg(self) -> ExperimentConfig:
+        return self.plan.cfg
+
+    @property
+    def is_main(self) -> bool:
+        return self.plan.is_main
+
+    def results_dir(self, stage: str) -> ResultsDir:
+        """Where the evaluation stage ``stage`` (start, sft, stepN, final) writes its per-question files, under
+        ``<eval results>/<run name>/<stage>/`` (and a resumed run reads them back)."""
+        return ResultsDir.of(self.cfg.storage, self.plan.runs, f"{self.plan.name}/{stage}")
+
+    def recorded_pass1(self, stage: str) -> dict[str, dict[str, float]]:
+        """Per dataset, the per-question Pass@1 the stage ``stage`` wrote (empty: it never ran)."""
+        return recorded_pass1(self.results_dir(stage), self.cfg.storage, self.runtime.eval_datasets())
+
+    def log_evaluation(self, report: EvalReport, step: int, stage: str, prefix: str) -> None:
+        """One evaluated dataset: metrics at ``step`` under ``prefix``, the kept samples as traces (flushed: the
+        per-question file written next makes the stage done, and a resume will not log its traces again), the full
+        report as JSON."""
+        self.tracker.log_metrics(report.metrics(prefix), step)
+        log_eval_traces(self.tracker, report, step, stage)
+        self.tracker.flush_traces()
+        self.tracker.log_dict({"summary": report.summary, "by_family": report.by_family,
+                               "questions": [o.as_dict() for o in report.outcomes]}, f"eval/{stage}/{report.key}.json")
+
+    def log_step(self, step: int, batch: FilledBatch, metrics: Mapping[str, float]) -> None:
+        """One RL step's record: on rank 0 what a reader opens for it (:meth:`_log_step_views`), the first
+        ``tracking.traces_per_step`` sampled trees as traces, and its metrics (the batch's ``rollout/…`` beside
+        ``metrics``: the update's, the spend, the phase times)."""
+        sampled = batch.sampled
+        if self.is_main:
+            self._log_step_views(step, sampled.trees, batch.sampled_scores.leaves)
+        n = self.cfg.tracking.traces_per_step
+        self.tracker.log_rollout_traces(sampled.trees[:n], batch.sampled_scores.leaves[:n], step=step, kind="train",
+                                        label=f"step{step}", questions=self.trainer.question_rows(sampled.trees[:n]))
+        self.tracker.log_metrics({**batch.metrics(), **metrics}, step)
+
+    def _log_step_views(self, step: int, trees: Sequence[RolloutTree], scores: Sequence[Sequence[LeafScore]]) -> None:
+        """The rollout tree of the step's question that branched most (``plots/rollout_tree/step-000003.png``) and a
+        sample of its trajectories (``trajectories/step_000003.json``). Before, only the last step had them."""
+        i = max(range(len(trees)), key=lambda j: sum(n.branched for n in trees[j].nodes))
+        self.tracker.log_figure(rollout_tree_figure(trees[i], title=f"{trees[i].question_id} (step {step})",
+                                                    scores=scores[i]), f"plots/rollout_tree/step-{step:06d}.png")
+        self.tracker.log_trajectory_sample(trees, scores, max_rows=16, step=step,
+                                           questions=self.trainer.question_texts(trees))
+
+    def record_outcome(self, final: Mapping[str, Mapping[str, float]],
+                       comparisons: Mapping[str, Mapping[str, Mapping[str, float]]]) -> str | None:
+        """Rank 0, at the end: the paired comparisons as metrics, the run's curves (``plots/curves.png``, against
+        steps and against generated tokens), and with ``tracking.log_model`` the final policy logged and registered.
+        Returns the registered version's URI (None: not registered; always on the other ranks)."""
+        if not self.is_main:
+            return None
+        step = self.trainer.step
+        for cmp_name, by_ds in comparisons.items():
+            self.tracker.log_metrics({f"eval/{ds}/{cmp_name}_{key}": value
+                                      for ds, c in by_ds.items() for key, value in c.items()}, step)
+        pass1 = [f"eval/{ds}/pass_at_1" for ds in final]
+        history = self.tracker.metric_history([*CURVE_METRICS, *pass1, TOKENS_SPENT])
+        tokens = dict(history.pop(TOKENS_SPENT))
+        self.tracker.log_figure(curves_figure({k: v for k, v in history.items() if v}, title=self.plan.name,
+                                              tokens=tokens), "plots/curves.png")
+        return self._log_policy(final, step) if self.cfg.tracking.log_model else None
+
+    def _log_policy(self, final: Mapping[str, Mapping[str, float]], step: int) -> str | None:
+        """Log the final policy with its agent protocol; register it under ``tracking.registered_model`` (with the
+        final evaluation metrics as version tags). Returns the registered version's URI, None when not registered."""
+        cfg, runtime = self.cfg, self.runtime
+        logged = log_model(self.tracker, runtime.model, runtime.tokenizer, step, name="policy",
+                           protocol=runtime.protocol)
+        if not cfg.tracking.registered_model:
+            return None
+        metrics = {f"eval/{ds}/{key}": value for ds, summary in final.items() for key, value in summary.items()}
+        provenance = PolicyProvenance(cfg.algorithm.loss, cfg.rollout.mode, cfg.model.name, cfg.seed,
+                                      cfg.config_hash(), f"eval/{next(iter(final), 'none')}/pass_at_1")
+        return register_model(self.tracker, logged, cfg.tracking.registered_model, metrics, step,
+                              run_description(cfg), provenance)
+
+    def log_eval_file(self, stage: str, key: str) -> None:
+        """The per-question file of dataset ``key`` the stage wrote, as a run artifact under ``eval/<stage>``."""
+        self.tracker.log_artifact(self.results_dir(stage).local_file(key), f"eval/{stage}")
+
+
+def run_description(cfg: ExperimentConfig) -> str:
+    """The MLflow run's description: what was trained, how, on what."""
+    return (f"AEPO training run: {cfg.model.name} trained with the {cfg.algorithm.loss} loss on {cfg.rollout.mode} "
+            f"rollouts of {cfg.data.train}, {cfg.train.steps} RL steps of {cfg.train.batch_size} questions, "
+            f"seed {cfg.seed}.")
+
+
+@contextlib.contextmanager
+def open_run(plan: RunPlan, rows: Sequence[QuestionRow], origin: RunOrigin, *, parent_run_id: str | None = None,
+             tags: Mapping[str, str] | None = None) -> Iterator[RunSession]:
+    """Open the planned run (the module's docstring says in what order) and close it however the body ends: the
+    MLflow run finished or failed, a managed vLLM server stopped, the run's lock released."""
+    cfg, runs = plan.cfg, plan.runs
+    tracker = plan.tracker()
+    # Rank 0 finds the resume point before the model loads: a wrong config or a damaged checkpoint fails fast.
+    point = (resume_point(plan.resume, cfg, runs, plan.name, force=plan.force_resume)
+             if plan.resume is not None else None)
+    claims = Claims(runs if plan.is_main else None, run_id=point.run_id if point else None)
+    with claims, build_runtime(cfg, runs, plan.name, plan.numerics()) as runtime:
+        datasets = [dataset_record(cfg.data.train, rows, "training"), *check_eval_datasets(runtime)]
+        trajectories = TrajectoryStore.from_config(cfg.storage, runs_dir=runs)
+        run_id = tracker.start(cfg, run_name=plan.name, resume_run_id=point.run_id if point else None,
+                               parent_run_id=parent_run_id, origin=origin,
+                               tags={"runs_dir": str(runs), "clip_active": str(cfg.clip_active()).lower(),
+                                     **runtime.numerics.tags(), **(tags or {})},
+                               params=runtime.numerics.params())
+        claims.run(run_id)
+        checkpoints = checkpoint_store(cfg, runs, plan.name, run_id)
+        with tracker:
+            tracker.log_config(cfg)
+            tracker.log_datasets(datasets)
+            trainer = Trainer(runtime, rows, checkpoint_dir=checkpoints, run_id=run_id)
+            if plan.resuming:
+                point = _restore(trainer, point, trajectories, plan)
+            yield RunSession(plan, runtime, trainer, tracker, trajectories, checkpoints, run_id, tracker.run_url(),
+                             resumed=point is not None and point.step > 0)
+
+
+def _restore(trainer: Trainer, point: ResumePoint | None, trajectories: TrajectoryStore, plan: RunPlan
+             ) -> ResumePoint:
+    """Rank 0's resume point (its ``point``; None on the others) made every rank's: the run's trajectory parts past
+    the point are deleted (those steps run again), and every rank reads the checkpoint itself (a remote one through
+    its own verified copy from the point's store). Step 0: the run starts over, same run id."""
+    shared: ResumePoint | None = trainer.ranks.broadcast(point)  # a collective: every rank calls it
+    if shared is None:
+        raise CheckpointError("resume: rank 0 found no run to resume")
+    if trainer.ranks.is_main:
+        trajectories.delete_steps_after(shared.run_id, shared.step)
+    if shared.step == 0:
+        return shared
+    path = shared.path if trainer.ranks.is_main else None
+    path = path or open_checkpoints(plan.cfg, plan.runs, shared.where).fetch(shared.step)
+    trainer.resume(path, force=plan.force_resume)
+    return shared
+
+
+def paired_vs_earlier(per_question: Mapping[str, Mapping[str, Mapping[str, float]]], cfg: ExperimentConfig
+                      ) -> dict[str, dict[str, dict[str, float]]]:
+    """final − sft and final − start: per-question Pass@1 differences on the same questions, bootstrap CI."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    final = per_question.get("final", {})
+    for earlier in ("sft", "start"):
+        for ds, before in per_question.get(earlier, {}).items():
+            if ds in final:
+                out.setdefault(f"final_minus_{earlier}", {})[ds] = paired_comparison(
+                    final[ds], before, n_resamples=cfg.eval.bootstrap_samples, seed=cfg.seed)
+    return out
