@@ -20,7 +20,7 @@ from flows.evaluate import evaluate
 from flows.study import rollout_study
 from flows.sweep import sweep
 from flows.train import train
-from infra.config_files import load_config
+from infra.run.parameters import load_config
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
 DEFAULT_SWEEP = "configs/sweeps/tiny.yaml"
