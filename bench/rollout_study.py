@@ -84,8 +84,7 @@ def policy_dir(runs: Path) -> Path:
 
 def analyse(study_dir: Path, n_resamples: int) -> dict[str, Any]:
     """Re-summarize a study from its profiles.parquet and costs.json; settings from its summary.json when present."""
-    from flows.study import write_summary
-    from infra.run.study import Arm, read_costs, read_profiles, summarize_study, write_study_figures
+    from infra.run.study import Arm, read_costs, read_profiles, summarize_study, write_study_figures, write_summary
 
     profiles = read_profiles(study_dir / "profiles.parquet")
     # A stopped study (chunk by chunk, every arm in turn) holds one chunk more in some arms: every arm is

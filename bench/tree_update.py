@@ -80,11 +80,10 @@ def worker(args: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
     from aepo_core.overrides import build_config
-    from flows.replay import find_run, run_numerics
     from infra.models import load_policy, pad_token_id
     from infra.numerics import numerics_for
     from infra.run.checkpoints import checkpoint_store
-    from infra.run.replay import update_samples
+    from infra.run.replay import find_run, run_numerics, update_samples
     from infra.run.trainer import build_backend, build_updater
     from infra.store import TrajectoryStore
     from infra.tracking.client import tracking_uri_for

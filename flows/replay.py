@@ -21,28 +21,24 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from aepo_core.config import ExperimentConfig
 from aepo_core.update_comparison import ComparisonRow, SampleTokens, compare_rules
 from flows.common import flow_runs_dir
-from infra.numerics import Numerics, device_facts, numerics_for
-from infra.run.checkpoints import CheckpointStore, checkpoint_store
+from infra.run.reading import reading_tracker
 from infra.run.replay import (
+    COMPARED_METRICS,
     ReplayError,
+    StoredRun,
     WeightComparison,
     compare_update_rules,
     compare_weights,
+    logged_run,
     replay_update,
     rule_configs,
     update_samples,
 )
-from infra.run.trainer import data_order, total_steps, training_rows
-from infra.store import TrajectoryStore
-from infra.tracking.client import tracking_uri_for
-from infra.tracking.run import Tracker
+from infra.run.replay import stored_run as open_stored_run
+from infra.run.trainer import training_rows
 from tasks.data import prepare_data, source_fingerprint
-
-COMPARED_METRICS = ("train/loss", "train/grad_norm", "train/clip_frac", "train/entropy_mean")
-"""The step's logged update metrics set beside the replay's."""
 
 
 @dataclass
@@ -58,64 +54,18 @@ class ReplayResult:
     weights: WeightComparison
     """The replayed weights against the checkpoint of the step."""
     metrics: dict[str, tuple[float | None, float | None]]
-    """Of :data:`COMPARED_METRICS`, (as the run logged it at the step, as replayed)."""
+    """Of :data:`~infra.run.replay.COMPARED_METRICS`, (as the run logged it at the step, as replayed)."""
 
 
-def find_run(tracker: Tracker, run: str) -> tuple[str, str]:
-    """(run id, run name) of a run id or, else, the newest run of that name."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        info = tracker.client.get_run(run).info
-        return info.run_id, info.run_name
-    except MlflowException:
-        named = tracker.runs_named(run)
-        if not named:
-            raise ReplayError(f"no MLflow run with id or name {run!r} in experiment {tracker.experiment!r} at "
-                              f"{tracker.tracking_uri}") from None
-        return named[0].run_id, run
-
-
-def run_numerics(params: dict[str, str], fallback: Numerics) -> Numerics:
-    """The dtypes the run computed in (its ``numerics.*`` params); this machine's resolution where it logged none."""
-    if "numerics.compute_dtype" not in params:
-        return fallback
-    return Numerics(params["numerics.compute_dtype"], params["numerics.generation_dtype"],
-                    params.get("numerics.vllm_dtype", fallback.vllm_dtype), device_facts())
-
-
-@dataclass(frozen=True)
-class StoredRun:
-    """What replaying a run's steps reads: its config, numerics, store, checkpoints and LR-schedule length."""
-
-    run_id: str
-    name: str
-    cfg: ExperimentConfig
-    numerics: Numerics
-    store: TrajectoryStore
-    checkpoints: CheckpointStore
-    total_steps: int
-
-    def check_replayable(self, step: int, after: bool = True) -> None:
-        """Refuse a step without the checkpoint of step N − 1 (and of step N, when ``after``)."""
-        stored = self.checkpoints.steps()
-        needed = [step - 1, step] if after else [step - 1]
-        if any(s not in stored for s in needed):
-            raise ReplayError(f"run {self.name} ({self.run_id}): replaying step {step} needs the checkpoint"
-                              f"{'s of steps' if after else ' of step'} {' and '.join(map(str, needed))}; "
-                              f"{self.checkpoints} holds {stored or 'none'} (checkpoint.every: 1 keeps every step)")
-
-
-def stored_run(tracker: Tracker, run: str, runs: Path) -> StoredRun:
-    """The run ``run`` (id or name) as :class:`StoredRun`."""
-    run_id, name = find_run(tracker, run)
-    cfg = tracker.logged_config(run_id)
-    store = TrajectoryStore.from_config(cfg.storage, runs_dir=runs)
-    rows = training_rows(cfg, prepare_data(cfg.data.train, cfg.data,
-                                           source_fingerprint(cfg.data.train, cfg.data.data_root)))
-    params = tracker.client.get_run(run_id).data.params
-    return StoredRun(run_id, name, cfg, run_numerics(params, numerics_for(cfg)), store,
-                     checkpoint_store(cfg, runs, name, run_id), total_steps(cfg, data_order(cfg, len(rows))))
+def stored_run(run: str, runs: Path, tracking_uri: str | None, experiment: str) -> StoredRun:
+    """The run ``run`` (id or name, in ``tracking_uri``, default the runs dir's store) as
+    :class:`~infra.run.replay.StoredRun`, its training rows prepared as its training did."""
+    tracker = reading_tracker(runs, tracking_uri, experiment)
+    logged = logged_run(tracker, run)
+    cfg = logged.cfg
+    rows = training_rows(cfg, prepare_data(cfg.data.train, cfg.data, source_fingerprint(cfg.data.train,
+                                                                                         cfg.data.data_root)))
+    return open_stored_run(tracker, logged, runs, len(rows))
 
 
 def _check_steps(steps: list[int]) -> None:
@@ -132,19 +82,16 @@ def replay(run: str, step: int, runs_dir: str | None = None, experiment: str = "
     logger = get_run_logger()
     _check_steps([step])
     runs = flow_runs_dir(runs_dir, None)
-    tracker = Tracker(tracking_uri or tracking_uri_for(runs), experiment=experiment)
-    stored = stored_run(tracker, run, runs)
+    stored = stored_run(run, runs, tracking_uri, experiment)
     samples = update_samples(stored.store, stored.run_id, step)
     stored.check_replayable(step)
-    numerics = stored.numerics
     logger.info("replaying step %d of %s (%s): %d samples, compute %s", step, stored.name, stored.run_id,
-                len(samples), numerics.compute_dtype)
-    replayed = replay_update(stored.cfg, numerics, stored.checkpoints.fetch(step - 1), samples, stored.total_steps)
+                len(samples), stored.numerics.compute_dtype)
+    replayed = replay_update(stored.cfg, stored.numerics, stored.checkpoints.fetch(step - 1), samples,
+                             stored.total_steps)
     cmp = compare_weights(replayed.weights, stored.checkpoints.fetch(step))
-    history = tracker.metric_history(list(COMPARED_METRICS), run_id=stored.run_id)
-    logged = {k: next((v for s, v in history[k] if s == step), None) for k in COMPARED_METRICS}
-    result = ReplayResult(stored.run_id, stored.name, step, len(samples),
-                          f"{numerics.compute_dtype}, {numerics.generation_dtype}", cmp,
+    logged = stored.logged_update_metrics(step)
+    result = ReplayResult(stored.run_id, stored.name, step, len(samples), stored.numerics_text, cmp,
                           {k: (logged[k], replayed.metrics.get(k)) for k in COMPARED_METRICS})
     logger.info("step %d replayed: %d of %d tensors bit-identical to checkpoint %d (max |Δ| %.3g)", step,
                 cmp.identical, cmp.tensors, step, cmp.max_abs_diff)
@@ -183,9 +130,7 @@ def replay_rules(run: str, steps: list[int], rules: list[str], overrides: list[s
     _check_steps(steps)
     if not rules:
         raise ReplayError("--losses names no update rule")
-    runs = flow_runs_dir(runs_dir, None)
-    tracker = Tracker(tracking_uri or tracking_uri_for(runs), experiment=experiment)
-    stored = stored_run(tracker, run, runs)
+    stored = stored_run(run, flow_runs_dir(runs_dir, None), tracking_uri, experiment)
     configs = rule_configs(stored.cfg, rules, overrides or [])
     per_rule: dict[str, list[SampleTokens]] = {rule: [] for rule in rules}
     strata: list[int] = []
@@ -208,5 +153,5 @@ def replay_rules(run: str, steps: list[int], rules: list[str], overrides: list[s
         questions[step] = len({s.question_id for s in samples})
     rows = compare_rules(per_rule, strata, clusters, reference=rules[0], n_resamples=n_resamples, seed=seed)
     return RuleComparison(stored.run_id, stored.name, list(steps), list(rules), rules[0], sizes, questions,
-                          f"{stored.numerics.compute_dtype}, {stored.numerics.generation_dtype}", list(overrides or []),
+                          stored.numerics_text, list(overrides or []),
                           rows, metrics)

@@ -20,7 +20,7 @@ from flows.evaluate import evaluate
 from flows.study import rollout_study
 from flows.sweep import sweep
 from flows.train import train
-from infra.config_files import load_config
+from infra.run.preflight import read_config_file
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
 DEFAULT_SWEEP = "configs/sweeps/tiny.yaml"
@@ -40,7 +40,7 @@ def build_deployments(runs_dir: str | Path = "runs", config: str | Path = DEFAUL
     evaluate and sweep deployments take file paths, resolved to absolute paths here so runs do not depend on
     the serving process's working directory.
     """
-    cfg = load_config(config)
+    cfg = read_config_file(Path(config))
     runs = str(Path(runs_dir).expanduser().resolve())
     return [
         train.to_deployment(name=f"train{SERVED_SUFFIX}", parameters={"config": cfg.to_dict(), "runs_dir": runs},

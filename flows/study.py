@@ -11,7 +11,7 @@ Outputs, under ``<runs_dir>/studies/<run name>/`` and logged to an MLflow run of
 ``kind=rollout-study``, metrics ``study/k<k>/<mode>/<quantity>``, the folder as artifacts ``study/``):
 
 - ``study.json``: the study's settings (the policy and a digest of its weights, the numerics and the machine, the
-  questions, seed, each arm's rollout section), written first;
+  questions, seed, each arm's rollout section), written first (:class:`~infra.run.study.StudyFolder`);
 - ``profiles.parquet``: one row per (k, mode, question) (:data:`~infra.run.study.PROFILE_SCHEMA`), and ``costs.json``
   (each arm's wall, engine and tool seconds and generated tokens), both rewritten after every chunk.  A study run
   again under the same run name resumes: the chunks already in ``profiles.parquet`` are kept, and only the rest is
@@ -23,11 +23,8 @@ Outputs, under ``<runs_dir>/studies/<run name>/`` and logged to an MLflow run of
 
 from __future__ import annotations
 
-import json
-import logging
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -35,28 +32,12 @@ from prefect.artifacts import create_table_artifact
 
 from aepo_core.config import ExperimentConfig, RolloutConfig, default_initial_rollouts
 from aepo_core.overrides import apply_overrides
-from aepo_core.rollout.study import GroupProfile
 from flows.common import artifact_key, flow_runs_dir, rename_flow_run, run_origin
-from flows.evaluate import eval_storage, resolve_checkpoint, resolve_eval_config
-from infra.atomic import atomic_file
-from infra.data.rows import QuestionRow
-from infra.models import weights_digest
-from infra.run.runtime import PolicyRuntime, build_runtime
-from infra.run.study import (
-    Arm,
-    ArmCost,
-    StudySummary,
-    read_costs,
-    read_profiles,
-    summarize_study,
-    write_costs,
-    write_profiles,
-    write_study_figures,
-)
-from infra.tracking.run import Tracker
+from infra.run.parameters import given_config
+from infra.run.policy_source import eval_storage, locate_policy, start_side_run
+from infra.run.runtime import build_runtime
+from infra.run.study import Arm, ArmCost, StudyFolder, StudySummary, study_metrics, study_questions
 from tasks.study import study_chunk
-
-log = logging.getLogger(__name__)
 
 DEFAULT_DATASETS = ("synthetic:train", "synthetic:validation", "synthetic:test")
 DEFAULT_MODES = ("aepo", "arpo", "independent")
@@ -98,70 +79,6 @@ def chunks_to_sample(arms: list[Arm], kept: dict[Arm, int], questions: int, chun
     return [(arm, i) for i in range(0, questions, chunk) for arm in arms if kept.get(arm, 0) <= i]
 
 
-def resumed_profiles(out_dir: Path, meta: dict[str, Any]
-                     ) -> tuple[dict[Arm, list[GroupProfile]], dict[Arm, ArmCost], dict[str, Any]]:
-    """What an earlier run of this study (same folder) sampled, when its settings are these: its profiles, costs
-    and arms' rollout settings; empty when the study is new."""
-    settings = out_dir / "study.json"
-    if not settings.is_file():
-        return {}, {}, {}
-    old = json.loads(settings.read_text())
-    for key in ("policy_digest", "numerics", "seed", "datasets", "chunk_questions", "engine"):
-        if old.get(key) != meta[key]:
-            raise ValueError(f"study {out_dir.name} exists with {key}={old.get(key)!r}, not {meta[key]!r}: resume it "
-                             "with the same settings or choose another run name")
-    profiles = read_profiles(out_dir / "profiles.parquet") if (out_dir / "profiles.parquet").is_file() else {}
-    for arm in profiles:  # this run's arms must be sampled as before; an earlier run's other arms are kept
-        if arm.label in meta["rollout"] and old["rollout"].get(arm.label) != meta["rollout"][arm.label]:
-            raise ValueError(f"study {out_dir.name}: arm {arm.label} was sampled with other rollout settings")
-    return profiles, read_costs(out_dir / "costs.json"), dict(old["rollout"])
-
-
-def study_questions(runtime: PolicyRuntime, datasets: list[str], max_questions: int) -> list[QuestionRow]:
-    """The first ``max_questions`` distinct questions of the datasets, in order (ids repeated across datasets once)."""
-    rows: list[QuestionRow] = []
-    seen: set[str] = set()
-    for spec in datasets:
-        for row in runtime.load_rows(spec):
-            if row.id not in seen:
-                seen.add(row.id)
-                rows.append(row)
-    if len(rows) < max_questions:
-        get_run_logger().warning("the datasets %s hold %d questions, fewer than the %d asked", datasets, len(rows),
-                                 max_questions)
-    return rows[:max_questions]
-
-
-def total_cost(costs: list[ArmCost]) -> ArmCost:
-    return ArmCost(sum(c.wall_s for c in costs), sum(c.generate_s for c in costs), sum(c.tools_s for c in costs),
-                   sum(c.tokens_generated for c in costs))
-
-
-def study_metrics(summary: StudySummary, costs: dict[Arm, ArmCost]) -> dict[str, float]:
-    """``study/k<k>/<mode>/<quantity>`` (means), ``…/branch_rate_l<l>``, ``…/wall_s`` and ``…/tokens_generated``, and
-    ``study/k<k>/<a>-<b>/<quantity>`` (paired differences)."""
-    out: dict[str, float] = {}
-    for arm, s in summary.arms.items():
-        out.update({f"study/{arm.label}/{q}": e.mean for q, e in s.estimates.items()})
-        out[f"study/{arm.label}/budget_correlation"] = s.budget_correlation.mean
-        out.update({f"study/{arm.label}/branch_rate_l{l_count}": e.mean for l_count, e in s.branch_rate_by_l.items()})
-        if arm in costs:
-            out[f"study/{arm.label}/wall_s"] = costs[arm].wall_s
-            out[f"study/{arm.label}/tokens_generated"] = costs[arm].tokens_generated
-    for (k, a, b), diffs in summary.diffs.items():
-        out.update({f"study/k{k}/{a}-{b}/{q}": e.mean for q, e in diffs.items()})
-    return out
-
-
-def write_summary(path: Path, summary: StudySummary, costs: dict[Arm, ArmCost], meta: dict[str, Any]
-                  ) -> dict[str, Any]:
-    """summary.json (atomically): the study's settings, then :meth:`StudySummary.to_json`."""
-    data = {**meta, **summary.to_json(costs)}
-    with atomic_file(path, "w") as fh:
-        json.dump(data, fh, indent=1)
-    return data
-
-
 @flow(name="aepo-rollout-study", log_prints=True)
 def rollout_study(
     config: ExperimentConfig | dict[str, Any] | str | None = None,
@@ -179,78 +96,54 @@ def rollout_study(
     """Sample the same questions in every (k, mode) arm with paired seeds, profile every group, summarize with
     bootstrap CIs, plot, and track it all in MLflow (see the module docstring)."""
     logger = get_run_logger()
-    modes = list(modes or DEFAULT_MODES)
-    ks = list(ks or DEFAULT_KS)
     if chunk_questions < 1 or max_questions < 1:
         raise ValueError("max_questions and chunk_questions must be >= 1")
-    given = eval_storage(config, overrides)
-    ckpt = resolve_checkpoint(checkpoint, given, flow_runs_dir(runs_dir, given.runs_dir))
-    cfg = resolve_eval_config(config, ckpt, overrides, None)
-    arms = [Arm(k, mode) for k in ks for mode in modes]
+    given = given_config(config)
+    policy = locate_policy(given, checkpoint, overrides, None,
+                           flow_runs_dir(runs_dir, eval_storage(given, overrides).runs_dir), registry=False)
+    cfg, ckpt = policy.cfg, policy.checkpoint
+    arms = [Arm(k, mode) for k in ks or DEFAULT_KS for mode in modes or DEFAULT_MODES]
     rollouts = {arm: arm_rollout(cfg.rollout, arm) for arm in arms}  # a bad mode or k fails here, before any work
     runs = flow_runs_dir(runs_dir, cfg.storage.runs_dir)
     runs.mkdir(parents=True, exist_ok=True)
     name = run_name or f"{cfg.name}-rollout-study-{uuid.uuid4().hex[:6]}"
     rename_flow_run(name)
-    out_dir = runs / STUDIES_DIR / name
     runtime = build_runtime(cfg, runs, name)
     with runtime:  # stops a managed vLLM server however the flow ends
-        if ckpt is not None:
-            runtime.load_checkpoint_weights(ckpt)
+        policy.load(runtime)
         specs = list(datasets or DEFAULT_DATASETS)
         rows = study_questions(runtime, specs, max_questions)
+        if len(rows) < max_questions:
+            logger.warning("the datasets %s hold %d questions, fewer than the %d asked", specs, len(rows),
+                           max_questions)
         what = str(ckpt) if ckpt is not None else cfg.model.name
-        meta = {"policy": what, "policy_digest": weights_digest(runtime.model), "numerics": runtime.numerics.params(),
-                "cpu": runtime.numerics.tags(), "questions": len(rows), "datasets": specs, "seed": seed,
-                "engine": cfg.rollout.engine,
-                "arms": [a.label for a in arms], "chunk_questions": chunk_questions,
-                "rollout": {a.label: r.model_dump(exclude={"vllm", "remote"}) for a, r in rollouts.items()}}
-        done, done_costs, earlier = resumed_profiles(out_dir, meta)  # a mismatch fails before any run starts
-        with atomic_file(out_dir / "study.json", "w") as fh:
-            json.dump({**meta, "rollout": {**earlier, **meta["rollout"]}}, fh, indent=1)
-        tracker = Tracker.from_config(cfg, runs, system_metrics=False)
-        run_id = tracker.start(cfg, run_name=name, tags={"kind": "rollout-study", "checkpoint": str(ckpt or ""),
-                                                         **runtime.numerics.tags()},
-                               params=runtime.numerics.params(),
-                               origin=run_origin("flows/study.py:rollout_study",
-                                                 f"Rollout study of {what}: {', '.join(a.label for a in arms)} on "
-                                                 f"{len(rows)} questions."))
-        logger.info("rollout study %s: %s on %d questions → MLflow run %s, files in %s", name,
-                    ", ".join(a.label for a in arms), len(rows), run_id, out_dir)
-        profiles: dict[Arm, list[GroupProfile]] = {}
-        costs: dict[Arm, ArmCost] = {}
+        folder = StudyFolder.open(runs / STUDIES_DIR / name, runtime, what, rows, specs, seed, rollouts,
+                                  chunk_questions)  # a mismatch with an earlier run fails before any run starts
+        labels = ", ".join(a.label for a in arms)
+        tracker = start_side_run(cfg, runs, name, runtime.numerics, {"kind": "rollout-study",
+                                                                      "checkpoint": str(ckpt or "")}, run_origin(
+            "flows/study.py:rollout_study", f"Rollout study of {what}: {labels} on {len(rows)} questions."))
+        run_id = tracker.run_id
+        logger.info("rollout study %s: %s on %d questions → MLflow run %s, files in %s", name, labels, len(rows),
+                    run_id, folder.out_dir)
         with tracker:
             tracker.log_params({"study.questions": len(rows), "study.arms": ",".join(a.label for a in arms),
                                 "study.seed": seed, "study.datasets": ",".join(specs)})
-            ids = [r.id for r in rows]
-            profiles.update({arm: ps for arm, ps in done.items() if arm not in arms})  # arms of an earlier run
-            costs.update({arm: c for arm, c in done_costs.items() if arm not in arms})
-            for arm in arms:
-                kept = done.get(arm, [])
-                if [p.question_id for p in kept] != ids[: len(kept)] or (len(kept) % chunk_questions and \
-                        len(kept) != len(ids)):
-                    raise ValueError(f"study {name}: arm {arm.label} holds questions that are not this study's first "
-                                     f"{len(kept)} in chunks of {chunk_questions}")
-                profiles[arm], costs[arm] = list(kept), done_costs.get(arm, ArmCost(0.0, 0.0, 0.0, 0.0))
-                if kept:
-                    logger.info("study %s: arm %s resumes after %d questions", name, arm.label, len(kept))
-            for arm, i in chunks_to_sample(arms, {a: len(p) for a, p in profiles.items()}, len(rows),
-                                           chunk_questions):
+            kept = folder.resume(arms, [r.id for r in rows], chunk_questions)
+            for arm in (a for a in arms if kept[a]):
+                logger.info("study %s: arm %s resumes after %d questions", name, arm.label, kept[arm])
+            for arm, i in chunks_to_sample(arms, kept, len(rows), chunk_questions):
                 chunk = study_chunk(runtime, rows[i: i + chunk_questions], rollouts[arm], seed, i // chunk_questions,
                                     arm.label)
-                profiles[arm].extend(chunk.profiles)
-                costs[arm] = total_cost([costs[arm], chunk.cost])
-                # A stopped study keeps every chunk it finished, and what it cost.
-                write_profiles(out_dir / "profiles.parquet", profiles)
-                write_costs(out_dir / "costs.json", costs)
-            summary = summarize_study(profiles, cfg.eval.bootstrap_samples, cfg.seed)
-            data = write_summary(out_dir / "summary.json", summary, costs, meta)
-            figures = write_study_figures(summary, profiles, out_dir, f"rollout study, {len(rows)} questions")
-            tracker.log_metrics(study_metrics(summary, costs), 0)
-            tracker.log_artifact(out_dir, "study")
-    create_table_artifact(table=_table(summary, costs), key=artifact_key("study", name),
+                folder.add(arm, chunk.profiles, chunk.cost)
+            summary, data, figures = folder.summarize(cfg.eval.bootstrap_samples, cfg.seed,
+                                                      f"rollout study, {len(rows)} questions")
+            tracker.log_metrics(study_metrics(summary, folder.costs), 0)
+            tracker.log_artifact(folder.out_dir, "study")
+    create_table_artifact(table=_table(summary, folder.costs), key=artifact_key("study", name),
                           description=f"rollout study {name}")
-    return StudyResult(run_id, name, tracker.tracking_uri, str(out_dir), len(rows), data, [str(f) for f in figures])
+    return StudyResult(run_id, name, tracker.tracking_uri, str(folder.out_dir), len(rows), data,
+                       [str(f) for f in figures])
 
 
 def _table(summary: StudySummary, costs: dict[Arm, ArmCost]) -> list[dict[str, Any]]:

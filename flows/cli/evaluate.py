@@ -4,14 +4,13 @@ per-question Parquet, an optional judge and a paired comparison with an earlier 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
-from aepo_core.config_keys import ConfigError
 from flows.cli.environment import prepare_environment, start_prefect_api
 from flows.cli.inputs import (
     RunsOpt,
@@ -25,6 +24,9 @@ from flows.cli.inputs import (
 )
 from flows.cli.render import eval_table, fail, flow_progress, fmt, out, print_numerics, ui_hint, where_table
 from tasks.progress import Progress as ProgressEvent
+
+if TYPE_CHECKING:
+    from flows.evaluate import EvalResult
 
 
 def _eval_progress(bar: Progress, task: Any, event: ProgressEvent) -> None:
@@ -61,44 +63,38 @@ def eval_(
     """
     base = load_checked_config(config, [], training=False) if config is not None else None
     runs = resolve_runs_dir(runs_dir, base)
-    from infra.fs import StorageError, is_remote
+    from infra.run.reading import may_hold_results
 
-    if compare_to is not None and not is_remote(compare_to) and not Path(compare_to).exists():
+    if compare_to is not None and not may_hold_results(compare_to):
         fail(f"--compare-to {compare_to}: no such file or directory")
     prepare_environment(runs)
-    from flows.evaluate import (
-        eval_storage,
-        evaluate,
-        fetch_registered_policy,
-        resolve_checkpoint,
-        resolve_eval_config,
-    )
-    from infra.run.checkpoints import CheckpointError, checkpoint_source
+    from flows.evaluate import evaluate
+    from infra.run.policy_source import POLICY_ERRORS, locate_policy
     from infra.run.runtime import planned_numerics
-    from infra.tracking.registry import RegistryError, is_registered_model
     from tasks.retry import USER_ERRORS
 
     try:
-        registered = fetch_registered_policy(checkpoint, base, set_, runs) if is_registered_model(checkpoint) else None
-        ckpt = resolve_checkpoint(checkpoint if registered is None else None, eval_storage(base, set_), runs)
-        cfg = resolve_eval_config(base, ckpt, set_, dataset, registered)
-        check_datasets(cfg, training=False)
-    except (ConfigError, CheckpointError, StorageError, RegistryError) as exc:
+        policy = locate_policy(base, checkpoint, set_, dataset, runs)
+        check_datasets(policy.cfg, training=False)
+    except POLICY_ERRORS as exc:
         fail(str(exc))
-    check_storage(cfg, runs)
-    check_tracking_store(cfg.tracking.tracking_uri, runs)
-    print_numerics(planned_numerics(cfg).describe())
+    check_storage(policy.cfg, runs)
+    check_tracking_store(policy.cfg.tracking.tracking_uri, runs)
+    print_numerics(planned_numerics(policy.cfg).describe())
     start_prefect_api()  # after every check: bad input exits without starting a server
-    cfg = with_runs_dir(cfg, runs)
-    source = checkpoint if registered is not None else checkpoint_source(checkpoint, ckpt)
+    cfg = with_runs_dir(policy.cfg, runs)
     try:
         with flow_progress("evaluating", len(cfg.eval.datasets) or None, _eval_progress):
-            result = evaluate(config=cfg, checkpoint=source, runs_dir=str(runs),
+            result = evaluate(config=cfg, checkpoint=policy.reference, runs_dir=str(runs),
                               compare_to=compare_to, run_name=run_name)
     except USER_ERRORS as exc:  # the user's input (a bad row, a bad config), found by the flow: as before it
         fail(str(exc))
     except Exception as exc:
         fail(f"evaluation failed: {exc}", code=1)
+    _print_result(result, compare_to, runs)
+
+
+def _print_result(result: EvalResult, compare_to: str | None, runs: Path) -> None:
     console = out()
     console.print(eval_table(f"aepo eval: {result.run_name} (step {result.checkpoint_step})", result.summary,
                              result.pass_k, result.judge if result.judge else None))

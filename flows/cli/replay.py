@@ -55,8 +55,7 @@ def replay_cmd(
     prepare_environment(runs)
     from aepo_core.config_keys import ConfigError
     from flows.replay import replay, replay_rules
-    from infra.run.checkpoints import CheckpointError
-    from infra.run.replay import ReplayError
+    from infra.run.replay import REPLAY_ERRORS
 
     start_prefect_api()
     if losses is None:
@@ -65,24 +64,17 @@ def replay_cmd(
         try:
             result = replay(run=run, step=step[0], runs_dir=str(runs), experiment=experiment,
                             tracking_uri=tracking_uri)
-        except (ReplayError, CheckpointError) as exc:
+        except REPLAY_ERRORS as exc:
             fail(str(exc))
         _print_replay(result, output)
-        if not result.weights.bit_identical:
-            raise typer.Exit(1)
-        return
+        raise typer.Exit(0 if result.weights.bit_identical else 1)
     rules = [r.strip().replace(";", ",") for r in losses.split(",") if r.strip()]
     try:
         compared = replay_rules(run=run, steps=step, rules=rules, overrides=list(overrides or []),
                                 runs_dir=str(runs), experiment=experiment, tracking_uri=tracking_uri)
-    except (ReplayError, CheckpointError, ConfigError) as exc:
+    except (*REPLAY_ERRORS, ConfigError) as exc:
         fail(str(exc))
-    print_records(f"aepo replay: {compared.run_name} ({compared.run_id}) steps "
-                  f"{', '.join(map(str, compared.steps))}: update rules on the same samples "
-                  f"({sum(compared.samples.values())} samples of {sum(compared.questions.values())} questions; 95% CI "
-                  f"over questions; diff = rule − {compared.reference})",
-                  rule_records(compared) if output is OutputFormat.table else [asdict(r) for r in compared.rows],
-                  output, right=("value", "diff", "tokens"))
+    _print_rules(compared, output)
 
 
 def rule_records(compared: RuleComparison) -> list[dict[str, object]]:
@@ -91,6 +83,15 @@ def rule_records(compared: RuleComparison) -> list[dict[str, object]]:
              "value": interval(r.value, r.ci_low, r.ci_high, 4, signed=True),
              "diff": interval(r.diff, r.diff_low, r.diff_high, 4, signed=True), "tokens": r.tokens}
             for r in compared.rows]
+
+
+def _print_rules(compared: RuleComparison, output: OutputFormat) -> None:
+    print_records(f"aepo replay: {compared.run_name} ({compared.run_id}) steps "
+                  f"{', '.join(map(str, compared.steps))}: update rules on the same samples "
+                  f"({sum(compared.samples.values())} samples of {sum(compared.questions.values())} questions; 95% CI "
+                  f"over questions; diff = rule − {compared.reference})",
+                  rule_records(compared) if output is OutputFormat.table else [asdict(r) for r in compared.rows],
+                  output, right=("value", "diff", "tokens"))
 
 
 def _print_replay(result: ReplayResult, output: OutputFormat) -> None:

@@ -46,7 +46,7 @@ def runs(
     rdir = resolve_runs_dir(runs_dir)
     uri = reading_tracking_uri(rdir, tracking_uri)
     assert uri is not None
-    from infra.tracking.run_index import newest_runs
+    from infra.run.reading import newest_runs
 
     found = newest_runs(uri, experiment, limit)
     pass1 = re.compile(r"^eval/.+/pass_at_1$")

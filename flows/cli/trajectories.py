@@ -3,34 +3,31 @@ question's tree or one trajectory's transcript."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from flows.cli.inputs import FormatOpt, RunsOpt, TrackingOpt, reading_tracking_uri, resolve_runs_dir
 from flows.cli.render import OutputFormat, fail, out, print_records
 
+if TYPE_CHECKING:
+    from infra.run.stored_trajectories import TrajectoryStore
 
-def _resolve_store_run(store: Any, run: str, uri: str | None, experiment: str) -> str:
-    """A stored run id from a run id, a unique prefix of one, or an MLflow run name."""
+
+def _resolve_store_run(store: TrajectoryStore, run: str, uri: str | None, experiment: str) -> str:
+    """A stored run id from a run id, a unique prefix of one, or an MLflow run name; exit 1 naming the stored runs
+    when none matches."""
+    from infra.run.stored_trajectories import stored_run_id
+
+    found = stored_run_id(store, run, uri, experiment)
+    if found is not None:
+        return found
     stored = store.run_ids()
-    if run in stored:
-        return run
-    prefixed = [r for r in stored if r.startswith(run)]
-    if len(prefixed) == 1:
-        return prefixed[0]
-    if uri is not None:
-        from infra.tracking.run import Tracker
-
-        frame = Tracker(uri, experiment=experiment).search_runs(filter_string=f"attributes.run_name = '{run}'")
-        ids = [r for r in frame["run_id"] if r in stored] if not frame.empty else []
-        if ids:
-            return ids[0]  # newest first
     listed = ", ".join(stored[:10]) + (" …" if len(stored) > 10 else "")
     fail(f"no stored trajectories for run {run!r} in {store.uri} (stored runs: {listed or 'none'})", code=1)
 
 
-def _show(store: Any, run_id: str, step: int, value: str) -> None:
+def _show(store: TrajectoryStore, run_id: str, step: int, value: str) -> None:
     """``--show``: one question's tree or one leaf's transcript at ``step``."""
     from flows.transcript import ShowError, render_show
 
@@ -67,20 +64,20 @@ def trajectories(
       aepo trajectories tiny --step 2 --format json
       aepo trajectories tiny --step 2 --show <question id>/0
     """
-    from infra.store import StoreError, TrajectoryStore
+    from infra.run.stored_trajectories import StoreError, reading_store
 
     if show is not None and step is None:
         fail("--show needs --step N (the step whose tree to show)")
     rdir = resolve_runs_dir(runs_dir)
     uri = reading_tracking_uri(rdir, tracking_uri, required=False)
-    store = TrajectoryStore(store_uri or rdir)
+    store = reading_store(rdir, store_uri)
     try:  # a damaged part (or a bad run id or step) is one line naming it, exit 2
         _summarize(store, _resolve_store_run(store, run, uri, experiment), step, show, output)
     except StoreError as exc:
         fail(str(exc))
 
 
-def _summarize(store: Any, run_id: str, step: int | None, show: str | None, output: OutputFormat) -> None:
+def _summarize(store: TrajectoryStore, run_id: str, step: int | None, show: str | None, output: OutputFormat) -> None:
     if show is not None and step is not None:
         _show(store, run_id, step, show)
         return

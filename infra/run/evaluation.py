@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from aepo_core.config import EvalConfig, RolloutConfig, StorageConfig
-from aepo_core.evaluation import QuestionOutcome, is_correct, summarize, summarize_by
+from aepo_core.evaluation import QuestionOutcome, is_correct, paired_comparison, summarize, summarize_by
 from aepo_core.interfaces import RewardFn, RewardResult, SamplingParams
 from aepo_core.metrics import pass_at_k
 from aepo_core.rewards import predicted_answer
@@ -29,7 +29,7 @@ from infra.atomic import atomic_file
 from infra.data.loaders import dataset_key
 from infra.data.rows import QuestionRow
 from infra.fs import is_remote, open_fs, put_file, storage_errors, storage_options
-from infra.judge import Verdict
+from infra.judge import LLMJudge, Verdict
 from infra.run.runtime import PolicyRuntime
 
 EVAL_STAGING = Path("cache") / "eval"
@@ -281,3 +281,81 @@ def recorded_pass1(where: ResultsDir, storage: StorageConfig, specs: Sequence[st
     except FileNotFoundError:
         return {}
     return {dataset_key(spec, among=specs): pass1 for spec, pass1 in by_spec.items()}
+
+
+def check_comparable(specs: Sequence[str], previous: Mapping[str, object] | None, compare_to: str | None) -> None:
+    """Refuse an evaluation before it starts when the datasets are none and when ``compare_to`` (read into
+    ``previous``, by dataset) holds none of them."""
+    if not specs:
+        raise ValueError("nothing to evaluate: set eval.datasets (or data.validation)")
+    if previous is not None and not set(previous) & set(specs):
+        raise ValueError(f"compare_to {compare_to} holds datasets {sorted(previous)}, none of {list(specs)}")
+
+
+def judge_report(judge: LLMJudge, report: EvalReport) -> dict[str, list[Verdict]]:
+    """Every sample's final answer through the LLM judge: per question, one verdict per sample."""
+    answers, questions = report.answers, report.questions
+    items = [(questions[q].question, list(questions[q].golds), a) for q in answers for a in answers[q]]
+    flat = judge.judge_many(items)
+    verdicts, pos = {}, 0
+    for q, samples in answers.items():
+        verdicts[q] = flat[pos: pos + len(samples)]
+        pos += len(samples)
+    return verdicts
+
+
+def judge_pass1(verdicts: Mapping[str, Sequence[Verdict]]) -> float:
+    """Mean over questions of the share of samples the judge called correct."""
+    return sum(sum(v.correct for v in vs) / len(vs) for vs in verdicts.values()) / len(verdicts)
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """What an evaluation produced and where it went; per-dataset fields are keyed by the dataset key
+    (:func:`~infra.data.loaders.dataset_key`: ``synthetic_test``)."""
+
+    run_id: str
+    run_name: str
+    checkpoint: str | None
+    checkpoint_step: int
+    runs_dir: str
+    results_dir: str
+    tracking_uri: str
+    pass_k: int
+    files: dict[str, str] = field(default_factory=dict)
+    summary: dict[str, dict[str, float]] = field(default_factory=dict)
+    by_family: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    judge: dict[str, float] = field(default_factory=dict)
+    compare: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def source(self) -> EvalSource:
+        """What this evaluation's per-question rows say about their origin."""
+        return EvalSource(self.run_id, self.run_name, self.checkpoint, self.checkpoint_step)
+
+    def record(self, report: EvalReport, verdicts: Mapping[str, Sequence[Verdict]] | None,
+               previous: Mapping[str, Mapping[str, float]] | None, ev: EvalConfig, seed: int) -> dict[str, float]:
+        """Keep one dataset's summaries, its judge's Pass@1 (with ``verdicts``) and its paired comparison with
+        ``previous`` (an earlier evaluation's per-question Pass@1, by dataset spec, when it holds this one); returns
+        the metrics MLflow records for it: ``eval/<key>/…``, ``eval/<key>/judge_pass@1``, ``compare/<key>/pass@1_…``."""
+        metrics = report.metrics()
+        if verdicts is not None:
+            self.judge[report.key] = judge_pass1(verdicts)
+            metrics[f"eval/{report.key}/judge_pass@1"] = self.judge[report.key]
+        if previous is not None and report.dataset in previous:
+            cmp = paired_comparison(report.per_question_pass1, previous[report.dataset],
+                                    n_resamples=ev.bootstrap_samples, seed=seed)
+            self.compare[report.key] = cmp
+            metrics.update({f"compare/{report.key}/pass@1_{key}": v for key, v in cmp.items()})
+        self.summary[report.key], self.by_family[report.key] = report.summary, report.by_family
+        return metrics
+
+    def comparison(self, key: str) -> str:
+        """Dataset ``key``'s paired Pass@1 difference in words: ``+0.0125 [-0.0100, 0.0350] over 40 questions``."""
+        cmp = self.compare[key]
+        return f"{cmp['diff']:+.4f} [{cmp['ci_low']:.4f}, {cmp['ci_high']:.4f}] over {int(cmp['questions'])} questions"
+
+    def summary_json(self, compare_to: str | None) -> dict[str, object]:
+        """``eval/summary.json``: the summaries, the judge's Pass@1 and the paired comparisons."""
+        return {"summary": self.summary, "by_family": self.by_family, "judge_pass@1": self.judge,
+                "compare": self.compare, "compare_to": compare_to}

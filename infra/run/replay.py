@@ -31,9 +31,11 @@ from aepo_core.protocol import tool_call_spans
 from aepo_core.update_comparison import SampleTokens, entropy_threshold, rule_algorithm, token_classes
 from infra.determinism import use_deterministic_algorithms
 from infra.models import load_policy, model_dir, pad_token_id
-from infra.numerics import Numerics, autocast_dtype
-from infra.run.trainer import build_backend, build_updater
+from infra.numerics import Numerics, autocast_dtype, device_facts, numerics_for
+from infra.run.checkpoints import CheckpointError, CheckpointStore, checkpoint_store
+from infra.run.trainer import build_backend, build_updater, data_order, total_steps
 from infra.store import StoreError, TrajectoryStore
+from infra.tracking.run import Tracker
 from infra.training.backend import TrainBackend
 from infra.training.backends import FrozenBackend
 from infra.training.batching import TrainSample
@@ -44,6 +46,97 @@ from infra.training.update import MicroBatchObserver
 
 class ReplayError(ValueError):
     """A step that cannot be replayed: not stored, stored before the update's order was kept, no checkpoint."""
+
+
+REPLAY_ERRORS = (ReplayError, CheckpointError)
+"""What a replay raises for a step that cannot be replayed (a damaged or missing checkpoint included)."""
+
+
+COMPARED_METRICS = ("train/loss", "train/grad_norm", "train/clip_frac", "train/entropy_mean")
+"""The step's logged update metrics set beside the replay's."""
+
+
+def find_run(tracker: Tracker, run: str) -> tuple[str, str]:
+    """(run id, run name) of a run id or, else, the newest run of that name."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        info = tracker.client.get_run(run).info
+        return info.run_id, info.run_name
+    except MlflowException:
+        named = tracker.runs_named(run)
+        if not named:
+            raise ReplayError(f"no MLflow run with id or name {run!r} in experiment {tracker.experiment!r} at "
+                              f"{tracker.tracking_uri}") from None
+        return named[0].run_id, run
+
+
+def run_numerics(params: dict[str, str], fallback: Numerics) -> Numerics:
+    """The dtypes the run computed in (its ``numerics.*`` params); this machine's resolution where it logged none."""
+    if "numerics.compute_dtype" not in params:
+        return fallback
+    return Numerics(params["numerics.compute_dtype"], params["numerics.generation_dtype"],
+                    params.get("numerics.vllm_dtype", fallback.vllm_dtype), device_facts())
+
+
+@dataclass(frozen=True)
+class LoggedRun:
+    """A run as its MLflow run recorded it: id, name and config (the ``config.yaml`` artifact)."""
+
+    run_id: str
+    name: str
+    cfg: ExperimentConfig
+
+
+def logged_run(tracker: Tracker, run: str) -> LoggedRun:
+    """The run ``run`` (id or name, :func:`find_run`) with its logged config."""
+    run_id, name = find_run(tracker, run)
+    return LoggedRun(run_id, name, tracker.logged_config(run_id))
+
+
+@dataclass(frozen=True)
+class StoredRun:
+    """What replaying a run's steps reads: its tracker, config, numerics, store, checkpoints and LR-schedule
+    length."""
+
+    tracker: Tracker
+    run_id: str
+    name: str
+    cfg: ExperimentConfig
+    numerics: Numerics
+    store: TrajectoryStore
+    checkpoints: CheckpointStore
+    total_steps: int
+
+    def check_replayable(self, step: int, after: bool = True) -> None:
+        """Refuse a step without the checkpoint of step N − 1 (and of step N, when ``after``)."""
+        stored = self.checkpoints.steps()
+        needed = [step - 1, step] if after else [step - 1]
+        if any(s not in stored for s in needed):
+            raise ReplayError(f"run {self.name} ({self.run_id}): replaying step {step} needs the checkpoint"
+                              f"{'s of steps' if after else ' of step'} {' and '.join(map(str, needed))}; "
+                              f"{self.checkpoints} holds {stored or 'none'} (checkpoint.every: 1 keeps every step)")
+
+    def logged_update_metrics(self, step: int) -> dict[str, float | None]:
+        """Of :data:`COMPARED_METRICS`, what the run logged at ``step`` (None: not logged)."""
+        history = self.tracker.metric_history(list(COMPARED_METRICS), run_id=self.run_id)
+        return {k: next((v for s, v in history[k] if s == step), None) for k in COMPARED_METRICS}
+
+    @property
+    def numerics_text(self) -> str:
+        """The dtypes replayed in: compute, generation."""
+        return f"{self.numerics.compute_dtype}, {self.numerics.generation_dtype}"
+
+
+def stored_run(tracker: Tracker, logged: LoggedRun, runs: Path, training_rows: int) -> StoredRun:
+    """The logged run as :class:`StoredRun` (``training_rows``: how many rows it trained on, which with its config
+    give its LR schedule's length)."""
+    cfg = logged.cfg
+    params = tracker.client.get_run(logged.run_id).data.params
+    return StoredRun(tracker, logged.run_id, logged.name, cfg, run_numerics(params, numerics_for(cfg)),
+                     TrajectoryStore.from_config(cfg.storage, runs_dir=runs),
+                     checkpoint_store(cfg, runs, logged.name, logged.run_id),
+                     total_steps(cfg, data_order(cfg, training_rows)))
 
 
 def update_samples(store: TrajectoryStore, run_id: str, step: int) -> list[TrainSample]:

@@ -3,6 +3,9 @@
 One row per (k, sampling mode, question): the :class:`~aepo_core.rollout.study.GroupProfile` of that question's
 rollout group, plus the cost of the chunk it was sampled in. The summary is recomputed from this table alone, so
 ``--analyse-only`` re-analyses a study without sampling again.
+
+:class:`StudyFolder` is a study's folder as it fills (settings, profiles and costs after every chunk, resumed under
+the same run name), :func:`study_questions` the questions it samples.
 """
 
 from __future__ import annotations
@@ -10,12 +13,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from aepo_core.config import RolloutConfig
 from aepo_core.rollout.rows import null_nan
 from aepo_core.rollout.study import (
     NAN_ESTIMATE,
@@ -27,6 +32,9 @@ from aepo_core.rollout.study import (
     summarize_mode,
 )
 from infra.atomic import atomic_file
+from infra.data.rows import QuestionRow
+from infra.models import weights_digest
+from infra.run.runtime import PolicyRuntime
 
 PROFILE_SCHEMA = pa.schema(
     [
@@ -255,3 +263,127 @@ def write_study_figures(summary: StudySummary, profiles: Mapping[Arm, Sequence[G
         files.append(save_png(budget_scatter_figure(points, corr, f"{title}: AEPO's budget split"),
                               out_dir / "budget_split.png"))
     return files
+
+
+# ------------------------------------------------------------------------------------------------ a study's folder
+def total_cost(costs: list[ArmCost]) -> ArmCost:
+    return ArmCost(sum(c.wall_s for c in costs), sum(c.generate_s for c in costs), sum(c.tools_s for c in costs),
+                   sum(c.tokens_generated for c in costs))
+
+
+def study_metrics(summary: StudySummary, costs: dict[Arm, ArmCost]) -> dict[str, float]:
+    """``study/k<k>/<mode>/<quantity>`` (means), ``…/branch_rate_l<l>``, ``…/wall_s`` and ``…/tokens_generated``, and
+    ``study/k<k>/<a>-<b>/<quantity>`` (paired differences)."""
+    out: dict[str, float] = {}
+    for arm, s in summary.arms.items():
+        out.update({f"study/{arm.label}/{q}": e.mean for q, e in s.estimates.items()})
+        out[f"study/{arm.label}/budget_correlation"] = s.budget_correlation.mean
+        out.update({f"study/{arm.label}/branch_rate_l{l_count}": e.mean for l_count, e in s.branch_rate_by_l.items()})
+        if arm in costs:
+            out[f"study/{arm.label}/wall_s"] = costs[arm].wall_s
+            out[f"study/{arm.label}/tokens_generated"] = costs[arm].tokens_generated
+    for (k, a, b), diffs in summary.diffs.items():
+        out.update({f"study/k{k}/{a}-{b}/{q}": e.mean for q, e in diffs.items()})
+    return out
+
+
+def write_summary(path: Path, summary: StudySummary, costs: dict[Arm, ArmCost], meta: dict[str, Any]
+                  ) -> dict[str, Any]:
+    """summary.json (atomically): the study's settings, then :meth:`StudySummary.to_json`."""
+    data = {**meta, **summary.to_json(costs)}
+    with atomic_file(path, "w") as fh:
+        json.dump(data, fh, indent=1)
+    return data
+
+
+def resumed_profiles(out_dir: Path, meta: dict[str, Any]
+                     ) -> tuple[dict[Arm, list[GroupProfile]], dict[Arm, ArmCost], dict[str, Any]]:
+    """What an earlier run of this study (same folder) sampled, when its settings are these: its profiles, costs
+    and arms' rollout settings; empty when the study is new."""
+    settings = out_dir / "study.json"
+    if not settings.is_file():
+        return {}, {}, {}
+    old = json.loads(settings.read_text())
+    for key in ("policy_digest", "numerics", "seed", "datasets", "chunk_questions", "engine"):
+        if old.get(key) != meta[key]:
+            raise ValueError(f"study {out_dir.name} exists with {key}={old.get(key)!r}, not {meta[key]!r}: resume it "
+                             "with the same settings or choose another run name")
+    profiles = read_profiles(out_dir / "profiles.parquet") if (out_dir / "profiles.parquet").is_file() else {}
+    for arm in profiles:  # this run's arms must be sampled as before; an earlier run's other arms are kept
+        if arm.label in meta["rollout"] and old["rollout"].get(arm.label) != meta["rollout"][arm.label]:
+            raise ValueError(f"study {out_dir.name}: arm {arm.label} was sampled with other rollout settings")
+    return profiles, read_costs(out_dir / "costs.json"), dict(old["rollout"])
+
+
+def study_questions(runtime: PolicyRuntime, datasets: Sequence[str], max_questions: int) -> list[QuestionRow]:
+    """The first ``max_questions`` distinct questions of the datasets, in order (ids repeated across datasets once;
+    fewer when the datasets hold fewer)."""
+    rows: list[QuestionRow] = []
+    seen: set[str] = set()
+    for spec in datasets:
+        for row in runtime.load_rows(spec):
+            if row.id not in seen:
+                seen.add(row.id)
+                rows.append(row)
+    return rows[:max_questions]
+
+
+@dataclass
+class StudyFolder:
+    """A study's folder, ``<runs_dir>/studies/<run name>/``, as it fills: ``meta`` (the settings of ``study.json``)
+    and, per arm, the profiles and cost sampled so far (an earlier run's arms that this run does not sample
+    included, kept as they are); ``done`` / ``done_costs``: what an earlier run of the study left."""
+
+    out_dir: Path
+    meta: dict[str, Any]
+    done: dict[Arm, list[GroupProfile]]
+    done_costs: dict[Arm, ArmCost]
+    profiles: dict[Arm, list[GroupProfile]] = field(default_factory=dict)
+    costs: dict[Arm, ArmCost] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, out_dir: Path, runtime: PolicyRuntime, policy: str, rows: Sequence[QuestionRow],
+             datasets: Sequence[str], seed: int, rollouts: Mapping[Arm, RolloutConfig],
+             chunk_questions: int) -> StudyFolder:
+        """The study's settings (the policy and a digest of its weights, the numerics and the machine, the
+        questions, seed, each arm's rollout section) checked against an earlier run's (:func:`resumed_profiles`: a
+        mismatch fails before any run starts), then written to ``study.json``."""
+        meta = {"policy": policy, "policy_digest": weights_digest(runtime.model),
+                "numerics": runtime.numerics.params(), "cpu": runtime.numerics.tags(), "questions": len(rows),
+                "datasets": list(datasets), "seed": seed, "engine": runtime.cfg.rollout.engine,
+                "arms": [a.label for a in rollouts], "chunk_questions": chunk_questions,
+                "rollout": {a.label: r.model_dump(exclude={"vllm", "remote"}) for a, r in rollouts.items()}}
+        done, done_costs, earlier = resumed_profiles(out_dir, meta)
+        with atomic_file(out_dir / "study.json", "w") as fh:
+            json.dump({**meta, "rollout": {**earlier, **meta["rollout"]}}, fh, indent=1)
+        return cls(out_dir, meta, done, done_costs)
+
+    def resume(self, arms: Sequence[Arm], ids: Sequence[str], chunk_questions: int) -> dict[Arm, int]:
+        """Take up what the earlier run sampled: its other arms as they are, and of ``arms`` the chunks it finished
+        (which must be this study's first questions, ``ids``, in chunks of ``chunk_questions``); returns the
+        questions each of ``arms`` has."""
+        self.profiles.update({arm: ps for arm, ps in self.done.items() if arm not in arms})
+        self.costs.update({arm: c for arm, c in self.done_costs.items() if arm not in arms})
+        for arm in arms:
+            kept = self.done.get(arm, [])
+            if [p.question_id for p in kept] != list(ids[: len(kept)]) or (len(kept) % chunk_questions and
+                                                                         len(kept) != len(ids)):
+                raise ValueError(f"study {self.out_dir.name}: arm {arm.label} holds questions that are not this "
+                                 f"study's first {len(kept)} in chunks of {chunk_questions}")
+            self.profiles[arm], self.costs[arm] = list(kept), self.done_costs.get(arm, ArmCost(0.0, 0.0, 0.0, 0.0))
+        return {arm: len(self.profiles[arm]) for arm in arms}
+
+    def add(self, arm: Arm, profiles: Sequence[GroupProfile], cost: ArmCost) -> None:
+        """One sampled chunk of ``arm``; ``profiles.parquet`` and ``costs.json`` rewritten (a stopped study keeps
+        every chunk it finished, and what it cost)."""
+        self.profiles[arm].extend(profiles)
+        self.costs[arm] = total_cost([self.costs[arm], cost])
+        write_profiles(self.out_dir / "profiles.parquet", self.profiles)
+        write_costs(self.out_dir / "costs.json", self.costs)
+
+    def summarize(self, n_resamples: int, seed: int, title: str
+                  ) -> tuple[StudySummary, dict[str, Any], list[Path]]:
+        """The summary with bootstrap CIs, ``summary.json``'s content (written) and the figures (written)."""
+        summary = summarize_study(self.profiles, n_resamples, seed)
+        data = write_summary(self.out_dir / "summary.json", summary, self.costs, self.meta)
+        return summary, data, write_study_figures(summary, self.profiles, self.out_dir, title)

@@ -50,10 +50,9 @@ def test_replaying_a_step_gives_its_checkpoint_bit_for_bit(run: tuple[Any, Path]
 
 
 def test_the_same_samples_in_another_order_give_other_weights(run: tuple[Any, Path]) -> None:
-    from flows.replay import run_numerics
     from infra.numerics import numerics_for
     from infra.run.checkpoints import checkpoint_store
-    from infra.run.replay import compare_weights, replay_update, update_samples
+    from infra.run.replay import compare_weights, replay_update, run_numerics, update_samples
     from infra.store import TrajectoryStore
     from infra.tracking.run import Tracker
 

@@ -58,8 +58,7 @@ def test_every_arm_is_profiled_on_the_same_questions(study: tuple[Any, Path]) ->
 
 
 def test_the_summary_is_reproduced_from_the_parquet_alone(study: tuple[Any, Path]) -> None:
-    from flows.study import write_summary
-    from infra.run.study import read_costs, read_profiles, summarize_study
+    from infra.run.study import read_costs, read_profiles, summarize_study, write_summary
 
     result, runs = study
     out = runs / "studies" / "study-test"
