@@ -43,45 +43,114 @@ class QuestionOutcome:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class Interval:
+    """A point estimate with its 95% interval."""
+
+    value: float
+    low: float
+    high: float
+
+
+@dataclass(frozen=True)
+class EvalSummary:
+    """One evaluation over questions: Pass@1 and Pass@k with their bootstrap CIs over questions, EM, F1 and tool use
+    (each a mean over questions). :meth:`as_dict` is its one serialized form: the MLflow metric names
+    (``eval/<dataset>/pass@1``, …), the JSON reports, the flows' results."""
+
+    questions: int
+    samples_per_question: int
+    k: int
+    pass1: Interval
+    pass_k: Interval
+    em: float
+    f1: float
+    tool_calls_per_question: float
+    tool_error_rate: float
+    answered_rate: float
+
+    @classmethod
+    def of(cls, outcomes: Sequence[QuestionOutcome], k: int, *, n_resamples: int = 1000, seed: int = 0
+           ) -> EvalSummary:
+        if not outcomes:
+            raise ValueError("no outcomes to summarize")
+        p1 = [pass_at_k(o.n, o.correct, 1) for o in outcomes]
+        pk = [pass_at_k(o.n, o.correct, min(k, o.n)) for o in outcomes]
+        n_q = len(outcomes)
+        return cls(n_q, outcomes[0].n, k,
+                   Interval(*bootstrap_ci(p1, n_resamples=n_resamples, seed=seed)),
+                   Interval(*bootstrap_ci(pk, n_resamples=n_resamples, seed=seed)),
+                   em=sum(o.em_mean for o in outcomes) / n_q, f1=sum(o.f1_mean for o in outcomes) / n_q,
+                   tool_calls_per_question=sum(o.tool_calls_mean for o in outcomes) / n_q,
+                   tool_error_rate=sum(o.tool_error_rate for o in outcomes) / n_q,
+                   answered_rate=sum(o.answered_rate for o in outcomes) / n_q)
+
+    def as_dict(self) -> dict[str, float]:
+        """``questions``, ``samples_per_question``, ``pass@1`` / ``pass@1_ci_low`` / ``pass@1_ci_high``, the same for
+        ``pass@<k>``, ``em``, ``f1``, ``tool_calls_per_question``, ``tool_error_rate``, ``answered_rate``."""
+        out = {"questions": float(self.questions), "samples_per_question": float(self.samples_per_question)}
+        for name, est in (("pass@1", self.pass1), (f"pass@{self.k}", self.pass_k)):
+            out[name], out[f"{name}_ci_low"], out[f"{name}_ci_high"] = est.value, est.low, est.high
+        return {**out, "em": self.em, "f1": self.f1, "tool_calls_per_question": self.tool_calls_per_question,
+                "tool_error_rate": self.tool_error_rate, "answered_rate": self.answered_rate}
+
+
 def summarize(
     outcomes: Sequence[QuestionOutcome], k: int, *, n_resamples: int = 1000, seed: int = 0
 ) -> dict[str, float]:
-    """Pass@1, Pass@k (with 95% CIs), EM, F1 and tool statistics over questions."""
-    if not outcomes:
-        raise ValueError("no outcomes to summarize")
-    p1 = [pass_at_k(o.n, o.correct, 1) for o in outcomes]
-    pk = [pass_at_k(o.n, o.correct, min(k, o.n)) for o in outcomes]
-    out: dict[str, float] = {"questions": float(len(outcomes)), "samples_per_question": float(outcomes[0].n)}
-    for name, values in (("pass@1", p1), (f"pass@{k}", pk)):
-        point, low, high = bootstrap_ci(values, n_resamples=n_resamples, seed=seed)
-        out[name], out[f"{name}_ci_low"], out[f"{name}_ci_high"] = point, low, high
-    n_q = len(outcomes)
-    out["em"] = sum(o.em_mean for o in outcomes) / n_q
-    out["f1"] = sum(o.f1_mean for o in outcomes) / n_q
-    out["tool_calls_per_question"] = sum(o.tool_calls_mean for o in outcomes) / n_q
-    out["tool_error_rate"] = sum(o.tool_error_rate for o in outcomes) / n_q
-    out["answered_rate"] = sum(o.answered_rate for o in outcomes) / n_q
-    return out
+    """Pass@1, Pass@k (with 95% CIs), EM, F1 and tool statistics over questions (:class:`EvalSummary`, serialized)."""
+    return EvalSummary.of(outcomes, k, n_resamples=n_resamples, seed=seed).as_dict()
 
 
-def summarize_by(outcomes: Sequence[QuestionOutcome], key: str, k: int, **kw: int) -> dict[str, dict[str, float]]:
-    """The same summary per dataset or per question family."""
+def summaries_by(outcomes: Sequence[QuestionOutcome], key: str, k: int, **kw: int) -> dict[str, EvalSummary]:
+    """The summary per dataset or per question family."""
     groups: dict[str, list[QuestionOutcome]] = defaultdict(list)
     for o in outcomes:
         groups[str(getattr(o, key))].append(o)
-    return {name: summarize(group, k, **kw) for name, group in sorted(groups.items())}
+    return {name: EvalSummary.of(group, k, **kw) for name, group in sorted(groups.items())}
+
+
+def summarize_by(outcomes: Sequence[QuestionOutcome], key: str, k: int, **kw: int) -> dict[str, dict[str, float]]:
+    """The same summary per dataset or per question family (:func:`summaries_by`, serialized)."""
+    return {name: summary.as_dict() for name, summary in summaries_by(outcomes, key, k, **kw).items()}
+
+
+@dataclass(frozen=True)
+class PairedDiff:
+    """Two evaluations of the same questions compared: the mean per-question difference a − b with its paired
+    bootstrap CI, over the questions both answered. :meth:`as_dict` is its serialized form (``diff``, ``ci_low``,
+    ``ci_high``, ``questions``: the MLflow metric suffixes and JSON keys)."""
+
+    diff: float
+    ci_low: float
+    ci_high: float
+    questions: int
+
+    @classmethod
+    def of(cls, a: Mapping[str, float], b: Mapping[str, float], *, n_resamples: int = 1000, seed: int = 0
+           ) -> PairedDiff:
+        common = sorted(set(a) & set(b))
+        if not common:
+            raise ValueError("the two runs share no questions")
+        point, low, high = paired_bootstrap_diff([a[q] for q in common], [b[q] for q in common],
+                                                 n_resamples=n_resamples, seed=seed)
+        return cls(point, low, high, len(common))
+
+    def as_dict(self) -> dict[str, float]:
+        return {"diff": self.diff, "ci_low": self.ci_low, "ci_high": self.ci_high, "questions": float(self.questions)}
+
+    def line(self, digits: int = 3) -> str:
+        """``pass@1 +0.125 [-0.010, +0.260] over 40 questions (paired)``: how every command and summary says it."""
+        return (f"pass@1 {self.diff:+.{digits}f} [{self.ci_low:+.{digits}f}, {self.ci_high:+.{digits}f}] over "
+                f"{self.questions} questions (paired)")
 
 
 def paired_comparison(
     a: Mapping[str, float], b: Mapping[str, float], *, n_resamples: int = 1000, seed: int = 0
 ) -> dict[str, float]:
-    """Mean per-question difference a − b on the questions both runs answered, with a bootstrap CI."""
-    common = sorted(set(a) & set(b))
-    if not common:
-        raise ValueError("the two runs share no questions")
-    point, low, high = paired_bootstrap_diff([a[q] for q in common], [b[q] for q in common],
-                                             n_resamples=n_resamples, seed=seed)
-    return {"diff": point, "ci_low": low, "ci_high": high, "questions": float(len(common))}
+    """Mean per-question difference a − b on the questions both runs answered, with a bootstrap CI
+    (:class:`PairedDiff`, serialized)."""
+    return PairedDiff.of(a, b, n_resamples=n_resamples, seed=seed).as_dict()
 
 
 def _run_differences(a: Mapping[str, float], b: Mapping[str, float], label: object) -> np.ndarray:

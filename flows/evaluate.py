@@ -25,6 +25,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 
 from aepo_core.config import ExperimentConfig
+from aepo_core.evaluation import EvalSummary
 from flows.common import artifact_key, flow_runs_dir, rename_flow_run, run_origin
 from infra.run.evaluation import EvalReport, EvalResult, ResultsDir, check_comparable, read_question_results
 from infra.run.parameters import given_config
@@ -39,12 +40,12 @@ __all__ = ["EvalResult", "evaluate"]
 
 
 def _table_rows(report: EvalReport, k: int, judge_acc: float | None) -> list[dict[str, Any]]:
-    def row(family: str, s: dict[str, float]) -> dict[str, Any]:
-        return {"dataset": report.key, "family": family, "questions": int(s["questions"]),
-                "pass@1": round(s["pass@1"], 4),
-                "pass@1 95% CI": f"[{s['pass@1_ci_low']:.3f}, {s['pass@1_ci_high']:.3f}]",
-                f"pass@{k}": round(s[f"pass@{k}"], 4), "em": round(s["em"], 4), "f1": round(s["f1"], 4),
-                "tool calls/q": round(s["tool_calls_per_question"], 3), "answered": round(s["answered_rate"], 3),
+    def row(family: str, s: EvalSummary) -> dict[str, Any]:
+        return {"dataset": report.key, "family": family, "questions": s.questions,
+                "pass@1": round(s.pass1.value, 4),
+                "pass@1 95% CI": f"[{s.pass1.low:.3f}, {s.pass1.high:.3f}]",
+                f"pass@{k}": round(s.pass_k.value, 4), "em": round(s.em, 4), "f1": round(s.f1, 4),
+                "tool calls/q": round(s.tool_calls_per_question, 3), "answered": round(s.answered_rate, 3),
                 "judge": round(judge_acc, 4) if judge_acc is not None and family == "all" else None}
 
     return [row("all", report.summary)] + [row(fam or "-", s) for fam, s in report.by_family.items()]
@@ -100,7 +101,7 @@ def evaluate(
                                                               verdicts)
                 metrics = result.record(report, verdicts, previous, cfg.eval, cfg.seed)
                 if report.key in result.compare:
-                    logger.info("paired Pass@1 vs %s on %s: %s", compare_to, ds, result.comparison(report.key))
+                    logger.info("paired Pass@1 vs %s on %s: %s", compare_to, ds, result.comparisons[report.key].line(4))
                 tracker.log_metrics(metrics, step)
                 log_eval_traces(tracker, report, step, "eval")
                 table.extend(_table_rows(report, cfg.eval.pass_k, result.judge.get(report.key)))

@@ -19,6 +19,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 
 from aepo_core.config import ExperimentConfig
 from aepo_core.dynamic_sampling import InformativeBatch
+from aepo_core.evaluation import EvalSummary, PairedDiff
 from aepo_core.rollout.scheduler import merge_results
 from flows.common import artifact_key, resolve_config, run_origin, train_flow_run_name
 from infra.run.evaluation import EvalSource
@@ -32,8 +33,12 @@ PHASE_TIME = "time/"
 (the scoring pass, ``train/scoring_pass_s``, included) per RL step; ``time/sft_s`` at step 0;
 ``time/eval_<label>_s`` at the evaluation's step (``start``, ``sft``, ``step<N>``, ``final``)."""
 
-Summaries = dict[str, dict[str, dict[str, float]]]
-"""stage (start, sft, stepN, final) or comparison name → dataset key → summary."""
+Summaries = dict[str, dict[str, EvalSummary]]
+"""stage (start, sft, stepN, final) → dataset key → summary."""
+Comparisons = dict[str, dict[str, PairedDiff]]
+"""comparison (final_minus_sft, final_minus_start) → dataset key → paired difference."""
+PerQuestion = dict[str, dict[str, dict[str, float]]]
+"""stage → dataset key → question id → Pass@1."""
 
 
 @dataclass(frozen=True)
@@ -52,10 +57,10 @@ class TrainResult:
     model_version: str | None = None
     """The registered policy, ``models:/<tracking.registered_model>/<version>`` (None: not registered)."""
     evals: Summaries = field(default_factory=dict)
-    comparisons: Summaries = field(default_factory=dict)
+    comparisons: Comparisons = field(default_factory=dict)
 
     @property
-    def final_eval(self) -> dict[str, dict[str, float]]:
+    def final_eval(self) -> dict[str, EvalSummary]:
         return self.evals.get("final", {})
 
 
@@ -66,7 +71,7 @@ class _Evaluations:
     def __init__(self, session: RunSession) -> None:
         self.session = session
         self.summaries: Summaries = {}
-        self.per_question: Summaries = {}
+        self.per_question: PerQuestion = {}
 
     def run(self, label: str, step: int, prefix: str = "eval") -> None:
         session, runtime = self.session, self.session.runtime
@@ -223,13 +228,16 @@ def summary_markdown(info: TrainResult, cfg: ExperimentConfig) -> str:
         "| stage | dataset | pass@1 | 95% CI | pass@k | tool calls/q | answered |",
         "|---|---|---|---|---|---|---|",
     ]
-    k = cfg.eval.pass_k
     for stage, by_ds in info.evals.items():
         for ds, s in by_ds.items():
-            lines.append(f"| {stage} | {ds} | {s['pass@1']:.3f} | [{s['pass@1_ci_low']:.3f}, {s['pass@1_ci_high']:.3f}]"
-                         f" | {s[f'pass@{k}']:.3f} | {s['tool_calls_per_question']:.2f} | {s['answered_rate']:.2f} |")
-    for name, by_ds in info.comparisons.items():
-        for ds, c in by_ds.items():
-            lines.append(f"\n- {name.replace('_', ' ')} on {ds}: pass@1 {c['diff']:+.3f} "
-                         f"[{c['ci_low']:+.3f}, {c['ci_high']:+.3f}] over {c['questions']:.0f} questions (paired)")
+            lines.append(f"| {stage} | {ds} | {s.pass1.value:.3f} | [{s.pass1.low:.3f}, {s.pass1.high:.3f}]"
+                         f" | {s.pass_k.value:.3f} | {s.tool_calls_per_question:.2f} | {s.answered_rate:.2f} |")
+    lines += [f"\n- {line}" for line in comparison_lines(info.comparisons)]
     return "\n".join(lines)
+
+
+def comparison_lines(comparisons: Comparisons) -> list[str]:
+    """``final minus sft on synthetic_test: pass@1 +0.125 [-0.010, +0.260] over 40 questions (paired)``, one per
+    comparison and dataset."""
+    return [f"{name.replace('_', ' ')} on {ds}: {c.line()}" for name, by_ds in comparisons.items()
+            for ds, c in by_ds.items()]

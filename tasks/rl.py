@@ -95,11 +95,10 @@ def evaluate(runtime: PolicyRuntime, dataset: str, label: str) -> EvalReport:
     cfg = runtime.cfg
     result = evaluate_dataset(runtime, dataset, runtime.load_rows(dataset), cfg.eval, cfg.seed,
                               cfg.eval.batch_size or cfg.train.batch_size, traces=cfg.tracking.eval_traces)
-    k = cfg.eval.pass_k
     s = result.summary
     report(get_run_logger(), Progress("evaluate", name=result.key, label=label),
-           "eval %s [%s]: pass@1 %.3f [%.3f, %.3f], pass@%d %.3f, %d questions", result.key, label, s["pass@1"],
-           s["pass@1_ci_low"], s["pass@1_ci_high"], k, s[f"pass@{k}"], s["questions"])
+           "eval %s [%s]: pass@1 %.3f [%.3f, %.3f], pass@%d %.3f, %d questions", result.key, label, s.pass1.value,
+           s.pass1.low, s.pass1.high, s.k, s.pass_k.value, s.questions)
     return result
 
 

@@ -96,14 +96,14 @@ def eval_(
 
 def _print_result(result: EvalResult, compare_to: str | None, runs: Path) -> None:
     console = out()
-    console.print(eval_table(f"aepo eval: {result.run_name} (step {result.checkpoint_step})", result.summary,
+    console.print(eval_table(f"aepo eval: {result.run_name} (step {result.checkpoint_step})", result.summaries,
                              result.pass_k, result.judge if result.judge else None))
-    if result.compare:
+    if result.comparisons:
         cmp = Table(title=f"paired Pass@1 difference vs {compare_to}", title_justify="left")
         for col in ("dataset", "questions", "diff", "95% CI"):
             cmp.add_column(col)
-        for ds, c in result.compare.items():
-            cmp.add_row(ds, fmt(c["questions"], 0), f"{c['diff']:+.4f}", f"[{c['ci_low']:.4f}, {c['ci_high']:.4f}]")
+        for ds, c in result.comparisons.items():
+            cmp.add_row(ds, fmt(c.questions, 0), f"{c.diff:+.4f}", f"[{c.ci_low:.4f}, {c.ci_high:.4f}]")
         console.print(cmp)
     console.print(where_table([("MLflow run", f"{result.run_id}  ({result.tracking_uri})"),
                                ("per-question results", result.results_dir)]))

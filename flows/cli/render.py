@@ -11,7 +11,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
@@ -24,6 +24,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from aepo_core.evaluation import EvalSummary
 from flows.cli.environment import sigterm_unwinds, verbosity
 from infra.run.preflight import is_http
 from tasks.progress import Progress as ProgressEvent
@@ -127,8 +128,8 @@ def interval(value: float | None, low: float | None, high: float | None, digits:
     return "–" if value is None or math.isnan(value) else f"{one(value)} [{one(low)}, {one(high)}]"
 
 
-def eval_table(title: str, summaries: dict[str, dict[str, float]], k: int,
-               extra: dict[str, float] | None = None, stages: dict[str, dict[str, dict[str, float]]] | None = None,
+def eval_table(title: str, summaries: Mapping[str, EvalSummary], k: int,
+               extra: Mapping[str, float] | None = None, stages: Mapping[str, Mapping[str, EvalSummary]] | None = None,
                ) -> Table:
     """One row per dataset (or per stage × dataset when ``stages`` is given: start, sft, …, final); fits a
     100-column terminal without folding a number (``test_cli``)."""
@@ -143,10 +144,9 @@ def eval_table(title: str, summaries: dict[str, dict[str, float]], k: int,
     rows = ([(stage, ds, s) for stage, by_ds in stages.items() for ds, s in by_ds.items()] if stages is not None
             else [(None, ds, s) for ds, s in summaries.items()])
     for stage, ds, s in rows:
-        row = ([stage] if stage is not None else []) + [ds, fmt(s.get("questions"), 0), fmt(s["pass@1"]),
-               f"{fmt(s['pass@1_ci_low'])}–{fmt(s['pass@1_ci_high'])}",
-               fmt(s.get(f"pass@{k}")), fmt(s.get("f1")), fmt(s.get("tool_calls_per_question"), 2),
-               fmt(s.get("answered_rate"), 2)]
+        row = ([stage] if stage is not None else []) + [ds, fmt(s.questions, 0), fmt(s.pass1.value),
+               f"{fmt(s.pass1.low)}–{fmt(s.pass1.high)}", fmt(s.pass_k.value), fmt(s.f1),
+               fmt(s.tool_calls_per_question, 2), fmt(s.answered_rate, 2)]
         if extra is not None:
             row.append(fmt(extra.get(ds)))
         table.add_row(*row)

@@ -65,6 +65,7 @@ def train(
     prepare_environment(plan.runs, rank=plan.ranks.rank)
     print_numerics(plan.numerics().describe())
     start_prefect_api()
+    from flows.train import comparison_lines
     from flows.train import train as train_flow
     from tasks.retry import USER_ERRORS
 
@@ -80,10 +81,8 @@ def train(
     console = out()
     console.print(eval_table(f"aepo train: {result.run_name} — evaluations ({result.steps} RL steps)",
                              result.final_eval, cfg.eval.pass_k, stages=result.evals))
-    for name, by_ds in result.comparisons.items():
-        for ds, c in by_ds.items():
-            console.print(f"{name.replace('_', ' ')} on {ds}: pass@1 {c['diff']:+.3f} [{c['ci_low']:+.3f}, "
-                          f"{c['ci_high']:+.3f}] (paired over {c['questions']:.0f} questions)")
+    for line in comparison_lines(result.comparisons):
+        console.print(line)
     console.print(where_table([
         ("MLflow run", f"{result.run_id}  ({result.tracking_uri})"),
         *([("registered policy", result.model_version)] if result.model_version else []),

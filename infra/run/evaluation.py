@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from aepo_core.config import EvalConfig, RolloutConfig, StorageConfig
-from aepo_core.evaluation import QuestionOutcome, is_correct, paired_comparison, summarize, summarize_by
+from aepo_core.evaluation import EvalSummary, PairedDiff, QuestionOutcome, is_correct, summaries_by
 from aepo_core.interfaces import RewardFn, RewardResult, SamplingParams
 from aepo_core.metrics import pass_at_k
 from aepo_core.rewards import predicted_answer
@@ -100,8 +100,8 @@ class EvalReport:
 
     dataset: str
     key: str
-    summary: dict[str, float]
-    by_family: dict[str, dict[str, float]]
+    summary: EvalSummary
+    by_family: dict[str, EvalSummary]
     outcomes: list[QuestionOutcome]
     per_question_pass1: dict[str, float] = field(default_factory=dict)
     answers: dict[str, list[str | None]] = field(default_factory=dict)
@@ -110,7 +110,13 @@ class EvalReport:
 
     def metrics(self, prefix: str = "eval") -> dict[str, float]:
         """``<prefix>/<key>/<summary name>``: the names under which MLflow records this report."""
-        return {f"{prefix}/{self.key}/{name}": value for name, value in self.summary.items()}
+        return {f"{prefix}/{self.key}/{name}": value for name, value in self.summary.as_dict().items()}
+
+    def as_dict(self) -> dict[str, object]:
+        """The report as JSON (``eval/<stage>/<key>.json``): summary, per family, per question."""
+        return {"summary": self.summary.as_dict(),
+                "by_family": {family: s.as_dict() for family, s in self.by_family.items()},
+                "questions": [o.as_dict() for o in self.outcomes]}
 
 
 def eval_rollout_config(rollout: RolloutConfig, ev: EvalConfig) -> RolloutConfig:
@@ -146,8 +152,8 @@ def evaluate_dataset(runtime: PolicyRuntime, dataset: str, rows: Sequence[Questi
                 traced.trees.append(tree)
                 traced.scores.append([LeafScore(r.score, r.reason, math.nan, is_correct(r)) for r in rewards])
                 traced.questions[row.id] = row
-    summary = summarize(outcomes, ev.pass_k, n_resamples=ev.bootstrap_samples, seed=seed)
-    by_family = summarize_by(outcomes, "family", ev.pass_k, n_resamples=ev.bootstrap_samples, seed=seed)
+    summary = EvalSummary.of(outcomes, ev.pass_k, n_resamples=ev.bootstrap_samples, seed=seed)
+    by_family = summaries_by(outcomes, "family", ev.pass_k, n_resamples=ev.bootstrap_samples, seed=seed)
     pass1 = {o.question_id: o.correct / o.n for o in outcomes}
     key = dataset_key(dataset, among=runtime.eval_datasets())  # unique among the datasets evaluated together
     return EvalReport(dataset, key, summary, by_family, outcomes, pass1, answers, {r.id: r for r in rows},
@@ -323,10 +329,24 @@ class EvalResult:
     tracking_uri: str
     pass_k: int
     files: dict[str, str] = field(default_factory=dict)
-    summary: dict[str, dict[str, float]] = field(default_factory=dict)
-    by_family: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    summaries: dict[str, EvalSummary] = field(default_factory=dict)
+    families: dict[str, dict[str, EvalSummary]] = field(default_factory=dict)
     judge: dict[str, float] = field(default_factory=dict)
-    compare: dict[str, dict[str, float]] = field(default_factory=dict)
+    comparisons: dict[str, PairedDiff] = field(default_factory=dict)
+
+    @property
+    def summary(self) -> dict[str, dict[str, float]]:
+        """The summaries serialized (:meth:`EvalSummary.as_dict`), by dataset key."""
+        return {key: s.as_dict() for key, s in self.summaries.items()}
+
+    @property
+    def by_family(self) -> dict[str, dict[str, dict[str, float]]]:
+        return {key: {f: s.as_dict() for f, s in by.items()} for key, by in self.families.items()}
+
+    @property
+    def compare(self) -> dict[str, dict[str, float]]:
+        """The paired comparisons serialized (:meth:`PairedDiff.as_dict`), by dataset key."""
+        return {key: c.as_dict() for key, c in self.comparisons.items()}
 
     @property
     def source(self) -> EvalSource:
@@ -343,17 +363,13 @@ class EvalResult:
             self.judge[report.key] = judge_pass1(verdicts)
             metrics[f"eval/{report.key}/judge_pass@1"] = self.judge[report.key]
         if previous is not None and report.dataset in previous:
-            cmp = paired_comparison(report.per_question_pass1, previous[report.dataset],
-                                    n_resamples=ev.bootstrap_samples, seed=seed)
-            self.compare[report.key] = cmp
-            metrics.update({f"compare/{report.key}/pass@1_{key}": v for key, v in cmp.items()})
-        self.summary[report.key], self.by_family[report.key] = report.summary, report.by_family
+            cmp = PairedDiff.of(report.per_question_pass1, previous[report.dataset],
+                                n_resamples=ev.bootstrap_samples, seed=seed)
+            self.comparisons[report.key] = cmp
+            metrics.update({f"compare/{report.key}/pass@1_{key}": v for key, v in cmp.as_dict().items()})
+        self.summaries[report.key], self.families[report.key] = report.summary, report.by_family
         return metrics
 
-    def comparison(self, key: str) -> str:
-        """Dataset ``key``'s paired Pass@1 difference in words: ``+0.0125 [-0.0100, 0.0350] over 40 questions``."""
-        cmp = self.compare[key]
-        return f"{cmp['diff']:+.4f} [{cmp['ci_low']:.4f}, {cmp['ci_high']:.4f}] over {int(cmp['questions'])} questions"
 
     def summary_json(self, compare_to: str | None) -> dict[str, object]:
         """``eval/summary.json``: the summaries, the judge's Pass@1 and the paired comparisons."""

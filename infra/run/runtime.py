@@ -12,6 +12,7 @@ The rollout prompt (:meth:`PolicyRuntime.prompt_ids`) is part of the algorithm: 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -144,24 +145,24 @@ class PolicyRuntime:
         finally:
             self.engine.release()  # retained KV of this rollout is never asked for again: free it now
             release_memory()  # and its heap pages, or the update stacks on them
-        self._check_weight_versions(result)
-        return result
+        return dataclasses.replace(result, stats={**result.stats, **self._weight_version_stats(result)})
 
-    def _check_weight_versions(self, result: RolloutResult) -> None:
-        """Count model segments sampled by weights other than the last ones loaded (``rollout/stale_segments``);
-        under ``rollout.vllm.strict_weight_version`` a stale segment fails the rollout."""
+    def _weight_version_stats(self, result: RolloutResult) -> dict[str, float]:
+        """Model segments sampled by weights other than the last ones loaded (``rollout/stale_segments``) and the
+        version expected; under ``rollout.vllm.strict_weight_version`` a stale segment fails the rollout."""
         expected = self.engine.weight_version
         versions = result.weight_versions()
         if expected is None or set(versions) <= {None}:
-            return
+            return {}
         stale = {v: n for v, n in versions.items() if v is not None and v != expected}
-        result.stats["stale_segments"] = float(sum(stale.values()))
+        stats = {"stale_segments": float(sum(stale.values()))}
         if expected.isdigit():
-            result.stats["weight_version"] = float(expected)
+            stats["weight_version"] = float(expected)
         if stale and self.cfg.rollout.vllm.strict_weight_version:
             raise StaleWeightsError(f"{sum(stale.values())} model segments were sampled by weight versions "
                                     f"{sorted(stale)} while the trainer's weights are version {expected} "
                                     "(rollout.vllm.strict_weight_version)")
+        return stats
 
     def score(self, result: RolloutResult, rows: Sequence[QuestionRow]) -> StepScores:
         """Rewards and group advantages of a training rollout (the trees are not modified)."""

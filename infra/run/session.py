@@ -25,7 +25,7 @@ from aepo_core.config import ExperimentConfig
 from aepo_core.config_keys import ConfigError
 from aepo_core.cost import COST_PREFIX, TOTAL
 from aepo_core.dynamic_sampling import FilledBatch
-from aepo_core.evaluation import paired_comparison
+from aepo_core.evaluation import EvalSummary, PairedDiff
 from aepo_core.rollout.tree import RolloutTree
 from aepo_core.scoring import LeafScore
 from infra.data.rows import QuestionRow
@@ -178,8 +178,7 @@ class RunSession:
         self.tracker.log_metrics(report.metrics(prefix), step)
         log_eval_traces(self.tracker, report, step, stage)
         self.tracker.flush_traces()
-        self.tracker.log_dict({"summary": report.summary, "by_family": report.by_family,
-                               "questions": [o.as_dict() for o in report.outcomes]}, f"eval/{stage}/{report.key}.json")
+        self.tracker.log_dict(report.as_dict(), f"eval/{stage}/{report.key}.json")
 
     def log_step(self, step: int, batch: FilledBatch, metrics: Mapping[str, float]) -> None:
         """One RL step's record: on rank 0 what a reader opens for it (:meth:`_log_step_views`), the first
@@ -202,8 +201,8 @@ class RunSession:
         self.tracker.log_trajectory_sample(trees, scores, max_rows=16, step=step,
                                            questions=self.trainer.question_texts(trees))
 
-    def record_outcome(self, final: Mapping[str, Mapping[str, float]],
-                       comparisons: Mapping[str, Mapping[str, Mapping[str, float]]]) -> str | None:
+    def record_outcome(self, final: Mapping[str, EvalSummary],
+                       comparisons: Mapping[str, Mapping[str, PairedDiff]]) -> str | None:
         """Rank 0, at the end: the paired comparisons as metrics, the run's curves (``plots/curves.png``, against
         steps and against generated tokens), and with ``tracking.log_model`` the final policy logged and registered.
         Returns the registered version's URI (None: not registered; always on the other ranks)."""
@@ -212,7 +211,7 @@ class RunSession:
         step = self.trainer.step
         for cmp_name, by_ds in comparisons.items():
             self.tracker.log_metrics({f"eval/{ds}/{cmp_name}_{key}": value
-                                      for ds, c in by_ds.items() for key, value in c.items()}, step)
+                                      for ds, c in by_ds.items() for key, value in c.as_dict().items()}, step)
         pass1 = [f"eval/{ds}/pass_at_1" for ds in final]
         history = self.tracker.metric_history([*CURVE_METRICS, *pass1, TOKENS_SPENT])
         tokens = dict(history.pop(TOKENS_SPENT))
@@ -220,7 +219,7 @@ class RunSession:
                                               tokens=tokens), "plots/curves.png")
         return self._log_policy(final, step) if self.cfg.tracking.log_model else None
 
-    def _log_policy(self, final: Mapping[str, Mapping[str, float]], step: int) -> str | None:
+    def _log_policy(self, final: Mapping[str, EvalSummary], step: int) -> str | None:
         """Log the final policy with its agent protocol; register it under ``tracking.registered_model`` (with the
         final evaluation metrics as version tags). Returns the registered version's URI, None when not registered."""
         cfg, runtime = self.cfg, self.runtime
@@ -228,7 +227,8 @@ class RunSession:
                            protocol=runtime.protocol)
         if not cfg.tracking.registered_model:
             return None
-        metrics = {f"eval/{ds}/{key}": value for ds, summary in final.items() for key, value in summary.items()}
+        metrics = {f"eval/{ds}/{key}": value for ds, summary in final.items()
+                   for key, value in summary.as_dict().items()}
         provenance = PolicyProvenance(cfg.algorithm.loss, cfg.rollout.mode, cfg.model.name, cfg.seed,
                                       cfg.config_hash(), f"eval/{next(iter(final), 'none')}/pass_at_1")
         return register_model(self.tracker, logged, cfg.tracking.registered_model, metrics, step,
@@ -296,13 +296,13 @@ def _restore(trainer: Trainer, point: ResumePoint | None, trajectories: Trajecto
 
 
 def paired_vs_earlier(per_question: Mapping[str, Mapping[str, Mapping[str, float]]], cfg: ExperimentConfig
-                      ) -> dict[str, dict[str, dict[str, float]]]:
+                      ) -> dict[str, dict[str, PairedDiff]]:
     """final − sft and final − start: per-question Pass@1 differences on the same questions, bootstrap CI."""
-    out: dict[str, dict[str, dict[str, float]]] = {}
+    out: dict[str, dict[str, PairedDiff]] = {}
     final = per_question.get("final", {})
     for earlier in ("sft", "start"):
         for ds, before in per_question.get(earlier, {}).items():
             if ds in final:
-                out.setdefault(f"final_minus_{earlier}", {})[ds] = paired_comparison(
+                out.setdefault(f"final_minus_{earlier}", {})[ds] = PairedDiff.of(
                     final[ds], before, n_resamples=cfg.eval.bootstrap_samples, seed=cfg.seed)
     return out
