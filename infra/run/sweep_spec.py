@@ -1,13 +1,32 @@
 """A sweep file, parsed and validated without Prefect or MLflow (``aepo sweep --dry-run`` lists its runs from here
-before anything starts): cells × seeds, each with its fully resolved config. The file format is in
-:mod:`flows.sweep`."""
+before anything starts): cells × seeds, each with its fully resolved config. The sweep flow is :mod:`flows.sweep`.
+
+Sweep file (YAML; relative paths are relative to the sweep file)::
+
+    name: algorithms              # parent MLflow run name; output directory <runs_dir>/sweeps/<name>/
+    base: ../tiny.yaml            # the experiment config every cell starts from (default: built-in defaults)
+    overrides:                    # dotted overrides applied to every cell (a mapping or a list of "k=v")
+      train.steps: 4
+    seeds: [0, 1, 2]              # every cell runs once per seed (sets `seed`); default: the base config's seed
+    grid:                         # axes → levels → overrides; the cells are the cross product of the levels,
+      algorithm:                  # named by joining the level names with "-" (one axis: the level name)
+        aepo: {rollout.mode: aepo, algorithm.loss: aepo}
+        grpo: {rollout.mode: independent, algorithm.loss: ppo_clip, algorithm.entropy_advantage: false}
+    cells:                        # extra cells after the grid: name → overrides (e.g. ablations)
+      aepo-no-premonitor: {rollout.mode: aepo, algorithm.loss: aepo, rollout.premonitor: false}
+    runs_dir: runs                # optional; the flow's runs_dir parameter (or the CLI's --runs-dir) wins
+
+A child run is named ``<name>-<cell>-s<seed>`` and tagged ``sweep_name``, ``sweep_cell`` (its MLflow params hold
+the whole resolved config).  Every cell's config is validated before the first one runs, so a typo in the last
+ablation fails the sweep at once with the cell and key in the message.
+"""
 
 from __future__ import annotations
 
 import itertools
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -183,3 +202,28 @@ def shard_runs(runs: Sequence[SweepRun], shard: str | None) -> list[SweepRun]:
         return list(runs)
     i, n = parse_shard(shard)
     return list(runs)[i - 1::n]
+
+
+def sweep_spec(sweep_config: str | Mapping[str, Any], shard: str | None, overrides: Sequence[str] | None = None,
+               cells: Sequence[str] | None = None) -> SweepSpec:
+    """The sweep a flow run runs: the file's (or mapping's) with ``overrides`` on every cell, only ``cells`` (None:
+    all), cut to one shard ``"i/N"`` (named ``…-shardIofN``)."""
+    spec = load_sweep(sweep_config, overrides or (), cells)
+    if shard is None:
+        return spec
+    i, n = parse_shard(shard)
+    return replace(spec, name=f"{spec.name}-shard{i}of{n}", runs=shard_runs(spec.runs, shard))
+
+
+def configured_runs_dir(path: Path) -> Path | None:
+    """The sweep file's ``runs_dir`` (relative to the file), resolved; None when it names none. Raises
+    :class:`ConfigError` for a file that cannot be read or parsed."""
+    try:
+        raw = yaml.safe_load(read_config_text(path, "sweep file")) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"cannot read sweep file {path}: {exc}") from None
+    value = raw.get("runs_dir") if isinstance(raw, dict) else None
+    if not value:
+        return None
+    p = Path(str(value)).expanduser()
+    return (p if p.is_absolute() else path.resolve().parent / p).resolve()
