@@ -139,9 +139,7 @@ def sweep_cmd(
     prepare_environment(runs)
     from flows.sweep import sweep
 
-    check_tracking_store(spec.base.tracking.tracking_uri, runs)
-    for run in selected:  # (cells may override the storage)
-        check_storage(run.config, runs, run.config.run_name_for(None))
+    _check_stores(spec, selected, runs)
     if resume:
         _check_resume(config, shard, set_, only, runs)
     check_not_running(runs, sweep=spec.name)
@@ -169,6 +167,13 @@ def _load(config: Path, set_: list[str] | None, only: list[str] | None, shard: s
     except ConfigError as exc:
         fail(str(exc))
     return spec, selected
+
+
+def _check_stores(spec: SweepSpec, selected: Sequence[SweepRun], runs: Path) -> None:
+    """The tracking store and every run's storage must be usable before anything starts."""
+    check_tracking_store(spec.base.tracking.tracking_uri, runs)
+    for run in selected:  # (cells may override the storage)
+        check_storage(run.config, runs, run.config.run_name_for(None))
 
 
 def _check_prefect_server() -> None:

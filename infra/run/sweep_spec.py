@@ -116,18 +116,7 @@ def load_sweep(source: str | Path | Mapping[str, Any], overrides: Sequence[str] 
 
     ``overrides`` (``"key=value"``, ``aepo sweep --set``) apply to every cell after its own overrides (and to the
     parent's config); ``only_cells`` keeps those cells (``aepo sweep --cells``), in the file's order."""
-    if isinstance(source, Mapping):
-        raw, here, label = dict(source), Path.cwd(), "sweep parameters"
-    else:
-        path = Path(source).expanduser()
-        text = read_config_text(path, "sweep file")
-        try:
-            raw = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"sweep file {path}: invalid YAML: {exc}") from None
-        here, label = path.resolve().parent, str(path)
-        if not isinstance(raw, dict):
-            raise ConfigError(f"sweep file {path}: expected a mapping at the top level")
+    raw, here, label = _read_sweep(source)
     unknown = sorted(set(raw) - SPEC_KEYS)
     if unknown:
         raise ConfigError(f"{label}: unknown sweep key(s) {unknown}; known: {sorted(SPEC_KEYS)}")
@@ -151,23 +140,7 @@ def load_sweep(source: str | Path | Mapping[str, Any], overrides: Sequence[str] 
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool)
                                                              for s in seeds):
         raise ConfigError(f"{label}: seeds must be a non-empty list of integers; got {seeds_raw!r}")
-    cells = _grid_cells(raw.get("grid"))
-    extra = raw.get("cells") or {}
-    if not isinstance(extra, Mapping):
-        raise ConfigError(f"{label}: cells must be a mapping name → overrides; got {extra!r}")
-    for cell, ov in extra.items():
-        cell = _check_name(str(cell), "cell")
-        if cell in cells:
-            raise ConfigError(f"{label}: cell {cell!r} is defined twice (grid and cells)")
-        cells[cell] = _override_map(ov, f"cells.{cell}")
-    if not cells:
-        cells = {"base": {}}
-    if only_cells is not None:
-        unknown_cells = [c for c in only_cells if c not in cells]
-        if unknown_cells or not only_cells:
-            raise ConfigError(f"{label}: no cell(s) {unknown_cells or list(only_cells)}; the cells are "
-                              f"{', '.join(cells)}")
-        cells = {c: ov for c, ov in cells.items() if c in only_cells}
+    cells = _only(_cells(raw, label), only_cells, label)
     runs = []
     for cell, ov in cells.items():
         for seed in seeds:
@@ -183,6 +156,47 @@ def load_sweep(source: str | Path | Mapping[str, Any], overrides: Sequence[str] 
     if runs_dir is not None and not Path(str(runs_dir)).expanduser().is_absolute():
         runs_dir = str(here / str(runs_dir)) if not isinstance(source, Mapping) else str(runs_dir)
     return SweepSpec(name, base, base_source, common, list(seeds), cells, runs_dir, runs, forced)
+
+
+def _read_sweep(source: str | Path | Mapping[str, Any]) -> tuple[dict[str, Any], Path, str]:
+    """The sweep's raw mapping, the directory its relative paths start from, and how messages name it."""
+    if isinstance(source, Mapping):
+        return dict(source), Path.cwd(), "sweep parameters"
+    path = Path(source).expanduser()
+    text = read_config_text(path, "sweep file")
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"sweep file {path}: invalid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"sweep file {path}: expected a mapping at the top level")
+    return raw, path.resolve().parent, str(path)
+
+
+def _cells(raw: Mapping[str, Any], label: str) -> dict[str, dict[str, Any]]:
+    """The grid's cells, then the extra ``cells`` (one cell ``base`` when there are none)."""
+    cells = _grid_cells(raw.get("grid"))
+    extra = raw.get("cells") or {}
+    if not isinstance(extra, Mapping):
+        raise ConfigError(f"{label}: cells must be a mapping name → overrides; got {extra!r}")
+    for cell, ov in extra.items():
+        cell = _check_name(str(cell), "cell")
+        if cell in cells:
+            raise ConfigError(f"{label}: cell {cell!r} is defined twice (grid and cells)")
+        cells[cell] = _override_map(ov, f"cells.{cell}")
+    return cells or {"base": {}}
+
+
+def _only(cells: dict[str, dict[str, Any]], only_cells: Sequence[str] | None, label: str
+          ) -> dict[str, dict[str, Any]]:
+    """``only_cells`` of ``cells`` (None: all), in the file's order; an unknown cell fails naming the known ones."""
+    if only_cells is None:
+        return cells
+    unknown_cells = [c for c in only_cells if c not in cells]
+    if unknown_cells or not only_cells:
+        raise ConfigError(f"{label}: no cell(s) {unknown_cells or list(only_cells)}; the cells are "
+                          f"{', '.join(cells)}")
+    return {c: ov for c, ov in cells.items() if c in only_cells}
 
 
 _SHARD_RE = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
