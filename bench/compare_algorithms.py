@@ -449,8 +449,8 @@ def sweep_spec(path: Path, sets: Sequence[str], seeds: Sequence[int] | None, cel
 def started(runs: Path, spec: Any) -> bool:
     """Whether a sweep of this name is in the runs dir already: then it is continued (the sweep's ``--resume``: the
     same parent run, finished cells skipped, a cell in progress from its last checkpoint), not started again."""
-    from flows.sweep import sweep_to_resume
     from infra.run.resume import NothingToResumeError
+    from infra.run.sweep import sweep_to_resume
     from infra.tracking.run import Tracker
 
     try:
@@ -483,7 +483,7 @@ def run_sweep(spec: dict[str, Any], runs: Path, pool: Any, child_timeout_s: floa
 def stored_runs(runs: Path, checked: Any, tracking_uri: str | None) -> dict[str, Any]:
     """The finished runs of the sweep ``checked`` already in the runs dir's store, shaped like a sweep result
     (newest run of each name): re-analysis without re-running, or of a sweep stopped early."""
-    from flows.sweep import comparison_frame
+    from infra.run.sweep import comparison_frame
     from infra.tracking.client import tracking_uri_for
     from infra.tracking.run import Tracker
 
@@ -614,8 +614,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--workers must be >= 0; got {args.workers}")
     runs = args.runs_dir.resolve()
     prepare_environment(runs)  # before Prefect is imported
-    from flows.sweep import load_sweep
     from infra.config_files import load_config
+    from infra.run.sweep_spec import load_sweep
 
     sets = [*(QUICK_SETS if args.quick else []), *args.sets]
     seeds = [0] if args.quick and args.seeds is None else args.seeds

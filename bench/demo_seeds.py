@@ -269,7 +269,7 @@ def check_measurable(spec: Any) -> None:
 
 def run(args: argparse.Namespace, runs: Path) -> int:
     from bench.compare_algorithms import started, stored_runs
-    from flows.sweep_spec import load_sweep
+    from infra.run.sweep_spec import load_sweep
     from infra.store import TrajectoryStore
     from infra.tracking.run import Tracker
 

@@ -1,4 +1,5 @@
-"""PNG plots for tracking: training curves, curves of several arms with their seed bands, a drawn rollout tree.
+"""PNG plots for tracking: training curves, curves of several arms with their seed bands, a drawn rollout tree, a
+sweep's comparison.
 
 Figures are built with :class:`matplotlib.figure.Figure` on an Agg canvas, never through ``pyplot``: no global
 figure registry and no GUI backend, so plotting is safe from worker threads and headless machines.  Files are
@@ -13,6 +14,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -330,3 +332,39 @@ def budget_scatter_figure(points: Mapping[str, Sequence[tuple[float, float]]],
     if title:
         ax.set_title(title)
     return fig
+
+
+def comparison_figure(runs: pd.DataFrame, title: str) -> Figure:
+    """Per dataset, two panels: mean Pass@1 per cell (bars, ± std over seeds) with each seed's value as a dot; and
+    each run's Pass@1 against the generated tokens it spent (a cell's colour in both)."""
+    datasets = list(dict.fromkeys(runs["dataset"])) or [""]
+    fig = Figure(figsize=(max(5.0, 1.1 * runs["cell"].nunique() + 2) + 5.0, 3.2 * len(datasets)))
+    colours = {cell: f"C{i % 10}" for i, cell in enumerate(dict.fromkeys(runs["cell"]))}
+    for i, ds in enumerate(datasets):
+        _pass1_vs_tokens(fig.add_subplot(len(datasets), 2, 2 * i + 2), runs[runs["dataset"] == ds], colours)
+        ax = fig.add_subplot(len(datasets), 2, 2 * i + 1)
+        sub = runs[runs["dataset"] == ds]
+        cells = list(dict.fromkeys(sub["cell"]))
+        stats = sub.groupby("cell", sort=False)["pass@1"].agg(["mean", "std"]).reindex(cells).fillna(0.0)
+        ax.bar(range(len(cells)), stats["mean"], yerr=stats["std"], capsize=4, color="#9ecae1", edgecolor="#3182bd")
+        for j, cell in enumerate(cells):
+            vals = sub[sub["cell"] == cell]["pass@1"].dropna()
+            ax.scatter([j] * len(vals), vals, color="#08306b", s=14, zorder=3)
+        ax.set_xticks(range(len(cells)), cells, rotation=20, ha="right")
+        ax.set_ylabel("pass@1")
+        ax.set_ylim(0, max(1e-3, float(sub["pass@1"].max(skipna=True) or 0)) * 1.15 + 0.01)
+        ax.set_title(f"{title} — {ds}" if ds else title)
+    fig.tight_layout()
+    return fig
+
+
+def _pass1_vs_tokens(ax: Axes, runs: pd.DataFrame, colours: Mapping[str, str]) -> None:
+    """Each run's final Pass@1 against its cumulative generated tokens, one colour per cell."""
+    for cell, sub in runs.groupby("cell", sort=False):
+        ax.scatter(sub["generated_tokens"], sub["pass@1"], color=colours[str(cell)], s=18, label=str(cell))
+    ax.set_xlabel("generated tokens (the run's total)")
+    ax.set_ylabel("pass@1")
+    ax.set_title("pass@1 vs tokens spent")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+

@@ -7,24 +7,38 @@ server:create_app``, :class:`~prefect.server.api.server.SubprocessASGIServer`) o
 whose only change is a parent-death signal (:func:`~infra.processes.set_parent_death_signal`): the kernel kills it
 when the trainer dies. Prefect's own ``SubprocessASGIServer()`` calls then return this instance (one per port,
 the default one under the key None), so everything else about the server stays Prefect's.
+
+And the watch over a sweep's child flow runs (:mod:`flows.sweep`): whether the deployment exists, when a child
+counts as timed out or lost with its worker (:class:`Watch`), and its flow-run heartbeats (:class:`ChildRun`).
 """
 
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from uuid import UUID
 
 import prefect
 from prefect.server.api.server import SubprocessASGIServer
 from prefect.settings import PREFECT_API_URL, get_current_settings
 
+from aepo_core.config_keys import ConfigError
 from infra.processes import set_parent_death_signal
+
+if TYPE_CHECKING:
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.events.schemas.events import ReceivedEvent
+
+log = logging.getLogger(__name__)
 
 
 def _die_with_trainer() -> None:  # pragma: no cover - runs in the server's process, pre-exec
@@ -94,3 +108,90 @@ def start_temporary_api() -> None:
     if PREFECT_API_URL.value() or SubprocessASGIServer._instances.get(None) is not None:
         return
     TrainerBoundServer().start()
+
+
+# ------------------------------------------------------------------------------------ a sweep's children
+
+HEARTBEAT_CHECK_S = 5.0  # seconds between two reads of a running child's newest heartbeat event
+LOST_HEARTBEATS = 3  # default child_lost_after_s: this many heartbeat intervals (as Prefect's zombie automation)
+HEARTBEAT_EVENT = "prefect.flow-run.heartbeat"
+
+
+def check_deployment(deployment: str) -> None:
+    """The deployment must exist on the Prefect API this process talks to (a sweep's typo fails before any run
+    starts): raises :class:`ConfigError` naming the API and the expected form."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_deployment_by_name(deployment)
+        except ObjectNotFound:
+            raise ConfigError(f"sweep deployment {deployment!r} not found on the Prefect API at "
+                              f"{client.api_url}: register it (`prefect deploy --name train`) or fix the name "
+                              "('<flow name>/<deployment name>', e.g. 'aepo-train/train')") from None
+
+
+@dataclass(frozen=True)
+class Watch:
+    """When the fan-out gives up on a child: ``timeout_s`` after its submission, or ``lost_after_s`` after its
+    last heartbeat (None: never)."""
+
+    timeout_s: float | None
+    lost_after_s: float | None
+
+
+def lost_after(child_lost_after_s: float | None) -> float | None:
+    """``child_lost_after_s``, else 3 heartbeat intervals of this process's Prefect settings (None: heartbeats off)."""
+    if child_lost_after_s is not None:
+        return child_lost_after_s
+    from prefect.settings import get_current_settings
+
+    frequency = get_current_settings().flows.heartbeat_frequency
+    return LOST_HEARTBEATS * frequency if frequency else None
+
+
+@dataclass
+class ChildRun:
+    """A child flow run in flight: its (run) name, when it was submitted, and the newest heartbeat seen of it."""
+
+    name: str
+    submitted: float
+    heartbeat: tuple[UUID, datetime] | None = None  # (event id, occurred)
+    seen_at: float = 0.0  # monotonic time that heartbeat was first seen (this machine's clock only)
+    interval_s: float = 0.0  # the longest gap seen between two of its heartbeats
+    checked_at: float = 0.0
+
+    def silent_for(self, client: SyncPrefectClient, flow_run_id: UUID, lost_after_s: float, now: float) -> float | None:
+        """How long the child has been silent (no new heartbeat), if that makes it lost; else None.
+
+        Only a child that has sent a heartbeat can be lost (with heartbeats off on its worker only the timeout
+        applies), and never before two of its own heartbeat intervals: a worker that beats slower than this
+        process's settings assume is not mistaken for a lost one."""
+        if now - self.checked_at < HEARTBEAT_CHECK_S:
+            return None
+        self.checked_at = now
+        try:
+            event = _newest_heartbeat(client, flow_run_id)
+        except Exception as exc:  # no verdict without the events API; the state poll goes on
+            log.debug("reading the heartbeats of flow run %s failed: %s", flow_run_id, exc)
+            return None
+        if event is None:
+            return None
+        if self.heartbeat is None or event.id != self.heartbeat[0]:
+            if self.heartbeat is not None:
+                self.interval_s = max(self.interval_s, (event.occurred - self.heartbeat[1]).total_seconds())
+            self.heartbeat, self.seen_at = (event.id, event.occurred), now
+            return None
+        limit = max(lost_after_s, 2 * self.interval_s)
+        return limit if now - self.seen_at > limit else None
+
+
+def _newest_heartbeat(client: SyncPrefectClient, flow_run_id: UUID) -> ReceivedEvent | None:
+    """The newest ``prefect.flow-run.heartbeat`` event of a flow run (None: none yet)."""
+    from prefect.events.filters import EventFilter, EventNameFilter, EventOrder, EventResourceFilter
+
+    page = client.read_events(EventFilter(event=EventNameFilter(name=[HEARTBEAT_EVENT]),
+                                          resource=EventResourceFilter(id=[f"prefect.flow-run.{flow_run_id}"]),
+                                          order=EventOrder.DESC), limit=1)
+    return page.events[0] if page.events else None

@@ -4,12 +4,11 @@ runs of a deployment, then their comparison; ``--dry-run`` lists the runs and st
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-import yaml
 from rich import box
 from rich.markup import escape
 from rich.progress import Progress
@@ -40,47 +39,40 @@ from flows.cli.render import (
 )
 from tasks.progress import Progress as ProgressEvent
 
+if TYPE_CHECKING:
+    from flows.sweep import SweepResult
+    from infra.run.sweep_spec import SweepRun, SweepSpec
+
 
 def _sweep_runs_dir(option: str | None, path: Path) -> Path:
     """--runs-dir / $AEPO_RUNS_DIR, else the sweep file's runs_dir (relative to the file), else ./runs."""
     if option:
         return Path(option).expanduser().resolve()
-    from infra.config_files import read_config_text
+    from infra.run.sweep_spec import configured_runs_dir
 
     try:
-        raw = yaml.safe_load(read_config_text(path, "sweep file")) or {}
+        configured = configured_runs_dir(path)
     except ConfigError as exc:
         fail(str(exc))
-    except yaml.YAMLError as exc:
-        fail(f"cannot read sweep file {path}: {exc}")
-    value = raw.get("runs_dir") if isinstance(raw, dict) else None
-    if value:
-        p = Path(str(value)).expanduser()
-        return (p if p.is_absolute() else path.resolve().parent / p).resolve()
-    return Path(DEFAULT_RUNS_DIR).resolve()
+    return configured or Path(DEFAULT_RUNS_DIR).resolve()
 
 
 def _check_resume(config: Path, shard: str | None, set_: list[str] | None, only: list[str] | None,
                   runs: Path) -> None:
     """``--resume`` needs the sweep's parent run in the tracking store: exits 2 when there is none, before a server
     starts or a run is created."""
-    from flows.sweep import sweep_spec, sweep_to_resume
     from infra.run.resume import NothingToResumeError
-    from infra.tracking.client import resolve_tracking
-    from infra.tracking.run import Tracker
+    from infra.run.sweep import check_resumable
+    from infra.run.sweep_spec import sweep_spec
 
-    spec = sweep_spec(str(config.resolve()), shard, list(set_ or []), only)
-    uri, _ = resolve_tracking(spec.base, runs)
-    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
-        fail(f"--resume: nothing to resume: no tracking store at {uri} (drop --resume to start the sweep)")
     try:
-        sweep_to_resume(Tracker.from_config(spec.base, runs, system_metrics=False), spec)
+        check_resumable(sweep_spec(str(config.resolve()), shard, list(set_ or []), only), runs)
     except NothingToResumeError as exc:
         fail(f"--resume: {exc}")
 
 
-def _sweep_plan(spec: Any, selected: Sequence[Any]) -> Table:
-    """``aepo sweep --dry-run``: the runs a sweep (a ``SweepSpec``) would start, each with its cell's overrides;
+def _sweep_plan(spec: SweepSpec, selected: Sequence[SweepRun]) -> Table:
+    """``aepo sweep --dry-run``: the runs a sweep would start, each with its cell's overrides;
     the ones every cell shares in the caption."""
     def joined(overrides: dict[str, Any]) -> str:
         return ", ".join(f"{k}={v}" for k, v in overrides.items()) or "–"
@@ -98,7 +90,7 @@ def _sweep_plan(spec: Any, selected: Sequence[Any]) -> Table:
 
 
 def sweep_cmd(
-    config: Annotated[Path, typer.Option("--config", "-c", help="Sweep YAML (format: flows/sweep.py).")],
+    config: Annotated[Path, typer.Option("--config", "-c", help="Sweep YAML (format: infra/run/sweep_spec.py).")],
     runs_dir: RunsOpt = None,
     shard: Annotated[str | None, typer.Option("--shard", help="Run only shard i/N of the (cell, seed) list (every "
                                               "N-th from the i-th); superseded by --deployment and a work pool.")
@@ -136,11 +128,37 @@ def sweep_cmd(
       aepo sweep -c configs/sweeps/tiny.yaml --cells aepo,grpo --format csv > sweep.csv
       aepo sweep -c configs/sweeps/tiny.yaml --resume     # after Ctrl-C, a kill or the end of a session
     """
+    only = [c.strip() for item in cells for c in item.split(",") if c.strip()] if cells else None
+    spec, selected = _load(config, set_, only, shard)
+    if dry_run:
+        out().print(_sweep_plan(spec, selected))
+        return
+    runs = _sweep_runs_dir(runs_dir, config)
+    if deployment is not None:
+        _check_prefect_server()
+    prepare_environment(runs)
+    from flows.sweep import sweep
+
+    _check_stores(spec, selected, runs)
+    if resume:
+        _check_resume(config, shard, set_, only, runs)
+    check_not_running(runs, sweep=spec.name)
+    start_prefect_api()  # after every check: bad input exits without starting a server
+    result = _run_sweep(spec.name, len(selected), lambda: sweep(
+        sweep_config=str(config.resolve()), runs_dir=str(runs), shard=shard, deployment=deployment,
+        max_parallel=max_parallel, child_timeout_s=child_timeout, child_lost_after_s=child_lost_after,
+        overrides=list(set_ or []) or None, cells=only, resume=resume))
+    _print_result(result, output, runs)
+
+
+def _load(config: Path, set_: list[str] | None, only: list[str] | None, shard: str | None
+          ) -> tuple[SweepSpec, list[SweepRun]]:
+    """The sweep file with ``--set`` and ``--cells``, and the runs of ``--shard``, every one's datasets at hand;
+    exits 2 on a bad file."""
     if not config.is_file():
         fail(f"sweep file not found: {config}")
-    from flows.sweep_spec import load_sweep, shard_runs
+    from infra.run.sweep_spec import load_sweep, shard_runs
 
-    only = [c.strip() for item in cells for c in item.split(",") if c.strip()] if cells else None
     try:
         spec = load_sweep(config, list(set_ or []), only)
         selected = shard_runs(spec.runs, shard)
@@ -148,44 +166,47 @@ def sweep_cmd(
             check_datasets(run.config)
     except ConfigError as exc:
         fail(str(exc))
-    if dry_run:
-        out().print(_sweep_plan(spec, selected))
-        return
-    runs = _sweep_runs_dir(runs_dir, config)
-    if deployment is not None:
-        api_url = os.environ.get("PREFECT_API_URL")
-        if not api_url:
-            fail("--deployment needs a Prefect server with workers: export PREFECT_API_URL=http://127.0.0.1:4200/api "
-                 "(README, 'Scaling out')")
-        if not healthy(api_url):
-            fail(f"--deployment: no Prefect server at PREFECT_API_URL={api_url}", code=1)
-    prepare_environment(runs)
-    from flows.sweep import sweep
-    from tasks.retry import USER_ERRORS
+    return spec, selected
 
+
+def _check_stores(spec: SweepSpec, selected: Sequence[SweepRun], runs: Path) -> None:
+    """The tracking store and every run's storage must be usable before anything starts."""
     check_tracking_store(spec.base.tracking.tracking_uri, runs)
     for run in selected:  # (cells may override the storage)
         check_storage(run.config, runs, run.config.run_name_for(None))
-    if resume:
-        _check_resume(config, shard, set_, only, runs)
-    check_not_running(runs, sweep=spec.name)
-    start_prefect_api()  # after every check: bad input exits without starting a server
+
+
+def _check_prefect_server() -> None:
+    """``--deployment`` needs a Prefect server with workers at $PREFECT_API_URL."""
+    api_url = os.environ.get("PREFECT_API_URL")
+    if not api_url:
+        fail("--deployment needs a Prefect server with workers: export PREFECT_API_URL=http://127.0.0.1:4200/api "
+             "(README, 'Scaling out')")
+    if not healthy(api_url):
+        fail(f"--deployment: no Prefect server at PREFECT_API_URL={api_url}", code=1)
+
+
+def _run_sweep(name: str, total: int, run: Callable[[], SweepResult]) -> SweepResult:
+    """``run`` (the sweep flow), its ``total`` cells on a progress bar; exits 2 on the user's input, 1 on a failure."""
+    from tasks.retry import USER_ERRORS
 
     def on_event(bar: Progress, task: Any, event: ProgressEvent) -> None:
         if event.stage == "cell":
             bar.update(task, completed=event.done, total=event.total, description=event.name)
 
     try:
-        with flow_progress(f"sweep {spec.name}", len(selected), on_event) as progress:
-            result = sweep(sweep_config=str(config.resolve()), runs_dir=str(runs), shard=shard,
-                           deployment=deployment, max_parallel=max_parallel, child_timeout_s=child_timeout,
-                           child_lost_after_s=child_lost_after, overrides=list(set_ or []) or None, cells=only,
-                           resume=resume)
-            progress.update(progress.task_ids[0], completed=len(selected), description=f"sweep {result.name} done")
+        with flow_progress(f"sweep {name}", total, on_event) as progress:
+            result = run()
+            progress.update(progress.task_ids[0], completed=total, description=f"sweep {result.name} done")
     except USER_ERRORS as exc:  # the user's input (a bad row, a bad config), found by the flow: as before it
         fail(str(exc))
     except Exception as exc:
         fail(f"sweep failed: {exc}", code=1)
+    return result
+
+
+def _print_result(result: SweepResult, output: OutputFormat, runs: Path) -> None:
+    """The per-run table in ``output``'s format; the reused runs, the files and the UI hint beside it."""
     records = [{"cell": r["cell"], "seed": r["seed"], "status": r["status"], "dataset": r["dataset"],
                 "pass@1": r["pass@1"], "pass@1 CI low": r["pass@1_ci_low"], "pass@1 CI high": r["pass@1_ci_high"],
                 "pass@k": r["pass@k"], "tool calls/q": r["tool_calls_per_question"], "reward": r["reward_mean"],

@@ -94,7 +94,7 @@ def bands(expected: list[tuple[float, ...]]) -> list[object]:
 
 @pytest.fixture(scope="module")
 def analysed(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, str]:
-    from flows.sweep import load_sweep
+    from infra.run.sweep_spec import load_sweep
 
     runs = tmp_path_factory.mktemp("runs")
     uri, parent = make_store(runs)

@@ -48,7 +48,7 @@ def test_the_arms_on_a_shared_start_do_not_depend_on_the_base_sft_order_seed(tmp
     run no SFT, so the seed is moot in them: at its default their configs hash as the stored cells' did, and a resumed
     sweep skips those cells instead of training them again (~16-19 min each)."""
     from bench.compare_algorithms import sweep_spec
-    from flows.sweep_spec import load_sweep
+    from infra.run.sweep_spec import load_sweep
 
     sweep = REPO / "configs" / "sweeps" / "claims_powered.yaml"
 

@@ -21,7 +21,7 @@ TINY = REPO / "configs" / "tiny.yaml"
 
 
 def test_one_cell_per_micro_batch_size_or_the_config_s_own() -> None:
-    from flows.sweep_spec import load_sweep
+    from infra.run.sweep_spec import load_sweep
 
     spec = load_sweep(sweep_spec(TINY, ["optim.lr=2e-5"], [0, 1], [256, 512], "s"))
     assert list(spec.cells) == ["mb256", "mb512"] and spec.seeds == [0, 1]

@@ -89,7 +89,8 @@ def test_a_sweep_continued_a_cell_at_a_time_is_compared_whole(prefect_harness: A
 def test_the_comparison_puts_each_child_s_metrics_in_its_own_row(tmp_path: Path) -> None:
     """comparison_frame on a doctored ``search_runs`` frame: distinct values per child, dataset and metric, so that
     a swapped child, dataset or Pass@k, or a lost metric, changes the table."""
-    from flows.sweep import comparison_frame, sweep_spec
+    from infra.run.sweep import comparison_frame
+    from infra.run.sweep_spec import sweep_spec
 
     spec = sweep_spec(str(TINY_SWEEP), None)
     names = [r.run_name for r in spec.runs]
@@ -123,7 +124,8 @@ def test_the_whole_sweep_s_comparison_takes_the_other_shares_from_their_tags() -
     """With ``whole_sweep`` a child outside the spec (an earlier invocation's seed or cell) is a row, its cell and
     seed from its tags, its cell first (it ran first); a run of another sweep never is. Without (a re-analysis of
     chosen cells), only the spec's runs."""
-    from flows.sweep import TAG_CELL, TAG_SWEEP, comparison_frame, sweep_spec
+    from infra.run.sweep import TAG_CELL, TAG_SWEEP, comparison_frame
+    from infra.run.sweep_spec import sweep_spec
 
     spec = sweep_spec(str(TINY_SWEEP), None, cells=["grpo"])
 
@@ -149,7 +151,7 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 
 def test_grid_is_the_cross_product_plus_extra_cells(tmp_path: Path) -> None:
-    from flows.sweep import load_sweep
+    from infra.run.sweep_spec import load_sweep
 
     spec = load_sweep(_write(tmp_path, """
 name: g
@@ -172,7 +174,7 @@ cells:
 @pytest.mark.parametrize("path", sorted((REPO / "configs" / "sweeps").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_sweep_file_builds_its_runs(path: Path) -> None:
     """Each sweep file's every cell × seed is a valid config (tests/core/test_config.py leaves sweep files here)."""
-    from flows.sweep import load_sweep
+    from infra.run.sweep_spec import load_sweep
 
     spec = load_sweep(path)
     assert len(spec.runs) == len(spec.cells) * len(spec.seeds) > 0
@@ -182,8 +184,8 @@ def test_every_shipped_sweep_file_builds_its_runs(path: Path) -> None:
 def test_the_powered_comparison_is_the_power_estimate_s_design() -> None:
     """112 test questions (80 companies: 16 held out × 7) × 5 seeds × aepo, arpo, grpo (bench/power.py), then the
     clip-balance ablation: AEPO's rollout and advantage with PPO's clipped loss."""
-    from flows.sweep import load_sweep
     from infra.data.synthetic import SyntheticTask
+    from infra.run.sweep_spec import load_sweep
 
     spec = load_sweep(REPO / "configs" / "sweeps" / "claims_powered.yaml")
     assert spec.seeds == [0, 1, 2, 3, 4] and list(spec.cells) == ["aepo", "arpo", "grpo", "aepo-no-clip-balance"]
@@ -197,7 +199,7 @@ def test_the_powered_comparison_is_the_power_estimate_s_design() -> None:
 
 
 def test_shipped_algorithms_sweep_is_valid() -> None:
-    from flows.sweep import load_sweep
+    from infra.run.sweep_spec import load_sweep
 
     spec = load_sweep(REPO / "configs" / "sweeps" / "algorithms.yaml")
     assert spec.seeds == [0, 1, 2] and len(spec.runs) == 7 * 3
@@ -219,14 +221,14 @@ def test_shipped_algorithms_sweep_is_valid() -> None:
     ("cells: {x: {tracking.experiment: other}}", "tracking"),
 ])
 def test_bad_sweep_fails_naming_the_problem(tmp_path: Path, body: str, needle: str) -> None:
-    from flows.sweep import load_sweep
+    from infra.run.sweep_spec import load_sweep
 
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         load_sweep(_write(tmp_path, f"name: s\nbase: BASE\n{body}\n"))
 
 
 def test_shards_partition_the_runs_evenly(tmp_path: Path) -> None:
-    from flows.sweep import load_sweep, shard_runs
+    from infra.run.sweep_spec import load_sweep, shard_runs
 
     spec = load_sweep(REPO / "configs" / "sweeps" / "algorithms.yaml")
     shards = [shard_runs(spec.runs, f"{i}/3") for i in (1, 2, 3)]
@@ -262,8 +264,8 @@ def test_a_cell_finished_before_a_config_field_was_added_is_not_run_again(tmp_pa
     cell's config; one that really differs still runs again."""
     import yaml
 
-    from flows.sweep import TAG_SWEEP, finished_children, started_children
-    from flows.sweep_spec import load_sweep
+    from infra.run.sweep import TAG_SWEEP, finished_children, started_children
+    from infra.run.sweep_spec import load_sweep
     from infra.tracking.client import artifact_location_for, tracking_uri_for
     from infra.tracking.run import Tracker
 

@@ -13,8 +13,8 @@ from typing import get_args
 import pytest
 
 from aepo_core.config import AdvantageName, LossName
-from flows.sweep_spec import load_sweep
 from infra.config_files import load_config
+from infra.run.sweep_spec import load_sweep
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"

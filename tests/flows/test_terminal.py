@@ -90,7 +90,7 @@ def test_config_show_describe_comments_every_field_and_still_loads() -> None:
 
 
 def test_sweep_dry_run_lists_the_selected_cells_with_the_overrides_and_creates_nothing(tmp_path: Path) -> None:
-    from flows.sweep_spec import load_sweep
+    from infra.run.sweep_spec import load_sweep
 
     cells = list(load_sweep(SWEEP).cells)
     assert len(cells) >= 2

@@ -308,7 +308,7 @@ SWEEP = Path(__file__).resolve().parents[2] / "configs" / "sweeps" / "algorithms
 
 
 def _sweep_cell(cell: str):
-    from flows.sweep import load_sweep
+    from infra.run.sweep_spec import load_sweep
 
     return next(r.config for r in load_sweep(SWEEP).runs if r.cell == cell and r.seed == 0)
 

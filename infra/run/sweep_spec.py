@@ -1,13 +1,32 @@
 """A sweep file, parsed and validated without Prefect or MLflow (``aepo sweep --dry-run`` lists its runs from here
-before anything starts): cells × seeds, each with its fully resolved config. The file format is in
-:mod:`flows.sweep`."""
+before anything starts): cells × seeds, each with its fully resolved config. The sweep flow is :mod:`flows.sweep`.
+
+Sweep file (YAML; relative paths are relative to the sweep file)::
+
+    name: algorithms              # parent MLflow run name; output directory <runs_dir>/sweeps/<name>/
+    base: ../tiny.yaml            # the experiment config every cell starts from (default: built-in defaults)
+    overrides:                    # dotted overrides applied to every cell (a mapping or a list of "k=v")
+      train.steps: 4
+    seeds: [0, 1, 2]              # every cell runs once per seed (sets `seed`); default: the base config's seed
+    grid:                         # axes → levels → overrides; the cells are the cross product of the levels,
+      algorithm:                  # named by joining the level names with "-" (one axis: the level name)
+        aepo: {rollout.mode: aepo, algorithm.loss: aepo}
+        grpo: {rollout.mode: independent, algorithm.loss: ppo_clip, algorithm.entropy_advantage: false}
+    cells:                        # extra cells after the grid: name → overrides (e.g. ablations)
+      aepo-no-premonitor: {rollout.mode: aepo, algorithm.loss: aepo, rollout.premonitor: false}
+    runs_dir: runs                # optional; the flow's runs_dir parameter (or the CLI's --runs-dir) wins
+
+A child run is named ``<name>-<cell>-s<seed>`` and tagged ``sweep_name``, ``sweep_cell`` (its MLflow params hold
+the whole resolved config).  Every cell's config is validated before the first one runs, so a typo in the last
+ablation fails the sweep at once with the cell and key in the message.
+"""
 
 from __future__ import annotations
 
 import itertools
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -97,18 +116,7 @@ def load_sweep(source: str | Path | Mapping[str, Any], overrides: Sequence[str] 
 
     ``overrides`` (``"key=value"``, ``aepo sweep --set``) apply to every cell after its own overrides (and to the
     parent's config); ``only_cells`` keeps those cells (``aepo sweep --cells``), in the file's order."""
-    if isinstance(source, Mapping):
-        raw, here, label = dict(source), Path.cwd(), "sweep parameters"
-    else:
-        path = Path(source).expanduser()
-        text = read_config_text(path, "sweep file")
-        try:
-            raw = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"sweep file {path}: invalid YAML: {exc}") from None
-        here, label = path.resolve().parent, str(path)
-        if not isinstance(raw, dict):
-            raise ConfigError(f"sweep file {path}: expected a mapping at the top level")
+    raw, here, label = _read_sweep(source)
     unknown = sorted(set(raw) - SPEC_KEYS)
     if unknown:
         raise ConfigError(f"{label}: unknown sweep key(s) {unknown}; known: {sorted(SPEC_KEYS)}")
@@ -132,23 +140,7 @@ def load_sweep(source: str | Path | Mapping[str, Any], overrides: Sequence[str] 
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool)
                                                              for s in seeds):
         raise ConfigError(f"{label}: seeds must be a non-empty list of integers; got {seeds_raw!r}")
-    cells = _grid_cells(raw.get("grid"))
-    extra = raw.get("cells") or {}
-    if not isinstance(extra, Mapping):
-        raise ConfigError(f"{label}: cells must be a mapping name → overrides; got {extra!r}")
-    for cell, ov in extra.items():
-        cell = _check_name(str(cell), "cell")
-        if cell in cells:
-            raise ConfigError(f"{label}: cell {cell!r} is defined twice (grid and cells)")
-        cells[cell] = _override_map(ov, f"cells.{cell}")
-    if not cells:
-        cells = {"base": {}}
-    if only_cells is not None:
-        unknown_cells = [c for c in only_cells if c not in cells]
-        if unknown_cells or not only_cells:
-            raise ConfigError(f"{label}: no cell(s) {unknown_cells or list(only_cells)}; the cells are "
-                              f"{', '.join(cells)}")
-        cells = {c: ov for c, ov in cells.items() if c in only_cells}
+    cells = _only(_cells(raw, label), only_cells, label)
     runs = []
     for cell, ov in cells.items():
         for seed in seeds:
@@ -164,6 +156,47 @@ def load_sweep(source: str | Path | Mapping[str, Any], overrides: Sequence[str] 
     if runs_dir is not None and not Path(str(runs_dir)).expanduser().is_absolute():
         runs_dir = str(here / str(runs_dir)) if not isinstance(source, Mapping) else str(runs_dir)
     return SweepSpec(name, base, base_source, common, list(seeds), cells, runs_dir, runs, forced)
+
+
+def _read_sweep(source: str | Path | Mapping[str, Any]) -> tuple[dict[str, Any], Path, str]:
+    """The sweep's raw mapping, the directory its relative paths start from, and how messages name it."""
+    if isinstance(source, Mapping):
+        return dict(source), Path.cwd(), "sweep parameters"
+    path = Path(source).expanduser()
+    text = read_config_text(path, "sweep file")
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"sweep file {path}: invalid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"sweep file {path}: expected a mapping at the top level")
+    return raw, path.resolve().parent, str(path)
+
+
+def _cells(raw: Mapping[str, Any], label: str) -> dict[str, dict[str, Any]]:
+    """The grid's cells, then the extra ``cells`` (one cell ``base`` when there are none)."""
+    cells = _grid_cells(raw.get("grid"))
+    extra = raw.get("cells") or {}
+    if not isinstance(extra, Mapping):
+        raise ConfigError(f"{label}: cells must be a mapping name → overrides; got {extra!r}")
+    for cell, ov in extra.items():
+        cell = _check_name(str(cell), "cell")
+        if cell in cells:
+            raise ConfigError(f"{label}: cell {cell!r} is defined twice (grid and cells)")
+        cells[cell] = _override_map(ov, f"cells.{cell}")
+    return cells or {"base": {}}
+
+
+def _only(cells: dict[str, dict[str, Any]], only_cells: Sequence[str] | None, label: str
+          ) -> dict[str, dict[str, Any]]:
+    """``only_cells`` of ``cells`` (None: all), in the file's order; an unknown cell fails naming the known ones."""
+    if only_cells is None:
+        return cells
+    unknown_cells = [c for c in only_cells if c not in cells]
+    if unknown_cells or not only_cells:
+        raise ConfigError(f"{label}: no cell(s) {unknown_cells or list(only_cells)}; the cells are "
+                          f"{', '.join(cells)}")
+    return {c: ov for c, ov in cells.items() if c in only_cells}
 
 
 _SHARD_RE = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
@@ -183,3 +216,28 @@ def shard_runs(runs: Sequence[SweepRun], shard: str | None) -> list[SweepRun]:
         return list(runs)
     i, n = parse_shard(shard)
     return list(runs)[i - 1::n]
+
+
+def sweep_spec(sweep_config: str | Mapping[str, Any], shard: str | None, overrides: Sequence[str] | None = None,
+               cells: Sequence[str] | None = None) -> SweepSpec:
+    """The sweep a flow run runs: the file's (or mapping's) with ``overrides`` on every cell, only ``cells`` (None:
+    all), cut to one shard ``"i/N"`` (named ``…-shardIofN``)."""
+    spec = load_sweep(sweep_config, overrides or (), cells)
+    if shard is None:
+        return spec
+    i, n = parse_shard(shard)
+    return replace(spec, name=f"{spec.name}-shard{i}of{n}", runs=shard_runs(spec.runs, shard))
+
+
+def configured_runs_dir(path: Path) -> Path | None:
+    """The sweep file's ``runs_dir`` (relative to the file), resolved; None when it names none. Raises
+    :class:`ConfigError` for a file that cannot be read or parsed."""
+    try:
+        raw = yaml.safe_load(read_config_text(path, "sweep file")) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"cannot read sweep file {path}: {exc}") from None
+    value = raw.get("runs_dir") if isinstance(raw, dict) else None
+    if not value:
+        return None
+    p = Path(str(value)).expanduser()
+    return (p if p.is_absolute() else path.resolve().parent / p).resolve()
