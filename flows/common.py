@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,9 @@ from aepo_core.config_keys import ConfigError
 from aepo_core.overrides import build_config
 from infra.run.preflight import resolve_runs_dir
 from infra.run.records import RunOrigin
+
+Logger = logging.Logger | logging.LoggerAdapter[Any]
+"""What ``get_run_logger()`` returns: the flows' logger."""
 
 
 def resolve_config(config: ExperimentConfig | dict[str, Any] | None, overrides: list[str] | None) -> ExperimentConfig:

@@ -32,7 +32,7 @@ from prefect.artifacts import create_table_artifact
 
 from aepo_core.config import ExperimentConfig, RolloutConfig, default_initial_rollouts
 from aepo_core.overrides import apply_overrides
-from flows.common import artifact_key, flow_runs_dir, rename_flow_run, run_origin
+from flows.common import Logger, artifact_key, flow_runs_dir, rename_flow_run, run_origin
 from infra.run.parameters import given_config
 from infra.run.policy_source import eval_storage, locate_policy, start_side_run
 from infra.run.runtime import build_runtime
@@ -119,9 +119,8 @@ def rollout_study(
         what = str(ckpt) if ckpt is not None else cfg.model.name
         folder = StudyFolder.open(runs / STUDIES_DIR / name, runtime, what, rows, specs, seed, rollouts,
                                   chunk_questions)  # a mismatch with an earlier run fails before any run starts
-        labels = ", ".join(a.label for a in arms)
-        tracker = start_side_run(cfg, runs, name, runtime.numerics, {"kind": "rollout-study",
-                                                                      "checkpoint": str(ckpt or "")}, run_origin(
+        labels, tags = ", ".join(a.label for a in arms), {"kind": "rollout-study", "checkpoint": str(ckpt or "")}
+        tracker = start_side_run(cfg, runs, name, runtime.numerics, tags, run_origin(
             "flows/study.py:rollout_study", f"Rollout study of {what}: {labels} on {len(rows)} questions."))
         run_id = tracker.run_id
         logger.info("rollout study %s: %s on %d questions → MLflow run %s, files in %s", name, labels, len(rows),
@@ -129,10 +128,7 @@ def rollout_study(
         with tracker:
             tracker.log_params({"study.questions": len(rows), "study.arms": ",".join(a.label for a in arms),
                                 "study.seed": seed, "study.datasets": ",".join(specs)})
-            kept = folder.resume(arms, [r.id for r in rows], chunk_questions)
-            for arm in (a for a in arms if kept[a]):
-                logger.info("study %s: arm %s resumes after %d questions", name, arm.label, kept[arm])
-            for arm, i in chunks_to_sample(arms, kept, len(rows), chunk_questions):
+            for arm, i in _chunks_left(folder, arms, [r.id for r in rows], chunk_questions, logger):
                 chunk = study_chunk(runtime, rows[i: i + chunk_questions], rollouts[arm], seed, i // chunk_questions,
                                     arm.label)
                 folder.add(arm, chunk.profiles, chunk.cost)
@@ -144,6 +140,15 @@ def rollout_study(
                           description=f"rollout study {name}")
     return StudyResult(run_id, name, tracker.tracking_uri, str(folder.out_dir), len(rows), data,
                        [str(f) for f in figures])
+
+
+def _chunks_left(folder: StudyFolder, arms: list[Arm], question_ids: list[str], chunk_questions: int,
+                 logger: Logger) -> list[tuple[Arm, int]]:
+    """(arm, first question) of every chunk not sampled yet: an earlier run's chunks are kept (logged per arm)."""
+    kept = folder.resume(arms, question_ids, chunk_questions)
+    for arm in (a for a in arms if kept[a]):
+        logger.info("study %s: arm %s resumes after %d questions", folder.out_dir.name, arm.label, kept[arm])
+    return chunks_to_sample(arms, kept, len(question_ids), chunk_questions)
 
 
 def _table(summary: StudySummary, costs: dict[Arm, ArmCost]) -> list[dict[str, Any]]:

@@ -51,29 +51,25 @@ The sweep file's format is in :mod:`infra.run.sweep_spec`.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
-from uuid import UUID
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from prefect.client.orchestration import SyncPrefectClient
 from prefect.runtime import flow_run
 
 from aepo_core.config_keys import ConfigError
-from flows.common import artifact_key, flow_runs_dir, run_origin
+from flows.common import Logger, artifact_key, flow_runs_dir, run_origin
 from flows.train import train
-from infra.prefect_api import ChildRun, Watch, check_deployment, lost_after
+from infra.run.flight import Flight, Landing, Outcome, check_fan_out
 from infra.run.lock import Claims
 from infra.run.sweep import ChildFailure, FinishedChild, Launch, SweepBook
 from infra.run.sweep_spec import SweepRun, sweep_spec
 from tasks.progress import Progress, report
 
-Logger = logging.Logger | logging.LoggerAdapter[Any]
 POLL_S = 2.0  # seconds between two reads of the children's states in a fan-out (one API call per child in flight)
 
 
@@ -135,12 +131,12 @@ def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None, shard
     date-time, every cell run again (see :mod:`infra.run.sweep`: why, and why not a code version in the hash)."""
     logger = get_run_logger()
     spec = sweep_spec(sweep_config, shard, overrides, cells)
-    _check_limits(max_parallel, child_timeout_s, child_lost_after_s)
+    check_fan_out(deployment, max_parallel, child_timeout_s, child_lost_after_s)
     runs = flow_runs_dir(runs_dir, spec.runs_dir or spec.base.storage.runs_dir).resolve()
     runs.mkdir(parents=True, exist_ok=True)
     book = SweepBook.open(spec, runs)
     if deployment is not None:
-        _check_deployment(deployment, book.tracking_uri, logger)
+        _warn_unshared_tracking(deployment, book.tracking_uri, logger)
     # One live process per sweep (infra.run.lock): a second invocation of this sweep fails here, before it
     # touches the parent run or starts a cell.
     with Claims(runs, sweep=spec.name):
@@ -154,8 +150,8 @@ def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None, shard
             if deployment is None:
                 failed = _run_children(book, launch, todo, started, logger)
             else:
-                watch = Watch(child_timeout_s, lost_after(child_lost_after_s))
-                failed = _fan_out(book, launch, todo, started, deployment, max_parallel, watch, logger)
+                failed = _fan_out(book, launch, todo, started, deployment, max_parallel,
+                                  (child_timeout_s, child_lost_after_s), logger)
             for name, run_id in book.end_abandoned(launch, failed).items():
                 logger.warning("sweep run %s: its MLflow run %s was still RUNNING: ended KILLED", name, run_id)
             comparison = book.compare(launch)
@@ -171,20 +167,8 @@ def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None, shard
                            [r.run_name for r in todo], sorted(done), launch.date)
 
 
-def _check_limits(max_parallel: int, child_timeout_s: float | None, child_lost_after_s: float | None) -> None:
-    """The fan-out's limits must make sense (a bad one fails before anything starts)."""
-    if max_parallel < 1:
-        raise ConfigError(f"sweep max_parallel must be >= 1; got {max_parallel}")
-    if child_timeout_s is not None and child_timeout_s <= 0:
-        raise ConfigError(f"sweep child_timeout_s must be > 0 (or None); got {child_timeout_s}")
-    if child_lost_after_s is not None and child_lost_after_s <= 0:
-        raise ConfigError(f"sweep child_lost_after_s must be > 0 (or None); got {child_lost_after_s}")
-
-
-def _check_deployment(deployment: str, tracking_uri: str, logger: Logger) -> None:
-    """The deployment must exist on the Prefect API this flow talks to (a typo fails before any run starts), and
-    the children's tracking URI should be one that workers on other machines can reach."""
-    check_deployment(deployment)
+def _warn_unshared_tracking(deployment: str, tracking_uri: str, logger: Logger) -> None:
+    """The children's tracking URI should be one that workers on other machines can reach."""
     if not tracking_uri.startswith(("http://", "https://")):
         logger.warning("sweep children of %s log to %s: only workers that share this filesystem can write there; "
                        "set tracking.tracking_uri to an `mlflow server` (http://…) for workers on other machines",
@@ -230,107 +214,68 @@ def _run_children(book: SweepBook, launch: Launch, todo: Sequence[SweepRun], sta
     return failed
 
 
-@dataclass
-class _FanOut:
-    """One fan-out's children in flight on ``deployment`` (see :func:`_fan_out`): submitted, polled, given up on."""
-
-    book: SweepBook
-    launch: Launch
-    deployment: str
-    watch: Watch
-    started: set[str]
-    total: int
-    client: SyncPrefectClient
-    logger: Logger
-    in_flight: dict[UUID, ChildRun] = field(default_factory=dict)
-    failed: list[ChildFailure] = field(default_factory=list)
-    finished: int = 0
-
-    def submit(self, run: SweepRun) -> None:
-        """``run`` as a flow run of the deployment, named like its MLflow run."""
-        from prefect.deployments import run_deployment
-
-        spec, launch = self.book.spec, self.launch
-        submitted = run_deployment(
-            self.deployment, timeout=0, flow_run_name=run.run_name, tags=["aepo-sweep", spec.name],
-            # one child flow run per child and sweep flow run: a retry of this flow run submits
-            # nothing twice, a resumed sweep (another flow run) submits afresh
-            idempotency_key=f"{launch.parent}/{run.run_name}/{flow_run.id}",
-            parameters={"config": self.book.configs[run.run_name].to_dict(), "runs_dir": str(self.book.runs),
-                        "run_name": run.run_name, "parent_run_id": launch.parent, "overrides": [],
-                        "resume": run.run_name in self.started, "tags": launch.tags(spec, run),
-                        "machine": launch.machine})
-        self.in_flight[submitted.id] = ChildRun(run.run_name, time.monotonic())
-        report(self.logger, Progress("cell", done=self.finished, total=self.total, name=run.run_name),
-               "sweep run %s submitted to %s as flow run %s (%d in flight)", run.run_name, self.deployment,
-               submitted.id, len(self.in_flight))
-
-    def poll(self) -> None:
-        """Read each child's state once: one that ended, went silent (lost) or timed out leaves the flight."""
-        for flow_run_id, child in list(self.in_flight.items()):
-            self._check(flow_run_id, child)
-
-    def _check(self, flow_run_id: UUID, child: ChildRun) -> None:
-        from prefect.states import Cancelling, Crashed
-
-        now, watch, logger = time.monotonic(), self.watch, self.logger
-        state = self.client.read_flow_run(flow_run_id).state
-        silent = (child.silent_for(self.client, flow_run_id, watch.lost_after_s, now)
-                  if watch.lost_after_s is not None and state is not None and state.is_running() else None)
-        if state is not None and state.is_final():
-            self._land(flow_run_id)
-            if not state.is_completed():
-                self.failed.append(ChildFailure(child.name, state.name or state.type.value))
-                logger.error("sweep run %s (flow run %s) ended %s: %s", child.name, flow_run_id, state.name,
-                             state.message)
-            else:
-                report(logger, Progress("cell", done=self.finished, total=self.total, name=child.name),
-                       "sweep run %s completed (%d of %d ended)", child.name, self.finished, self.total)
-        elif silent is not None:
-            self._land(flow_run_id)
-            self.failed.append(ChildFailure(child.name, f"lost: no heartbeat for over {silent:g} s"))
-            logger.error("sweep run %s (flow run %s) sent no heartbeat for over %g s: its worker is gone; marked "
-                         "Crashed", child.name, flow_run_id, silent)
-            self.client.set_flow_run_state(flow_run_id, Crashed(
-                message=f"aepo sweep: no heartbeat for over {silent:g} s (worker lost)"), force=True)
-        elif watch.timeout_s is not None and now - child.submitted > watch.timeout_s:
-            self._land(flow_run_id)
-            where = state.name if state is not None else "no state"
-            self.failed.append(ChildFailure(child.name, f"timed out after {watch.timeout_s:g} s in {where}"))
-            logger.error("sweep run %s (flow run %s) still %s after %g s: cancelled", child.name, flow_run_id,
-                         where, watch.timeout_s)
-            self.client.set_flow_run_state(flow_run_id, Cancelling(), force=True)
-
-    def _land(self, flow_run_id: UUID) -> None:
-        del self.in_flight[flow_run_id]
-        self.finished += 1
-
-    def cancel_all(self) -> None:
-        from prefect.states import Cancelling
-
-        for flow_run_id, child in self.in_flight.items():
-            self.logger.warning("sweep stopped: cancelling %s (flow run %s)", child.name, flow_run_id)
-            self.client.set_flow_run_state(flow_run_id, Cancelling(), force=True)
-
-
 def _fan_out(book: SweepBook, launch: Launch, todo: Sequence[SweepRun], started: set[str], deployment: str,
-             max_parallel: int, watch: Watch, logger: Logger) -> list[ChildFailure]:
+             max_parallel: int, limits: tuple[float | None, float | None], logger: Logger) -> list[ChildFailure]:
     """Every (cell, seed) as a flow run of ``deployment`` (named like its MLflow run), at most ``max_parallel``
     submitted and unfinished at once; polls their states and returns the runs that did not complete (ended in
-    another state, timed out, or lost: see :class:`infra.prefect_api.Watch`). If the sweep itself is stopped (an
-    exception, Ctrl-C, SIGTERM), the children in flight are cancelled."""
+    another state, timed out or lost after ``limits``, (child_timeout_s, child_lost_after_s): see
+    :mod:`infra.run.flight`). If the sweep itself is stopped (an exception, Ctrl-C, SIGTERM), the children in flight
+    are cancelled."""
     from prefect.client.orchestration import get_client
 
-    pending = list(todo)
     with get_client(sync_client=True) as client:
-        fan = _FanOut(book, launch, deployment, watch, started, len(todo), client, logger)
-        try:
-            while pending or fan.in_flight:
-                while pending and len(fan.in_flight) < max_parallel:
-                    fan.submit(pending.pop(0))
-                time.sleep(POLL_S)
-                fan.poll()
-        except BaseException:
-            fan.cancel_all()
-            raise
-    return fan.failed
+        return _fly(book, launch, todo, started, deployment, max_parallel, Flight(client, *limits), logger)
+
+
+def _fly(book: SweepBook, launch: Launch, todo: Sequence[SweepRun], started: set[str], deployment: str,
+         max_parallel: int, flight: Flight, logger: Logger) -> list[ChildFailure]:
+    from prefect.deployments import run_deployment
+
+    pending, failed, landed = list(todo), [], 0
+    try:
+        while pending or len(flight):
+            while pending and len(flight) < max_parallel:
+                run = pending.pop(0)
+                submitted = run_deployment(
+                    deployment, timeout=0, flow_run_name=run.run_name, tags=["aepo-sweep", book.spec.name],
+                    # one child flow run per child and sweep flow run: a retry of this flow run submits
+                    # nothing twice, a resumed sweep (another flow run) submits afresh
+                    idempotency_key=f"{launch.parent}/{run.run_name}/{flow_run.id}",
+                    parameters=_child_parameters(book, launch, run, resume=run.run_name in started))
+                flight.add(submitted.id, run.run_name)
+                report(logger, Progress("cell", done=landed, total=len(todo), name=run.run_name),
+                       "sweep run %s submitted to %s as flow run %s (%d in flight)", run.run_name, deployment,
+                       submitted.id, len(flight))
+            time.sleep(POLL_S)
+            for landing in flight.poll():
+                landed += 1
+                _log_landing(landing, landed, len(todo), logger)
+                if landing.failure is not None:
+                    failed.append(ChildFailure(landing.name, landing.failure))
+    except BaseException:
+        for name, flow_run_id in flight.cancel_all():
+            logger.warning("sweep stopped: cancelled %s (flow run %s)", name, flow_run_id)
+        raise
+    return failed
+
+
+def _child_parameters(book: SweepBook, launch: Launch, run: SweepRun, resume: bool) -> dict[str, Any]:
+    """The ``train`` deployment's parameters of one child."""
+    return {"config": book.configs[run.run_name].to_dict(), "runs_dir": str(book.runs), "run_name": run.run_name,
+            "parent_run_id": launch.parent, "overrides": [], "resume": resume, "tags": launch.tags(book.spec, run),
+            "machine": launch.machine}
+
+
+def _log_landing(landing: Landing, landed: int, total: int, logger: Logger) -> None:
+    name, flow_run_id = landing.name, landing.flow_run_id
+    if landing.outcome is Outcome.COMPLETED:
+        report(logger, Progress("cell", done=landed, total=total, name=name),
+               "sweep run %s completed (%d of %d ended)", name, landed, total)
+    elif landing.outcome is Outcome.ENDED:
+        logger.error("sweep run %s (flow run %s) ended %s: %s", name, flow_run_id, landing.state, landing.message)
+    elif landing.outcome is Outcome.LOST:
+        logger.error("sweep run %s (flow run %s) sent no heartbeat for over %g s: its worker is gone; marked "
+                     "Crashed", name, flow_run_id, landing.seconds)
+    else:
+        logger.error("sweep run %s (flow run %s) still %s after %g s: cancelled", name, flow_run_id, landing.state,
+                     landing.seconds)

@@ -9,7 +9,8 @@ when the trainer dies. Prefect's own ``SubprocessASGIServer()`` calls then retur
 the default one under the key None), so everything else about the server stays Prefect's.
 
 And the watch over a sweep's child flow runs (:mod:`flows.sweep`): whether the deployment exists, when a child
-counts as timed out or lost with its worker (:class:`Watch`), and its flow-run heartbeats (:class:`ChildRun`).
+counts as lost with its worker (:func:`lost_after`, :mod:`infra.run.flight`), and its flow-run heartbeats
+(:class:`ChildRun`).
 """
 
 from __future__ import annotations
@@ -130,15 +131,6 @@ def check_deployment(deployment: str) -> None:
             raise ConfigError(f"sweep deployment {deployment!r} not found on the Prefect API at "
                               f"{client.api_url}: register it (`prefect deploy --name train`) or fix the name "
                               "('<flow name>/<deployment name>', e.g. 'aepo-train/train')") from None
-
-
-@dataclass(frozen=True)
-class Watch:
-    """When the fan-out gives up on a child: ``timeout_s`` after its submission, or ``lost_after_s`` after its
-    last heartbeat (None: never)."""
-
-    timeout_s: float | None
-    lost_after_s: float | None
 
 
 def lost_after(child_lost_after_s: float | None) -> float | None:

@@ -76,6 +76,32 @@ def test_flows_never_reach_into_the_training_internals():
         assert not bad, f"{f.relative_to(ROOT)} imports {sorted(bad)}: go through infra.run.runtime / infra.run.trainer"
 
 
+SERVICES_PREFIX = "infra.run"
+FLOW_FUNCTION_LINES = 60
+
+
+def test_flows_compose_through_the_run_services_only():
+    """flows/ and flows/cli/ orchestrate: they import tasks, the services of infra/run (which compose the adapters:
+    a run's session, the preflight checks, the sweep's bookkeeping, the servers) and aepo_core types, never an
+    adapter of infra/ itself (issue 51: 53 such imports from 17 files before)."""
+    files = sorted((ROOT / "flows").rglob("*.py"))
+    assert len(files) > 20
+    for f in files:
+        bad = {m for m in imported_modules(f) if m.split(".")[0] == "infra"
+               and m != SERVICES_PREFIX and not m.startswith(SERVICES_PREFIX + ".")}
+        assert not bad, f"{f.relative_to(ROOT)} imports {sorted(bad)}: compose it in infra/run"
+
+
+def test_no_flow_function_is_long():
+    """The layer that only orders tasks stays the thinnest: no function of flows/ over 60 lines (a typer command's
+    signature counts; issue 51: 11 were, up to 103)."""
+    for f in sorted((ROOT / "flows").rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(), filename=str(f))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                assert lines <= FLOW_FUNCTION_LINES, f"{f.relative_to(ROOT)}:{node.name} has {lines} lines"
+
+
 def _mentions_any(hint: object) -> bool:
     from typing import Any, get_args
 
