@@ -90,9 +90,9 @@ class RunPlan:
                 return recorded
         return planned_numerics(self.cfg, self.machine)
 
-    def tracker(self) -> RunLogger:
-        """Rank 0 records in MLflow; the other ranks' logger records nothing (and says whose run it is)."""
-        return Tracker.from_config(self.cfg, self.runs) if self.is_main else RankTracker(self.ranks.rank)
+    def mlflow(self) -> Tracker | None:
+        """Rank 0's MLflow run (it alone records); None on the other ranks."""
+        return Tracker.from_config(self.cfg, self.runs) if self.is_main else None
 
 
 def plan_run(cfg: ExperimentConfig, runs_dir: str | None, run_name: str | None = None, *, resume: bool = False,
@@ -147,6 +147,9 @@ class RunSession:
     runtime: PolicyRuntime
     trainer: Trainer
     tracker: RunLogger
+    """What every rank logs through: rank 0's MLflow run, on the others a logger that records nothing."""
+    mlflow: Tracker | None
+    """Rank 0's MLflow run itself (its history, its model); None on the other ranks."""
     trajectories: TrajectoryStore
     checkpoints: CheckpointStore
     run_id: str
@@ -206,24 +209,24 @@ class RunSession:
         """Rank 0, at the end: the paired comparisons as metrics, the run's curves (``plots/curves.png``, against
         steps and against generated tokens), and with ``tracking.log_model`` the final policy logged and registered.
         Returns the registered version's URI (None: not registered; always on the other ranks)."""
-        if not self.is_main:
+        if not self.is_main or self.mlflow is None:
             return None
         step = self.trainer.step
         for cmp_name, by_ds in comparisons.items():
-            self.tracker.log_metrics({f"eval/{ds}/{cmp_name}_{key}": value
-                                      for ds, c in by_ds.items() for key, value in c.as_dict().items()}, step)
+            self.mlflow.log_metrics({f"eval/{ds}/{cmp_name}_{key}": value
+                                     for ds, c in by_ds.items() for key, value in c.as_dict().items()}, step)
         pass1 = [f"eval/{ds}/pass_at_1" for ds in final]
-        history = self.tracker.metric_history([*CURVE_METRICS, *pass1, TOKENS_SPENT])
+        history = self.mlflow.metric_history([*CURVE_METRICS, *pass1, TOKENS_SPENT])
         tokens = dict(history.pop(TOKENS_SPENT))
-        self.tracker.log_figure(curves_figure({k: v for k, v in history.items() if v}, title=self.plan.name,
-                                              tokens=tokens), "plots/curves.png")
-        return self._log_policy(final, step) if self.cfg.tracking.log_model else None
+        self.mlflow.log_figure(curves_figure({k: v for k, v in history.items() if v}, title=self.plan.name,
+                                             tokens=tokens), "plots/curves.png")
+        return self._log_policy(self.mlflow, final, step) if self.cfg.tracking.log_model else None
 
-    def _log_policy(self, final: Mapping[str, EvalSummary], step: int) -> str | None:
+    def _log_policy(self, mlflow: Tracker, final: Mapping[str, EvalSummary], step: int) -> str | None:
         """Log the final policy with its agent protocol; register it under ``tracking.registered_model`` (with the
         final evaluation metrics as version tags). Returns the registered version's URI, None when not registered."""
         cfg, runtime = self.cfg, self.runtime
-        logged = log_model(self.tracker, runtime.model, runtime.tokenizer, step, name="policy",
+        logged = log_model(mlflow, runtime.model, runtime.tokenizer, step, name="policy",
                            protocol=runtime.protocol)
         if not cfg.tracking.registered_model:
             return None
@@ -231,7 +234,7 @@ class RunSession:
                    for key, value in summary.as_dict().items()}
         provenance = PolicyProvenance(cfg.algorithm.loss, cfg.rollout.mode, cfg.model.name, cfg.seed,
                                       cfg.config_hash(), f"eval/{next(iter(final), 'none')}/pass_at_1")
-        return register_model(self.tracker, logged, cfg.tracking.registered_model, metrics, step,
+        return register_model(mlflow, logged, cfg.tracking.registered_model, metrics, step,
                               run_description(cfg), provenance)
 
     def log_eval_file(self, stage: str, key: str) -> None:
@@ -252,7 +255,8 @@ def open_run(plan: RunPlan, rows: Sequence[QuestionRow], origin: RunOrigin, *, p
     """Open the planned run (the module's docstring says in what order) and close it however the body ends: the
     MLflow run finished or failed, a managed vLLM server stopped, the run's lock released."""
     cfg, runs = plan.cfg, plan.runs
-    tracker = plan.tracker()
+    mlflow = plan.mlflow()
+    tracker: RunLogger = mlflow if mlflow is not None else RankTracker(plan.ranks.rank)
     # Rank 0 finds the resume point before the model loads: a wrong config or a damaged checkpoint fails fast.
     point = (resume_point(plan.resume, cfg, runs, plan.name, force=plan.force_resume)
              if plan.resume is not None else None)
@@ -273,7 +277,8 @@ def open_run(plan: RunPlan, rows: Sequence[QuestionRow], origin: RunOrigin, *, p
             trainer = Trainer(runtime, rows, checkpoint_dir=checkpoints, run_id=run_id)
             if plan.resuming:
                 point = _restore(trainer, point, trajectories, plan)
-            yield RunSession(plan, runtime, trainer, tracker, trajectories, checkpoints, run_id, tracker.run_url(),
+            yield RunSession(plan, runtime, trainer, tracker, mlflow, trajectories, checkpoints, run_id,
+                             tracker.run_url(),
                              resumed=point is not None and point.step > 0)
 
 
