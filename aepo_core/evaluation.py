@@ -140,9 +140,9 @@ class PairedDiff:
         return {"diff": self.diff, "ci_low": self.ci_low, "ci_high": self.ci_high, "questions": float(self.questions)}
 
     def line(self, digits: int = 3) -> str:
-        """``pass@1 +0.125 [-0.010, +0.260] over 40 questions (paired)``: how every command and summary says it."""
-        return (f"pass@1 {self.diff:+.{digits}f} [{self.ci_low:+.{digits}f}, {self.ci_high:+.{digits}f}] over "
-                f"{self.questions} questions (paired)")
+        """``pass@1 +0.125 [-0.010, +0.260] (paired over 40 questions)``: how every command and summary says it."""
+        return (f"pass@1 {self.diff:+.{digits}f} [{self.ci_low:+.{digits}f}, {self.ci_high:+.{digits}f}] "
+                f"(paired over {self.questions} questions)")
 
 
 def paired_comparison(

@@ -237,7 +237,7 @@ def summary_markdown(info: TrainResult, cfg: ExperimentConfig) -> str:
 
 
 def comparison_lines(comparisons: Comparisons) -> list[str]:
-    """``final minus sft on synthetic_test: pass@1 +0.125 [-0.010, +0.260] over 40 questions (paired)``, one per
+    """``final minus sft on synthetic_test: pass@1 +0.125 [-0.010, +0.260] (paired over 40 questions)``, one per
     comparison and dataset."""
     return [f"{name.replace('_', ' ')} on {ds}: {c.line()}" for name, by_ds in comparisons.items()
             for ds, c in by_ds.items()]
