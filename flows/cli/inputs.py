@@ -35,8 +35,9 @@ TrackingOpt = Annotated[str | None, typer.Option("--tracking-uri", help="MLflow 
 
 
 def resolve_runs_dir(option: str | None, cfg: ExperimentConfig | None = None) -> Path:
-    """--runs-dir / $AEPO_RUNS_DIR (typer fills ``option`` from both), else the config's, else ./runs."""
-    return preflight.resolve_runs_dir(option, cfg.storage.runs_dir if cfg is not None else None)
+    """--runs-dir / $AEPO_RUNS_DIR (typer fills ``option`` from both), else the config's, else ./runs; absolute
+    (the cwd of a later command does not matter)."""
+    return preflight.resolve_runs_dir(option, cfg.storage.runs_dir if cfg is not None else None).resolve()
 
 
 P = ParamSpec("P")

@@ -18,6 +18,7 @@ from flows.cli.inputs import (
     exits,
     load_checked_config,
     resolve_runs_dir,
+    with_runs_dir,
 )
 from flows.cli.render import eval_table, fail, flow_progress, out, print_numerics, ui_hint, where_table
 from tasks.progress import Progress as ProgressEvent
@@ -56,10 +57,12 @@ def train(
     from infra.run.session import check_plan, plan_run
 
     cfg = load_checked_config(config, set_)
-    check_tracking_store(cfg.tracking.tracking_uri, resolve_runs_dir(runs_dir, cfg))
+    runs = resolve_runs_dir(runs_dir, cfg)
+    check_tracking_store(cfg.tracking.tracking_uri, runs)
+    cfg = with_runs_dir(cfg, runs)
     # The run as the flow will plan it (runs dir, trainability, the run --resume continues): exits 2 before anything
     # is created, when the config cannot train, there is nothing to resume or another process trains it.
-    plan = exits(plan_run)(cfg, runs_dir, run_name, resume=resume, force_resume=force_resume)
+    plan = exits(plan_run)(cfg, str(runs), run_name, resume=resume, force_resume=force_resume)
     check_storage(plan.cfg, plan.runs, plan.name)
     exits(check_plan)(plan)
     prepare_environment(plan.runs, rank=plan.ranks.rank)

@@ -32,9 +32,10 @@ class InputError(Exception):
 def resolve_runs_dir(given: str | os.PathLike[str] | None, configured: str | None = None) -> Path:
     """Where a command or flow keeps its state: ``given`` (``--runs-dir``, a flow's ``runs_dir`` parameter), else
     ``$AEPO_RUNS_DIR`` (a deployment's run then lands where the worker or ``aepo serve`` process says), else the
-    config's ``storage.runs_dir``, else ``./runs``; absolute (the cwd of a later command does not matter)."""
+    config's ``storage.runs_dir``, else ``./runs``. Relative stays relative (a flow records the runs dir it was
+    given); the commands make it absolute (:func:`flows.cli.inputs.resolve_runs_dir`)."""
     raw = given or os.environ.get(RUNS_DIR_ENV) or configured or DEFAULT_RUNS_DIR
-    return Path(raw).expanduser().resolve()
+    return Path(raw).expanduser()
 
 
 def with_runs_dir(cfg: ExperimentConfig, runs: Path) -> ExperimentConfig:

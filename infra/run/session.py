@@ -1,10 +1,9 @@
 """A training run composed once: :func:`plan_run` decides what the run is, :func:`open_run` opens what it writes to.
 
 Before, ``aepo train`` and the ``aepo-train`` flow each decided the runs dir, trainability and the run to resume
-(the CLI for its early exit code 2, the flow for itself), in two spellings that had begun to differ (the flow's runs
-dir was not made absolute, the CLI's was). Now both call :func:`plan_run`: the CLI for its early checks
-(:func:`check_plan`), the flow for the run itself (a deployment's flow run has no CLI in front of it, so the flow
-plans again from its parameters; the decisions are the same function's).
+(the CLI for its early exit code 2, the flow for itself), in two spellings. Now both call :func:`plan_run`: the CLI
+for its early checks (:func:`check_plan`), the flow for the run itself (a deployment's flow run has no CLI in front
+of it, so the flow plans again from its parameters; the decisions are the same function's).
 
 :func:`open_run` then, in order: claims the run (one live process per run, :mod:`infra.run.lock`), builds the
 runtime (policy, engine, tools) in the plan's numerics, reads the evaluation datasets (a bad row fails before an
@@ -35,7 +34,7 @@ from infra.ranks import Ranks
 from infra.run.checkpoints import CheckpointError, CheckpointStore, checkpoint_store, open_checkpoints
 from infra.run.evaluation import EvalReport, ResultsDir, recorded_pass1
 from infra.run.lock import Claims
-from infra.run.preflight import InputError, check_not_running, resolve_runs_dir, with_runs_dir
+from infra.run.preflight import InputError, check_not_running, resolve_runs_dir
 from infra.run.records import check_eval_datasets, dataset_record, log_eval_traces
 from infra.run.resume import NothingToResumeError, ResumePoint, nothing_to_resume, resume_point, run_to_resume
 from infra.run.runtime import PolicyRuntime, build_runtime, planned_numerics
@@ -64,7 +63,8 @@ class RunPlan:
     """What a training run is, decided once from the config and the command's options."""
 
     cfg: ExperimentConfig
-    """The config with the runs dir actually used recorded (``storage.runs_dir``: the logged config re-runs so)."""
+    """The config as given: its hash is the run's identity (a sweep finds its finished cells by it), so the runs dir
+    a flow is given is not written into it (the CLI records its own, :func:`~infra.run.preflight.with_runs_dir`)."""
     runs: Path
     name: str
     ranks: Ranks
@@ -108,7 +108,6 @@ def plan_run(cfg: ExperimentConfig, runs_dir: str | None, run_name: str | None =
     except ConfigError as exc:
         raise InputError(str(exc)) from None
     runs = resolve_runs_dir(runs_dir, cfg.storage.runs_dir)
-    cfg = with_runs_dir(cfg, runs)
     name = cfg.run_name_for(run_name)
     found = _run_to_resume(cfg, runs, name) if resume and ranks.is_main else None
     return RunPlan(cfg, runs, name, ranks, found, resume, force_resume,
