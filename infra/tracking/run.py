@@ -62,6 +62,7 @@ from infra.tracking.client import (
     run_page,
     ui_run_url,
 )
+from infra.tracking.logger import MetricLogger
 from infra.tracking.traces import (
     TraceKey,
     TraceKind,
@@ -107,10 +108,10 @@ class NamedRun:
     tags: Mapping[str, str] = field(default_factory=dict)
 
 
-class RunLogger(Protocol):
-    """What a flow logs a run through, on every rank: start and close it, its config, params and datasets, metrics,
-    artifacts and traces (the shape of torchtune's ``MetricLoggerInterface``: ``log``, ``log_dict``,
-    ``log_config``, ``close``).
+class RunLogger(MetricLogger, Protocol):
+    """What a flow logs a run through, on every rank: the scalars, params, text and files of any logger
+    (:class:`~infra.tracking.logger.MetricLogger`) and what is MLflow's: starting and closing the run, its config
+    and datasets, figures, traces and trajectory samples.
 
     :class:`Tracker` records into MLflow. The bodies here record nothing: they are what a rank other than 0
     (:class:`RankTracker`) does, so that class states only what differs (its run id). What only rank 0 does with
@@ -165,6 +166,10 @@ class RunLogger(Protocol):
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> int:
         """Metrics at ``step``; returns how many were logged."""
         return 0
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        """``text`` as the artifact ``artifact_file``."""
+        return None
 
     def log_dict(self, data: Mapping[str, Any], artifact_file: str) -> None:
         """``data`` as a JSON (or YAML, by the file's suffix) artifact."""
