@@ -36,11 +36,7 @@ def rollout(runtime: PolicyRuntime, rows: Sequence[QuestionRow], step: int, atte
     and for ranks > 0 the rank (independent streams per shard)."""
     parts = (runtime.cfg.seed, "rollout", step) + ((attempt,) if attempt else ()) + ((f"rank{rank}",) if rank else ())
     result = runtime.sample(rows, runtime.cfg.rollout, derive_seed(*parts))
-    s = result.stats
-    report(get_run_logger(), Progress("rollout", done=step),
-           "step %d rollout: %d questions, %d leaves (%d global, %d branch), %.0f tokens in %.1f s",
-           step, s["questions"], s["leaves"], s["global_samples"], s["branch_samples"], s["tokens_generated"],
-           s["wall_s"])
+    report(get_run_logger(), Progress("rollout", done=step), "step %d rollout: %s", step, result.describe())
     return result
 
 
