@@ -12,20 +12,13 @@ from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext
 from prefect.runtime import flow_run
 
-from aepo_core.config import ExperimentConfig
 from aepo_core.config_keys import ConfigError
-from aepo_core.overrides import build_config
+from infra.run.parameters import resolve_config
 from infra.run.preflight import resolve_runs_dir
 from infra.run.records import RunOrigin
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
 """What ``get_run_logger()`` returns: the flows' logger."""
-
-
-def resolve_config(config: ExperimentConfig | dict[str, Any] | None, overrides: list[str] | None) -> ExperimentConfig:
-    """The flow's pydantic parameter plus dotted overrides (the same path as the CLI's --set)."""
-    tree = config.to_dict() if isinstance(config, ExperimentConfig) else dict(config or {})
-    return build_config(tree, overrides or [], source="flow parameters")
 
 
 def flow_runs_dir(given: str | None, configured: str) -> Path:

@@ -21,8 +21,9 @@ from aepo_core.config import ExperimentConfig
 from aepo_core.dynamic_sampling import InformativeBatch
 from aepo_core.evaluation import EvalSummary, PairedDiff
 from aepo_core.rollout.scheduler import merge_results
-from flows.common import artifact_key, resolve_config, run_origin, train_flow_run_name
+from flows.common import artifact_key, run_origin, train_flow_run_name
 from infra.run.evaluation import EvalSource
+from infra.run.parameters import resolve_config
 from infra.run.session import BEFORE_SFT, RunSession, open_run, paired_vs_earlier, plan_run, run_description
 from tasks.data import prepare_data, source_fingerprint
 from tasks.progress import Progress, report
