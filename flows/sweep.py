@@ -66,7 +66,7 @@ from flows.common import Logger, artifact_key, flow_runs_dir, run_origin
 from flows.train import train
 from infra.run.flight import Flight, Landing, Outcome, check_fan_out
 from infra.run.lock import Claims
-from infra.run.sweep import ChildFailure, FinishedChild, Launch, SweepBook
+from infra.run.sweep import ChildFailure, FinishedChild, Launch, SweepBook, SweepRow
 from infra.run.sweep_spec import SweepRun, sweep_spec
 from tasks.progress import Progress, report
 
@@ -92,6 +92,10 @@ class SweepResult:
     """Run names of the children that had already FINISHED in MLflow and were not run again."""
     date: str | None = None
     """A dated sweep's (a scheduled firing's) UTC date-time: its parent run is ``<name>-<date>``."""
+
+    def rows(self) -> list[SweepRow]:
+        """The per-run records (``runs``, as ``runs.csv`` holds them) as typed rows."""
+        return [SweepRow.from_record(r) for r in self.runs]
 
 
 def sweep_flow_run_name() -> str:

@@ -207,11 +207,11 @@ def _run_sweep(name: str, total: int, run: Callable[[], SweepResult]) -> SweepRe
 
 def _print_result(result: SweepResult, output: OutputFormat, runs: Path) -> None:
     """The per-run table in ``output``'s format; the reused runs, the files and the UI hint beside it."""
-    records = [{"cell": r["cell"], "seed": r["seed"], "status": r["status"], "dataset": r["dataset"],
-                "pass@1": r["pass@1"], "pass@1 CI low": r["pass@1_ci_low"], "pass@1 CI high": r["pass@1_ci_high"],
-                "pass@k": r["pass@k"], "tool calls/q": r["tool_calls_per_question"], "reward": r["reward_mean"],
-                "tokens": as_count(r["generated_tokens"]), "CPU s": r["cpu_s"]}
-               for r in result.runs]
+    records = [{"cell": r.cell, "seed": r.seed, "status": r.status, "dataset": r.dataset, "pass@1": r.pass1,
+                "pass@1 CI low": r.pass1_ci_low, "pass@1 CI high": r.pass1_ci_high, "pass@k": r.pass_k,
+                "tool calls/q": r.tool_calls_per_question, "reward": r.reward_mean,
+                "tokens": as_count(r.generated_tokens), "CPU s": r.cpu_s}
+               for r in result.rows()]
     print_records(f"aepo sweep: {result.name} (parent MLflow run {result.parent_run_id})", records, output,
                   right=("seed", "pass@1", "pass@1 CI low", "pass@1 CI high", "pass@k", "tool calls/q", "reward",
                          "tokens", "CPU s"))

@@ -26,7 +26,7 @@ import logging
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Self
 
@@ -52,9 +52,49 @@ TAG_DATE = "sweep_date"  # a dated sweep's (a scheduled firing's) UTC date-time,
 TAG_NUMERICS = "numerics.auto"  # on the parent: what `auto` chose for every cell (with the machine's system.* tags)
 BUDGET_COLUMNS = ("generated_tokens", "tool_calls", "cpu_s")
 """What each run spent in all (``cost/total_<name>``, :mod:`aepo_core.cost`): arms are compared at their spend."""
-RUN_COLUMNS = ["cell", "seed", "run_name", "run_id", "status", "dataset", "pass@1", "pass@1_ci_low",
-               "pass@1_ci_high", "k", "pass@k", "tool_calls_per_question", "answered_rate", "reward_mean",
-               "branch_samples", "max_branches_per_path", *BUDGET_COLUMNS]
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    """One (child run, evaluation dataset) of a sweep: a row of ``runs.csv`` and a line of ``aepo sweep``; what the
+    run spent in all (``cost/total_<name>``: generated tokens, tool calls, CPU seconds) beside its evaluation.
+    :meth:`as_record` is its one serialized form (the CSV's columns, the flow result's records)."""
+
+    cell: str
+    seed: int
+    run_name: str
+    run_id: str
+    status: str
+    dataset: str
+    pass1: float
+    pass1_ci_low: float
+    pass1_ci_high: float
+    k: int
+    pass_k: float
+    tool_calls_per_question: float
+    answered_rate: float
+    reward_mean: float
+    branch_samples: float
+    max_branches_per_path: float
+    generated_tokens: float
+    tool_calls: float
+    cpu_s: float
+
+    @classmethod
+    def columns(cls) -> list[str]:
+        return [_COLUMN.get(f.name, f.name) for f in fields(cls)]
+
+    def as_record(self) -> dict[str, object]:
+        return {_COLUMN.get(name, name): value for name, value in asdict(self).items()}
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> SweepRow:
+        return cls(**{f.name: record[_COLUMN.get(f.name, f.name)] for f in fields(cls)})
+
+
+_COLUMN = {"pass1": "pass@1", "pass1_ci_low": "pass@1_ci_low", "pass1_ci_high": "pass@1_ci_high", "pass_k": "pass@k"}
+"""The fields of :class:`SweepRow` whose column is named otherwise."""
+RUN_COLUMNS = SweepRow.columns()
 _PASS1_RE = re.compile(r"^metrics\.eval/(?P<ds>.+)/pass_at_1$")
 
 
@@ -82,18 +122,15 @@ def comparison_frame(children: pd.DataFrame, spec: SweepSpec, whole_sweep: bool 
             continue
         cell, seed, pass_k = run
         k = int(child.get("params.eval.pass_k") or pass_k)
-        common = {"cell": cell, "seed": seed, "run_name": child["run_name"], "run_id": child["run_id"],
-                  "status": child["status"], "k": k, "reward_mean": _metric(child, "rollout/reward_mean"),
-                  "branch_samples": _metric(child, "rollout/branch_samples"),
-                  "max_branches_per_path": _metric(child, "rollout/max_branches_per_path"),
-                  **{name: _metric(child, f"{COST_PREFIX}{TOTAL}{name}") for name in BUDGET_COLUMNS}}
+        spent = {name: _metric(child, f"{COST_PREFIX}{TOTAL}{name}") for name in BUDGET_COLUMNS}
         for ds in datasets or [""]:
-            rows.append({**common, "dataset": ds, "pass@1": _metric(child, f"eval/{ds}/pass_at_1"),
-                         "pass@1_ci_low": _metric(child, f"eval/{ds}/pass_at_1_ci_low"),
-                         "pass@1_ci_high": _metric(child, f"eval/{ds}/pass_at_1_ci_high"),
-                         "pass@k": _metric(child, f"eval/{ds}/pass_at_{k}"),
-                         "tool_calls_per_question": _metric(child, f"eval/{ds}/tool_calls_per_question"),
-                         "answered_rate": _metric(child, f"eval/{ds}/answered_rate")})
+            rows.append(SweepRow(
+                cell, seed, child["run_name"], child["run_id"], child["status"], ds,
+                _metric(child, f"eval/{ds}/pass_at_1"), _metric(child, f"eval/{ds}/pass_at_1_ci_low"),
+                _metric(child, f"eval/{ds}/pass_at_1_ci_high"), k, _metric(child, f"eval/{ds}/pass_at_{k}"),
+                _metric(child, f"eval/{ds}/tool_calls_per_question"), _metric(child, f"eval/{ds}/answered_rate"),
+                _metric(child, "rollout/reward_mean"), _metric(child, "rollout/branch_samples"),
+                _metric(child, "rollout/max_branches_per_path"), **spent).as_record())
     frame = pd.DataFrame(rows, columns=RUN_COLUMNS)
     # Cells this spec does not name were run by earlier invocations: they come first, in the order they started.
     outside, first = set(frame["cell"]) - set(spec.cells), {}
