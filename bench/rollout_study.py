@@ -112,10 +112,9 @@ def analyse(study_dir: Path, n_resamples: int) -> dict[str, Any]:
 def log_to_study_run(runs: Path, study_dir: Path) -> dict[str, str] | None:
     """The re-analysed folder (summary, figures, costs) as artifacts ``study/`` of the study's own MLflow run in the
     runs dir's store (the run named like the folder), when there is one; a study stopped before its end logged none."""
-    from infra.tracking.client import tracking_uri_for
-    from infra.tracking.run import Tracker
+    from infra.run.reading import reading_tracker
 
-    tracker = Tracker(tracking_uri_for(runs))
+    tracker = reading_tracker(runs, None, "aepo")
     found = tracker.search_runs(filter_string=f"attributes.run_name = '{study_dir.name}'")
     if found.empty:
         log.warning("no MLflow run named %s in %s: the figures stay files", study_dir.name, tracker.tracking_uri)

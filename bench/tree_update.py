@@ -83,16 +83,15 @@ def worker(args: argparse.Namespace) -> int:
     from infra.models import load_policy, pad_token_id
     from infra.numerics import numerics_for
     from infra.run.checkpoints import checkpoint_store
+    from infra.run.reading import reading_tracker
     from infra.run.replay import find_run, run_numerics, update_samples
     from infra.run.trainer import build_backend, build_updater
     from infra.store import TrajectoryStore
-    from infra.tracking.client import tracking_uri_for
-    from infra.tracking.run import Tracker
     from infra.training.checkpoint import load_checkpoint
 
     mode, step, weights_path = args.worker[0], int(args.worker[1]), args.worker[2]
     runs = args.runs_dir.resolve()
-    tracker = Tracker(tracking_uri_for(runs), experiment=args.experiment)
+    tracker = reading_tracker(runs, None, args.experiment)
     run_id, name = find_run(tracker, args.run)
     run_cfg = tracker.logged_config(run_id)
     if not run_cfg.train.steps:

@@ -70,10 +70,9 @@ def training_overrides(args: argparse.Namespace) -> list[str]:
 def ensure_run(args: argparse.Namespace, runs: Path) -> str:
     """The id of the finished run ``--name`` (trained now when there is none)."""
     from infra.config_files import load_config
-    from infra.tracking.client import tracking_uri_for
-    from infra.tracking.run import Tracker
+    from infra.run.reading import reading_tracker
 
-    finished = [r for r in Tracker(tracking_uri_for(runs)).runs_named(args.name) if r.status == "FINISHED"]
+    finished = [r for r in reading_tracker(runs, None, "aepo").runs_named(args.name) if r.status == "FINISHED"]
     if finished:
         log.info("using the finished run %s (%s)", args.name, finished[0].run_id)
         return finished[0].run_id
