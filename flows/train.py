@@ -24,7 +24,8 @@ from aepo_core.rollout.scheduler import merge_results
 from flows.common import artifact_key, run_origin, train_flow_run_name
 from infra.run.evaluation import EvalSource
 from infra.run.parameters import resolve_config
-from infra.run.session import BEFORE_SFT, RunSession, open_run, paired_vs_earlier, plan_run, run_description
+from infra.run.plan import plan_run
+from infra.run.session import BEFORE_SFT, RunSession, open_run, paired_vs_earlier, run_description
 from tasks.data import prepare_data, source_fingerprint
 from tasks.progress import Progress, report
 from tasks.rl import checkpoint, evaluate, rollout, score, sft, store, update, write_eval_results

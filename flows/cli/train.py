@@ -54,16 +54,16 @@ def train(
       aepo train -c configs/tiny.yaml --set train.steps=4 --set checkpoint.every=1
       aepo train -c configs/tiny.yaml --resume
     """
-    from infra.run.session import check_plan, plan_run
+    from infra.run.plan import check_plan, plan_run
 
     cfg = load_checked_config(config, set_)
     runs = resolve_runs_dir(runs_dir, cfg)
     check_tracking_store(cfg.tracking.tracking_uri, runs)
     cfg = with_runs_dir(cfg, runs)
+    check_storage(cfg, runs, cfg.run_name_for(run_name))  # (before --resume's lookup: it names the bad location)
     # The run as the flow will plan it (runs dir, trainability, the run --resume continues): exits 2 before anything
     # is created, when the config cannot train, there is nothing to resume or another process trains it.
     plan = exits(plan_run)(cfg, str(runs), run_name, resume=resume, force_resume=force_resume)
-    check_storage(plan.cfg, plan.runs, plan.name)
     exits(check_plan)(plan)
     prepare_environment(plan.runs, rank=plan.ranks.rank)
     print_numerics(plan.numerics().describe())
