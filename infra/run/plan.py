@@ -50,7 +50,7 @@ class RunPlan:
 
     def numerics(self) -> Numerics:
         """The dtypes the run computes in: a resumed run's own (recorded at its start: it does not probe the machine
-        again), else ``auto`` resolved for the sweep's machine or this one (:func:`~infra.numerics.numerics_for`).
+        again), else ``auto`` resolved for the sweep's machine or this one
         (:func:`~infra.run.runtime.planned_numerics`)."""
         if self.resume is not None:
             recorded = recorded_numerics(self.cfg, self.resume.params, self.resume.tags, self.resume.run_id)
