@@ -52,11 +52,14 @@ class AlgorithmConfig(Section):
         description="Policy loss (AEPO.md §6): aepo (entropy clipping-balanced), ppo_clip (PPO/GRPO), dapo, gppo, "
         "ce_gppo, cispo, gspo.",
     )
-    rollout_correction: Literal["none", "tis", "mask"] = Field(
-        "none",
+    rollout_correction: Literal["auto", "none", "tis", "mask"] = Field(
+        "auto",
         description="Sampler–trainer mismatch correction (AEPO.md §6): per model token ρ = π_old(trainer) / "
         "π_rollout; 'tis' weights the policy term by min(ρ, C), 'mask' drops tokens with ρ > C, 'none' ignores the "
-        "gap (which is logged either way). Only with optim.old_logprobs=trainer (else π_old is the sampler's).",
+        "gap (which is logged either way). auto: tis where the rollouts' sampler is a quantized copy "
+        "(model.sampler_dtype resolved to int8: a gap of ~0.1-0.2 nats a token), none elsewhere (a bf16 copy's "
+        "gap is ~0.03); the resolved mode is logged as numerics.rollout_correction. Only with "
+        "optim.old_logprobs=trainer (else π_old is the sampler's).",
     )
     rollout_correction_cap: float = Field(
         2.0, gt=1.0, description="C of rollout_correction: the truncation (tis) or masking (mask) threshold of ρ."
@@ -348,6 +351,12 @@ class EvalConfig(Section):
         "batches are faster on CPU and GPU; memory grows with questions × n_samples.",
     )
     at_start: bool = Field(False, description="Also evaluate before training (and after cold-start SFT).")
+    sampler: Literal["policy", "rollout"] = Field(
+        "policy", description="The engine evaluation samples from. policy: the policy's own numerics "
+        "(model.generation_dtype), so Pass@1 is the trained policy's. rollout: the training rollouts' sampler "
+        "(model.sampler_dtype, e.g. the int8 copy): faster where that is a quantized copy, but the score is then "
+        "the copy's, not the policy's.",
+    )
     before_sft: bool = Field(
         True, description="With at_start and cold-start SFT: also evaluate the base model before SFT. False keeps "
         "the evaluation after SFT (the baseline of RL's gain) and drops this one (the demo's SmolLM2-135M scores "
@@ -555,6 +564,11 @@ class ExperimentConfig(Section):
                              f"rollout.top_k={r.top_k}: the sampler's log-prob is of the renormalized filtered "
                              "distribution, so every ratio would start at the kept mass, not 1 (set "
                              "optim.old_logprobs=trainer)")
+        if self.model.sampler_dtype == "int8" and (r.engine != "hf" or self.train.backend != "torch"
+                                                   or not self.model.device.startswith("cpu")):
+            raise ValueError("model.sampler_dtype=int8 is the in-process engine's CPU copy: it needs "
+                             f"rollout.engine=hf, train.backend=torch and model.device=cpu (got {r.engine}, "
+                             f"{self.train.backend}, {self.model.device})")
         if self.optim.share_prefix != "off" and self.train.backend != "torch":
             raise ValueError("optim.share_prefix runs on train.backend=torch only (the DeepSpeed engine's decoder "
                              "forward is not split)")

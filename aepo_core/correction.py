@@ -24,6 +24,21 @@ from aepo_core.losses import Diagnostic
 
 RolloutCorrection = Literal["none", "tis", "mask"]
 
+QUANTIZED_SAMPLERS = frozenset({"int8"})
+"""Resolved ``model.sampler_dtype`` values that are quantized copies of the policy (a gap of ~0.1-0.2 nats a token
+against the trainer, where a bf16 copy's is ~0.03)."""
+
+
+def resolved_correction(requested: str, sampler_dtype: str) -> RolloutCorrection:
+    """``algorithm.rollout_correction`` for a run whose rollouts are sampled by ``sampler_dtype`` (the resolved
+    ``model.sampler_dtype``): ``auto`` → tis where the sampler is quantized (:data:`QUANTIZED_SAMPLERS`), none
+    elsewhere; an explicit mode as it is."""
+    if requested == "auto":
+        return "tis" if sampler_dtype in QUANTIZED_SAMPLERS else "none"
+    if requested not in ("none", "tis", "mask"):
+        raise ValueError(f"unknown rollout correction {requested!r}")
+    return requested  # type: ignore[return-value]
+
 
 def rollout_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
                        mode: RolloutCorrection, cap: float) -> tuple[torch.Tensor, dict[str, Diagnostic]]:

@@ -64,7 +64,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -219,10 +219,14 @@ class HFEngine:
 
     def __init__(self, model: Any, tokenizer: Any, *, seed: int = 0,
                  stop_token_ids: Sequence[int] | None = None, max_batch_size: int | None = None,
-                 autocast_dtype: torch.dtype | None = None, kv_reuse_mb: float = 0.0) -> None:
+                 autocast_dtype: torch.dtype | None = None, kv_reuse_mb: float = 0.0,
+                 refresh: Callable[[torch.nn.Module], None] | None = None) -> None:
         """``kv_reuse_mb``: byte cap (MiB) of the store of finished rows' KV that later prompts starting with the
-        same tokens reuse (see the module docstring, "Cost."); 0 turns reuse off."""
+        same tokens reuse (see the module docstring, "Cost."); 0 turns reuse off. ``refresh``: how ``model``, a
+        copy of another layout than the policy (the int8 sampler's, :class:`~infra.engines.int8.Int8Copy`), takes
+        the live weights; None: tensor by tensor in place (the same layout, another dtype)."""
         self.model = model
+        self._refresh = refresh
         self.autocast_dtype = autocast_dtype  # mixed precision: bf16 matmuls over float32 weights
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -310,9 +314,14 @@ class HFEngine:
         is the training model itself) or an HF checkpoint directory (loaded in place)."""
         self.clear_kv()
         if not isinstance(source, PolicyWeights):
+            if self._refresh is not None:
+                raise ValueError(f"an engine on a refreshed copy (the int8 sampler) takes live weights, not {source}")
             load_model_weights(self.model, source)
             return
         if source.model is self.model:
+            return
+        if self._refresh is not None:
+            self._refresh(source.model)
             return
         for dst, src in zip(self.model.state_dict().values(), source.model.state_dict().values(), strict=True):
             dst.copy_(src)

@@ -2,7 +2,8 @@
 ``workers/rollout/base.py`` registry picks a rollout class).
 
 - ``hf``: :class:`~infra.engines.hf.HFEngine` in this process, on the training model or on its own copy in
-  ``model.generation_dtype``;
+  ``model.generation_dtype``; with ``model.sampler_dtype`` resolved to int8 the training rollouts get a second
+  ``HFEngine`` on an int8 copy (:mod:`infra.engines.int8`), evaluation keeps the first;
 - ``vllm``: a vLLM server the run starts (:class:`~infra.engines.vllm_server.VLLMServer`, serving the policy as
   loaded) behind a :class:`~infra.engines.remote.RemoteEngine`; the caller stops the server
   (:attr:`BuiltEngine.server`);
@@ -17,6 +18,7 @@ The remote and vLLM modules are imported only by the builders that need them (as
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,10 +44,12 @@ INITIAL_VERSION = "0"
 
 @dataclass(frozen=True)
 class BuiltEngine:
-    """An engine, and the server the run started for it (None: nothing to stop)."""
+    """An engine, the server the run started for it (None: nothing to stop) and the engine of the training rollouts
+    when it is another (the int8 copy of ``model.sampler_dtype``; None: ``engine`` samples them too)."""
 
     engine: PolicyEngine
     server: VLLMServer | None = None
+    sampler: PolicyEngine | None = None
 
 
 EngineBuilder = Callable[[ExperimentConfig, Numerics, torch.nn.Module, object, Path], BuiltEngine]
@@ -54,9 +58,18 @@ EngineBuilder = Callable[[ExperimentConfig, Numerics, torch.nn.Module, object, P
 
 def build_engine(cfg: ExperimentConfig, numerics: Numerics, model: torch.nn.Module, tokenizer: object,
                  weights_dir: Path) -> BuiltEngine:
-    """The engine of ``rollout.engine`` for ``model``; ``weights_dir`` receives the weight exports a server loads
-    (``initial/``, ``step-NNNNNN/``)."""
-    return ENGINES[cfg.rollout.engine](cfg, numerics, model, tokenizer, weights_dir)
+    """The engine of ``rollout.engine`` for ``model``, and the int8 sampler of the training rollouts where the
+    numerics say so; ``weights_dir`` receives the weight exports a server loads (``initial/``, ``step-NNNNNN/``)."""
+    built = ENGINES[cfg.rollout.engine](cfg, numerics, model, tokenizer, weights_dir)
+    if numerics.sampler_dtype != "int8":
+        return built
+    from infra.engines.hf import HFEngine
+    from infra.engines.int8 import Int8Copy
+
+    copy8 = Int8Copy(model)
+    kv_mb = cfg.rollout.kv_reuse_max_mb if cfg.rollout.kv_reuse else 0.0
+    sampler = HFEngine(copy8.model, tokenizer, seed=cfg.seed, kv_reuse_mb=kv_mb, refresh=copy8.refresh)
+    return dataclasses.replace(built, sampler=sampler)
 
 
 def _hf(cfg: ExperimentConfig, numerics: Numerics, model: torch.nn.Module, tokenizer: object,

@@ -143,7 +143,7 @@ def evaluate_dataset(runtime: PolicyRuntime, dataset: str, rows: Sequence[Questi
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
         result = runtime.sample(chunk, rollout, derive_seed(seed, "eval", dataset),
-                                SamplingParams(ev.temperature, ev.top_p, 0))
+                                SamplingParams(ev.temperature, ev.top_p, 0), engine=runtime.eval_engine)
         for row, tree in zip(chunk, result.trees, strict=True):
             rewards = leaf_rewards(row, tree, runtime.reward_fn)
             outcomes.append(question_outcome(dataset, row, tree, rewards))

@@ -76,7 +76,9 @@ def run_numerics(params: dict[str, str], fallback: Numerics) -> Numerics:
     if "numerics.compute_dtype" not in params:
         return fallback
     return Numerics(params["numerics.compute_dtype"], params["numerics.generation_dtype"],
-                    params.get("numerics.vllm_dtype", fallback.vllm_dtype), device_facts())
+                    params.get("numerics.vllm_dtype", fallback.vllm_dtype), device_facts(),
+                    params.get("numerics.sampler_dtype", "generation"),
+                    params.get("numerics.rollout_correction", "none"))
 
 
 @dataclass(frozen=True)

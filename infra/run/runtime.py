@@ -81,6 +81,8 @@ class PolicyRuntime:
     numerics: Numerics
     """The dtypes the run computes in on this device (``cfg`` keeps what was asked, maybe ``auto``) and why."""
     server: VLLMServer | None = None
+    rollout_engine: PolicyEngine | None = None
+    """The engine of the training rollouts where it is not ``engine`` (the int8 copy of ``model.sampler_dtype``)."""
     protocol: AgentProtocol = field(default_factory=AgentProtocol)
     _prompts: dict[str, list[int]] = field(default_factory=dict, repr=False)
 
@@ -88,6 +90,8 @@ class PolicyRuntime:
         """Close the engine (removing its weight exports) and stop what the runtime started (the managed vLLM
         server); idempotent."""
         self.engine.close()
+        if self.rollout_engine is not None:
+            self.rollout_engine.close()
         if self.server is not None:
             self.server.close()
 
@@ -129,13 +133,27 @@ class PolicyRuntime:
     def pad_id(self) -> int:
         return pad_token_id(self.tokenizer)
 
+    @property
+    def sampler(self) -> PolicyEngine:
+        """The engine of the training rollouts: the int8 copy where ``model.sampler_dtype`` resolved to int8, else
+        ``engine``."""
+        return self.rollout_engine or self.engine
+
+    @property
+    def eval_engine(self) -> PolicyEngine:
+        """The engine evaluation samples from: the policy's (``engine``), or the rollouts' with ``eval.sampler:
+        rollout``."""
+        return self.sampler if self.cfg.eval.sampler == "rollout" else self.engine
+
     def sample(self, rows: Sequence[QuestionRow], rollout: RolloutConfig, seed: int,
-               sampling: SamplingParams | None = None) -> RolloutResult:
+               sampling: SamplingParams | None = None, *, engine: PolicyEngine | None = None) -> RolloutResult:
         """Rollout trees of ``rows`` under ``rollout`` (training: the configured AEPO/ARPO/independent sampling;
-        evaluation: n independent samples), with the configured tools. Requests the engine could not answer after
-        its own retries raise :class:`~aepo_core.rollout.scheduler.EngineFailure` naming ``rollout.engine`` (the
-        task's retry, then the run, takes over): a failed leaf is never scored, stored or trained on."""
-        scheduler = RolloutScheduler(self.engine, self.tools, rollout, tool_timeout_s=self.cfg.tools.timeout_s,
+        evaluation: n independent samples), with the configured tools, sampled by ``engine`` (default: the training
+        rollouts' :attr:`sampler`; evaluation passes :attr:`eval_engine`). Requests the engine could not answer
+        after its own retries raise :class:`~aepo_core.rollout.scheduler.EngineFailure` naming ``rollout.engine``
+        (the task's retry, then the run, takes over): a failed leaf is never scored, stored or trained on."""
+        engine = engine or self.sampler
+        scheduler = RolloutScheduler(engine, self.tools, rollout, tool_timeout_s=self.cfg.tools.timeout_s,
                                      tool_workers=self.cfg.tools.workers)
         try:
             result = scheduler.run([Question(row.id, self.prompt_ids(row.question)) for row in rows], seed=seed,
@@ -143,14 +161,14 @@ class PolicyRuntime:
         except EngineFailure as e:
             raise e.on(f"rollout.engine={self.cfg.rollout.engine}") from None
         finally:
-            self.engine.release()  # retained KV of this rollout is never asked for again: free it now
+            engine.release()  # retained KV of this rollout is never asked for again: free it now
             release_memory()  # and its heap pages, or the update stacks on them
-        return dataclasses.replace(result, stats={**result.stats, **self._weight_version_stats(result)})
+        return dataclasses.replace(result, stats={**result.stats, **self._weight_version_stats(result, engine)})
 
-    def _weight_version_stats(self, result: RolloutResult) -> dict[str, float]:
+    def _weight_version_stats(self, result: RolloutResult, engine: PolicyEngine) -> dict[str, float]:
         """Model segments sampled by weights other than the last ones loaded (``rollout/stale_segments``) and the
         version expected; under ``rollout.vllm.strict_weight_version`` a stale segment fails the rollout."""
-        expected = self.engine.weight_version
+        expected = engine.weight_version
         versions = result.weight_versions()
         if expected is None or set(versions) <= {None}:
             return {}
@@ -184,8 +202,10 @@ class PolicyRuntime:
         return ["synthetic:test"] if self.task is not None else []
 
     def weights_changed(self, source: WeightSource) -> None:
-        """Hand new weights to the engine (after SFT, an update, a resume or a loaded checkpoint)."""
+        """Hand new weights to the engines (after SFT, an update, a resume or a loaded checkpoint)."""
         self.engine.load_weights(source)
+        if self.rollout_engine is not None:
+            self.rollout_engine.load_weights(source)
 
     def load_checkpoint_weights(self, path: Path) -> CheckpointState:
         """The policy weights of a checkpoint (no optimizer, no RNG state), also into the engine."""
@@ -230,4 +250,4 @@ def build_runtime(cfg: ExperimentConfig, runs_dir: str | os.PathLike[str], run_n
     tools = build_tools(cfg.tools, runs, documents=task.documents() if task else None)
     built = build_engine(cfg, numerics, model, tokenizer, weights_dir)
     return PolicyRuntime(cfg, model, tokenizer, built.engine, tools, make_reward_fn(cfg.reward), task, numerics,
-                         built.server)
+                         built.server, built.sampler)

@@ -63,7 +63,7 @@ def build_updater(cfg: ExperimentConfig, backend: TrainBackend, numerics: Numeri
     if cfg.algorithm.kl_coef > 0:
         ref_model, _ = load_policy(cfg.model)
         ref = FrozenBackend(ref_model, autocast_dtype(numerics.compute_dtype))
-    return PolicyUpdater(backend, cfg, pad_id=pad_id, ref_backend=ref, generation_dtype=numerics.generation_dtype,
+    return PolicyUpdater(backend, cfg, pad_id=pad_id, ref_backend=ref, numerics=numerics,
                          observer=observer)
 
 

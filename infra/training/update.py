@@ -39,7 +39,7 @@ import torch
 
 from aepo_core.advantages import EntropyStats, entropy_aware_advantage, entropy_stats
 from aepo_core.config import ExperimentConfig
-from aepo_core.correction import rollout_is_weights
+from aepo_core.correction import resolved_correction, rollout_is_weights
 from aepo_core.losses import (
     SEQUENCE_LEVEL_LOSSES,
     Diagnostic,
@@ -49,6 +49,7 @@ from aepo_core.losses import (
     compute_policy_loss,
     loss_normalizer,
 )
+from infra.numerics import Numerics
 from infra.training.backend import TrainBackend
 from infra.training.batching import (
     PaddedBatch,
@@ -73,16 +74,17 @@ class MicroBatchObserver(Protocol):
         ...
 
 
-def sampler_is_trainer(cfg: ExperimentConfig, generation_dtype: str, compute_dtype: torch.dtype | None) -> bool:
+def sampler_is_trainer(cfg: ExperimentConfig, generation_dtype: str, compute_dtype: torch.dtype | None,
+                       sampler_dtype: str = "generation") -> bool:
     """Whether rollouts are sampled from the trainer's own weights at the trainer's precision: the in-process engine
     on the training model itself (``model.generation_dtype: same``) under the torch backend, computing in float32
     (``compute_dtype`` None: no autocast). Anything else — a low-precision copy, a remote server, DeepSpeed's own
     bf16 path, bf16 autocast (whose KV-cached decode rounds otherwise than the trainer's full forward) — samples
     from a numerically different policy, so its entropies and log-probs cannot stand in for the trainer's.
     ``generation_dtype`` is the resolved ``model.generation_dtype`` (an unresolved ``auto`` counts as a copy: the
-    scoring pass runs)."""
-    return (cfg.rollout.engine == "hf" and generation_dtype == "same" and cfg.train.backend == "torch"
-            and compute_dtype is None)
+    scoring pass runs), ``sampler_dtype`` the resolved ``model.sampler_dtype`` (int8: a copy)."""
+    return (cfg.rollout.engine == "hf" and generation_dtype == "same" and sampler_dtype == "generation"
+            and cfg.train.backend == "torch" and compute_dtype is None)
 
 
 @dataclass
@@ -94,16 +96,21 @@ class _Scored:
 
 class PolicyUpdater:
     def __init__(self, backend: TrainBackend, cfg: ExperimentConfig, pad_id: int,
-                 ref_backend: TrainBackend | None = None, generation_dtype: str | None = None,
+                 ref_backend: TrainBackend | None = None, numerics: Numerics | None = None,
                  observer: MicroBatchObserver | None = None) -> None:
-        """``generation_dtype``: the run's resolved ``model.generation_dtype`` (None: the config's own);
-        ``observer``: shown every micro-batch's loss inputs."""
+        """``numerics``: the run's resolved numerics (which engine sampled the rollouts, and the rollout correction
+        that calls for; None: the config's own, an unresolved ``auto`` counting as a generation copy and the
+        sampler as the generation engine); ``observer``:
+        shown every micro-batch's loss inputs."""
         if cfg.algorithm.kl_coef > 0 and ref_backend is None:
             raise ValueError("algorithm.kl_coef > 0 needs a reference model")
         self.backend = backend
         self.ref_backend = ref_backend
         self.cfg = cfg
-        self.generation_dtype = generation_dtype or cfg.model.generation_dtype
+        self.generation_dtype = numerics.generation_dtype if numerics else cfg.model.generation_dtype
+        asked = cfg.model.sampler_dtype
+        self.sampler_dtype = numerics.sampler_dtype if numerics else ("generation" if asked == "auto" else asked)
+        self.correction = resolved_correction(cfg.algorithm.rollout_correction, self.sampler_dtype)
         self.pad_id = pad_id
         self.device = backend.device
         self.micro_batch_tokens = micro_batch_token_cap(cfg.optim, backend.module, backend.device)
@@ -192,7 +199,7 @@ class PolicyUpdater:
                                  "sampler entropies (top-k estimates); set rollout.exact_entropy=true or "
                                  "optim.scoring_pass=auto")
             return False
-        exact = (sampler_is_trainer(cfg, self.generation_dtype, self.backend.compute_dtype)
+        exact = (sampler_is_trainer(cfg, self.generation_dtype, self.backend.compute_dtype, self.sampler_dtype)
                  and cfg.rollout.top_p >= 1.0
                  and cfg.rollout.top_k == 0 and all(s.rollout_entropies is not None for s in samples))
         return not exact
@@ -287,7 +294,7 @@ class PolicyUpdater:
         if not step.scoring and not tally.grad_norms:  # before the first optimizer step: the sampler–trainer gap
             tally.add_gap(logprobs.detach(), batch.rollout_logprobs, batch.loss_mask)
         weights, correction = rollout_is_weights(old, batch.rollout_logprobs, batch.loss_mask,
-                                                 alg.rollout_correction if cfg.optim.old_logprobs == "trainer"
+                                                 self.correction if cfg.optim.old_logprobs == "trainer"
                                                  else "none", alg.rollout_correction_cap)
         inputs = LossInputs(logprobs, old, adv * weights, batch.loss_mask, ent, ref)
         loss, diag = compute_policy_loss(inputs, alg, norm, norm_len=cfg.rollout.max_response_tokens)

@@ -62,7 +62,8 @@ def test_explicit_dtypes_win_with_a_warning_on_the_slow_path(caplog: pytest.LogC
 def test_params_and_tags_name_the_dtypes_and_the_machine():
     n = Numerics("bfloat16", "bfloat16", "bfloat16", AMX)
     assert n.params() == {"numerics.compute_dtype": "bfloat16", "numerics.generation_dtype": "bfloat16",
-                          "numerics.vllm_dtype": "bfloat16"}
+                          "numerics.vllm_dtype": "bfloat16", "numerics.sampler_dtype": "generation",
+                          "numerics.rollout_correction": "none"}
     assert n.tags() == {"system.device": "cpu", "system.cpu": AMX.name, "system.capability": "AVX512",
                         "system.native_bf16": "true", "system.cores": "2", "system.bf16_speedup": "3.10"}
     line = n.describe()
