@@ -64,8 +64,9 @@ MANIFEST = "manifest.json"
 QUESTIONS = "questions.parquet"
 FORMAT = 1
 
-BRANCHING_ONLY = frozenset({"mode", "initial_rollouts", "premonitor", "probe", "budget_rule", "root_sample_tokens",
-                            "beta", "gamma", "tau", "branch_penalty", "beam_size", "temperature", "top_p", "top_k"})
+UNREAD_ROLLOUT_FIELDS = frozenset({"mode", "initial_rollouts", "premonitor", "probe", "budget_rule",
+                                   "root_sample_tokens", "beta", "gamma", "tau", "branch_penalty", "beam_size",
+                                   "temperature", "top_p", "top_k"})
 """Rollout fields an evaluation does not read: it samples ``eval.n_samples`` independent paths (no pre-monitoring,
 no branching) at ``eval.temperature`` / ``eval.top_p`` with no top-k (:func:`~infra.run.evaluation.evaluate_dataset`),
 so the arms of a sweep that differ only here (AEPO vs ARPO vs GRPO, the ablations) share their start's evaluation."""
@@ -107,8 +108,8 @@ class StartEvalKey:
     batch_size: int
     """Questions per rollout batch (samples are meant not to depend on it; kept in the key to be safe under bf16)."""
     rollout: str
-    """The evaluation's rollout config as JSON, less :data:`BRANCHING_ONLY` and :data:`VLLM_OPERATIONAL`: token
-    budgets, tool-call limits, segment cap, entropy window and scale, KV reuse, engine and server dtype."""
+    """The evaluation's rollout config as JSON, less :data:`UNREAD_ROLLOUT_FIELDS` and :data:`VLLM_OPERATIONAL`:
+    token budgets, tool-call limits, segment cap, entropy window and scale, KV reuse, engine and server dtype."""
     tools: str
     """``tools`` as JSON."""
     reward: str
@@ -146,7 +147,7 @@ def start_eval_key(runtime: PolicyRuntime, dataset: str, rows: list[QuestionRow]
     runtime's config on weights of digest ``weights`` (``prompt``: :func:`prompt_digest`)."""
     cfg, ev, numerics = runtime.cfg, runtime.cfg.eval, runtime.numerics
     rollout = eval_rollout_config(cfg.rollout, ev).model_dump(
-        mode="json", exclude={**dict.fromkeys(BRANCHING_ONLY, True), "vllm": set(VLLM_OPERATIONAL)})
+        mode="json", exclude={**dict.fromkeys(UNREAD_ROLLOUT_FIELDS, True), "vllm": set(VLLM_OPERATIONAL)})
     facts = numerics.facts
     device = next(runtime.model.parameters()).device
     return StartEvalKey(
