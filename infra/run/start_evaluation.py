@@ -29,6 +29,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -200,7 +201,7 @@ class StartEvalStore:
     def entry(self, key: StartEvalKey) -> Path:
         return self.root / key.name
 
-    def claimed(self, key: StartEvalKey) -> Any:
+    def claimed(self, key: StartEvalKey) -> AbstractContextManager[Path]:
         """The entry's lock, waited for: one run at a time looks it up, computes and writes it."""
         return held(self.runs_dir, "start_eval", key.name, f"start evaluation {key.name}", wait=True)
 
