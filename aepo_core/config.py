@@ -363,6 +363,14 @@ class EvalConfig(Section):
         "0.000 there, not yet knowing the tag protocol; ~90 s of the demo on 2 AMX cores).",
     )
     bootstrap_samples: int = Field(1000, ge=10, description="Bootstrap resamples behind the confidence intervals.")
+    reuse_start: bool = Field(
+        True, description="Reuse a stored evaluation of the same starting weights under the same settings: the "
+        "start and post-SFT evaluations of runs sharing a runs dir (a sweep's cells) are keyed by the weights' "
+        "digest and every setting that changes the result (datasets and questions, samples, sampling, seed, "
+        "rollout limits, tools, reward, prompt, numerics, device), computed once, logged into each run as if "
+        "fresh (tagged start_eval/<stage>/<dataset>/reused_from). The code version is not in the key: clear "
+        "<runs_dir>/cache/start_eval after a change to sampling or scoring code. false: every run evaluates itself.",
+    )
     judge_url: str | None = Field(
         None, description="OpenAI-compatible endpoint of an LLM judge that also grades the answers; None: no judge."
     )

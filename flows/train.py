@@ -10,6 +10,7 @@ metrics are logged once, its trajectory parts replaced.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,7 +81,9 @@ class _Evaluations:
         source = EvalSource(session.run_id, session.plan.name, None, step)
         t0 = time.perf_counter()
         for ds in runtime.eval_datasets():
-            result = evaluate.with_options(timeout_seconds=session.cfg.train.eval_timeout_s)(runtime, ds, label)
+            compute = functools.partial(evaluate.with_options(timeout_seconds=session.cfg.train.eval_timeout_s),
+                                        runtime, ds, label)
+            result = session.stage_report(label, ds, source, compute)  # a start stage: maybe stored by another run
             session.log_evaluation(result, step, label, prefix)
             write_eval_results(runtime, result, source, session.results_dir(label), label)
             session.log_eval_file(label, result.key)

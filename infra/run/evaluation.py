@@ -135,7 +135,7 @@ def evaluate_dataset(runtime: PolicyRuntime, dataset: str, rows: Sequence[Questi
     Seeds derive from (seed, dataset) and, inside the rollout, each question's id: an evaluation repeats exactly for
     the same weights, and a question's samples do not depend on the batch size or the other questions.
     """
-    rows = list(rows)[: ev.max_questions] if ev.max_questions else list(rows)
+    rows = evaluated_rows(rows, ev)
     rollout = eval_rollout_config(runtime.cfg.rollout, ev)
     outcomes: list[QuestionOutcome] = []
     answers: dict[str, list[str | None]] = {}
@@ -152,12 +152,25 @@ def evaluate_dataset(runtime: PolicyRuntime, dataset: str, rows: Sequence[Questi
                 traced.trees.append(tree)
                 traced.scores.append([LeafScore(r.score, r.reason, math.nan, is_correct(r)) for r in rewards])
                 traced.questions[row.id] = row
+    return eval_report(runtime, dataset, rows, outcomes, answers, ev, seed, traced if traces else None)
+
+
+def evaluated_rows(rows: Sequence[QuestionRow], ev: EvalConfig) -> list[QuestionRow]:
+    """The rows an evaluation samples: the first ``eval.max_questions`` (all when None)."""
+    return list(rows)[: ev.max_questions] if ev.max_questions else list(rows)
+
+
+def eval_report(runtime: PolicyRuntime, dataset: str, rows: Sequence[QuestionRow], outcomes: list[QuestionOutcome],
+                answers: dict[str, list[str | None]], ev: EvalConfig, seed: int,
+                traced: TracedSamples | None = None) -> EvalReport:
+    """The report of ``rows``' outcomes (in row order) and answers: summaries with bootstrap CIs seeded by ``seed``,
+    per family, per-question Pass@1, the dataset's key among the runtime's evaluated datasets. The same outcomes
+    give the same report, sampled now or read back from a stored evaluation (:mod:`infra.run.start_evaluation`)."""
     summary = EvalSummary.of(outcomes, ev.pass_k, n_resamples=ev.bootstrap_samples, seed=seed)
     by_family = summaries_by(outcomes, "family", ev.pass_k, n_resamples=ev.bootstrap_samples, seed=seed)
     pass1 = {o.question_id: o.correct / o.n for o in outcomes}
     key = dataset_key(dataset, among=runtime.eval_datasets())  # unique among the datasets evaluated together
-    return EvalReport(dataset, key, summary, by_family, outcomes, pass1, answers, {r.id: r for r in rows},
-                      traced if traces else None)
+    return EvalReport(dataset, key, summary, by_family, outcomes, pass1, answers, {r.id: r for r in rows}, traced)
 
 
 def leaf_rewards(row: QuestionRow, tree: RolloutTree, reward_fn: RewardFn) -> list[RewardResult]:

@@ -34,15 +34,16 @@ def lock_path(runs_dir: str | os.PathLike[str], kind: str, ident: str) -> Path:
 
 
 @contextlib.contextmanager
-def held(runs_dir: str | os.PathLike[str], kind: str, ident: str, what: str) -> Iterator[Path]:
+def held(runs_dir: str | os.PathLike[str], kind: str, ident: str, what: str, wait: bool = False) -> Iterator[Path]:
     """Hold the lock of ``kind`` ``ident`` while inside; :class:`BusyError` (naming ``what`` and the holder's pid)
-    when another live process holds it."""
+    when another live process holds it, or with ``wait`` once it lets go (a stored evaluation one process computes
+    while the others wait for it, :mod:`infra.run.start_evaluation`)."""
     path = lock_path(runs_dir, kind, ident)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             raise BusyError(f"{what} is in progress in another process (pid {holder}; lock {path}): wait for it to "

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from aepo_core.config import ExperimentConfig
 from aepo_core.cost import COST_PREFIX, TOTAL
@@ -29,12 +29,13 @@ from aepo_core.scoring import LeafScore
 from infra.data.rows import QuestionRow
 from infra.plots import curves_figure, rollout_tree_figure
 from infra.run.checkpoints import CheckpointError, CheckpointStore, checkpoint_store, open_checkpoints
-from infra.run.evaluation import EvalReport, ResultsDir, recorded_pass1
+from infra.run.evaluation import EvalReport, EvalSource, ResultsDir, recorded_pass1
 from infra.run.lock import Claims
 from infra.run.plan import RunPlan
 from infra.run.records import check_eval_datasets, dataset_record, log_eval_traces
 from infra.run.resume import ResumePoint, resume_point
 from infra.run.runtime import PolicyRuntime, build_runtime
+from infra.run.start_evaluation import START_STAGES, SharedStart
 from infra.run.trainer import Trainer
 from infra.store import TrajectoryStore
 from infra.tracking.client import RunOrigin
@@ -72,6 +73,8 @@ class RunSession:
     run_url: str | None
     resumed: bool
     """Resumed past step 0 (the start and post-SFT evaluations and the SFT are not repeated)."""
+    shared_starts: dict[str, SharedStart] = field(default_factory=dict)
+    """The start stages evaluated so far, each with its weights' digest (:mod:`infra.run.start_evaluation`)."""
 
     @property
     def cfg(self) -> ExperimentConfig:
@@ -89,6 +92,29 @@ class RunSession:
     def recorded_pass1(self, stage: str) -> dict[str, dict[str, float]]:
         """Per dataset, the per-question Pass@1 the stage ``stage`` wrote (empty: it never ran)."""
         return recorded_pass1(self.results_dir(stage), self.cfg.storage, self.runtime.eval_datasets())
+
+    def stage_report(self, stage: str, dataset: str, source: EvalSource, compute: Callable[[], EvalReport]
+                     ) -> EvalReport:
+        """The evaluation of ``dataset`` at ``stage``: ``compute()``, except that a start stage (start, sft) under
+        ``eval.reuse_start`` reads back a stored evaluation of the same weights under the same settings when one is
+        there, and stores its own otherwise (:class:`~infra.run.start_evaluation.SharedStart`); the run is then
+        tagged ``start_eval/<stage>/<dataset key>/key`` and, when read back, ``.../reused_from`` (the run that
+        sampled it). Not with ``rollout.engine=remote``: the server's weights are not this process's to digest."""
+        if stage not in START_STAGES or not self.cfg.eval.reuse_start or self.cfg.rollout.engine == "remote":
+            return compute()
+        if stage not in self.shared_starts:
+            self.shared_starts[stage] = SharedStart.of(self.runtime, self.plan.runs)
+            log.info("start evaluation %s: weights digest %s in %.2f s", stage, self.shared_starts[stage].weights,
+                     self.shared_starts[stage].digest_s)
+        out = self.shared_starts[stage].evaluate(dataset, source, stage, compute)
+        tag = f"start_eval/{stage}/{out.report.key}"
+        reused = {f"{tag}/reused_from": out.reused_from.line()} if out.reused_from is not None else {}
+        if self.mlflow is not None:
+            self.mlflow.set_tags({f"{tag}/key": out.key, **reused})
+        if reused:
+            log.info("%s evaluation of %s read back from run %s (key %s): not sampled again", stage, out.report.key,
+                     reused[f"{tag}/reused_from"], out.key)
+        return out.report
 
     def log_evaluation(self, report: EvalReport, step: int, stage: str, prefix: str) -> None:
         """One evaluated dataset: metrics at ``step`` under ``prefix``, the kept samples as traces (flushed: the
