@@ -116,7 +116,8 @@ class StartEvalKey:
     reward: str
     """``reward`` as JSON (the evaluation's correctness, EM and F1)."""
     numerics: str
-    """The resolved compute, generation and vLLM dtypes, ``model.attn_implementation``, ``train.deterministic``."""
+    """The resolved compute, generation and vLLM dtypes (and the rollouts' sampler under ``eval.sampler:
+    rollout``), ``model.attn_implementation``, ``train.deterministic``."""
     device: str
     """Where it computes: the policy's device, the device's name and kernel capability, torch's threads."""
     sampling_seed: int
@@ -159,10 +160,19 @@ def start_eval_key(runtime: PolicyRuntime, dataset: str, rows: list[QuestionRow]
         max_questions=ev.max_questions, bootstrap_samples=ev.bootstrap_samples,
         batch_size=ev.batch_size or cfg.train.batch_size, rollout=_canonical(rollout),
         tools=_canonical(cfg.tools.model_dump(mode="json")), reward=_canonical(cfg.reward.model_dump(mode="json")),
-        numerics=_canonical({**numerics.params(), "attn_implementation": cfg.model.attn_implementation,
+        numerics=_canonical({**_eval_numerics(runtime), "attn_implementation": cfg.model.attn_implementation,
                              "deterministic": cfg.train.deterministic}),
         device=_canonical([str(device), facts.name, facts.capability, torch.get_num_threads()]),
         sampling_seed=derive_seed(cfg.seed, "eval", dataset), bootstrap_seed=cfg.seed)
+
+
+def _eval_numerics(runtime: PolicyRuntime) -> dict[str, str]:
+    """The dtypes the evaluation's engine computes in: the policy's (compute, generation, vLLM), and the rollouts'
+    sampler only when ``eval.sampler: rollout`` evaluates with it (the training arms' rollout correction and
+    sampler are not the evaluation's)."""
+    n = runtime.numerics
+    used = {"compute": n.compute_dtype, "generation": n.generation_dtype, "vllm": n.vllm_dtype}
+    return used | ({"sampler": n.sampler_dtype} if runtime.cfg.eval.sampler == "rollout" else {})
 
 
 @dataclass(frozen=True)

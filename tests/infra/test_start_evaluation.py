@@ -127,3 +127,18 @@ def test_concurrent_runs_sample_once(model_cache: Path, tmp_path: Path) -> None:
     run("b", lambda: calls.append("b"))  # type: ignore[arg-type,return-value]
     a.join(30)
     assert calls == ["a"] and result == {"a": None, "b": "a"}
+
+
+def _key(model_cache: Path, runs: Path, *sets: str) -> str:
+    runtime = _runtime(model_cache, runs, *sets)
+    rows = runtime.load_rows(DATASET)[: runtime.cfg.eval.max_questions]
+    shared = SharedStart.of(runtime, runs)
+    return start_eval_key(runtime, DATASET, rows, shared.weights, shared.prompt).name
+
+
+def test_the_rollouts_sampler_enters_the_key_only_when_evaluation_samples_from_it(first, model_cache: Path) -> None:
+    """An int8 rollout sampler (or a rollout correction) is the training arms' business, not the evaluation's; with
+    eval.sampler=rollout it samples the evaluation, and the key changes."""
+    runs, _, _, key = first
+    assert _key(model_cache, runs, "model.sampler_dtype=int8", "algorithm.rollout_correction=mask") == key
+    assert _key(model_cache, runs, "model.sampler_dtype=int8", "eval.sampler=rollout") != key
