@@ -32,6 +32,21 @@ significance level at each analysis"), with
 Under H0 the t statistic does not depend on σ, so the simulated error rates (``bench/sequential.py``) hold at any
 σ, not only the pilot's.
 
+**Known σ from a pilot** (``variance="pilot"``): σ, the SD of one seed's paired difference D_s, is stated in
+advance (the powered sweep's 0.0963, ``bench/results/power_claims_powered.json``); each look is then a z test,
+Z_k = D̄_k/(σ/√n_k), against the z boundaries themselves (no df penalty), and the information n/σ² fixes the
+maximum seeds N_max ≥ (η·σ/Δ)² for power 1 − β at the planned effect Δ (:func:`seeds_for_power`). Its error rates
+hold at the stated σ only: a true σ 1.5× the pilot's raises the family-wise error to ≈ 0.2 (bench/README.md).
+
+**Futility** (``futility="obf"`` or ``"pocock"``): the error-spending test with an inner wedge of Jennison &
+Turnbull (2000, §7.3): stop for efficacy if |Z_k| ≥ b_k, for futility if |Z_k| < a_k, a_K = b_K. The efficacy
+boundaries are the α-spending ones above, computed ignoring futility (*non-binding*: the type I error holds even if
+a futility stop is overridden); the a_k spend β by the Lan–DeMets O'Brien–Fleming-type β(t) = 2 − 2Φ(z_{1−β/2}/√t)
+or the Pocock-type β·ln(1 + (e − 1)t) (:func:`beta_spending`, gsDesign's ``sfLDOF``/``sfLDPocock``) at the drift
+η = Δ·√N_max/σ (:func:`futility_boundaries`), and :func:`design_drift` solves for the η with a_K = b_K at type II
+error β. With a t statistic a_k becomes the t of the same nominal level, as b_k does (that keeps α, not β: at
+df 1–3 it stops true effects too often, bench/README.md).
+
 **Several comparisons.** The family-wise error over the C planned comparisons is kept by a **Bonferroni split**:
 each comparison is its own group-sequential test at α/C. Holm's step-down over group-sequential tests (α recycling,
 Maurer & Bretz 2013) is more powerful, but a comparison's boundaries would then change with the others' decisions,
@@ -48,6 +63,7 @@ next wave while one of its comparisons is undecided, and the sweep stops when no
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -58,7 +74,7 @@ import numpy as np
 
 from aepo_core.metrics import student_t_quantile
 
-Variance = Literal["paired", "pooled"]
+Variance = Literal["paired", "pooled", "pilot"]
 GRID = 1201  # points of the integration grid per look (odd: Simpson); 601 moves the 5-look boundaries by < 1e-6
 
 
@@ -153,27 +169,152 @@ def spending_boundaries(fractions: Sequence[float], alpha: float) -> list[float]
     return bounds
 
 
+Futility = Literal["none", "obf", "pocock"]
+DESIGN_GRID = 401  # points per interval while solving the futility design (the densities are smooth; 1201: < 1e-7)
+
+
+def beta_spending(t: float, beta: float, futility: Futility) -> float:
+    """Type II error spent by information fraction t (β(0) = 0, β(1) = β), Lan & DeMets (1983) forms as gsDesign's
+    ``sfLDOF`` / ``sfLDPocock`` (Jennison & Turnbull 2000, §7.3):
+
+    - ``obf``: β(t) = 2 − 2Φ(z_{1−β/2}/√t) (O'Brien–Fleming-type: almost nothing early);
+    - ``pocock``: β(t) = β·ln(1 + (e − 1)·t) (Pocock-type: spends early, so the null stops sooner);
+    - ``none``: β(t) = 0 for t < 1 (no futility stop before the last look)."""
+    if t <= 0.0:
+        return 0.0
+    t = min(t, 1.0)
+    if futility == "obf":
+        return 2.0 - 2.0 * normal_cdf(normal_quantile(1.0 - beta / 2.0) / math.sqrt(t))
+    if futility == "pocock":
+        return beta * math.log(1.0 + (math.e - 1.0) * t)
+    return beta if t >= 1.0 else 0.0
+
+
+def _region(low: float, high: float, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Simpson points and weights on {low ≤ |s| < high} (low ≤ 0: the interval (−high, high))."""
+    if low <= 0.0:
+        return _simpson(-high, high, n)
+    (xl, wl), (xh, wh) = _simpson(-high, -low, n), _simpson(low, high, n)
+    return np.concatenate([xl, xh]), np.concatenate([wl, wh])
+
+
+def _inside(edge: float, x: np.ndarray, mass: np.ndarray, mean: float, sd: float) -> float:
+    """P(|S_k| < edge and on the grid before) = Σ mass(u)·[Φ((edge − u − m)/sd) − Φ((−edge − u − m)/sd)], m the
+    drift of the increment."""
+    if edge <= 0.0:
+        return 0.0
+    return float(np.sum(mass * (_phi_cdf((edge - x - mean) / sd) - _phi_cdf((-edge - x - mean) / sd))))
+
+
+def _bisect(f, target: float, low: float, high: float, tol: float = 1e-9) -> float:
+    """The x in [low, high] with f(x) = target for an increasing f (bisection)."""
+    while high - low > tol:
+        mid = 0.5 * (low + high)
+        low, high = (mid, high) if f(mid) < target else (low, mid)
+    return 0.5 * (low + high)
+
+
+def futility_boundaries(fractions: Sequence[float], bounds: Sequence[float], beta: float, drift: float,
+                        futility: Futility, grid: int = DESIGN_GRID) -> tuple[list[float], float]:
+    """Non-binding futility boundaries a_1..a_K (z scale; a_K = b_K) of a two-sided test with an inner wedge
+    (Jennison & Turnbull 2000, §7.3, error spending): stop for efficacy if |Z_k| ≥ b_k, for futility if |Z_k| < a_k.
+
+    The efficacy boundaries ``bounds`` come from α spending alone (:func:`spending_boundaries`), so the type I error
+    holds whether or not a futility stop is obeyed (*non-binding*). Under the alternative θ with ``drift``
+    η = θ·√I_max the score S_k = Z_k√t_k has independent N(η·Δ_k, Δ_k) increments; a_k solves
+
+        P_η(a_j ≤ |Z_j| < b_j for j < k, |Z_k| < a_k) = β(t_k) − β(t_{k−1})   (β(t): :func:`beta_spending`)
+
+    by bisection (a_k = 0 when nothing is to be spent, a_k = b_k when even that spends less), with the sub-density
+    of S_k recursed as in :func:`spending_boundaries` on the two intervals of the continuation region. Returns
+    (a_1..a_K, the type II error at η: Σ_k P_η(stop for futility at k), a_K = b_K included)."""
+    ts, last = list(fractions), len(fractions) - 1
+    x, mass, t_prev = np.zeros(1), np.ones(1), 0.0
+    lows, spent = [], 0.0
+    for k, (t, b) in enumerate(zip(ts, bounds, strict=True)):
+        sd, mean, root = math.sqrt(t - t_prev), drift * (t - t_prev), math.sqrt(t)
+        if k == last:
+            lows.append(b)
+            spent += _inside(b * root, x, mass, mean, sd)
+            break
+        target = beta_spending(t, beta, futility) - beta_spending(t_prev, beta, futility)
+        accept = lambda a, x=x, mass=mass, mean=mean, sd=sd, root=root: _inside(a * root, x, mass, mean, sd)  # noqa: E731
+        a = 0.0 if target <= 0.0 else (b if accept(b) <= target else _bisect(accept, target, 0.0, b))
+        lows.append(a)
+        spent += accept(a)
+        y, wy = _region(a * root, b * root, grid)
+        kernel = np.exp(-((y[:, None] - x[None, :] - mean) / sd) ** 2 / 2.0) / (sd * math.sqrt(2.0 * math.pi))
+        x, mass, t_prev = y, wy * (kernel @ mass), t
+    return lows, spent
+
+
+def design_drift(fractions: Sequence[float], alpha: float, beta: float, futility: Futility) -> float:
+    """The drift η = θ·√I_max at which the design (α-spending efficacy boundaries, β-spending futility ones, a_K =
+    b_K) has type II error β: bisection on η (the type II error falls as η grows). A fixed design (one look) gives
+    η = z_{1−α/2} + z_{1−β}; the ratio (η/(z_{1−α/2} + z_{1−β}))² is the inflation factor of the maximum information
+    over the fixed design's (Jennison & Turnbull 2000, §7.2.2)."""
+    bounds = spending_boundaries(fractions, alpha)
+    return _bisect(lambda eta: -futility_boundaries(fractions, bounds, beta, eta, futility)[1], -beta, 0.0, 20.0,
+                   1e-7)
+
+
+def seeds_for_power(wave: int, sigma: float, delta: float, alpha: float, beta: float, futility: Futility,
+                    max_waves: int = 30) -> tuple[int, ...]:
+    """The fewest equal waves of ``wave`` seeds whose maximum N_max reaches power 1 − β at the effect ``delta``
+    with a known σ of a seed's paired difference: the information at n seeds is n/σ², so N_max ≥ (η·σ/Δ)² with η
+    from :func:`design_drift` at the waves' fractions (η depends on the number of looks: solved per K)."""
+    for k in range(1, max_waves + 1):
+        waves = (wave,) * k
+        if wave * k >= (design_drift(information_fractions(waves), alpha, beta, futility) * sigma / delta) ** 2:
+            return waves
+    raise ValueError(f"no design of up to {max_waves} waves of {wave} seeds reaches power {1 - beta:g} at {delta:g}")
+
+
 class Decision(str, Enum):
     CONTINUE = "continue"
     DIFFER = "differ"
     EQUIVALENT = "equivalent"
+    FUTILE = "futile"
     UNDECIDED = "undecided-at-max"
+
+
+@functools.lru_cache(maxsize=64)
+def _efficacy(fractions: tuple[float, ...], alpha: float) -> tuple[float, ...]:
+    return tuple(spending_boundaries(fractions, alpha))
+
+
+@functools.lru_cache(maxsize=64)
+def _futility(fractions: tuple[float, ...], alpha: float, beta: float, drift: float, futility: Futility
+              ) -> tuple[tuple[float, ...], float]:
+    lows, spent = futility_boundaries(fractions, _efficacy(fractions, alpha), beta, drift, futility)
+    return tuple(lows), spent
+
+
+@functools.lru_cache(maxsize=64)
+def _drift(fractions: tuple[float, ...], alpha: float, beta: float, futility: Futility) -> float:
+    return design_drift(fractions, alpha, beta, futility)
 
 
 @dataclass(frozen=True)
 class Design:
     """A group-sequential design: seeds per wave, two-sided family-wise α, the planned comparisons (a, b) of arms
-    (a − b), the equivalence margin (None: no equivalence stop) and how a difference's variance is estimated."""
+    (a − b), the equivalence margin (None: no equivalence stop), how a difference's variance is known or estimated
+    (``pilot``: σ, the SD of one seed's paired difference, stated in advance; ``paired``/``pooled``: estimated, t),
+    and the futility rule (β spending for the effect ``delta`` at power ``power``; ``none``: no futility stop)."""
 
     waves: tuple[int, ...]
     comparisons: tuple[tuple[str, str], ...]
     alpha: float = 0.05
     margin: float | None = None
     variance: Variance = "paired"
+    futility: Futility = "none"
+    delta: float | None = None
+    sigma: float | None = None
+    power: float = 0.8
 
     def __post_init__(self) -> None:
         information_fractions(self.waves)
-        if self.waves[0] < 2:
+        if self.variance != "pilot" and self.waves[0] < 2:
             raise ValueError(f"the first wave needs at least 2 seeds (a variance to estimate), got {self.waves[0]}")
         if not 0.0 < self.alpha < 1.0:
             raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
@@ -181,6 +322,19 @@ class Design:
             raise ValueError(f"comparisons must be pairs of two different arms, got {list(self.comparisons)}")
         if self.margin is not None and not self.margin > 0.0:
             raise ValueError(f"margin must be > 0, got {self.margin}")
+        if not 0.0 < self.power < 1.0:
+            raise ValueError(f"power must be in (0, 1), got {self.power}")
+        needs = "variance: pilot" if self.variance == "pilot" else f"futility: {self.futility}"
+        if self.variance == "pilot" or self.futility != "none":
+            for name in ("delta", "sigma"):
+                value = getattr(self, name)
+                if value is None or not value > 0.0:
+                    raise ValueError(f"{name} must be > 0 with {needs} (the planned effect and the pilot's σ of a "
+                                     f"seed's paired difference), got {value}")
+        if self.variance == "pilot" and self.drift < self.required_drift():
+            need = (self.required_drift() * (self.sigma or 0.0) / (self.delta or 1.0)) ** 2
+            raise ValueError(f"waves {list(self.waves)} give {self.max_seeds} seeds; the pilot σ {self.sigma:g} needs "
+                             f"≥ {need:.2f} seeds per arm for power {self.power:g} at delta {self.delta:g}")
 
     @property
     def max_seeds(self) -> int:
@@ -195,33 +349,67 @@ class Design:
         """Bonferroni: α / C."""
         return self.alpha / len(self.comparisons)
 
+    @property
+    def fractions(self) -> tuple[float, ...]:
+        return tuple(information_fractions(self.waves))
+
+    @property
+    def drift(self) -> float:
+        """η = Δ·√I_max at the planned effect, I_max = N_max/σ² (0 without a planned effect)."""
+        return (self.delta or 0.0) * math.sqrt(self.max_seeds) / self.sigma if self.sigma else 0.0
+
+    def required_drift(self) -> float:
+        """The η at which this design's looks have power ``power`` (:func:`design_drift`)."""
+        return _drift(self.fractions, self.alpha_per_comparison, 1.0 - self.power, self.futility)
+
     def z_boundaries(self) -> list[float]:
-        return spending_boundaries(information_fractions(self.waves), self.alpha_per_comparison)
+        return list(_efficacy(self.fractions, self.alpha_per_comparison))
+
+    def futility_z_boundaries(self) -> list[float]:
+        """a_1..a_K (:func:`futility_boundaries` at the design's drift; a_K = b_K); zeros without futility."""
+        if self.futility == "none":
+            return [0.0] * len(self.waves)
+        return list(_futility(self.fractions, self.alpha_per_comparison, 1.0 - self.power, self.drift,
+                              self.futility)[0])
+
+    def planned_power(self) -> float | None:
+        """Power of the z test at ``delta`` when σ is the pilot's (None without a planned effect)."""
+        if self.delta is None or self.sigma is None:
+            return None
+        return 1.0 - _futility(self.fractions, self.alpha_per_comparison, 1.0 - self.power, self.drift,
+                               self.futility)[1]
 
     def describe(self) -> str:
         """The design in one line (the final table's caption)."""
         margin = f"equivalence within ±{self.margin:g} (repeated CIs)" if self.margin else "no equivalence stop"
+        stat = (f"seed-matched z (pilot σ {self.sigma:g} of a seed's paired difference)" if self.variance == "pilot"
+                else f"seed-matched t ({self.variance} variance)")
+        futile = ("no futility stop" if self.futility == "none" else
+                  f"non-binding {self.futility} β-spending futility for Δ = {self.delta:g} at power {self.power:g} "
+                  f"(z {', '.join(f'{a:.3f}' for a in self.futility_z_boundaries())})")
         return (f"group-sequential: waves {list(self.waves)} seeds (max {self.max_seeds}), Lan–DeMets O'Brien–"
                 f"Fleming spending, two-sided α = {self.alpha:g} family-wise (Bonferroni over {len(self.comparisons)}"
-                f" comparisons: {self.alpha_per_comparison:.4g} each), seed-matched t ({self.variance} variance), "
-                f"{margin}; z boundaries {', '.join(f'{b:.3f}' for b in self.z_boundaries())}")
+                f" comparisons: {self.alpha_per_comparison:.4g} each), {stat}, {margin}, {futile}; z boundaries "
+                f"{', '.join(f'{b:.3f}' for b in self.z_boundaries())}")
 
 
 @dataclass(frozen=True)
 class ComparisonLook:
     """One comparison a − b at one look: the estimate D̄ and its standard error over ``seeds`` seeds, T = D̄/SE,
-    the t boundary c_k (``df`` degrees of freedom) and the z boundary it comes from, the repeated CI D̄ ± c_k·SE,
-    and the decision (CONTINUE, DIFFER, EQUIVALENT, UNDECIDED at the last look)."""
+    the efficacy boundary c_k (t with ``df`` degrees of freedom; z when df is None, σ known) and the z boundary
+    it comes from, the futility boundary f_k (0: none), the repeated CI D̄ ± c_k·SE, and the decision (CONTINUE,
+    DIFFER, EQUIVALENT, FUTILE, UNDECIDED at the last look)."""
 
     a: str
     b: str
     seeds: int
     estimate: float
     se: float
-    df: int
+    df: int | None
     statistic: float
     boundary: float
     z_boundary: float
+    futility_boundary: float
     low: float
     high: float
     decision: Decision
@@ -269,7 +457,8 @@ class SequentialOutcome:
 
     def as_dict(self) -> dict[str, object]:
         design = {**asdict(self.design), "z_boundaries": self.design.z_boundaries(),
-                  "description": self.design.describe()}
+                  "futility_z_boundaries": self.design.futility_z_boundaries(),
+                  "planned_power": self.design.planned_power(), "description": self.design.describe()}
         looks = [{**asdict(look), "comparisons": [{**asdict(c), "decision": c.decision.value}
                                                   for c in look.comparisons]} for look in self.looks]
         return {"design": design, "looks": looks, "stopped": self.stopped, "active_arms": list(self.active_arms())}
@@ -299,31 +488,46 @@ def seed_means(per_question: Mapping[str, Mapping[int, Mapping[str, float]]], ar
     return {arm: sum(r[q] for q in common) / len(common) for arm, r in zip(arms, runs, strict=True) if r is not None}
 
 
-def _compare(design: Design, a: str, b: str, values: np.ndarray, names: Sequence[str], k: int, z: float
-             ) -> ComparisonLook:
-    """One comparison at look k from ``values`` (seeds × arms ``names`` running at this look)."""
+def t_boundary(z: float, df: int | None) -> float:
+    """The boundary of the same nominal level as the z boundary ``z``: t_df^{-1}(Φ(z)) (Jennison & Turnbull 2000,
+    §3.8), z itself when σ is known (df None), 0 for z ≤ 0 (a futility boundary that stops nothing)."""
+    if z <= 0.0:
+        return 0.0
+    return z if df is None else student_t_quantile(normal_cdf(z), df)
+
+
+def _compare(design: Design, a: str, b: str, values: np.ndarray, names: Sequence[str], k: int, z: float,
+             z_futile: float) -> ComparisonLook:
+    """One comparison at look k from ``values`` (seeds × arms ``names`` running at this look): DIFFER if
+    |T| ≥ c_k, else EQUIVALENT if the RCI lies within ±margin, else FUTILE if |T| < f_k, else CONTINUE
+    (UNDECIDED at the last look)."""
     n, m = values.shape
     diff = values[:, names.index(a)] - values[:, names.index(b)]
     estimate = float(diff.mean())
-    if design.variance == "paired":
+    df: int | None
+    if design.variance == "pilot":
+        df, var = None, (design.sigma or 0.0) ** 2 / n
+    elif design.variance == "paired":
         df, var = n - 1, float(diff.var(ddof=1)) / n
     else:
         resid = values - values.mean(axis=0) - values.mean(axis=1, keepdims=True) + values.mean()
         df = (n - 1) * (m - 1)
         var = 2.0 * float((resid ** 2).sum()) / df / n
     se = math.sqrt(var)
-    c = student_t_quantile(normal_cdf(z), df)
+    c, f = t_boundary(z, df), min(t_boundary(z_futile, df), t_boundary(z, df))
     statistic = estimate / se if se > 0 else (0.0 if estimate == 0 else math.copysign(math.inf, estimate))
     low, high = estimate - c * se, estimate + c * se
     if abs(statistic) >= c:
         decision = Decision.DIFFER
     elif design.margin is not None and -design.margin < low and high < design.margin:
         decision = Decision.EQUIVALENT
+    elif abs(statistic) < f:
+        decision = Decision.FUTILE
     elif k == len(design.waves) - 1:
         decision = Decision.UNDECIDED
     else:
         decision = Decision.CONTINUE
-    return ComparisonLook(a, b, n, estimate, se, df, statistic, c, z, low, high, decision)
+    return ComparisonLook(a, b, n, estimate, se, df, statistic, c, z, f, low, high, decision)
 
 
 def run_looks(design: Design, per_question: Mapping[str, Mapping[int, Mapping[str, float]]],
@@ -332,7 +536,7 @@ def run_looks(design: Design, per_question: Mapping[str, Mapping[int, Mapping[st
     finished are absent). Look k is taken once every arm still running has all the seeds of waves 1..k; the looks
     stop at the first wave that is incomplete, so the outcome depends on the finished cells alone (a resumed sweep
     re-decides nothing differently)."""
-    bounds = design.z_boundaries()
+    bounds, futile = design.z_boundaries(), design.futility_z_boundaries()
     waves = wave_seeds(design, seeds)
     looks: list[Look] = []
     so_far: list[int] = []
@@ -345,7 +549,8 @@ def run_looks(design: Design, per_question: Mapping[str, Mapping[int, Mapping[st
         if any(r is None for r in rows):
             break
         values = np.array([[r[arm] for arm in arms] for r in rows if r is not None])
-        compared = tuple(_compare(design, a, b, values, arms, k, bounds[k]) for a, b in outcome.open_comparisons())
+        compared = tuple(_compare(design, a, b, values, arms, k, bounds[k], futile[k])
+                         for a, b in outcome.open_comparisons())
         looks.append(Look(k + 1, tuple(so_far), len(so_far) / design.max_seeds, arms, compared))
         outcome = SequentialOutcome(design, tuple(looks))
     return outcome

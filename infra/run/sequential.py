@@ -113,7 +113,9 @@ class SequentialBook:
         self.book.tracker.log_params({"sequential.waves": list(d.waves), "sequential.alpha": d.alpha,
                                       "sequential.margin": d.margin, "sequential.variance": d.variance,
                                       "sequential.comparisons": [f"{a} - {b}" for a, b in d.comparisons],
-                                      "sequential.spending": "Lan-DeMets O'Brien-Fleming, Bonferroni"})
+                                      "sequential.spending": "Lan-DeMets O'Brien-Fleming, Bonferroni",
+                                      "sequential.futility": d.futility, "sequential.delta": d.delta,
+                                      "sequential.sigma": d.sigma, "sequential.power": d.power})
         data = outcome.as_dict()
         self.book.tracker.log_dict(data, "sequential.json")
         path = launch.out_dir / "sequential.json"
@@ -137,14 +139,18 @@ def _datasets(row: Mapping[str, object], only: Sequence[str] | None) -> list[str
 def outcome_lines(outcome: SequentialOutcome) -> list[str]:
     """The final table's lines: the design, then each comparison's deciding look."""
     lines = [outcome.design.describe(),
-             f"error rates: family-wise two-sided α ≤ {outcome.design.alpha:g} (Bonferroni; each look at the t "
-             "boundary of the z boundary's nominal level), simulated in bench/results/sequential.json (README, "
-             "'Sequential designs')"]
+             f"error rates: family-wise two-sided α ≤ {outcome.design.alpha:g} (Bonferroni; "
+             + ("z with the pilot's σ: holds when the true σ is the pilot's" if outcome.design.variance == "pilot"
+                else "each look at the t boundary of the z boundary's nominal level")
+             + "), simulated in bench/results/sequential*.json (bench/README.md, 'Sequential designs')"]
     for (a, b), c in outcome.decisions().items():
         if c is None:
             lines.append(f"{a} - {b}: no look yet")
             continue
         verdict = f"differ ({'>' if c.estimate > 0 else '<'})" if c.decision is Decision.DIFFER else c.decision.value
+        stat = "|z|" if c.df is None else "|t|"
+        futile = f", futility {c.futility_boundary:.2f}" if c.futility_boundary > 0 else ""
         lines.append(f"{a} - {b}: {verdict} at {c.seeds} seeds: {c.estimate:+.4f} (RCI {c.low:+.4f}, {c.high:+.4f}; "
-                     f"|t| {abs(c.statistic):.2f} vs {c.boundary:.2f}, df {c.df})")
+                     f"{stat} {abs(c.statistic):.2f} vs {c.boundary:.2f}{futile}"
+                     f"{'' if c.df is None else f', df {c.df}'})")
     return lines

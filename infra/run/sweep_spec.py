@@ -20,7 +20,11 @@ Sweep file (YAML; relative paths are relative to the sweep file)::
       comparisons: [[aepo, arpo], [aepo, grpo], [arpo, grpo]]   # cells compared (a − b), paired by seed
       alpha: 0.05                 # family-wise, two-sided (Bonferroni over the comparisons)
       margin: 0.15                # equivalence margin on Pass@1 (optional)
-      variance: paired            # or pooled (aepo_core/sequential.py)
+      variance: paired            # or pooled (t), or pilot (z with the stated sigma; aepo_core/sequential.py)
+      futility: none              # or obf / pocock: non-binding β-spending futility stop for delta at power
+      delta: 0.121                # the planned effect (needed by pilot and futility)
+      sigma: 0.0963               # the pilot's SD of one seed's paired difference (needed by pilot and futility)
+      power: 0.8                  # per comparison at delta
       datasets: [synthetic_test]  # eval datasets (keys) whose final per-question Pass@1 is compared (default all)
 
 A child run is named ``<name>-<cell>-s<seed>`` and tagged ``sweep_name``, ``sweep_cell`` (its MLflow params hold
@@ -74,14 +78,26 @@ class SequentialSpec(Section):
                                            "(Bonferroni).")
     margin: float | None = Field(None, description="Equivalence margin on Pass@1: a comparison whose repeated CI "
                                                    "lies within ±margin stops as equivalent; None: no such stop.")
-    variance: Literal["paired", "pooled"] = Field("paired", description="The variance of a seed-matched "
-                                                  "difference: over its own seeds (paired) or the seed × arm "
-                                                  "residual of the arms still running (pooled).")
+    variance: Literal["paired", "pooled", "pilot"] = Field("paired", description="The variance of a seed-matched "
+                                                           "difference: over its own seeds (paired, t), the seed × "
+                                                           "arm residual of the arms still running (pooled, t), or "
+                                                           "sigma stated from a pilot (pilot, z: waves must reach "
+                                                           "the power at delta).")
+    futility: Literal["none", "obf", "pocock"] = Field("none", description="Non-binding β-spending futility stop "
+                                                       "for the effect delta at power (O'Brien–Fleming- or "
+                                                       "Pocock-type); none: no futility stop.")
+    delta: float | None = Field(None, description="The planned effect on Pass@1 (the design's alternative); "
+                                                  "needed by variance: pilot and by a futility rule.")
+    sigma: float | None = Field(None, description="The pilot's SD of one seed's paired difference of Pass@1 "
+                                                  "(bench/results/power_claims_powered.json: 0.0963); needed by "
+                                                  "variance: pilot and by a futility rule.")
+    power: float = Field(0.8, description="The power at delta per comparison (futility boundaries, pilot seeds).")
     datasets: list[str] | None = Field(None, description="Eval dataset keys whose final per-question Pass@1 is "
                                                          "compared (all questions pooled); None: every one.")
 
     def design(self) -> Design:
-        return Design(tuple(self.waves), tuple(self.comparisons), self.alpha, self.margin, self.variance)
+        return Design(tuple(self.waves), tuple(self.comparisons), self.alpha, self.margin, self.variance,
+                      self.futility, self.delta, self.sigma, self.power)
 
 
 def _sequential(raw: Any, label: str, cells: Mapping[str, Any], seeds: Sequence[int]) -> SequentialSpec | None:

@@ -35,8 +35,14 @@ def _spec(**sequential: Any) -> SweepSpec:
     ({"alpha": "big"}, "sequential.alpha: Input should be a valid number"),
     ({"alpha": 1.5}, "sequential: alpha must be in (0, 1)"),
     ({"waves": [1, 5]}, "sequential: the first wave needs at least 2 seeds"),
-    ({"variance": "robust"}, "sequential.variance: Input should be 'paired' or 'pooled'"),
+    ({"variance": "robust"}, "sequential.variance: Input should be 'paired', 'pooled' or 'pilot'"),
     ({"spending": "pocock"}, "sequential.spending: Extra inputs are not permitted"),
+    ({"futility": "always"}, "sequential.futility: Input should be 'none', 'obf' or 'pocock'"),
+    ({"sigma": "wide"}, "sequential.sigma: Input should be a valid number"),
+    ({"variance": "pilot", "delta": 0.121}, "sequential: sigma must be > 0 with variance: pilot"),
+    ({"futility": "obf", "sigma": 0.0963}, "sequential: delta must be > 0 with futility: obf"),
+    ({"variance": "pilot", "delta": 0.121, "sigma": 0.0963}, "sequential: waves [2, 2, 2] give 6 seeds; the pilot σ"),
+    ({"power": 1.2}, "sequential: power must be in (0, 1)"),
 ])
 def test_a_bad_section_names_its_field(section: dict[str, Any], field: str) -> None:
     with pytest.raises(ConfigError) as exc:
@@ -135,4 +141,23 @@ def test_the_looks_read_the_finished_cells_from_mlflow(tmp_path: Path) -> None:
     assert json.loads(path.read_text())["looks"][0]["comparisons"][0]["decision"] == "continue"
     logged = client.get_run(parent).data.params
     assert logged["sequential.waves"] == "[2, 4]" and logged["sequential.variance"] == "paired"
+    assert logged["sequential.futility"] == "none" and logged["sequential.power"] == "0.8"
     book.tracker.finish()
+
+
+def test_a_pilot_design_with_futility_flows_from_the_file() -> None:
+    spec = load_sweep({"name": "seq", "base": TINY, "seeds": list(range(8)), "cells": CELLS,
+                       "sequential": {**SEQUENTIAL, "waves": [2, 2, 2, 2], "variance": "pilot", "futility": "obf",
+                                      "delta": 0.121, "sigma": 0.0963}})
+    design = sequential_design(spec, None)
+    assert (design.variance, design.futility, design.sigma, design.power) == ("pilot", "obf", 0.0963, 0.8)
+    assert spec.as_dict()["sequential"]["futility"] == "obf" and "futility" in design.describe()
+    # aepo ≫ both others; arpo = grpo to the third decimal: the futility rule ends arpo − grpo at look 1
+    finished = {c: {s: {"q": v + 0.001 * s} for s in (0, 1)} for c, v in (("aepo", 0.9), ("arpo", 0.3),
+                                                                          ("grpo", 0.3005))}
+    outcome = run_looks(design, finished, spec.seeds)
+    decided = outcome.decisions()
+    assert decided[("arpo", "grpo")].decision is Decision.FUTILE
+    assert decided[("aepo", "arpo")].decision is Decision.DIFFER and outcome.stopped
+    assert next_wave(spec, outcome, set()) == []
+    assert any("|z|" in line and "futile" in line for line in outcome_lines(outcome))
