@@ -160,11 +160,13 @@ def shared_sft_checkpoint(base: Any, runs: Path, refresh: bool = False) -> tuple
 
 # ------------------------------------------------------------------------------------------------ analysis
 def _per_question(tracker: Any, run_id: str, dataset: str, workdir: Path) -> list[dict[str, Any]]:
-    from infra.tracking.client import download_artifacts
+    """The run's final per-question outcomes (:func:`infra.run.sequential.final_questions`, which the sequential sweep
+    reads too) as the records :func:`arm_statistics` takes."""
+    from infra.run.sequential import final_questions
 
-    name = dataset_key(dataset)
-    path = download_artifacts(tracker.tracking_uri, f"runs:/{run_id}/eval/final/{name}.json", workdir / run_id)
-    return list(json.loads(Path(path).read_text())["questions"])
+    return [{"question_id": q.question_id, "n": q.n, "correct": q.correct,
+             **({"family": q.family} if q.family is not None else {})}
+            for q in final_questions(tracker.tracking_uri, run_id, dataset_key(dataset), workdir)]
 
 
 def arm_statistics(per_seed: dict[int, list[dict[str, Any]]], k: int, n_resamples: int,

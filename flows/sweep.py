@@ -52,7 +52,7 @@ The sweep file's format is in :mod:`infra.run.sweep_spec`.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -62,10 +62,12 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
 from aepo_core.config_keys import ConfigError
+from aepo_core.sequential import Design
 from flows.common import Logger, artifact_key, flow_runs_dir, run_origin
 from flows.train import train
 from infra.run.flight import Flight, Landing, Outcome, check_fan_out
 from infra.run.lock import Claims
+from infra.run.sequential import SequentialBook, outcome_lines, sequential_design
 from infra.run.sweep import ChildFailure, FinishedChild, Launch, SweepBook, SweepRow
 from infra.run.sweep_spec import SweepRun, sweep_spec
 from tasks.progress import Progress, report
@@ -92,6 +94,8 @@ class SweepResult:
     """Run names of the children that had already FINISHED in MLflow and were not run again."""
     date: str | None = None
     """A dated sweep's (a scheduled firing's) UTC date-time: its parent run is ``<name>-<date>``."""
+    sequential: list[str] = field(default_factory=list)
+    """A sequential sweep's design and decisions, a line each (:func:`infra.run.sequential.outcome_lines`)."""
 
     def rows(self) -> list[SweepRow]:
         """The per-run records (``runs``, as ``runs.csv`` holds them) as typed rows."""
@@ -114,7 +118,7 @@ def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None, shard
           deployment: str | None = None, max_parallel: int = 4,
           child_timeout_s: float | None = None, child_lost_after_s: float | None = None,
           overrides: list[str] | None = None, cells: list[str] | None = None, resume: bool = False,
-          dated: bool = False) -> SweepResult:
+          dated: bool = False, sequential: bool = False) -> SweepResult:
     """Run every (cell, seed) of the sweep — or of one shard ``"i/N"`` — as a nested training run, then compare
     them; returns the tables' paths. ``overrides`` (``"key=value"``) apply to every cell after its own;
     ``cells`` keeps only those cells.
@@ -132,9 +136,11 @@ def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None, shard
     started and did not finish (same config) resumes from its last checkpoint in its own MLflow run.
 
     ``dated`` (what a schedule passes) makes this call a new sweep: a parent run of its own named after the firing's
-    date-time, every cell run again (see :mod:`infra.run.sweep`: why, and why not a code version in the hash)."""
+    date-time, every cell run again (see :mod:`infra.run.sweep`: why, and why not a code version in the hash).
+    ``sequential``: the file's ``sequential:`` design, wave by wave (:func:`_run_sequential`)."""
     logger = get_run_logger()
     spec = sweep_spec(sweep_config, shard, overrides, cells)
+    design = sequential_design(spec, shard) if sequential else None
     check_fan_out(deployment, max_parallel, child_timeout_s, child_lost_after_s)
     runs = flow_runs_dir(runs_dir, spec.runs_dir or spec.base.storage.runs_dir).resolve()
     runs.mkdir(parents=True, exist_ok=True)
@@ -151,16 +157,15 @@ def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None, shard
                     launch.auto)
         with book:
             done, todo, started = _plan(book, launch, resume, logger)
-            if deployment is None:
-                failed = _run_children(book, launch, todo, started, logger)
-            else:
-                failed = _fan_out(book, launch, todo, started, deployment, max_parallel,
-                                  (child_timeout_s, child_lost_after_s), logger)
+            failed, todo, lines = _execute(book, launch, design, todo, started,
+                                           (deployment, max_parallel, (child_timeout_s, child_lost_after_s)), logger)
             for name, run_id in book.end_abandoned(launch, failed).items():
                 logger.warning("sweep run %s: its MLflow run %s was still RUNNING: ended KILLED", name, run_id)
             comparison = book.compare(launch)
-            artifact_id = create_markdown_artifact(markdown=comparison.markdown, key=artifact_key("sweep", spec.name),
-                                                   description=f"comparison of sweep {spec.name}")
+            artifact_id = create_markdown_artifact(
+                markdown="\n".join([comparison.markdown, *(["", "## Sequential design", ""] if lines else []),
+                                    *(f"- {line}" for line in lines)]),
+                key=artifact_key("sweep", spec.name), description=f"comparison of sweep {spec.name}")
             if failed:  # the parent run ends FAILED; the comparison of the runs that finished is written
                 raise RuntimeError(f"sweep {spec.name}: {len(failed)} of {len(spec.runs)} runs failed: "
                                    f"{', '.join(f'{f.run_name} ({f.state})' for f in failed)} "
@@ -168,7 +173,54 @@ def sweep(sweep_config: str | dict[str, Any], runs_dir: str | None = None, shard
         return SweepResult(spec.name, launch.parent, str(runs), str(launch.out_dir), book.tracking_uri,
                            str(artifact_id), {k: str(v) for k, v in comparison.files.items()},
                            comparison.runs.to_dict(orient="records"), comparison.summary.to_dict(orient="records"),
-                           [r.run_name for r in todo], sorted(done), launch.date)
+                           [r.run_name for r in todo], sorted(done), launch.date, lines)
+
+
+Fan = tuple[str | None, int, tuple[float | None, float | None]]
+"""Where the children run: (deployment or None: here, max_parallel, (child_timeout_s, child_lost_after_s))."""
+
+
+def _execute(book: SweepBook, launch: Launch, design: Design | None, todo: Sequence[SweepRun], started: set[str],
+             fan: Fan, logger: Logger) -> tuple[list[ChildFailure], list[SweepRun], list[str]]:
+    """Run ``todo`` (here or on ``fan``'s deployment), or with a ``design`` wave by wave (:func:`_run_sequential`);
+    returns the failed runs, the runs started and the sequential design's lines (none without one)."""
+    deployment, max_parallel, limits = fan
+
+    def run_batch(batch: Sequence[SweepRun]) -> list[ChildFailure]:
+        if deployment is None:
+            return _run_children(book, launch, batch, started, logger)
+        return _fan_out(book, launch, batch, started, deployment, max_parallel, limits, logger)
+
+    if design is None:
+        return run_batch(todo), list(todo), []
+    datasets = book.spec.sequential.datasets if book.spec.sequential else None
+    return _run_sequential(SequentialBook(book, design, datasets), launch, run_batch, logger)
+
+
+def _run_sequential(seq: SequentialBook, launch: Launch,
+                    run_batch: Callable[[Sequence[SweepRun]], list[ChildFailure]], logger: Logger
+                    ) -> tuple[list[ChildFailure], list[SweepRun], list[str]]:
+    """Wave by wave: look at the finished cells (:meth:`SequentialBook.look`: a pure function of them, so a resumed
+    sweep re-decides nothing), run the next wave's cells of the arms still running, until the design stops (or a
+    cell fails); records every look in the parent run. Returns the failed runs, the runs started, the table's
+    lines."""
+    failed: list[ChildFailure] = []
+    ran: list[SweepRun] = []
+    while True:
+        outcome, wave = seq.look(launch)
+        if outcome.looks:
+            logger.info("sweep %s look %d (%d seeds): %s", seq.book.spec.name, len(outcome.looks),
+                        len(outcome.looks[-1].seeds), "; ".join(outcome_lines(outcome)[2:]))
+        if failed or not wave:
+            break
+        logger.info("sweep %s: wave of %d runs (arms %s)", seq.book.spec.name, len(wave),
+                    ", ".join(outcome.active_arms()))
+        ran += wave
+        failed += run_batch(wave)
+    path = seq.record(launch, outcome)
+    logger.info("sweep %s: sequential design %s; looks in %s", seq.book.spec.name,
+                "stopped" if outcome.stopped else "not finished", path)
+    return failed, ran, outcome_lines(outcome)
 
 
 def _warn_unshared_tracking(deployment: str, tracking_uri: str, logger: Logger) -> None:

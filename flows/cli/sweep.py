@@ -118,6 +118,9 @@ def sweep_cmd(
     resume: Annotated[bool, typer.Option("--resume", help="Continue a stopped sweep in its own parent MLflow run: "
                                          "finished runs are skipped, a run that started resumes from its last "
                                          "checkpoint.")] = False,
+    sequential: Annotated[bool, typer.Option("--sequential", help="Run the sweep file's `sequential:` design: seeds "
+                                             "wave by wave, stopping (or dropping an arm) once its comparisons are "
+                                             "decided.")] = False,
     output: FormatOpt = OutputFormat.table,
 ) -> None:
     """Run a grid of training runs (cells × seeds) nested under one MLflow run, then compare them.
@@ -127,40 +130,52 @@ def sweep_cmd(
       aepo sweep -c configs/sweeps/tiny.yaml --dry-run
       aepo sweep -c configs/sweeps/tiny.yaml --cells aepo,grpo --format csv > sweep.csv
       aepo sweep -c configs/sweeps/tiny.yaml --resume     # after Ctrl-C, a kill or the end of a session
+      aepo sweep -c configs/sweeps/claims_powered.yaml --sequential
     """
     only = [c.strip() for item in cells for c in item.split(",") if c.strip()] if cells else None
-    spec, selected = _load(config, set_, only, shard)
+    spec, selected = _load(config, set_, only, shard, sequential)
     if dry_run:
         out().print(_sweep_plan(spec, selected))
         return
-    runs = _sweep_runs_dir(runs_dir, config)
-    if deployment is not None:
-        _check_prefect_server()
-    prepare_environment(runs)
+    runs = _prepare(config, spec, selected, runs_dir, deployment is not None, resume, shard, set_, only)
     from flows.sweep import sweep
 
-    _check_stores(spec, selected, runs)
-    if resume:
-        _check_resume(config, shard, set_, only, runs)
-    check_not_running(runs, sweep=spec.name)
     start_prefect_api()  # after every check: bad input exits without starting a server
     result = _run_sweep(spec.name, len(selected), lambda: sweep(
         sweep_config=str(config.resolve()), runs_dir=str(runs), shard=shard, deployment=deployment,
         max_parallel=max_parallel, child_timeout_s=child_timeout, child_lost_after_s=child_lost_after,
-        overrides=list(set_ or []) or None, cells=only, resume=resume))
+        overrides=list(set_ or []) or None, cells=only, resume=resume, sequential=sequential))
     _print_result(result, output, runs)
 
 
-def _load(config: Path, set_: list[str] | None, only: list[str] | None, shard: str | None
+def _prepare(config: Path, spec: SweepSpec, selected: Sequence[SweepRun], runs_dir: str | None, fan_out: bool,
+             resume: bool, shard: str | None, set_: list[str] | None, only: list[str] | None) -> Path:
+    """The runs dir, its environment and every check before the sweep starts (the Prefect server with ``fan_out``,
+    the stores, the sweep to ``resume``, no live process of the sweep); exits 2 on bad input."""
+    runs = _sweep_runs_dir(runs_dir, config)
+    if fan_out:
+        _check_prefect_server()
+    prepare_environment(runs)
+    _check_stores(spec, selected, runs)
+    if resume:
+        _check_resume(config, shard, set_, only, runs)
+    check_not_running(runs, sweep=spec.name)
+    return runs
+
+
+def _load(config: Path, set_: list[str] | None, only: list[str] | None, shard: str | None, sequential: bool
           ) -> tuple[SweepSpec, list[SweepRun]]:
     """The sweep file with ``--set`` and ``--cells``, and the runs of ``--shard``, every one's datasets at hand;
-    exits 2 on a bad file."""
+    exits 2 on a bad file (or ``--sequential`` without a design)."""
     if not config.is_file():
         fail(f"sweep file not found: {config}")
+    from infra.run.sequential import sequential_design
     from infra.run.sweep_spec import load_sweep, shard_runs
 
     try:
         spec = load_sweep(config, list(set_ or []), only)
+        if sequential:
+            sequential_design(spec, shard)
         selected = shard_runs(spec.runs, shard)
         for run in selected:
             check_datasets(run.config)
@@ -218,5 +233,7 @@ def _print_result(result: SweepResult, output: OutputFormat, runs: Path) -> None
     console = out() if output is OutputFormat.table else err()  # CSV and JSON keep stdout to the rows
     if result.reused:
         console.print(f"already FINISHED in MLflow, not run again: {', '.join(result.reused)}")
+    for line in result.sequential:
+        console.print(escape(line))
     console.print(where_table([(k, v) for k, v in result.files.items()]))
     console.print(escape(ui_hint(result.tracking_uri, runs)))

@@ -15,6 +15,17 @@ Sweep file (YAML; relative paths are relative to the sweep file)::
     cells:                        # extra cells after the grid: name → overrides (e.g. ablations)
       aepo-no-premonitor: {rollout.mode: aepo, algorithm.loss: aepo, rollout.premonitor: false}
     runs_dir: runs                # optional; the flow's runs_dir parameter (or the CLI's --runs-dir) wins
+    sequential:                   # optional: the group-sequential design `aepo sweep --sequential` runs
+      waves: [2, 2, 2, 2, 2]      # seeds per wave, in the order of `seeds` (they must add up to its length)
+      comparisons: [[aepo, arpo], [aepo, grpo], [arpo, grpo]]   # cells compared (a − b), paired by seed
+      alpha: 0.05                 # family-wise, two-sided (Bonferroni over the comparisons)
+      margin: 0.15                # equivalence margin on Pass@1 (optional)
+      variance: paired            # or pooled (t), or pilot (z with the stated sigma; aepo_core/sequential.py)
+      futility: none              # or obf / pocock: non-binding β-spending futility stop for delta at power
+      delta: 0.121                # the planned effect (needed by pilot and futility)
+      sigma: 0.0963               # the pilot's SD of one seed's paired difference (needed by pilot and futility)
+      power: 0.8                  # per comparison at delta
+      datasets: [synthetic_test]  # eval datasets (keys) whose final per-question Pass@1 is compared (default all)
 
 A child run is named ``<name>-<cell>-s<seed>`` and tagged ``sweep_name``, ``sweep_cell`` (its MLflow params hold
 the whole resolved config).  Every cell's config is validated before the first one runs, so a typo in the last
@@ -28,16 +39,20 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
+from pydantic import Field, ValidationError
 
 from aepo_core.config import ExperimentConfig
 from aepo_core.config_keys import ConfigError
+from aepo_core.config_section import Section
 from aepo_core.overrides import config_from_yaml, parse_override
+from aepo_core.sequential import Design
 from infra.config_files import read_config_text
 
-SPEC_KEYS = frozenset({"name", "base", "overrides", "seeds", "grid", "cells", "runs_dir", "description"})
+SPEC_KEYS = frozenset({"name", "base", "overrides", "seeds", "grid", "cells", "runs_dir", "description",
+                       "sequential"})
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -50,6 +65,64 @@ class SweepRun:
     run_name: str
     overrides: dict[str, Any]
     config: ExperimentConfig = field(repr=False)
+
+
+class SequentialSpec(Section):
+    """A sweep's ``sequential:`` section: the group-sequential design of :mod:`aepo_core.sequential`."""
+
+    waves: list[int] = Field(description="Seeds per wave, in the order of the sweep's seeds (they add up to its "
+                                         "number of seeds); a look follows every wave.")
+    comparisons: list[tuple[str, str]] = Field(description="The planned comparisons [a, b] (a − b) of cells, "
+                                                           "paired by seed.")
+    alpha: float = Field(0.05, description="Family-wise two-sided type I error, split over the comparisons "
+                                           "(Bonferroni).")
+    margin: float | None = Field(None, description="Equivalence margin on Pass@1: a comparison whose repeated CI "
+                                                   "lies within ±margin stops as equivalent; None: no such stop.")
+    variance: Literal["paired", "pooled", "pilot"] = Field("paired", description="The variance of a seed-matched "
+                                                           "difference: over its own seeds (paired, t), the seed × "
+                                                           "arm residual of the arms still running (pooled, t), or "
+                                                           "sigma stated from a pilot (pilot, z: waves must reach "
+                                                           "the power at delta).")
+    futility: Literal["none", "obf", "pocock"] = Field("none", description="Non-binding β-spending futility stop "
+                                                       "for the effect delta at power (O'Brien–Fleming- or "
+                                                       "Pocock-type); none: no futility stop.")
+    delta: float | None = Field(None, description="The planned effect on Pass@1 (the design's alternative); "
+                                                  "needed by variance: pilot and by a futility rule.")
+    sigma: float | None = Field(None, description="The pilot's SD of one seed's paired difference of Pass@1 "
+                                                  "(bench/results/power_claims_powered.json: 0.0963); needed by "
+                                                  "variance: pilot and by a futility rule.")
+    power: float = Field(0.8, description="The power at delta per comparison (futility boundaries, pilot seeds).")
+    datasets: list[str] | None = Field(None, description="Eval dataset keys whose final per-question Pass@1 is "
+                                                         "compared (all questions pooled); None: every one.")
+
+    def design(self) -> Design:
+        return Design(tuple(self.waves), tuple(self.comparisons), self.alpha, self.margin, self.variance,
+                      self.futility, self.delta, self.sigma, self.power)
+
+
+def _sequential(raw: Any, label: str, cells: Mapping[str, Any], seeds: Sequence[int]) -> SequentialSpec | None:
+    """The validated ``sequential:`` section (None when absent); :class:`ConfigError` names the field."""
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{label}: sequential must be a mapping (waves, comparisons, …); got {raw!r}")
+    try:
+        seq = SequentialSpec.model_validate(dict(raw))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(f"{label}: sequential.{where}: {first['msg']}") from None
+    unknown = sorted({c for pair in seq.comparisons for c in pair} - set(cells))
+    if unknown:
+        raise ConfigError(f"{label}: sequential.comparisons: no cell(s) {unknown}; the cells are {', '.join(cells)}")
+    if sum(seq.waves) != len(seeds):
+        raise ConfigError(f"{label}: sequential.waves: {seq.waves} add up to {sum(seq.waves)} seeds, but seeds "
+                          f"lists {len(seeds)}")
+    try:
+        seq.design()
+    except ValueError as exc:
+        raise ConfigError(f"{label}: sequential: {exc}") from None
+    return seq
 
 
 @dataclass(frozen=True)
@@ -66,11 +139,14 @@ class SweepSpec:
     runs: list[SweepRun] = field(default_factory=list, repr=False)
     forced: dict[str, Any] = field(default_factory=dict)
     """Overrides given with the sweep (``aepo sweep --set``): applied to every cell, after the cell's own."""
+    sequential: SequentialSpec | None = None
+    """The file's group-sequential design (``aepo sweep --sequential`` runs it)."""
 
     def as_dict(self) -> dict[str, Any]:
         """The sweep as plain data (logged to the parent run)."""
         return {"name": self.name, "base": self.base_source, "overrides": self.overrides, "seeds": self.seeds,
-                "cells": self.cells, "set": self.forced, "runs": [r.run_name for r in self.runs]}
+                "cells": self.cells, "set": self.forced, "runs": [r.run_name for r in self.runs],
+                **({"sequential": self.sequential.model_dump()} if self.sequential else {})}
 
 
 def _override_map(value: Any, where: str) -> dict[str, Any]:
@@ -141,6 +217,7 @@ def load_sweep(source: str | Path | Mapping[str, Any], overrides: Sequence[str] 
                                                              for s in seeds):
         raise ConfigError(f"{label}: seeds must be a non-empty list of integers; got {seeds_raw!r}")
     cells = _only(_cells(raw, label), only_cells, label)
+    sequential = _sequential(raw.get("sequential"), label, cells, seeds)
     runs = []
     for cell, ov in cells.items():
         for seed in seeds:
@@ -155,7 +232,7 @@ def load_sweep(source: str | Path | Mapping[str, Any], overrides: Sequence[str] 
     runs_dir = raw.get("runs_dir")
     if runs_dir is not None and not Path(str(runs_dir)).expanduser().is_absolute():
         runs_dir = str(here / str(runs_dir)) if not isinstance(source, Mapping) else str(runs_dir)
-    return SweepSpec(name, base, base_source, common, list(seeds), cells, runs_dir, runs, forced)
+    return SweepSpec(name, base, base_source, common, list(seeds), cells, runs_dir, runs, forced, sequential)
 
 
 def _read_sweep(source: str | Path | Mapping[str, Any]) -> tuple[dict[str, Any], Path, str]:
