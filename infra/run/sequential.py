@@ -35,10 +35,13 @@ class QuestionOutcomeRow:
     family: str | None = None
 
 
-def final_questions(tracking_uri: str, run_id: str, dataset: str, workdir: Path) -> list[QuestionOutcomeRow]:
-    """The per-question outcomes of run ``run_id``'s final evaluation on ``dataset`` (its key), downloaded from its
-    artifacts into ``workdir`` (what ``bench.compare_algorithms`` and the sequential sweep read)."""
-    path = download_artifacts(tracking_uri, f"runs:/{run_id}/eval/{FINAL_STAGE}/{dataset}.json", workdir / run_id)
+def final_questions(tracking_uri: str, run_id: str, dataset: str, workdir: Path,
+                    stage: str = FINAL_STAGE) -> list[QuestionOutcomeRow]:
+    """The per-question outcomes of run ``run_id``'s evaluation at ``stage`` (default: the final one) on ``dataset``
+    (its key), downloaded from its artifacts into ``workdir`` (what ``bench.compare_algorithms``, the sequential
+    sweep and ``bench.int8_sampler`` read)."""
+    path = download_artifacts(tracking_uri, f"runs:/{run_id}/eval/{stage}/{dataset}.json",
+                              workdir / run_id / stage)
     rows = json.loads(Path(path).read_text())["questions"]
     return [QuestionOutcomeRow(str(r["question_id"]), int(r["n"]), int(r["correct"]),
                                str(r["family"]) if "family" in r else None) for r in rows]

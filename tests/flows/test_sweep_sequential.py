@@ -161,3 +161,32 @@ def test_a_pilot_design_with_futility_flows_from_the_file() -> None:
     assert decided[("aepo", "arpo")].decision is Decision.DIFFER and outcome.stopped
     assert next_wave(spec, outcome, set()) == []
     assert any("|z|" in line and "futile" in line for line in outcome_lines(outcome))
+
+
+@pytest.mark.slow  # trains 4 tiny runs
+def test_a_sequential_sweep_runs_wave_by_wave_stops_and_resumes_deciding_the_same(prefect_harness: Any,
+                                                                                   tmp_path: Path) -> None:
+    """End to end through the Prefect flow: the tiny policy scores 0 on every question, so after the first wave
+    (seeds 0 and 1) both arms' paired difference is exactly 0 and its interval lies within the margin: EQUIVALENT,
+    the sweep stops, seeds 2 and 3 never run. Continued with --resume it runs nothing and decides the same."""
+    import yaml
+
+    from flows.sweep import sweep
+    from infra.tracking.run import Tracker
+
+    body = yaml.safe_load((REPO / "configs" / "sweeps" / "tiny.yaml").read_text())
+    body.update(base=str(REPO / "configs" / "tiny.yaml"), seeds=[0, 1, 2, 3],
+                sequential={"waves": [2, 2], "comparisons": [["aepo", "grpo"]], "margin": 0.1})
+    path = tmp_path / "seq.yaml"
+    path.write_text(yaml.safe_dump(body))
+    result = sweep(sweep_config=str(path), runs_dir=str(tmp_path / "runs"), sequential=True)
+    assert sorted(result.started) == ["tiny-sweep-aepo-s0", "tiny-sweep-aepo-s1", "tiny-sweep-grpo-s0",
+                                  "tiny-sweep-grpo-s1"]
+    assert any("aepo - grpo: equivalent" in line for line in result.sequential), result.sequential
+    children = Tracker(result.tracking_uri).search_runs(
+        filter_string=f"tags.mlflow.parentRunId = '{result.parent_run_id}'")
+    assert len(children) == 4 and set(children["status"]) == {"FINISHED"}
+
+    again = sweep(sweep_config=str(path), runs_dir=str(tmp_path / "runs"), sequential=True, resume=True)
+    assert again.started == [] and again.parent_run_id == result.parent_run_id
+    assert again.sequential == result.sequential
