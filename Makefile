@@ -13,12 +13,17 @@ STAMP := $(VENV)/.installed
 VLLM_VENV ?= .venv-vllm
 VLLM_VERSION ?= 0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
+# TRL keeps its own virtualenv too (bench/trl_step.py runs its GRPOTrainer beside ours): the CPU torch of the
+# constraints file, then trl with what it pulls (pip list | grep -i nvidia must stay empty).
+TRL_VENV ?= .venv-trl
+TRL_VERSION ?= 1.16.0
+TRL_STAMP := $(TRL_VENV)/.installed
 # The demo: SmolLM2-135M, cold-start SFT → evaluation → AEPO RL → evaluation (17 min on 2 idle AMX cores, bf16;
 # 19.5 min on 2 idle cores of an AVX2-only AMD EPYC, float32).
 # DEMO_CONFIG=configs/tiny.yaml: the same pipeline on a tiny random model in about a minute.
 DEMO_CONFIG ?= configs/demo.yaml
 
-.PHONY: install vllm demo test lint bench clean
+.PHONY: install vllm trl demo test lint bench clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +50,16 @@ $(VLLM_STAMP): $(CONSTRAINTS)
 # The vLLM server of `rollout.engine: vllm` (about 4 minutes and 3.5 GB on a CPU machine).
 vllm: $(VLLM_STAMP)
 
+$(TRL_STAMP): $(CONSTRAINTS)
+	$(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/pip install -q -c $(CONSTRAINTS) torch
+	$(TRL_VENV)/bin/pip install -q -c $(CONSTRAINTS) trl==$(TRL_VERSION) transformers datasets accelerate
+	$(TRL_VENV)/bin/python -c "import trl, torch; print('TRL', trl.__version__, 'torch', torch.__version__)"
+	touch $(TRL_STAMP)
+
+# TRL's GRPOTrainer for bench/trl_step.py (its own virtualenv).
+trl: $(TRL_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/aepo train -c $(DEMO_CONFIG)
 
@@ -66,7 +81,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_VENV).build.* runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_VENV).build.* $(TRL_VENV) runs .pytest_cache .ruff_cache
 bench: $(STAMP)
 	$(BIN)/python -m bench.rollout
 	$(BIN)/python -m bench.train_step

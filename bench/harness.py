@@ -146,6 +146,14 @@ def machine_label(env: Mapping[str, Any]) -> str:
     return f"{env.get('cpu', '?')} ({env.get('capability', '?')}{restriction})"
 
 
+def closing_line(results: Mapping[str, Any], threads: int, out: Path) -> str:
+    """A timing bench's last line: where it ran, how long, its threads, the load average at start and end (its
+    ``environment``'s ``load_avg_start`` / ``load_avg_end``) and where the JSON went."""
+    env = results["environment"]
+    return (f"\non {machine_label(env)}: total {results['total_s']:.0f} s; torch threads {threads}; "
+            f"load avg {env['load_avg_start'][0]:.1f} → {env['load_avg_end'][0]:.1f}; wrote {out}")
+
+
 def default_compute(model_name: str) -> str:
     """A benchmark's autocast dtype when ``--compute`` is not given: float32 for tiny-random (exact, and faster
     than autocast for 3M parameters), else what ``auto`` resolves to on this CPU (bf16 only where it is fast)."""

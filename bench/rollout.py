@@ -65,9 +65,9 @@ from aepo_core.tool_config import PythonToolConfig, SearchToolConfig
 from bench.harness import (
     RESULTS_DIR,
     cli_logging,
+    closing_line,
     default_compute,
     environment,
-    machine_label,
     print_table,
     set_threads,
     write_result,
@@ -792,9 +792,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or RESULTS_DIR / f"rollout{'-quick' if args.quick else ''}{parts}.json"
     write_result(out, results)
     report(results)
-    env = results["environment"]
-    print(f"\non {machine_label(env)}: total {results['total_s']:.0f} s; torch threads {args.threads}; "
-          f"load avg {env['load_avg_start'][0]:.1f} → {env['load_avg_end'][0]:.1f}; wrote {out}")
+    print(closing_line(results, args.threads, out))
     return 0
 
 

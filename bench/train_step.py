@@ -52,9 +52,9 @@ from aepo_core.tool_config import PythonToolConfig, SearchToolConfig
 from bench.harness import (
     RESULTS_DIR,
     cli_logging,
+    closing_line,
     default_compute,
     environment,
-    machine_label,
     print_table,
     set_threads,
     write_result,
@@ -627,9 +627,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report(results)
     if "step" in results:
         report_step(results["step"])
-    env = results["environment"]
-    print(f"\non {machine_label(env)}: total {results['total_s']:.0f} s; torch threads {args.threads}; "
-          f"load avg {env['load_avg_start'][0]:.1f} → {env['load_avg_end'][0]:.1f}; wrote {out}")
+    print(closing_line(results, args.threads, out))
     return 0
 
 
