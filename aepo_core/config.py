@@ -57,8 +57,8 @@ class AlgorithmConfig(Section):
         description="Sampler–trainer mismatch correction (AEPO.md §6): per model token ρ = π_old(trainer) / "
         "π_rollout; 'tis' weights the policy term by min(ρ, C), 'mask' drops tokens with ρ > C, 'none' ignores the "
         "gap (which is logged either way). auto: tis where the rollouts' sampler is a quantized copy "
-        "(model.sampler_dtype resolved to int8: a gap of ~0.1-0.2 nats a token), none elsewhere (a bf16 copy's "
-        "gap is ~0.03); the resolved mode is logged as numerics.rollout_correction. Only with "
+        "(model.sampler_dtype int8: KL ~0.03 nats a token from the policy), none elsewhere (a bf16 copy: ~0.001); "
+        "the resolved mode is logged as numerics.rollout_correction. Only with "
         "optim.old_logprobs=trainer (else π_old is the sampler's).",
     )
     rollout_correction_cap: float = Field(

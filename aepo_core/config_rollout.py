@@ -37,16 +37,16 @@ class ModelConfig(Section):
         "bf16 copy decodes ~1.5× and prefills ~4× faster than bf16 autocast over float32 weights. auto: a "
         "bfloat16 copy where bf16 is native and fast (as compute_dtype's auto), 'same' elsewhere.",
     )
-    sampler_dtype: Literal["auto", "generation", "int8"] = Field(
-        "auto",
+    sampler_dtype: Literal["generation", "int8"] = Field(
+        "generation",
         description="Weights the in-process engine samples training rollouts from. generation: the engine of "
         "model.generation_dtype (the one evaluation uses). int8: its own copy with every linear layer but the MLP "
-        "down projections in int8 (per output channel; activations per token at each call), refreshed after "
-        "every weight change: decoding ~2x faster than a bf16 copy on a Zen 4 EPYC, a log-prob gap of ~0.1-0.2 "
-        "nats a token, which algorithm.rollout_correction auto corrects by TIS. auto: int8 on a CPU whose "
-        "start-up probe (cached per machine, as compute_dtype's) measures the int8 projection at least 1.3x "
-        "faster than the generation path's, generation elsewhere (and on CUDA, remote and vLLM engines, "
-        "DeepSpeed). Logged as numerics.sampler_dtype.",
+        "down projections in int8 (per output channel; activations per token at each call; the rest in the "
+        "generation dtype), refreshed after every weight change; a log-prob gap of ~0.01-0.03 nats a token, which "
+        "algorithm.rollout_correction auto corrects by TIS. Its matmuls run 1.4-1.8x the bf16 copy's on a Zen 4 "
+        "EPYC, but the demo's rollouts did not get faster (84 tokens/s both: bench/README 'The int8 sampler'), "
+        "so it is not the default. In-process engine on the CPU, torch backend only. Logged as "
+        "numerics.sampler_dtype.",
     )
     device: str = Field("cpu", description="torch device for the policy (cpu, cuda, cuda:0).")
     cache_dir: str | None = Field(None, description="Where converted built-in models are cached.")

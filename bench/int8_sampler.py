@@ -22,6 +22,11 @@ This script reads the runs back from the runs dir's MLflow store and reports, pe
 - the sampler–trainer gap the updates logged (``train/rollout_trainer_logprob_gap``, its p99 and max), the TIS
   weights (``train/rollout_is_weight_mean``, ``train/rollout_is_truncated_frac``), the entropy, tool calls;
 - each run's wall time and its phases (rollout, update, evaluation, SFT).
+
+``--engine-ab CHECKPOINT`` instead times the rollout engines alone on a trained demo policy (a checkpoint directory
+of a demo run, ``checkpoints/<run>/<run id>/step-000003``): 12 training questions, AEPO rollouts, the same seed per
+repetition, the arms interleaved (A B C, C B A): ``int8`` (the int8 copy over the generation dtype), ``generation``
+(the bf16 copy where ``auto`` picks bf16), ``int8:same`` (the int8 copy over float32), generated tokens per second.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from aepo_core.evaluation import paired_over_seeds, pooled_paired_comparison
-from bench.harness import RESULTS_DIR, environment, print_table, write_result
+from bench.harness import REPO, RESULTS_DIR, environment, print_table, write_result
 from bench.phases import phase_seconds
 
 ARMS = ("int8", "generation")
@@ -104,13 +109,53 @@ def analyse(runs: dict[str, dict[int, dict[str, Any]]], seeds: Sequence[int]) ->
     return out
 
 
+def engine_ab(checkpoint: Path, arms: Sequence[str], reps: int = 2) -> dict[str, list[dict[str, float]]]:
+    """Each arm's rollouts of the same 12 questions from ``checkpoint``'s weights, interleaved (see the docstring):
+    per repetition its generate seconds and generated tokens."""
+    from infra.config_files import load_config
+    from infra.run.runtime import build_runtime
+
+    runtimes = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for arm in arms:
+            sampler, _, generation = arm.partition(":")
+            sets = [f"model.sampler_dtype={sampler}", *([f"model.generation_dtype={generation}"] if generation else [])]
+            runtime = build_runtime(load_config(REPO / "configs" / "demo.yaml", sets), Path(tmp) / arm)
+            runtime.load_checkpoint_weights(checkpoint)
+            runtimes[arm] = runtime
+        rows = runtimes[arms[0]].load_rows("synthetic:train")[:12]
+        out: dict[str, list[dict[str, float]]] = {arm: [] for arm in arms}
+        for rep in range(reps):
+            for arm in arms if rep % 2 == 0 else arms[::-1]:
+                runtime = runtimes[arm]
+                stats = runtime.sample(rows, runtime.cfg.rollout, seed=100 + rep).stats
+                out[arm].append({"generate_s": stats["generate_s"], "tokens": stats["tokens_generated"],
+                                 "tokens_per_s": stats["tokens_generated"] / stats["generate_s"]})
+                print(f"{arm} rep {rep}: {stats['tokens_generated']:.0f} tokens in {stats['generate_s']:.1f} s "
+                      f"({out[arm][-1]['tokens_per_s']:.1f}/s)", flush=True)
+        for runtime in runtimes.values():
+            runtime.close()
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench.int8_sampler", description=__doc__.split("\n")[0])
     p.add_argument("--runs-dir", type=Path, required=True, help="the runs dir of the bench.demo_seeds runs")
     p.add_argument("--prefix", default="s6", help="the sweep names' prefix (<prefix>-<arm>-s<seed>)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "int8_sampler_demo.json")
+    p.add_argument("--engine-ab", type=Path, default=None, metavar="CHECKPOINT",
+                   help="time the rollout engines on this checkpoint's policy instead (see the docstring)")
+    p.add_argument("--arms", nargs="+", default=["int8", "generation", "int8:same"])
     args = p.parse_args(argv)
+    if args.engine_ab is not None:
+        ab = engine_ab(args.engine_ab, args.arms)
+        print_table("rollout engines on a trained demo policy", ["arm", "tokens/s per repetition", "mean"],
+                    [[arm, " ".join(f"{r['tokens_per_s']:.1f}" for r in reps),
+                      f"{mean([r['tokens_per_s'] for r in reps]):.1f}"] for arm, reps in ab.items()])
+        write_result(args.out, {"benchmark": "int8_sampler_engines", "environment": environment(0),
+                                "checkpoint": str(args.engine_ab), "arms": ab})
+        return 0
     uri = f"sqlite:///{(args.runs_dir / 'mlflow.db').resolve()}"
     runs: dict[str, dict[int, dict[str, Any]]] = {arm: {} for arm in ARMS}
     with tempfile.TemporaryDirectory() as tmp:

@@ -13,10 +13,11 @@ thread, torch 2.13), and a demo tuned for AMX did not finish. So ``auto`` (the d
 
 Explicit dtypes still win (bf16 numerics on purpose); a warning names the slow path when they are one.
 
-The training rollouts' sampler (``model.sampler_dtype``) is decided the same way: ``auto`` samples from an int8 copy
-(:mod:`infra.engines.int8`) on a CPU whose int8 projection measures at least :data:`INT8_MARGIN` times faster than
-the generation path's (bf16 where that is the fast path, else float32), and from the generation engine elsewhere.
-On the 2-core Zen 4 EPYC the probe read float32 ÷ int8 = 3.8-4.0 against bf16's 2.2 (int8 1.8× the bf16 path).
+The training rollouts' sampler (``model.sampler_dtype``: the generation engine, or an int8 copy asked for
+explicitly) is not chosen by a probe: on a 2-core Zen 4 EPYC the int8 projection measured 1.4-1.8× the bf16 path's
+and the demo's rollouts still ran at the bf16 copy's speed (84 tokens/s both; bench/README.md, "The int8 sampler"),
+so a matmul probe would choose a copy further from the policy for nothing. It is resolved here only for the rollout
+correction it calls for (:func:`aepo_core.correction.resolved_correction`).
 
 The decision is the machine's, not its momentary load's. The probe read 0.61-0.66x float32 idle and 0.16x beside
 one other process on a 2-core Xeon with AVX512-BF16 (no AMX): a 4x swing, enough to flip a CPU nearer the threshold
@@ -57,7 +58,6 @@ import torch
 from aepo_core.config import ExperimentConfig
 from aepo_core.correction import resolved_correction
 from infra.atomic import atomic_file
-from infra.engines.int8 import int8_speedup
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +72,6 @@ PROBE_ROUNDS = 5
 SOURCE_TAG = "system.numerics_source"
 
 AUTO = "auto"
-
-INT8_MARGIN = 1.2
-"""How much faster than the generation path the int8 probe must measure for ``auto`` to sample from the int8 copy:
-below it the copy's log-prob gap (~0.1-0.2 nats a token, against ~0.03 for a bf16 copy) and its re-quantization
-after every update (~0.2 s) are not worth the time."""
 
 PROBE_SHAPE = (128, 576, 1536)
 """(rows, in, out) of the probe's matmul: SmolLM2-135M's MLP projection on a short micro-batch, 0.23 GFLOP. Measured
@@ -102,9 +97,6 @@ class DeviceFacts:
     bf16_speedup: float | None = None
     """float32 time ÷ bf16 time of the probe matmul (> 1: bf16 faster); None where no probe ran (CUDA, or a CPU
     without native bf16: nothing to confirm)."""
-    int8_speedup: float | None = None
-    """float32 time ÷ int8 time of the probe projection through the int8 sampler's layer
-    (:func:`infra.engines.int8.int8_speedup`); None where no probe ran (CUDA, a resumed run that recorded none)."""
     source: str = field(default="", compare=False)
     """Where the speed-up comes from: ``measured``, ``cache <file>``, ``run <id>`` (a resumed run's record),
     ``sweep <parent run id>`` (the sweep's decision); empty: not said."""
@@ -114,22 +106,10 @@ class DeviceFacts:
         """bf16 is the fast path here: native, and not measured slower than float32."""
         return self.native_bf16 and (self.bf16_speedup is None or self.bf16_speedup >= 1.0)
 
-    @property
-    def fast_int8(self) -> bool:
-        """The int8 sampler copy is the fast path here: its probe measured at least :data:`INT8_MARGIN` times the
-        generation path's speed (bf16's where bf16 is the fast path, else float32's)."""
-        if self.device != "cpu" or self.int8_speedup is None:
-            return False
-        generation = self.bf16_speedup if self.fast_bf16 and self.bf16_speedup is not None else 1.0
-        return self.int8_speedup >= INT8_MARGIN * generation
-
     def describe(self) -> str:
-        """``<name>, <capability>, native bf16 (3.1× float32), int8 3.9× float32`` — what the dtypes were chosen
-        for."""
+        """``<name>, <capability>, native bf16 (3.1× float32)`` — what the dtypes were chosen for."""
         probe = f" ({self.bf16_speedup:.1f}× float32)" if self.bf16_speedup is not None else ""
-        int8 = f", int8 {self.int8_speedup:.1f}× float32" if self.int8_speedup is not None else ""
-        return (f"{self.name}, {self.capability}, {'native bf16' if self.native_bf16 else 'no native bf16'}{probe}"
-                f"{int8}")
+        return f"{self.name}, {self.capability}, {'native bf16' if self.native_bf16 else 'no native bf16'}{probe}"
 
     def same_kind(self, other: DeviceFacts) -> bool:
         """Another machine of the same kind: device type, CPU or GPU model and kernel capability."""
@@ -141,7 +121,6 @@ class DeviceFacts:
                 "system.capability": self.capability, "system.native_bf16": str(self.native_bf16).lower(),
                 "system.cores": str(self.cores),
                 **({"system.bf16_speedup": f"{self.bf16_speedup:.2f}"} if self.bf16_speedup is not None else {}),
-                **({"system.int8_speedup": f"{self.int8_speedup:.2f}"} if self.int8_speedup is not None else {}),
                 **({SOURCE_TAG: self.source} if self.source else {})}
 
     @classmethod
@@ -152,10 +131,9 @@ class DeviceFacts:
         try:
             if device is None or name is None:
                 return None
-            speedup, int8 = tags.get("system.bf16_speedup"), tags.get("system.int8_speedup")
+            speedup = tags.get("system.bf16_speedup")
             return cls(device, name, tags["system.capability"], tags["system.native_bf16"] == "true",
-                       int(tags["system.cores"]), float(speedup) if speedup is not None else None,
-                       float(int8) if int8 is not None else None, source)
+                       int(tags["system.cores"]), float(speedup) if speedup is not None else None, source)
         except (KeyError, ValueError):
             return None
 
@@ -184,8 +162,8 @@ class Numerics:
     """``rollout.vllm.dtype`` resolved: the managed vLLM server's ``--dtype``."""
     facts: DeviceFacts
     sampler_dtype: str = "generation"
-    """``model.sampler_dtype`` resolved: ``generation`` (the rollouts are sampled by the generation engine) or
-    ``int8`` (by the int8 copy)."""
+    """``model.sampler_dtype``: ``generation`` (the rollouts are sampled by the generation engine) or ``int8`` (by
+    the int8 copy)."""
     rollout_correction: str = "none"
     """``algorithm.rollout_correction`` resolved for the sampler (:func:`aepo_core.correction.resolved_correction`)."""
 
@@ -235,9 +213,6 @@ def resolve_numerics(cfg: ExperimentConfig, facts: DeviceFacts) -> Numerics:
     compute = auto if m.compute_dtype == AUTO else m.compute_dtype
     generation = ("bfloat16" if facts.fast_bf16 else "same") if m.generation_dtype == AUTO else m.generation_dtype
     vllm_dtype = auto if vllm.dtype == AUTO else vllm.dtype
-    sampler = m.sampler_dtype
-    if sampler == AUTO:
-        sampler = "int8" if facts.fast_int8 and _int8_capable(cfg) else "generation"
     if not facts.fast_bf16:
         chosen = [("model.compute_dtype", m.compute_dtype), ("model.generation_dtype", m.generation_dtype)]
         if cfg.rollout.engine == "vllm":
@@ -246,14 +221,8 @@ def resolve_numerics(cfg: ExperimentConfig, facts: DeviceFacts) -> Numerics:
         if slow:
             _warn_once(f"{', '.join(slow)}: bf16 is the slow path on {facts.describe()} (float32 is faster here); "
                        "`auto` would choose float32")
-    return Numerics(compute, generation, vllm_dtype, facts, sampler,
-                    resolved_correction(cfg.algorithm.rollout_correction, sampler))
-
-
-def _int8_capable(cfg: ExperimentConfig) -> bool:
-    """Whether ``cfg``'s rollouts can be sampled by the int8 copy: the in-process engine on the CPU, torch backend."""
-    return (cfg.rollout.engine == "hf" and cfg.train.backend == "torch"
-            and torch.device(cfg.model.device).type == "cpu")
+    return Numerics(compute, generation, vllm_dtype, facts, m.sampler_dtype,
+                    resolved_correction(cfg.algorithm.rollout_correction, m.sampler_dtype))
 
 
 @functools.cache
@@ -314,10 +283,8 @@ def recorded_numerics(cfg: ExperimentConfig, params: Mapping[str, str], tags: Ma
     generation = params.get("numerics.generation_dtype", "same") if m.generation_dtype == AUTO else m.generation_dtype
     vllm_dtype = (params.get("numerics.vllm_dtype", auto_dtype(facts)) if cfg.rollout.vllm.dtype == AUTO
                   else cfg.rollout.vllm.dtype)
-    # A run that recorded no sampler sampled from its generation engine (it predates model.sampler_dtype).
-    sampler = params.get("numerics.sampler_dtype", "generation") if m.sampler_dtype == AUTO else m.sampler_dtype
-    return Numerics(compute, generation, vllm_dtype, facts, sampler,
-                    resolved_correction(cfg.algorithm.rollout_correction, sampler))
+    return Numerics(compute, generation, vllm_dtype, facts, m.sampler_dtype,
+                    resolved_correction(cfg.algorithm.rollout_correction, m.sampler_dtype))
 
 
 def vllm_device() -> str:
@@ -332,20 +299,15 @@ def device_facts(device: str = "cpu") -> DeviceFacts:
 
 
 def _local_facts(device: str, probe: bool) -> DeviceFacts:
-    """This machine's facts; ``probe``: the CPU's bf16 (where native) and int8 speed-ups from the cache, measured
-    when not cached."""
+    """This machine's facts; ``probe``: the CPU's bf16 speed-up from the cache, measured when not cached."""
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
         return DeviceFacts("cuda", props.name, f"sm_{props.major}{props.minor}", torch.cuda.is_bf16_supported(),
                            props.multi_processor_count)
     native = _cpu_native_bf16()
     name, capability = cpu_model(), torch.backends.cpu.get_cpu_capability()
-    if not probe:
-        return DeviceFacts("cpu", name, capability, native, torch.get_num_threads())
-    probes = ("bf16_speedup", "int8_speedup") if native else ("int8_speedup",)
-    speedups, source = cached_speedups(machine_key(name, capability), probes)
-    return DeviceFacts("cpu", name, capability, native, torch.get_num_threads(), speedups.get("bf16_speedup"),
-                       speedups.get("int8_speedup"), source)
+    speedup, source = cached_speedup(machine_key(name, capability)) if native and probe else (None, "")
+    return DeviceFacts("cpu", name, capability, native, torch.get_num_threads(), speedup, source)
 
 
 def cache_path() -> Path:
@@ -362,47 +324,37 @@ def machine_key(name: str, capability: str) -> str:
     return f"{name} | {capability} | torch {torch.__version__} | oneDNN {os.environ.get('ONEDNN_MAX_CPU_ISA', 'all')}"
 
 
-def cached_speedups(key: str, probes: tuple[str, ...]) -> tuple[dict[str, float], str]:
-    """The speed-ups ``probes`` (``bf16_speedup``, ``int8_speedup``) of the machine ``key`` from the cache, each one
-    missing there measured (best of :data:`PROBE_ROUNDS`) and added to its entry; with where they came from
-    (``cache <file>`` when all were cached, else ``measured``). The read-measure-write holds a lock: processes
-    starting together measure once. A corrupt cache is measured again with a warning; an unwritable one leaves the
-    measurement to this process, with a warning."""
+def cached_speedup(key: str) -> tuple[float, str]:
+    """The bf16 speed-up of the machine ``key`` from the cache, else measured (best of :data:`PROBE_ROUNDS`) and
+    written there; with where it came from (``cache <file>`` / ``measured``). The read-measure-write holds a lock:
+    processes starting together measure once. A corrupt cache is measured again with a warning; an unwritable one
+    leaves the measurement to this process, with a warning."""
     path = cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = open(path.with_name(f".{path.name}.lock"), "a+b")  # held across the measurement
     except OSError as exc:
-        log.warning("numerics cache %s cannot be used (%s): measuring the speed-ups in this process", path, exc)
-        return {name: _measure(name)[0] for name in probes}, "measured"
+        log.warning("numerics cache %s cannot be used (%s): measuring the bf16 speed-up in this process", path, exc)
+        return _measure()[0], "measured"
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         entries = _read_cache(path)
         entry = entries.get(key)
-        entry = dict(entry) if isinstance(entry, dict) else {}
-        missing = [name for name in probes if not _valid_speedup(entry.get(name))]
-        if not missing:
-            return {name: float(entry[name]) for name in probes}, f"cache {path}"
+        if isinstance(entry, dict) and _valid_speedup(entry.get("bf16_speedup")):
+            return float(entry["bf16_speedup"]), f"cache {path}"
+        speedup, readings = _measure()
         load = os.getloadavg()[0]
-        for name in missing:
-            entry[name], entry[_READINGS[name]] = _measure(name)
-        entry.update({"load_1min": round(load, 2), "cpus": os.cpu_count(),
-                      "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")})
-        entries[key] = entry
+        entries[key] = {"bf16_speedup": speedup, "readings": readings, "load_1min": round(load, 2),
+                        "cpus": os.cpu_count(), "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         try:
             with atomic_file(path, "w") as f:
                 json.dump(entries, f, indent=1, sort_keys=True)
         except OSError as exc:
             log.warning("numerics cache %s not written (%s): the next process measures again", path, exc)
         if load >= 0.5 * (os.cpu_count() or 1):
-            log.warning("%s measured on a busy machine (load %.1f on %s CPUs) and cached in %s: delete it to measure "
-                        "again on idle cores", ", ".join(f"{n} {entry[n]:.2f}" for n in missing), load,
-                        os.cpu_count(), path)
-        return {name: float(entry[name]) for name in probes}, "measured"
-
-
-_READINGS = {"bf16_speedup": "readings", "int8_speedup": "int8_readings"}
-"""A cache entry's key of each probe's readings (the bf16 probe's predate the int8 one)."""
+            log.warning("bf16 speed-up %.2f measured on a busy machine (load %.1f on %s CPUs) and cached in %s: "
+                        "delete it to measure again on idle cores", speedup, load, os.cpu_count(), path)
+        return speedup, "measured"
 
 
 def _valid_speedup(value: object) -> bool:
@@ -428,11 +380,9 @@ def _read_cache(path: Path) -> dict[str, Any]:
     return data
 
 
-def _measure(name: str) -> tuple[float, list[float]]:
-    """The best of :data:`PROBE_ROUNDS` probes ``name`` (another process's load only lowers a reading) and all
-    readings."""
-    probe = {"bf16_speedup": bf16_speedup, "int8_speedup": lambda: int8_speedup(PROBE_SHAPE)}[name]
-    readings = [round(probe(), 3) for _ in range(PROBE_ROUNDS)]
+def _measure() -> tuple[float, list[float]]:
+    """The best of :data:`PROBE_ROUNDS` probes (another process's load only lowers a reading) and all readings."""
+    readings = [round(bf16_speedup(), 3) for _ in range(PROBE_ROUNDS)]
     return max(readings), readings
 
 

@@ -7,8 +7,9 @@ an :class:`Int8Linear`: its weight in int8, symmetric **per output channel**,
 
 its input quantized **per token** at every call (s_t = max_i |x_ti| / 127), the product on the CPU's int8
 dot-product instructions (``torch._int_mm``, int32 accumulation: AVX-512 VNNI on Zen 4 and the Xeons), rescaled by
-s_t·s_o to float32. Embeddings, norms, attention, the down projections and the logits the sampler reads its
-log-probs and entropies from stay float32.
+s_t·s_o. Embeddings, norms, attention and its KV cache and the down projections compute in the generation path's
+dtype (bf16 where that is the fast path, else float32); the sampler's log-probs and entropies come from float32
+logits as always.
 
 **Why these choices** (SmolLM2-135M, KL(π_float32 ‖ π_copy) per token over 4 sampled 80-token answers, full
 sequences): torch's own dynamic quantization (activations per *tensor*) 0.24, because a few tokens (the first) carry
@@ -18,9 +19,11 @@ falls to 0.032 (a bf16 copy: 0.001). SmoothQuant-style migration of the outliers
 reached 0.022 with the down projections in int8 and was left out (a calibration set, and norms that differ from
 the policy's).
 
-**Why at all.** Decoding is matmul-bound on these CPUs: on a 2-core AMD EPYC (Zen 4, avx512_bf16 and VNNI, no AMX;
-one thread, torch 2.13) a 16-row 576 → 1536 projection took 0.37 ms in float32, 0.19 ms in bf16, 0.13 ms here
-(quantizing the input included); the 576 → 49152 LM head 27.4 / 11.3 / 7.6 ms.
+**Speed.** The matmuls are faster: on a 2-core AMD EPYC (Zen 4, avx512_bf16 and VNNI, no AMX; one thread, torch 2.13)
+a 16-row 576 → 1536 projection took 0.37 ms in float32, 0.19 ms in bf16, 0.13 ms here (quantizing the input
+included); the 576 → 49152 LM head 27.4 / 11.3 / 7.6 ms. The demo's rollouts are not: 84 tokens/s from this copy
+(its other layers in bf16) and from the bf16 copy alike, 75 with its other layers in float32 (bench/README.md,
+"The int8 sampler"), so it is asked for (``model.sampler_dtype: int8``), never chosen by default.
 
 **What it costs.** The sampler is another policy than the trainer: its log-probs differ (the sampler–trainer gap,
 ``train/rollout_trainer_logprob_gap``), so the trainer's scoring pass gives π_old and ``algorithm.rollout_correction:
@@ -34,12 +37,10 @@ live weights again into the same layers and copies the float parameters in place
 from __future__ import annotations
 
 import copy
-import time
-from collections.abc import Callable
 
 import torch
 
-__all__ = ["KEEP_FLOAT", "Int8Copy", "Int8Linear", "int8_speedup"]
+__all__ = ["KEEP_FLOAT", "Int8Copy", "Int8Linear"]
 
 KEEP_FLOAT = ("down_proj",)
 """Linear layers (by the last part of their name) the copy keeps in float32: the MLP down projections of
@@ -79,7 +80,7 @@ class Int8Linear(torch.nn.Module):
         y = torch._int_mm(q, self.weight_t).float().mul_(scale).mul_(self.weight_scale)
         if self.bias is not None:
             y.add_(self.bias)
-        return y.reshape(*shape[:-1], self.out_features)
+        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
 
 def _quantized(name: str, module: torch.nn.Module) -> bool:
@@ -89,11 +90,13 @@ def _quantized(name: str, module: torch.nn.Module) -> bool:
 class Int8Copy:
     """An int8 copy of a float policy (see the module docstring), refreshed from the live weights in place."""
 
-    def __init__(self, source: torch.nn.Module) -> None:
-        """Copy ``source`` (a float model on the CPU) and quantize its linear layers."""
+    def __init__(self, source: torch.nn.Module, dtype: torch.dtype = torch.float32) -> None:
+        """Copy ``source`` (a float model on the CPU) and quantize its linear layers; everything else (embeddings,
+        norms, attention and its KV cache, the float layers) computes in ``dtype`` (the generation path's: a bf16
+        base sampled 84 tokens/s of the demo's rollouts on the Zen 4 EPYC, a float32 one 75)."""
         if next(source.parameters()).device.type != "cpu":
             raise ValueError("the int8 sampler copy runs on the CPU (model.sampler_dtype=int8 needs model.device=cpu)")
-        model = copy.deepcopy(source).float().eval()
+        model = copy.deepcopy(source).to(dtype).eval()
         model.requires_grad_(False)
         self.names = [name for name, m in source.named_modules() if _quantized(name, m)]
         for name in self.names:
@@ -113,34 +116,3 @@ class Int8Copy:
         for name, tensor in [*source.named_parameters(), *source.named_buffers()]:
             if name in own:
                 own[name].copy_(tensor)
-
-
-def int8_speedup(shape: tuple[int, int, int], reps: int = 5) -> float:
-    """float32 time ÷ int8 time of one ``shape`` = (rows, in, out) projection on one thread of this CPU through
-    :class:`Int8Linear` (input quantization included; best of ``reps`` after a warm-up each)."""
-    rows, k, n = shape
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, k, generator=gen)
-    linear = torch.nn.Linear(k, n, bias=False)
-    with torch.no_grad():
-        linear.weight.copy_(torch.randn(n, k, generator=gen) * 0.05)
-    layer = Int8Linear(linear)
-
-    def best(fn: Callable[[], object]) -> float:
-        fn()  # warm-up: the first call plans the kernel
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the bf16 probe (infra.numerics.bf16_speedup): one thread times the kernels
-    try:
-        with torch.no_grad():
-            fp32 = best(lambda: linear(x))
-            int8 = best(lambda: layer(x))
-    finally:
-        torch.set_num_threads(threads)
-    return fp32 / max(int8, 1e-9)

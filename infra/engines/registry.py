@@ -66,7 +66,7 @@ def build_engine(cfg: ExperimentConfig, numerics: Numerics, model: torch.nn.Modu
     from infra.engines.hf import HFEngine
     from infra.engines.int8 import Int8Copy
 
-    copy8 = Int8Copy(model)
+    copy8 = Int8Copy(model, GENERATION_DTYPES.get(numerics.generation_dtype, torch.float32))
     kv_mb = cfg.rollout.kv_reuse_max_mb if cfg.rollout.kv_reuse else 0.0
     sampler = HFEngine(copy8.model, tokenizer, seed=cfg.seed, kv_reuse_mb=kv_mb, refresh=copy8.refresh)
     return dataclasses.replace(built, sampler=sampler)

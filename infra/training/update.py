@@ -99,8 +99,8 @@ class PolicyUpdater:
                  ref_backend: TrainBackend | None = None, numerics: Numerics | None = None,
                  observer: MicroBatchObserver | None = None) -> None:
         """``numerics``: the run's resolved numerics (which engine sampled the rollouts, and the rollout correction
-        that calls for; None: the config's own, an unresolved ``auto`` counting as a generation copy and the
-        sampler as the generation engine); ``observer``:
+        that calls for; None: the config's own, an unresolved ``auto`` generation dtype counting as a copy);
+        ``observer``:
         shown every micro-batch's loss inputs."""
         if cfg.algorithm.kl_coef > 0 and ref_backend is None:
             raise ValueError("algorithm.kl_coef > 0 needs a reference model")
@@ -108,8 +108,7 @@ class PolicyUpdater:
         self.ref_backend = ref_backend
         self.cfg = cfg
         self.generation_dtype = numerics.generation_dtype if numerics else cfg.model.generation_dtype
-        asked = cfg.model.sampler_dtype
-        self.sampler_dtype = numerics.sampler_dtype if numerics else ("generation" if asked == "auto" else asked)
+        self.sampler_dtype = numerics.sampler_dtype if numerics else cfg.model.sampler_dtype
         self.correction = resolved_correction(cfg.algorithm.rollout_correction, self.sampler_dtype)
         self.pad_id = pad_id
         self.device = backend.device
