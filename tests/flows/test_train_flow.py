@@ -234,12 +234,12 @@ def test_transient_rollout_failure_is_retried(prefect_harness, tmp_path, monkeyp
     original = PolicyRuntime.sample
     calls = {"n": 0}
 
-    def flaky(self, rows, rollout, seed, sampling=None):
+    def flaky(self, rows, rollout, seed, sampling=None, *, engine=None):
         if rollout is self.cfg.rollout:  # the training rollout, not an evaluation's
             calls["n"] += 1
             if calls["n"] == 1:
                 raise ConnectionError("injected transient failure")
-        return original(self, rows, rollout, seed, sampling)
+        return original(self, rows, rollout, seed, sampling, engine=engine)
 
     monkeypatch.setattr(PolicyRuntime, "sample", flaky)
     out = train(config=load_config(TINY, ["train.steps=1", "eval.every=0", "eval.max_questions=1",
