@@ -174,17 +174,40 @@ def test_runs_seeded_alike_keep_their_own_traces(tmp_path: Path,
     the same order, and a second run's traces replaced the first one's in a shared store (found by the kill chain:
     7 traces left of 10). Drawing them there also moved the run's own random stream from a background thread."""
     import random
+    import sys
 
     trees, scores = scored
     uri, art = f"sqlite:///{tmp_path}/mlflow.db", (tmp_path / "art").as_uri()
+    # Draws from the global stream by tracing code, from any thread (the exporter's too). Counted by caller rather
+    # than by comparing the stream before and after: another test's leftover thread in the same worker may draw from
+    # it meanwhile (a full suite under xdist did, once), which says nothing about tracing.
+    drawn: list[str] = []
+
+    def watched(name: str):
+        original = getattr(random, name)
+
+        def draw(*args, **kwargs):
+            frame = sys._getframe(1)
+            while frame is not None:
+                module = frame.f_globals.get("__name__", "")
+                if module.startswith(("opentelemetry", "mlflow", "infra.tracking")):
+                    drawn.append(f"{name} from {module}")
+                    break
+                frame = frame.f_back
+            return original(*args, **kwargs)
+        return draw
+
     runs = []
-    for _ in range(2):
-        tracker = Tracker(uri, artifact_location=art)
-        runs.append(tracker.start(ExperimentConfig()))
-        random.seed(0)  # what a run does at its start
-        tracker.log_rollout_traces(trees, scores, step=1, kind="train", label="step1", questions={})
-        tracker.finish()
-        assert random.random() == random.Random(0).random()  # the run's stream was not drawn from
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("random", "getrandbits", "randint", "randrange", "choice", "shuffle", "uniform"):
+            patch.setattr(random, name, watched(name))
+        for _ in range(2):
+            tracker = Tracker(uri, artifact_location=art)
+            runs.append(tracker.start(ExperimentConfig()))
+            random.seed(0)  # what a run does at its start
+            tracker.log_rollout_traces(trees, scores, step=1, kind="train", label="step1", questions={})
+            tracker.finish()
+    assert drawn == []  # the runs' stream was not drawn from
     for run_id in runs:
         found = tracker.client.search_traces(locations=[tracker.experiment_id()], run_id=run_id, max_results=100)
         assert len(found) == len(trees), run_id
