@@ -326,8 +326,7 @@ class Design:
             raise ValueError(f"power must be in (0, 1), got {self.power}")
         needs = "variance: pilot" if self.variance == "pilot" else f"futility: {self.futility}"
         if self.variance == "pilot" or self.futility != "none":
-            for name in ("delta", "sigma"):
-                value = getattr(self, name)
+            for name, value in (("delta", self.delta), ("sigma", self.sigma)):
                 if value is None or not value > 0.0:
                     raise ValueError(f"{name} must be > 0 with {needs} (the planned effect and the pilot's σ of a "
                                      f"seed's paired difference), got {value}")
