@@ -31,7 +31,24 @@ from aepo_core.described_yaml import described_lines
 from aepo_core.tool_config import ToolsConfig
 
 SharePrefix = Literal["off", "common", "tree"]
-"""``optim.share_prefix``: which tokens the rows of a micro-batch share run through the decoder once."""
+"""``optim.share_prefix`` resolved: which tokens the rows of a micro-batch share run through the decoder once."""
+
+TREE_ATTENTION = (None, "sdpa", "eager")
+"""``model.attn_implementation`` values that take the token tree's arbitrary 4-D mask (None: transformers' default,
+sdpa)."""
+
+
+def resolved_share_prefix(requested: str, backend: str, device: str, attn_implementation: str | None) -> SharePrefix:
+    """``optim.share_prefix`` for the torch/DeepSpeed ``backend`` on ``device`` with ``attn_implementation``:
+    ``auto`` → ``tree`` where it is the same computation and was measured faster — the torch backend, a CPU device,
+    sdpa or eager attention (the update 1.86× faster than ``common`` and 2.3× than ``off`` on a 2-core AMX Xeon,
+    bench/README "The token tree"; to float rounding the same log-probs and gradients) — and ``off`` elsewhere:
+    DeepSpeed's forward is not split, flash attention takes no 4-D mask, and on an accelerator it was never measured
+    (its mask is dense, micro_batch_tokens² per micro-batch). An explicit mode is returned as it is."""
+    if requested != "auto":
+        return requested  # type: ignore[return-value]
+    on_cpu = device.split(":")[0] == "cpu"
+    return "tree" if backend == "torch" and on_cpu and attn_implementation in TREE_ATTENTION else "off"
 
 
 LossName = Literal["ppo_clip", "dapo", "aepo", "gppo", "ce_gppo", "cispo", "gspo"]
@@ -206,15 +223,17 @@ class OptimConfig(Section):
         "layers × (48·hidden + 12·intermediate) bytes to layers × 4·hidden plus one layer's (SmolLM2-135M: 1.38 → "
         "0.12 MB), for one more forward of the decoder per micro-batch.",
     )
-    share_prefix: SharePrefix = Field(
-        "off",
+    share_prefix: Literal["auto", "off", "common", "tree"] = Field(
+        "auto",
         description="Run the tokens the rows of a micro-batch share through the decoder once: the same log-probs "
         "and gradients up to float rounding (a causal decoder's state at a position does not depend on what "
         "follows). 'common': the leading tokens every row shares (the system prompt, a quarter of an RL sample) as "
         "one row all attend to; needs activation_checkpointing off. 'tree': every distinct prefix once (a question's "
         "leaves share their prompt and their parent's segments), the rows packed as a trie under a 4-D attention "
         "mask, micro-batches filled question by question up to micro_batch_tokens distinct tokens; needs sdpa or "
-        "eager attention (the demo's update 1.86x faster than 'common'). true/false: 'common'/'off'. Torch only.",
+        "eager attention (the demo's update 1.86x faster than 'common'). true/false: 'common'/'off'. Torch only. "
+        "'auto': 'tree' on the torch backend on a CPU with sdpa or eager attention, 'off' elsewhere (DeepSpeed, "
+        "flash attention, an accelerator: not measured there); the config then records the mode it resolved to.",
     )
 
     @field_validator("share_prefix", mode="before")
@@ -577,10 +596,12 @@ class ExperimentConfig(Section):
             raise ValueError("model.sampler_dtype=int8 is the in-process engine's CPU copy: it needs "
                              f"rollout.engine=hf, train.backend=torch and model.device=cpu (got {r.engine}, "
                              f"{self.train.backend}, {self.model.device})")
+        self.optim.share_prefix = resolved_share_prefix(self.optim.share_prefix, self.train.backend,
+                                                        self.model.device, self.model.attn_implementation)
         if self.optim.share_prefix != "off" and self.train.backend != "torch":
             raise ValueError("optim.share_prefix runs on train.backend=torch only (the DeepSpeed engine's decoder "
                              "forward is not split)")
-        if self.optim.share_prefix == "tree" and self.model.attn_implementation not in (None, "sdpa", "eager"):
+        if self.optim.share_prefix == "tree" and self.model.attn_implementation not in TREE_ATTENTION:
             raise ValueError("optim.share_prefix=tree needs model.attn_implementation sdpa or eager (an arbitrary "
                              f"4-D mask), not {self.model.attn_implementation}")
         return self

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 from transformers import DynamicCache
 
-from aepo_core.config import OptimConfig, SharePrefix
+from aepo_core.config import OptimConfig, SharePrefix, resolved_share_prefix
 from infra.kv_cache import cache_kwarg, is_plain_dynamic
 from infra.ranks import Ranks
 from infra.training.backend import Stateful
@@ -142,7 +142,11 @@ class TorchBackend(_InProcessModel):
 
     def __init__(self, model: torch.nn.Module, cfg: OptimConfig, total_steps: int, lr: float | None = None,
                  compute_dtype: torch.dtype | None = None) -> None:
-        super().__init__(model, compute_dtype, cfg.share_prefix)
+        # A bare OptimConfig (no experiment config resolved it) may still ask `auto`: resolved for this model and
+        # device by the experiment config's own rule.
+        device = next(model.parameters()).device.type
+        super().__init__(model, compute_dtype, resolved_share_prefix(cfg.share_prefix, "torch", device,
+                                                                     model.config._attn_implementation))
         self.grad_clip = cfg.grad_clip
         self.optimizer = build_optimizer(model, cfg, lr)
         self.scheduler = build_scheduler(self.optimizer, cfg, total_steps)

@@ -154,8 +154,8 @@ def test_the_config_takes_the_old_booleans_and_refuses_a_tree_it_cannot_run():
     common = build_config({}, ["optim.activation_checkpointing=false", "optim.share_prefix=common"])
     legacy = build_config({}, ["optim.activation_checkpointing=false", "optim.share_prefix=true"])
     assert _sft_key(common) == _sft_key(legacy)  # the SFT caches made under `true` keep their key
-    assert _sft_key(build_config({}, ["optim.share_prefix=tree"])) not in (_sft_key(common),
-                                                                          _sft_key(build_config({}, [])))
+    off = build_config({}, ["optim.share_prefix=off"])
+    assert _sft_key(build_config({}, ["optim.share_prefix=tree"])) not in (_sft_key(common), _sft_key(off))
 
 
 def test_a_sliding_window_model_takes_the_unshared_forward():
@@ -168,3 +168,28 @@ def test_a_sliding_window_model_takes_the_unshared_forward():
     assert calls.rows == [12, 12]  # a window is not a prefix: no packed tree, every row ran
     torch.testing.assert_close(tree, plain, rtol=0, atol=0)
     assert not TorchBackend(model, OptimConfig(share_prefix="tree"), total_steps=1).shares_tree
+
+
+def test_auto_shares_the_tree_where_it_is_the_same_computation_and_was_measured_faster():
+    """``optim.share_prefix: auto`` (the default): the token tree on the torch backend on a CPU with sdpa or eager
+    attention (the same log-probs and gradients up to float rounding, above; the update 1.86× faster on an AMX Xeon,
+    bench/README "The token tree"), off where the tree cannot run or was never measured. The config records the mode
+    it resolved to, so the run's params and the SFT cache key say what ran."""
+    assert build_config({}, []).optim.share_prefix == "tree"  # transformers' default attention on CPU: sdpa
+    assert build_config({}, ["model.attn_implementation=eager"]).optim.share_prefix == "tree"
+    assert build_config({}, ["train.backend=deepspeed"]).optim.share_prefix == "off"
+    assert build_config({}, ["model.attn_implementation=flash_attention_2"]).optim.share_prefix == "off"
+    assert build_config({}, ["model.device=cuda"]).optim.share_prefix == "off"  # not measured on an accelerator
+    assert build_config({}, ["optim.share_prefix=off"]).optim.share_prefix == "off"  # an explicit mode wins
+    assert build_config({}, ["optim.activation_checkpointing=false",
+                             "optim.share_prefix=common"]).optim.share_prefix == "common"
+    assert _sft_key(build_config({}, [])) == _sft_key(build_config({}, ["optim.share_prefix=tree"]))
+
+
+def test_a_backend_given_auto_resolves_it_for_the_model_it_holds():
+    """A bare ``OptimConfig()`` (no experiment around it) asks ``auto`` too: the backend resolves it from its own
+    model and device, the same rule (a sliding-window model then still runs every row)."""
+    assert OptimConfig().share_prefix == "auto"
+    assert TorchBackend(tiny_model(), OptimConfig(), total_steps=1).share_prefix == "tree"
+    model = sliding_window_model()
+    assert not TorchBackend(model, OptimConfig(), total_steps=1).shares_tree
