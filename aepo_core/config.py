@@ -455,7 +455,7 @@ class DataConfig(Section):
     data_root: str | None = Field(
         None,
         description="Where shorthand dataset names (gaia, math500, hard_search_1k…) are found; default: env "
-        "AEPO_DATA_ROOT, else the repo's ../shared/data/arpo.",
+        "AEPO_DATA_ROOT, else the ARPO/AEPO data shipped in the package (infra/data/arpo).",
     )
     synthetic: SyntheticDataConfig = Field(
         default_factory=SyntheticDataConfig, description="The generated synthetic task's world and questions."

@@ -41,8 +41,9 @@ logger = logging.getLogger(__name__)
 
 OnBadRow = Literal["fail", "skip"]
 DATA_ROOT_ENV = "AEPO_DATA_ROOT"
-# The repo's sibling checkout of the shared data: <repo>/../shared/data/arpo.
-DEFAULT_DATA_ROOT = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "arpo"
+# The ARPO/AEPO data shipped in this package (infra/data/arpo: its README says what and whence), so a clone anywhere
+# and an installed wheel both resolve the names.
+DEFAULT_DATA_ROOT = Path(__file__).resolve().parent / "arpo"
 SYNTHETIC_PREFIX = "synthetic"
 EVAL_DIR = "eval"
 RL_DIR = "rl"
@@ -390,7 +391,7 @@ def load_hf_dataset_files(
 
 
 def default_data_root() -> Path:
-    """``$AEPO_DATA_ROOT`` if set, else the repo's ``../shared/data/arpo``."""
+    """``$AEPO_DATA_ROOT`` if set, else the data shipped in this package (``infra/data/arpo``)."""
     env = os.environ.get(DATA_ROOT_ENV)
     return Path(env) if env else DEFAULT_DATA_ROOT
 

@@ -1,16 +1,16 @@
-"""Dataset loaders: every shipped ARPO file loads (the backspace-for-\\b defect repaired), malformed rows made here
-are reported by index and field or skipped exactly, HF `datasets` saves load, specs resolve, and the recorded
-search results become a BM25 corpus."""
+"""Dataset loaders: the ARPO data ships inside the package unchanged (its digests) and every file loads (the
+backspace-for-\\b defect repaired), malformed rows made here are reported by index and field or skipped exactly, HF
+`datasets` saves load, specs resolve, and the recorded search results become a BM25 corpus."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from capabilities import IN_CI, require
 from datasets import Dataset, DatasetDict
 
 from aepo_core.tool_config import SearchToolConfig
@@ -34,7 +34,7 @@ from infra.tools.search import Bm25Backend, SearchTool
 
 DATA_ROOT = default_data_root()
 SHIPPED = shipped_names(DATA_ROOT)
-NO_DATA = f"shared ARPO data not found under {DATA_ROOT} (set {DATA_ROOT_ENV})"
+REPO = Path(__file__).resolve().parents[2]
 # train_10k.parquet ships one question whose ground truth is blank.
 TRAIN_10K_BLANK_ANSWER_ROW = 5274
 SYSTEM = "Put the answer in \x08oxed{}, e.g. \\[ \x08oxed{42} \\]."
@@ -46,18 +46,37 @@ def _raw_row_count(path: Path) -> int:
     return sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
 
 
-def _shipped_params() -> list[object]:
-    if not SHIPPED:  # one test that says so: skipped on a developer's machine, a failure under CI=true
-        return [pytest.param(None, id="no-shipped-data")]
-    return [pytest.param(name, id=name) for name in sorted(SHIPPED)]
-
-
 # ------------------------------------------------------------------------------------------------ shipped data
 
 
-@pytest.mark.parametrize("name", _shipped_params())
-def test_every_shipped_file_loads_repaired(name: str | None) -> None:
-    require(name is not None, NO_DATA)
+def test_the_data_ships_inside_the_package_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default data root is the package's own copy, so a clone made anywhere (no ``../shared`` beside it) and an
+    installed wheel resolve the names; every file is the one released (SHA256SUMS), and every name resolves."""
+    monkeypatch.delenv(DATA_ROOT_ENV, raising=False)
+    root = default_data_root()
+    assert root == REPO / "infra" / "data" / "arpo"
+    listed = dict(reversed(line.split("  ", 1)) for line in (root / "SHA256SUMS").read_text().splitlines())
+    on_disk = {p.relative_to(root).as_posix() for p in root.rglob("*")
+               if p.is_file() and p.name not in ("SHA256SUMS", "README.md", "LICENSE")}
+    assert set(listed) == on_disk and len(on_disk) == 14
+    for name, digest in listed.items():
+        assert hashlib.sha256((root / name).read_bytes()).hexdigest() == digest, name
+    assert sorted(shipped_names()) == ["aime24", "aime25", "gaia", "gaia_test", "gsm8k", "hard_search_1k",
+                                       "hle_test", "math500", "simpleqa", "train_10k", "valid", "webwalker", "xbench"]
+
+
+def test_nothing_the_repository_ships_points_outside_it() -> None:
+    """No config, test, loader or doc in the checkout names the data's old place beside it (``../shared``)."""
+    tracked = [p for d in ("aepo_core", "infra", "tasks", "flows", "tests", "configs", "bench")
+               for p in (REPO / d).rglob("*") if p.suffix in (".py", ".yaml", ".md") and "results" not in p.parts]
+    old_place = "/".join(("shared", "data"))  # spelt apart: this file would find itself
+    outside = [str(p.relative_to(REPO)) for p in [*tracked, REPO / "README.md", REPO / "Makefile"]
+               if old_place in p.read_text(encoding="utf-8")]
+    assert outside == []
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_every_shipped_file_loads_repaired(name: str) -> None:
     path = SHIPPED[name]
     dataset = read_dataset(name)
     rows = load_dataset_rows(name, on_bad_row="skip")
@@ -82,7 +101,6 @@ def test_every_shipped_file_loads_repaired(name: str | None) -> None:
         assert all(r.split == "test" for r in rows)
 
 
-@pytest.mark.skipif("train_10k" not in SHIPPED and not IN_CI, reason=NO_DATA)
 def test_shipped_blank_answer_is_reported_then_skipped() -> None:
     with pytest.raises(BadRowError) as err:
         load_dataset_rows("train_10k")
@@ -92,7 +110,6 @@ def test_shipped_blank_answer_is_reported_then_skipped() -> None:
     assert f"train_10k:{TRAIN_10K_BLANK_ANSWER_ROW}" not in {r.id for r in rows}
 
 
-@pytest.mark.skipif(not {"gaia", "gsm8k", "simpleqa", "aime25"} <= set(SHIPPED) and not IN_CI, reason=NO_DATA)
 def test_benchmark_fields() -> None:
     gaia = load_dataset_rows("gaia")  # `Question` key
     assert gaia[0].question.startswith("I’m researching species") and gaia[0].golds == ("34689",)
@@ -104,7 +121,6 @@ def test_benchmark_fields() -> None:
     assert aime25[0].question.startswith("Find the sum") and aime25[0].golds == ("70",)
 
 
-@pytest.mark.skipif(not (DATA_ROOT / "search_cache.json").is_file() and not IN_CI, reason=NO_DATA)
 def test_shipped_search_cache_becomes_a_bm25_corpus(tmp_path: Path) -> None:
     recorded = json.loads((DATA_ROOT / "search_cache.json").read_text(encoding="utf-8"))
     docs = load_search_corpus(DATA_ROOT / "search_cache.json")

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
-from capabilities import require
 
 from aepo_core.interfaces import Tool
 from aepo_core.tool_config import SearchToolConfig
+from infra.data.loaders import default_data_root
 from infra.tools.search import (
     Bm25Backend,
     HttpSearchBackend,
@@ -29,7 +29,7 @@ from infra.tools.search import (
     split_pages,
 )
 
-REPLAY_CACHE = Path("/work/shared/data/arpo/search_cache.json")
+REPLAY_CACHE = default_data_root() / "search_cache.json"
 API_KEY_ENV = "AEPO_TEST_SEARCH_KEY"
 
 CORPUS = [
@@ -160,7 +160,6 @@ def test_wall_timeout_on_a_hanging_backend() -> None:
 
 @pytest.fixture(scope="module")
 def recorded() -> dict[str, str]:
-    require(REPLAY_CACHE.is_file(), f"ARPO search cache not present at {REPLAY_CACHE}")
     return json.loads(REPLAY_CACHE.read_text(encoding="utf-8"))
 
 
