@@ -23,7 +23,7 @@ TRL_STAMP := $(TRL_VENV)/.installed
 # DEMO_CONFIG=configs/tiny.yaml: the same pipeline on a tiny random model in about a minute.
 DEMO_CONFIG ?= configs/demo.yaml
 
-.PHONY: install vllm trl demo test lint bench clean
+.PHONY: install vllm trl demo test lint docs bench clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -77,11 +77,15 @@ test:
 	fi; \
 	$(MAKE) --no-print-directory install && $(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
+# The documentation site (MkDocs + Material) into site/; --strict: a broken link or a failing generated page fails.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_VENV).build.* $(TRL_VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_VENV).build.* $(TRL_VENV) runs site .pytest_cache .ruff_cache
 bench: $(STAMP)
 	$(BIN)/python -m bench.rollout
 	$(BIN)/python -m bench.train_step

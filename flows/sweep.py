@@ -22,7 +22,7 @@ Where the children run:
   180 by default) stop for ``child_lost_after_s`` is marked Crashed and reported as lost, and its MLflow run,
   left RUNNING, is ended KILLED. (A worker killed alone is different: the flow run lives in a session of its
   own, notices that its worker is gone and reports itself Crashed within seconds.)
-  README "Scaling out" has the commands for a process work pool with N workers.
+  docs/how-to/work-pool.md has the commands for a process work pool with N workers.
 - ``shard="i/N"`` (CLI ``--shard i/N``) selects every N-th (cell, seed) from the i-th, under its own parent run
   ``<name>-shard<i>of<N>``: it was the way to spread a sweep before the work pool (``bench/compare_algorithms.py
   --workers N`` still uses it and merges the shards' stores) and now only narrows the run list; it combines with

@@ -196,7 +196,7 @@ def _check_prefect_server() -> None:
     api_url = os.environ.get("PREFECT_API_URL")
     if not api_url:
         fail("--deployment needs a Prefect server with workers: export PREFECT_API_URL=http://127.0.0.1:4200/api "
-             "(README, 'Scaling out')")
+             "(docs/how-to/work-pool.md)")
     if not healthy(api_url):
         fail(f"--deployment: no Prefect server at PREFECT_API_URL={api_url}", code=1)
 
