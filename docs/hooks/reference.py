@@ -5,7 +5,8 @@ cannot go stale:
 - ``reference/cli.md``: every ``aepo`` command's help, as its parser prints it (the Typer app);
 - ``reference/tables.md``: every Parquet table's columns, types and descriptions (the Arrow schemas);
 - ``reference/algorithms.md``: the registered policy losses and advantage estimators with their docstrings;
-- ``results.md``: ``bench/README.md`` (the measured results) with the figures it shows.
+- ``results.md``: ``bench/README.md`` (the measured results) with the figures it shows;
+- ``how-to/gpu-recipes.md``: ``configs/recipes/README.md`` (the GPU recipes, beside their sweep files).
 
 ``tests/docs/test_docs.py`` checks the pages cover what the code has and builds the site with ``--strict``.
 """
@@ -27,6 +28,7 @@ from typer.core import TyperGroup
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS_SOURCE = REPO / "bench" / "README.md"
+RECIPES_SOURCE = REPO / "configs" / "recipes" / "README.md"
 
 
 # ----------------------------------------------------------------------------------------------------- config
@@ -179,6 +181,7 @@ def on_files(files: Any, config: Any) -> Any:
         files.append(File.generated(config, uri, content=make()))
     text, figures = results_page()
     files.append(File.generated(config, "results.md", content=text))
+    files.append(File.generated(config, "how-to/gpu-recipes.md", content=RECIPES_SOURCE.read_text(encoding="utf-8")))
     for figure in figures:
         files.append(File.generated(config, figure, abs_src_path=str(RESULTS_SOURCE.parent / figure)))
     return files

@@ -89,10 +89,19 @@ def test_file_errors_name_the_file(tmp_path):
         load_config(typo)
 
 
-@pytest.mark.parametrize("path", sorted(CONFIGS.rglob("*.yaml")), ids=lambda p: p.name)
+def _is_sweep(path: Path) -> bool:
+    """A sweep file (configs/sweeps/, configs/recipes/): a base config and a grid of overrides, built cell by cell by
+    tests/flows/test_sweep.py and test_recipes.py."""
+    import yaml
+
+    return "grid" in (yaml.safe_load(path.read_text()) or {})
+
+
+EXPERIMENT_CONFIGS = sorted(p for p in CONFIGS.rglob("*.yaml") if not _is_sweep(p))
+
+
+@pytest.mark.parametrize("path", EXPERIMENT_CONFIGS, ids=lambda p: p.name)
 def test_shipped_configs_load(path):
-    if "sweeps" in path.parts:
-        pytest.skip("sweep files are grids of overrides: tests/flows/test_sweep.py builds every cell of each")
     load_config(path)
 
 
@@ -104,8 +113,7 @@ def _leaves(tree: dict, prefix: str = "") -> Iterator[tuple[str, object]]:
             yield f"{prefix}{key}", value
 
 
-@pytest.mark.parametrize("path", sorted(p for p in CONFIGS.rglob("*.yaml") if "sweeps" not in p.parts),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("path", EXPERIMENT_CONFIGS, ids=lambda p: p.name)
 def test_a_shipped_config_is_what_its_file_says(path):
     """Every value the file sets is the loaded config's (nothing dropped, renamed or defaulted over it), and what it
     leaves unset is the default of the loss it names (DAPO has no dual-clip; GSPO aggregates per sequence)."""

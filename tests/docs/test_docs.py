@@ -87,13 +87,16 @@ def test_the_site_builds_strictly_and_a_broken_link_fails_it(tmp_path: Path) -> 
     built = _build(REPO, tmp_path / "site")
     assert built.returncode == 0, built.stderr[-3000:]
     for page in ("index.html", "reference/config/index.html", "reference/cli/index.html",
-                 "reference/tables/index.html", "reference/algorithms/index.html", "results/index.html"):
+                 "reference/tables/index.html", "reference/algorithms/index.html", "results/index.html",
+                 "how-to/gpu-recipes/index.html"):
         assert (tmp_path / "site" / page).is_file(), page
     # the same site with one broken link: --strict must refuse it
     copy = tmp_path / "copy"
     copy.mkdir()
     shutil.copy(REPO / "mkdocs.yml", copy / "mkdocs.yml")
     shutil.copytree(REPO / "docs", copy / "docs")
+    (copy / "configs" / "recipes").mkdir(parents=True)
+    shutil.copy(REPO / "configs" / "recipes" / "README.md", copy / "configs" / "recipes" / "README.md")
     (copy / "bench").mkdir()
     shutil.copy(REPO / "bench" / "README.md", copy / "bench" / "README.md")
     shutil.copytree(REPO / "bench" / "results", copy / "bench" / "results",
