@@ -17,9 +17,10 @@ import inspect
 import json
 import re
 import textwrap
+import types
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Union, get_args, get_origin
 
 import pyarrow as pa
 import typer
@@ -46,8 +47,12 @@ def config_fields(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[st
 
 
 def _type_name(annotation: Any) -> str:
-    text = annotation.__name__ if isinstance(annotation, type) else str(annotation)
-    return re.sub(r"\btyping\.|\bLiteral\b", lambda m: "" if m.group(0) == "typing." else "one of", text)
+    """``one of 'a', 'b'`` for a Literal, ``int or null`` for an optional, else the type's name."""
+    if get_origin(annotation) is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(annotation))
+    if isinstance(annotation, types.UnionType) or get_origin(annotation) is Union:
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in get_args(annotation))
+    return annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
 
 
 def config_page() -> str:

@@ -48,7 +48,7 @@ def test_the_config_reference_has_every_key_with_its_description() -> None:
     assert len(keys) > 150
     missing = [k for k in keys if f"| `{k}` |" not in page]
     assert missing == []
-    assert "| `optim.share_prefix` | one of['auto', 'off', 'common', 'tree'] | `\"auto\"` |" in page  # declared default
+    assert "| `optim.share_prefix` | one of 'auto', 'off', 'common', 'tree' | `\"auto\"` |" in page  # declared default
 
 
 def test_the_cli_reference_has_every_command() -> None:
