@@ -78,7 +78,7 @@ class _Evaluations:
 
     def run(self, label: str, step: int, prefix: str = "eval") -> None:
         session, runtime = self.session, self.session.runtime
-        source = EvalSource(session.run_id, session.plan.name, None, step)
+        source = EvalSource(session.run_id, session.plan.name, None, step, label)
         t0 = time.perf_counter()
         for ds in runtime.eval_datasets():
             compute = functools.partial(evaluate.with_options(timeout_seconds=session.cfg.train.eval_timeout_s),

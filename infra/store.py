@@ -79,71 +79,76 @@ SCHEMA_VERSION = "4"
 _STRING_LIST = pa.list_(pa.string())
 
 
-def _field(name: str, type_: pa.DataType, description: str, nullable: bool = True) -> pa.Field:
+def column(name: str, type_: pa.DataType, description: str, nullable: bool = True) -> pa.Field:
     """A schema field whose meaning travels with it (Arrow field metadata ``description``)."""
     return pa.field(name, type_, nullable=nullable, metadata={"description": description})
 
 
-def _schema(table: TableName, fields: list[pa.Field]) -> pa.Schema:
-    """A table schema; its metadata repeats the field descriptions as JSON (``aepo.columns``) for readers that see
-    only the file's key-value metadata (DuckDB ``parquet_kv_metadata``, ``pq.read_metadata``)."""
+def table_schema(table: str, fields: list[pa.Field], version: str) -> pa.Schema:
+    """A table schema of described fields (:func:`column`); its metadata names the table and its version
+    and repeats the descriptions as JSON (``aepo.columns``) for readers that see only the file's key-value metadata
+    (DuckDB ``parquet_kv_metadata``, ``pq.read_metadata``)."""
     columns = {f.name: f.metadata[b"description"].decode() for f in fields}
-    return pa.schema(fields, metadata={"aepo.table": table, "aepo.schema_version": SCHEMA_VERSION,
+    return pa.schema(fields, metadata={"aepo.table": table, "aepo.schema_version": version,
                                        "aepo.columns": json.dumps(columns, ensure_ascii=False)})
 
 
-_RUN_ID = _field("run_id", pa.string(), "The run (the MLflow run id); also the part's directory name.", False)
-_STEP = _field("step", pa.int32(), "The global RL step; also in the part's file name (step-000003.parquet).", False)
-_QUESTION_ID = _field("question_id", pa.string(), "The question the tree answers.", False)
+def _schema(table: TableName, fields: list[pa.Field]) -> pa.Schema:
+    return table_schema(table, fields, SCHEMA_VERSION)
+
+
+_RUN_ID = column("run_id", pa.string(), "The run (the MLflow run id); also the part's directory name.", False)
+_STEP = column("step", pa.int32(), "The global RL step; also in the part's file name (step-000003.parquet).", False)
+_QUESTION_ID = column("question_id", pa.string(), "The question the tree answers.", False)
 
 TRAJECTORY_SCHEMA = _schema("trajectories", [
     _RUN_ID, _STEP, _QUESTION_ID,
-    _field("dataset", pa.string(), "The question's dataset: its row's data_source (verl's data_source field, else "
+    column("dataset", pa.string(), "The question's dataset: its row's data_source (verl's data_source field, else "
            "the file or benchmark name). Null when written without the questions or before schema version 3."),
-    _field("question", pa.string(), "The question text as the dataset gives it (before the chat template). Null "
+    column("question", pa.string(), "The question text as the dataset gives it (before the chat template). Null "
            "when written without the questions or before schema version 3."),
-    _field("golds", _STRING_LIST, "The gold answers the reward compares with. Null when written without the "
+    column("golds", _STRING_LIST, "The gold answers the reward compares with. Null when written without the "
            "questions or before schema version 3."),
-    _field("family", pa.string(), "The question family of per-family tables (synthetic: single_hop / two_hop / "
+    column("family", pa.string(), "The question family of per-family tables (synthetic: single_hop / two_hop / "
            "compute; verl: ability). Null when written without the questions or before schema version 3."),
-    _field("leaf_id", pa.int64(), "The leaf's id within its tree.", False),
-    _field("sample_kind", pa.string(), "How the trajectory was sampled: global / branch / fill.", False),
-    _field("path", pa.list_(pa.int64()), "Node ids from the prompt (node 0) to the last segment; join with "
+    column("leaf_id", pa.int64(), "The leaf's id within its tree.", False),
+    column("sample_kind", pa.string(), "How the trajectory was sampled: global / branch / fill.", False),
+    column("path", pa.list_(pa.int64()), "Node ids from the prompt (node 0) to the last segment; join with "
            "nodes.node_id (same run_id, step, question_id).", False),
-    _field("prompt_tokens", pa.list_(pa.int32()), "The prompt's token ids (chat template applied).", False),
-    _field("response_tokens", pa.list_(pa.int32()), "Every token after the prompt, model and tool-result tokens "
+    column("prompt_tokens", pa.list_(pa.int32()), "The prompt's token ids (chat template applied).", False),
+    column("response_tokens", pa.list_(pa.int32()), "Every token after the prompt, model and tool-result tokens "
            "alike; nodes.token_start/token_end index into it.", False),
-    _field("loss_mask", pa.list_(pa.int8()), "1 on model tokens, 0 on tool-result tokens; aligned with "
+    column("loss_mask", pa.list_(pa.int8()), "1 on model tokens, 0 on tool-result tokens; aligned with "
            "response_tokens.", False),
-    _field("logprobs", pa.list_(pa.float32()), "Sampling log-probabilities per response token (0 on tool "
+    column("logprobs", pa.list_(pa.float32()), "Sampling log-probabilities per response token (0 on tool "
            "tokens).", False),
-    _field("entropies", pa.list_(pa.float32()), "Token entropies (nats) per response token (0 on tool tokens).",
+    column("entropies", pa.list_(pa.float32()), "Token entropies (nats) per response token (0 on tool tokens).",
            False),
-    _field("reward", pa.float64(), "The trajectory's reward; null until scored or when not measured."),
-    _field("reward_reason", pa.string(), "Why the reward is what it is (e.g. f1=0.5, no_answer); \"\" until "
+    column("reward", pa.float64(), "The trajectory's reward; null until scored or when not measured."),
+    column("reward_reason", pa.string(), "Why the reward is what it is (e.g. f1=0.5, no_answer); \"\" until "
            "scored.", False),
-    _field("advantage", pa.float64(), "The trajectory-level advantage; null until computed."),
-    _field("update_advantage", pa.float64(), "The advantage the step's policy update used for this trajectory (with "
+    column("advantage", pa.float64(), "The trajectory-level advantage; null until computed."),
+    column("update_advantage", pa.float64(), "The advantage the step's policy update used for this trajectory (with "
            "DAPO dynamic sampling recomputed over the update's groups; `aepo replay` re-runs the update from it). "
            "Null when its group was not in the update (uninformative, or past the batch), and before schema "
            "version 4."),
-    _field("update_group", pa.int32(), "The position of the trajectory's group (its question) among the update's "
+    column("update_group", pa.int32(), "The position of the trajectory's group (its question) among the update's "
            "groups: the update's samples are these groups in this order, each group's leaves by leaf_id. Null when "
            "the group was not in the update, and before schema version 4."),
-    _field("status", pa.string(), "How the trajectory ended: answered / truncated / tool_limit / tool_error "
+    column("status", pa.string(), "How the trajectory ended: answered / truncated / tool_limit / tool_error "
            "(engine_error only in stores written before issue 50: a rollout in which the engine failed is now "
            "never stored).", False),
-    _field("num_tool_calls", pa.int32(), "Tool calls on the path.", False),
-    _field("tool_names", _STRING_LIST, "The tools called, in call order.", False),
-    _field("tool_errors", pa.int32(), "Tool calls on the path that did not succeed.", False),
-    _field("branch_steps", pa.int32(), "Tool steps on this path at which a branch was created.", False),
-    _field("wall_ms", pa.float64(), "Wall time spent generating this trajectory (ms).", False),
-    _field("response_text", pa.string(), "The decoded response (model text and tool results).", False),
-    _field("global_budget", pa.int32(), "m, the tree's global sampling budget from pre-monitoring (repeated on "
+    column("num_tool_calls", pa.int32(), "Tool calls on the path.", False),
+    column("tool_names", _STRING_LIST, "The tools called, in call order.", False),
+    column("tool_errors", pa.int32(), "Tool calls on the path that did not succeed.", False),
+    column("branch_steps", pa.int32(), "Tool steps on this path at which a branch was created.", False),
+    column("wall_ms", pa.float64(), "Wall time spent generating this trajectory (ms).", False),
+    column("response_text", pa.string(), "The decoded response (model text and tool results).", False),
+    column("global_budget", pa.int32(), "m, the tree's global sampling budget from pre-monitoring (repeated on "
            "each leaf).", False),
-    _field("h_root", pa.float64(), "H_root, the tree's initial-segment entropy (null if unmeasured)."),
-    _field("h_tool", pa.float64(), "The tree's mean tool-step entropy from pre-monitoring (null if unmeasured)."),
-    _field("weight_version", pa.string(), "The weights that sampled the trajectory's model segments as the server "
+    column("h_root", pa.float64(), "H_root, the tree's initial-segment entropy (null if unmeasured)."),
+    column("h_tool", pa.float64(), "The tree's mean tool-step entropy from pre-monitoring (null if unmeasured)."),
+    column("weight_version", pa.string(), "The weights that sampled the trajectory's model segments as the server "
            "reported them (the RL step of the last weight sync); several, comma-separated in path order, when the "
            "trajectory straddled a sync (\"3,4\"); null when the engine does not track versions or before schema "
            "version 2."),
@@ -153,39 +158,39 @@ TRAJECTORY_SCHEMA = _schema("trajectories", [
 
 NODE_SCHEMA = _schema("nodes", [
     _RUN_ID, _STEP, _QUESTION_ID,
-    _field("node_id", pa.int64(), "Id within the tree (0 is the prompt).", False),
-    _field("parent_id", pa.int64(), "The parent node's id; null for the prompt."),
-    _field("depth", pa.int32(), "0 for the prompt, +1 per segment.", False),
-    _field("kind", pa.string(), "prompt / model / tool (a tool-result segment).", False),
-    _field("num_tokens", pa.int32(), "Tokens of the segment.", False),
-    _field("token_start", pa.int32(), "Start of the segment's token span [token_start, token_end): for model and "
+    column("node_id", pa.int64(), "Id within the tree (0 is the prompt).", False),
+    column("parent_id", pa.int64(), "The parent node's id; null for the prompt."),
+    column("depth", pa.int32(), "0 for the prompt, +1 per segment.", False),
+    column("kind", pa.string(), "prompt / model / tool (a tool-result segment).", False),
+    column("num_tokens", pa.int32(), "Tokens of the segment.", False),
+    column("token_start", pa.int32(), "Start of the segment's token span [token_start, token_end): for model and "
            "tool nodes an index into response_tokens (and loss_mask, logprobs, entropies) of every trajectory "
            "whose path holds the node, i.e. counted from the first token after the prompt; for the prompt node 0, "
            "an index into prompt_tokens.", False),
-    _field("token_end", pa.int32(), "End (exclusive) of the segment's token span; relative as token_start.", False),
-    _field("finish_reason", pa.string(), "Why generation of a model segment stopped (\"\" otherwise).", False),
-    _field("segment_entropy", pa.float64(), "What the rules read of a model segment: the mean entropy (nats) of its "
+    column("token_end", pa.int32(), "End (exclusive) of the segment's token span; relative as token_start.", False),
+    column("finish_reason", pa.string(), "Why generation of a model segment stopped (\"\" otherwise).", False),
+    column("segment_entropy", pa.float64(), "What the rules read of a model segment: the mean entropy (nats) of its "
            "first W tokens, or under rollout.entropy_scale official the sum of their top-10 entropy terms ÷ ln|V| "
            "(null if unmeasured)."),
-    _field("delta_entropy", pa.float64(), "ΔH: the segment's entropy against the tree's H_root (null if "
+    column("delta_entropy", pa.float64(), "ΔH: the segment's entropy against the tree's H_root (null if "
            "unmeasured)."),
-    _field("entropy_is_estimate", pa.bool_(), "The entropies are a top-k estimate (remote engines).", False),
-    _field("consecutive_branches", pa.int32(), "l, consecutive branched steps before this one (the penalty's "
+    column("entropy_is_estimate", pa.bool_(), "The entropies are a top-k estimate (remote engines).", False),
+    column("consecutive_branches", pa.int32(), "l, consecutive branched steps before this one (the penalty's "
            "input).", False),
-    _field("branched", pa.bool_(), "This step created a branch.", False),
-    _field("branch_reason", pa.string(), "The branch decision: branch / below_tau / penalized / budget_full; fork "
+    column("branched", pa.bool_(), "This step created a branch.", False),
+    column("branch_reason", pa.string(), "The branch decision: branch / below_tau / penalized / budget_full; fork "
            "for a branch's first segment; probe for a step of a kept probe whose entropies set m (no decision); \"\" "
            "where no decision was taken.", False),
-    _field("branch_score", pa.float64(), "The score compared to τ (null without a decision)."),
-    _field("tool_name", pa.string(), "The tool whose result this segment is (null on other nodes)."),
-    _field("tool_argument", pa.string(), "The tool call's argument (null on other nodes)."),
-    _field("tool_ok", pa.bool_(), "The tool call succeeded (null on other nodes)."),
-    _field("tool_error", pa.string(), "The tool call's error (null when it succeeded and on other nodes)."),
-    _field("tool_latency_ms", pa.float64(), "The tool call's latency in ms (null on other nodes)."),
-    _field("tool_cache_hit", pa.bool_(), "The tool result came from the cache (null on other nodes)."),
-    _field("tool_result_chars", pa.int32(), "Characters of the tool's result (null on other nodes)."),
-    _field("text", pa.string(), "The segment's text.", False),
-    _field("weight_version", pa.string(), "The weights that sampled a model segment, as the server reported them; "
+    column("branch_score", pa.float64(), "The score compared to τ (null without a decision)."),
+    column("tool_name", pa.string(), "The tool whose result this segment is (null on other nodes)."),
+    column("tool_argument", pa.string(), "The tool call's argument (null on other nodes)."),
+    column("tool_ok", pa.bool_(), "The tool call succeeded (null on other nodes)."),
+    column("tool_error", pa.string(), "The tool call's error (null when it succeeded and on other nodes)."),
+    column("tool_latency_ms", pa.float64(), "The tool call's latency in ms (null on other nodes)."),
+    column("tool_cache_hit", pa.bool_(), "The tool result came from the cache (null on other nodes)."),
+    column("tool_result_chars", pa.int32(), "Characters of the tool's result (null on other nodes)."),
+    column("text", pa.string(), "The segment's text.", False),
+    column("weight_version", pa.string(), "The weights that sampled a model segment, as the server reported them; "
            "null on prompt and tool nodes, for engines that do not track versions and before schema version 2."),
 ])
 """One row per node (segment) of a rollout tree; each field's meaning is its ``description`` metadata."""

@@ -31,51 +31,50 @@ from infra.data.rows import QuestionRow
 from infra.fs import is_remote, open_fs, put_file, storage_errors, storage_options
 from infra.judge import LLMJudge, Verdict
 from infra.run.runtime import PolicyRuntime
+from infra.store import column, table_schema
 
 EVAL_STAGING = Path("cache") / "eval"
 """Under the runs dir: the local copy of results bound for a remote ``storage.evaluations_uri``."""
 
-QUESTION_SCHEMA = pa.schema(
-    [
-        pa.field("eval_run_id", pa.string(), nullable=False),
-        pa.field("eval_run_name", pa.string(), nullable=False),
-        pa.field("checkpoint", pa.string()),
-        pa.field("checkpoint_step", pa.int64(), nullable=False),
-        pa.field("dataset", pa.string(), nullable=False),
-        pa.field("question_id", pa.string(), nullable=False),
-        pa.field("family", pa.string(), nullable=False),
-        pa.field("question", pa.string(), nullable=False),
-        pa.field("golds", pa.list_(pa.string()), nullable=False),
-        pa.field("n", pa.int32(), nullable=False),
-        pa.field("correct", pa.int32(), nullable=False),
-        pa.field("k", pa.int32(), nullable=False),
-        pa.field("pass_at_1", pa.float64(), nullable=False),
-        pa.field("pass_at_k", pa.float64(), nullable=False),
-        pa.field("em", pa.float64(), nullable=False),
-        pa.field("f1", pa.float64(), nullable=False),
-        pa.field("tool_calls_mean", pa.float64(), nullable=False),
-        pa.field("tool_error_rate", pa.float64(), nullable=False),
-        pa.field("answered_rate", pa.float64(), nullable=False),
-        pa.field("answers", pa.list_(pa.string())),
-        pa.field("judge_verdicts", pa.list_(pa.string())),
-        pa.field("judge_raw", pa.list_(pa.string())),
-        pa.field("judge_correct", pa.int32()),
-        pa.field("judge_pass_at_1", pa.float64()),
-    ],
-    metadata={"aepo.table": "eval_questions", "aepo.schema_version": "1"},
-)
-"""One row per question of one dataset.
-
-- ``eval_run_id`` / ``eval_run_name``: the MLflow run that evaluated (``aepo eval``'s own run; for an evaluation
-  during training, the training run); ``checkpoint`` / ``checkpoint_step``: what was evaluated (null checkpoint and
-  step 0: the configured model as loaded; during training, null checkpoint and the RL step of the live policy).
-- ``dataset``, ``question_id``, ``family``, ``question``, ``golds``: the question.
-- ``n`` samples, ``correct`` of them; ``k``; ``pass_at_1`` and ``pass_at_k`` (unbiased estimators).
-- ``em``, ``f1``, ``tool_calls_mean``, ``tool_error_rate``, ``answered_rate``: means over the samples.
-- ``answers``: each sample's final answer (null when it gave none).
-- ``judge_verdicts`` / ``judge_raw`` (per sample: ``correct`` / ``incorrect`` / ``no_answer`` / ``unparsed`` /
-  ``error`` and the judge's reply), ``judge_correct`` (count) and ``judge_pass_at_1``: null without a judge.
-"""
+_LIST = pa.list_(pa.string())
+QUESTION_SCHEMA = table_schema("eval_questions", [
+    column("eval_run_id", pa.string(), "The MLflow run that evaluated: aepo eval's own run, or for an "
+           "evaluation during training the training run.", False),
+    column("eval_run_name", pa.string(), "That run's name (also the folder under runs/eval/).", False),
+    column("checkpoint", pa.string(), "The checkpoint evaluated (a path, s3:// URI or models:/ URI); null: "
+           "the configured model as loaded, or during training the live policy."),
+    column("checkpoint_step", pa.int64(), "The RL step of the weights evaluated (0: before any RL step).",
+           False),
+    column("stage", pa.string(), "Which evaluation of the run: start (before SFT), sft (after it), stepN "
+           "(eval.every), final, or eval (aepo eval). Files written before this column (schema version 1) "
+           "lack it.", False),
+    column("dataset", pa.string(), "The dataset as configured (a shipped name, a path or synthetic:<split>).",
+           False),
+    column("question_id", pa.string(), "The question's id within its dataset.", False),
+    column("family", pa.string(), "The question's family (synthetic: single_hop / two_hop / compute; verl "
+           "data: its ability).", False),
+    column("question", pa.string(), "The question text.", False),
+    column("golds", _LIST, "The accepted answers.", False),
+    column("n", pa.int32(), "Samples drawn for the question (eval.n_samples).", False),
+    column("correct", pa.int32(), "Samples whose answer was scored correct (reward.kind's check).", False),
+    column("k", pa.int32(), "The k of pass_at_k (eval.pass_k).", False),
+    column("pass_at_1", pa.float64(), "correct / n: the unbiased Pass@1 estimate.", False),
+    column("pass_at_k", pa.float64(), "The unbiased Pass@k estimate 1 − C(n−c, k) / C(n, k), k ≤ n.", False),
+    column("em", pa.float64(), "Exact match of the final answer, mean over samples.", False),
+    column("f1", pa.float64(), "Token F1 of the final answer against the best gold, mean over samples.",
+           False),
+    column("tool_calls_mean", pa.float64(), "Tool calls per sample, mean.", False),
+    column("tool_error_rate", pa.float64(), "Share of tool calls that returned an error.", False),
+    column("answered_rate", pa.float64(), "Share of samples that gave a final answer.", False),
+    column("answers", _LIST, "Each sample's final answer, in sample order (null where it gave none)."),
+    column("judge_verdicts", _LIST, "The LLM judge's verdict per sample: correct, incorrect, no_answer, "
+           "unparsed or error (null without eval.judge)."),
+    column("judge_raw", _LIST, "The judge's raw reply per sample (null without eval.judge)."),
+    column("judge_correct", pa.int32(), "Samples the judge accepted (null without eval.judge)."),
+    column("judge_pass_at_1", pa.float64(), "judge_correct / n (null without eval.judge)."),
+], version="2")
+"""One row per question of one dataset; each column's description travels in the schema and in every file written
+(``aepo.columns``), and the docs' reference lists them (docs: Reference, Parquet tables)."""
 
 
 @dataclass(frozen=True)
@@ -225,13 +224,15 @@ class ResultsDir:
 
 @dataclass(frozen=True)
 class EvalSource:
-    """What an evaluation's rows say about its origin: the MLflow run that evaluated and what it evaluated
-    (the ``eval_run_id``, ``eval_run_name``, ``checkpoint`` and ``checkpoint_step`` columns)."""
+    """What an evaluation's rows say about its origin: the MLflow run that evaluated, what it evaluated and which of
+    the run's evaluations it is (the ``eval_run_id``, ``eval_run_name``, ``checkpoint``, ``checkpoint_step`` and
+    ``stage`` columns)."""
 
     eval_run_id: str
     eval_run_name: str
     checkpoint: str | None
     checkpoint_step: int
+    stage: str
 
 
 def question_rows(report: EvalReport, k: int, source: EvalSource,
@@ -364,7 +365,7 @@ class EvalResult:
     @property
     def source(self) -> EvalSource:
         """What this evaluation's per-question rows say about their origin."""
-        return EvalSource(self.run_id, self.run_name, self.checkpoint, self.checkpoint_step)
+        return EvalSource(self.run_id, self.run_name, self.checkpoint, self.checkpoint_step, "eval")
 
     def record(self, report: EvalReport, verdicts: Mapping[str, Sequence[Verdict]] | None,
                previous: Mapping[str, Mapping[str, float]] | None, ev: EvalConfig, seed: int) -> dict[str, float]:

@@ -241,7 +241,7 @@ class StartEvalStore:
     def save(self, key: StartEvalKey, report: EvalReport, origin: StoredOrigin) -> None:
         """Store ``report`` under ``key``: the per-question Parquet, then the manifest, in a hidden directory renamed
         into place (replacing a damaged entry)."""
-        source = EvalSource(origin.run_id, origin.run_name, None, 0)
+        source = EvalSource(origin.run_id, origin.run_name, None, 0, origin.stage)
         table = pa.Table.from_pylist(question_rows(report, key.pass_k, source), schema=QUESTION_SCHEMA)
         with atomic_dir(self.entry(key), replace=True) as tmp:
             pq.write_table(table, tmp / QUESTIONS, compression="zstd")
