@@ -8,12 +8,14 @@ with a :class:`~aepo_core.config_keys.ConfigKeyDeprecationWarning` each. Unknown
 
 from __future__ import annotations
 
+import difflib
+import functools
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from aepo_core.config import ExperimentConfig
 from aepo_core.config_keys import ConfigError, current_key, migrate_renamed_keys, set_dotted
@@ -47,12 +49,31 @@ def apply_overrides(tree: dict[str, Any], overrides: Mapping[str, Any] | Iterabl
     return tree
 
 
+def _dotted_keys(model: type[BaseModel], prefix: str = "") -> Iterator[str]:
+    for name, info in model.model_fields.items():
+        yield f"{prefix}{name}"
+        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+            yield from _dotted_keys(info.annotation, f"{prefix}{name}.")
+
+
+@functools.cache
+def known_keys() -> tuple[str, ...]:
+    """Every dotted key of the config tree, its sections included."""
+    return tuple(_dotted_keys(ExperimentConfig))
+
+
+def _unknown_key(loc: str) -> str:
+    """``unknown key 'rollout.gama' (did you mean 'rollout.gamma'?)``: the closest known key, when one is close."""
+    close = difflib.get_close_matches(loc, known_keys(), n=1, cutoff=0.75)
+    return f"unknown key '{loc}'" + (f" (did you mean '{close[0]}'?)" if close else "")
+
+
 def _format_validation_error(exc: ValidationError, source: str) -> str:
     lines = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"])
         if err["type"] == "extra_forbidden":
-            lines.append(f"unknown key '{loc}'")
+            lines.append(_unknown_key(loc))
         elif err["type"] == "value_error":  # a cross-field check: its message names the keys, the input is noise
             message = str(err["ctx"]["error"]) if "ctx" in err else err["msg"]
             lines.append(f"'{loc}': {message}" if loc else message)

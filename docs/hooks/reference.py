@@ -98,7 +98,9 @@ def cli_commands() -> Iterator[tuple[str, Any]]:
 def cli_page() -> str:
     lines = ["# Command-line reference", "",
              "Every `aepo` command's help, as `aepo <command> --help` prints it (generated from the Typer app at",
-             "every docs build). A user mistake exits with status 2 and one line.", ""]
+             "every docs build). A user mistake (a bad config key or value, an unknown run, experiment, step,",
+             "question or leaf, a missing file) exits with status 2 and one line, before anything is created; a run",
+             "that fails or a service that does not answer exits with status 1.", ""]
     for name, cmd in cli_commands():
         ctx = typer.Context(cmd, info_name=name, max_content_width=110, terminal_width=110)
         lines += [f"## `{name}`", "", "```text", cmd.get_help(ctx).rstrip(), "```", ""]

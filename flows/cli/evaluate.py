@@ -62,11 +62,15 @@ def eval_(
       aepo eval -c configs/tiny.yaml --compare-to runs/eval/tiny/final/
     """
     base = load_checked_config(config, [], training=False) if config is not None else None
+    if config is not None and set_:
+        load_checked_config(config, set_, training=False)  # a bad override exits 2 here, before anything is made
     runs = resolve_runs_dir(runs_dir, base)
-    from infra.run.reading import may_hold_results
+    from infra.run.reading import may_exist
 
-    if compare_to is not None and not may_hold_results(compare_to):
+    if compare_to is not None and not may_exist(compare_to):
         fail(f"--compare-to {compare_to}: no such file or directory")
+    if checkpoint is not None and not may_exist(checkpoint):  # before the Prefect home or anything else is made
+        fail(f"checkpoint {checkpoint} does not exist")
     prepare_environment(runs)
     from flows.evaluate import evaluate
     from infra.run.policy_source import POLICY_ERRORS, locate_policy

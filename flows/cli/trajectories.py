@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 def _resolve_store_run(store: TrajectoryStore, run: str, uri: str | None, experiment: str) -> str:
-    """A stored run id from a run id, a unique prefix of one, or an MLflow run name; exit 1 naming the stored runs
+    """A stored run id from a run id, a unique prefix of one, or an MLflow run name; exit 2 naming the stored runs
     when none matches."""
     from infra.run.stored_trajectories import stored_run_id
 
@@ -24,7 +24,7 @@ def _resolve_store_run(store: TrajectoryStore, run: str, uri: str | None, experi
         return found
     stored = store.run_ids()
     listed = ", ".join(stored[:10]) + (" …" if len(stored) > 10 else "")
-    fail(f"no stored trajectories for run {run!r} in {store.uri} (stored runs: {listed or 'none'})", code=1)
+    fail(f"no stored trajectories for run {run!r} in {store.uri} (stored runs: {listed or 'none'})")
 
 
 def _show(store: TrajectoryStore, run_id: str, step: int, value: str) -> None:
@@ -33,11 +33,11 @@ def _show(store: TrajectoryStore, run_id: str, step: int, value: str) -> None:
 
     traj = store.read_trajectories(run_id, step=step)
     if traj.empty:
-        fail(f"run {run_id} has no stored trajectories at step {step} (steps: {store.steps(run_id)})", code=1)
+        fail(f"run {run_id} has no stored trajectories at step {step} (steps: {store.steps(run_id)})")
     try:
         view = render_show(run_id, step, value, traj, store.read_nodes(run_id, step=step))
     except ShowError as exc:
-        fail(str(exc), code=1)
+        fail(str(exc))
     out().print(view)
 
 
@@ -87,7 +87,7 @@ def _summarize(store: TrajectoryStore, run_id: str, step: int | None, show: str 
     nodes = store.read_nodes(run_id, step=step, columns=["step", "question_id", "branched"])
     if traj.empty:
         fail(f"run {run_id} has no stored trajectories{f' at step {step}' if step is not None else ''} "
-             f"(steps: {store.steps(run_id)})", code=1)
+             f"(steps: {store.steps(run_id)})")
     per_question = step is not None
     key = "question_id" if per_question else "step"
     title = (f"run {run_id} step {step}: per question" if per_question

@@ -152,5 +152,5 @@ def reading_tracking_uri(runs: Path, tracking_uri: str | None, required: bool = 
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
         if not required and tracking_uri is None:
             return None
-        raise InputError(f"no MLflow store at {uri} (nothing has run with --runs-dir {runs} yet)", code=EXIT_FAILED)
+        raise InputError(f"no MLflow store at {uri} (nothing has run with --runs-dir {runs} yet)")
     return uri

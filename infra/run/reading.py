@@ -11,18 +11,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from infra.fs import is_remote
-from infra.tracking.run_index import RunSummary, newest_runs
+from infra.tracking.run_index import RunSummary, experiment_names, newest_runs
 
 if TYPE_CHECKING:
     from infra.tracking.run import Tracker
 
-__all__ = ["RunSummary", "may_hold_results", "newest_runs", "reading_tracker"]
+__all__ = ["RunSummary", "experiment_names", "may_exist", "newest_runs", "reading_tracker"]
 
 
-def may_hold_results(path: str) -> bool:
-    """Whether ``path`` may hold an earlier evaluation's per-question files: not a local path that does not exist
-    (a remote one is checked when read)."""
-    return is_remote(path) or Path(path).exists()
+def may_exist(location: str) -> bool:
+    """Whether ``location`` (a checkpoint, an earlier evaluation's files) may be read: not a local path that does not
+    exist (a remote one or a registered model is checked when read, which needs the config's storage or registry)."""
+    from infra.tracking.registry import is_registered_model
+
+    return is_remote(location) or is_registered_model(location) or Path(location).expanduser().exists()
 
 
 def reading_tracker(runs: Path, tracking_uri: str | None, experiment: str) -> Tracker:

@@ -50,6 +50,20 @@ def newest_runs(tracking_uri: str, experiment: str, limit: int) -> list[RunSumma
     return _from_client(tracking_uri, experiment, limit)
 
 
+def experiment_names(tracking_uri: str) -> list[str]:
+    """The names of the store's active experiments, sorted."""
+    if tracking_uri.startswith("sqlite:///"):
+        db = Path(tracking_uri.removeprefix("sqlite:///"))
+        if db.is_file():
+            try:
+                with sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True) as con:
+                    return sorted(name for (name,) in con.execute(
+                        "SELECT name FROM experiments WHERE lifecycle_stage = 'active'"))
+            except sqlite3.Error:
+                pass  # not the schema this reader knows: MLflow's client reads it
+    return sorted(e.name for e in open_store(tracking_uri).search_experiments())
+
+
 def _from_sqlite(db: Path, experiment: str, limit: int) -> list[RunSummary]:
     with sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True) as con:
         runs = con.execute(

@@ -205,7 +205,7 @@ def test_each_evaluation_stage_has_its_own_point(trained: tuple[Any, Path]) -> N
 
 def test_runs_without_a_store_says_so(tmp_path: Path) -> None:
     result = invoke("runs", "--runs-dir", str(tmp_path))
-    assert result.exit_code == 1 and "no MLflow store" in result.stderr
+    assert result.exit_code == 2 and "no MLflow store" in result.stderr
     assert not (tmp_path / "mlflow.db").exists()
 
 
@@ -241,7 +241,7 @@ def test_trajectories_summarize_steps_and_questions(trained: tuple[Any, Path]) -
     assert first["question"] in shown.stdout and f"leaf 0 ({first['sample_kind']}) · status {first['status']}" in (
         shown.stdout)
     missing = invoke("trajectories", "no-such-run", "--runs-dir", str(runs))
-    assert missing.exit_code == 1 and "no stored trajectories" in missing.stderr
+    assert missing.exit_code == 2 and "no stored trajectories" in missing.stderr
 
 
 @pytest.mark.slow  # trains

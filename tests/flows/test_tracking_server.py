@@ -79,7 +79,7 @@ def test_train_eval_runs_and_trajectories_against_the_server(server: Stack, tmp_
     assert by_name.exit_code == 0, by_name.output
     assert f"run {run_id}: 1 steps" in by_name.stdout
     local_only = invoke("trajectories", "remote", "--runs-dir", str(runs))  # no local store to resolve the name
-    assert local_only.exit_code == 1 and "no stored trajectories for run 'remote'" in local_only.stderr
+    assert local_only.exit_code == 2 and "no stored trajectories for run 'remote'" in local_only.stderr
 
     evaluated = _aepo(server, model_cache, "eval", "--checkpoint", str(runs / "checkpoints" / "remote"),
                       "--runs-dir", str(runs), "--run-name", "remote-eval",

@@ -75,8 +75,8 @@ def test_bad_show_arguments_say_what_exists(stored: tuple[Path, list[RolloutTree
     no_step = show(root, "--show", "q1")
     assert no_step.exit_code == 2 and "--show needs --step" in no_step.stderr
     no_question = show(root, "--step", "3", "--show", "q9")
-    assert no_question.exit_code == 1 and "no such question at this step (questions: q0, q1, q2)" in no_question.stderr
+    assert no_question.exit_code == 2 and "no such question at this step (questions: q0, q1, q2)" in no_question.stderr
     no_leaf = show(root, "--step", "3", "--show", "q1/9")
-    assert no_leaf.exit_code == 1 and "question q1 has leaves [0, 1, 2, 3]" in no_leaf.stderr
+    assert no_leaf.exit_code == 2 and "question q1 has leaves [0, 1, 2, 3]" in no_leaf.stderr
     no_step_stored = show(root, "--step", "4", "--show", "q1")
-    assert no_step_stored.exit_code == 1 and "steps: [3]" in no_step_stored.stderr
+    assert no_step_stored.exit_code == 2 and "steps: [3]" in no_step_stored.stderr
