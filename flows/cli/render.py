@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -53,6 +54,20 @@ def out() -> Console:
     return _console(stderr=False)
 
 
+TRANSCRIPT_WIDTH = 100
+"""The width of a transcript (``aepo trajectories --show``) off a terminal with COLUMNS unset: its rules span the
+console, so at :data:`PLAIN_WIDTH` each was 100 000 ``─`` (2.1 MB for a 34-line transcript in a file); its text
+wraps at this width instead, as on a terminal."""
+
+
+def transcript_out() -> Console:
+    """stdout for a transcript: the terminal's width, or COLUMNS, else :data:`TRANSCRIPT_WIDTH`."""
+    console = Console()
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        return Console(width=TRANSCRIPT_WIDTH)
+    return console
+
+
 def err() -> Console:
     """stderr: progress and errors."""
     return _console(stderr=True)
@@ -72,14 +87,16 @@ def print_records(title: str, records: Sequence[dict[str, Any]], output: OutputF
     """Rows (one dict per row, the same keys in each; the keys are the columns) on stdout: as a table whose cells
     ``cell(column, value)`` renders (default :func:`fmt`), with the ``right`` columns right-aligned and the
     ``fold`` ones allowed to fold on a narrow terminal; or as CSV or JSON with the values as they are (NaN as
-    empty / null), for a program to read back."""
+    empty / null), for a program to read back, under identifier keys (:func:`identifier`: ``run id`` →
+    ``run_id``, ``pass@1`` → ``pass_at_1``)."""
     columns = list(records[0]) if records else []
     if output is OutputFormat.json:
-        sys.stdout.write(json.dumps([{k: _plain(v) for k, v in r.items()} for r in records], indent=1) + "\n")
+        rows = [{identifier(k): _plain(v) for k, v in r.items()} for r in records]
+        sys.stdout.write(json.dumps(rows, indent=1) + "\n")
         return
     if output is OutputFormat.csv:
         writer = csv.writer(sys.stdout, lineterminator="\n")
-        writer.writerow(columns)
+        writer.writerow([identifier(c) for c in columns])
         writer.writerows([["" if v is None else v for v in map(_plain, r.values())] for r in records])
         return
     render = cell or (lambda _col, v: fmt(v))
@@ -90,6 +107,14 @@ def print_records(title: str, records: Sequence[dict[str, Any]], output: OutputF
     for r in records:
         table.add_row(*(render(k, v) for k, v in r.items()))
     out().print(table)
+
+
+def identifier(column: str) -> str:
+    """A table heading as a CSV/JSON key a program can use as a name: lower case, ``@`` → ``_at_``, ``/`` →
+    ``_per_``, every other run of non-alphanumerics → ``_`` (``CPU s`` → ``cpu_s``, ``tool calls/leaf`` →
+    ``tool_calls_per_leaf``)."""
+    text = column.lower().replace("@", "_at_").replace("/", "_per_")
+    return re.sub(r"[^a-z0-9]+", "_", text).strip("_")
 
 
 def _plain(value: Any) -> Any:

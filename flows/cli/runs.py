@@ -14,11 +14,19 @@ from flows.cli.inputs import FormatOpt, RunsOpt, TrackingOpt, reading_tracking_u
 from flows.cli.render import OutputFormat, as_count, err, fail, fmt, print_records
 
 
-def _first_metric(metrics: Mapping[str, float], pattern: re.Pattern[str]) -> float | None:
-    for key, value in metrics.items():
-        if pattern.match(str(key)) and value is not None and not (isinstance(value, float) and math.isnan(value)):
-            return float(value)
-    return None
+def _first_metric(metrics: Mapping[str, float], pattern: re.Pattern[str]) -> tuple[str | None, float | None]:
+    """The first metric whose name ``pattern`` matches, with the pattern's group (the dataset): (None, None) when
+    none has a value."""
+    for key, value in sorted(metrics.items()):
+        found = pattern.match(str(key))
+        if found and value is not None and not (isinstance(value, float) and math.isnan(value)):
+            return found.group(1), float(value)
+    return None, None
+
+
+def _int_or_text(value: str | None) -> int | str | None:
+    """A tag that holds a number (the seed) as a number."""
+    return int(value) if value is not None and value.lstrip("-").isdigit() else value
 
 
 def _cell(column: str, value: object) -> str:
@@ -35,8 +43,8 @@ def runs(
     tracking_uri: TrackingOpt = None,
     output: FormatOpt = OutputFormat.table,
 ) -> None:
-    """Table of MLflow runs: start, name, id, kind, status, algorithm, mode, seed, final Pass@1, reward, and what
-    each training run spent (generated tokens, tool calls, CPU seconds).
+    """Table of MLflow runs: start, name, id, kind, status, algorithm, mode, seed, final Pass@1 and its dataset,
+    reward, and what each training run spent (generated tokens, tool calls, CPU seconds).
 
     \b
     Examples:
@@ -52,17 +60,19 @@ def runs(
     if experiment not in known:
         fail(f"no experiment {experiment!r} at {uri} (experiments: {', '.join(known) or 'none'}; --experiment/-e)")
     found = newest_runs(uri, experiment, limit)
-    pass1 = re.compile(r"^eval/.+/pass_at_1$")
+    pass1 = re.compile(r"^eval/(.+)/pass_at_1$")
     records = []
     for run in found:
         kind = run.tags.get("kind") or "train"
         if run.tags.get("sweep_name") and kind == "train":
             kind = f"train ({run.tags['sweep_name']})"
+        dataset, final_pass1 = _first_metric(run.metrics, pass1)
         records.append({
             "started": run.start_time.isoformat(timespec="seconds") if run.start_time is not None else None,
             "name": run.run_name, "run id": run.run_id, "kind": kind, "status": run.status,
-            "algorithm": run.tags.get("algorithm"), "mode": run.tags.get("mode"), "seed": run.tags.get("seed"),
-            "pass@1": _first_metric(run.metrics, pass1), "reward": run.metrics.get("rollout/reward_mean"),
+            "algorithm": run.tags.get("algorithm"), "mode": run.tags.get("mode"),
+            "seed": _int_or_text(run.tags.get("seed")), "dataset": dataset, "pass@1": final_pass1,
+            "reward": run.metrics.get("rollout/reward_mean"),
             # what the run spent in all (aepo_core.cost): compare runs at their budget, not only their steps
             "tokens": as_count(run.metrics.get("cost/total_generated_tokens")),
             "tool calls": as_count(run.metrics.get("cost/total_tool_calls")),

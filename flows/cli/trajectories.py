@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from flows.cli.inputs import FormatOpt, RunsOpt, TrackingOpt, reading_tracking_uri, resolve_runs_dir
-from flows.cli.render import OutputFormat, fail, out, print_records
+from flows.cli.render import OutputFormat, fail, print_records, transcript_out
 
 if TYPE_CHECKING:
     from infra.run.stored_trajectories import TrajectoryStore
@@ -38,7 +38,7 @@ def _show(store: TrajectoryStore, run_id: str, step: int, value: str) -> None:
         view = render_show(run_id, step, value, traj, store.read_nodes(run_id, step=step))
     except ShowError as exc:
         fail(str(exc))
-    out().print(view)
+    transcript_out().print(view)
 
 
 def trajectories(
@@ -68,6 +68,9 @@ def trajectories(
 
     if show is not None and step is None:
         fail("--show needs --step N (the step whose tree to show)")
+    if show is not None and output is not OutputFormat.table:
+        fail(f"--format {output.value} does not apply to --show (a transcript, printed as text): the rows of a step "
+             "are `aepo trajectories RUN --step N --format json`, the whole store is Parquet (runs/trajectories)")
     rdir = resolve_runs_dir(runs_dir)
     uri = reading_tracking_uri(rdir, tracking_uri, required=False)
     store = reading_store(rdir, store_uri)

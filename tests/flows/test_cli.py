@@ -164,6 +164,7 @@ def test_runs_piped_keep_every_cell_whole_and_csv_json_read_back(trained: tuple[
     import csv
     import io
     import json
+    import re
 
     _, runs = trained
     run = _only_run(runs)
@@ -175,13 +176,15 @@ def test_runs_piped_keep_every_cell_whole_and_csv_json_read_back(trained: tuple[
     assert f"{reward:.3f}" in row.split() and "FINISHED" in row
     as_csv = invoke("runs", "--runs-dir", str(runs), "--format", "csv")
     (back,) = list(csv.DictReader(io.StringIO(as_csv.stdout)))
-    assert back["run id"] == run["run_id"] and float(back["reward"]) == reward and back["status"] == "FINISHED"
+    assert back["run_id"] == run["run_id"] and float(back["reward"]) == reward and back["status"] == "FINISHED"
     (obj,) = json.loads(invoke("runs", "--runs-dir", str(runs), "--format", "json").stdout)
-    assert obj["run id"] == run["run_id"] and obj["reward"] == reward and obj["seed"] == back["seed"]
+    assert all(re.fullmatch(r"[a-z0-9_]+", key) for key in obj)  # keys a program can use as names
+    assert obj["run_id"] == run["run_id"] and obj["reward"] == reward and obj["seed"] == int(back["seed"]) == 0
+    assert obj["dataset"] == "synthetic_test" and obj["pass_at_1"] == run["metrics.eval/synthetic_test/pass_at_1"]
     # What the run spent (issue 27 §4): whole tokens and tool calls, as MLflow has them.
     assert obj["tokens"] == run["metrics.cost/total_generated_tokens"] > 0 and isinstance(obj["tokens"], int)
-    assert obj["tool calls"] == run["metrics.cost/total_tool_calls"]
-    assert obj["CPU s"] == run["metrics.cost/total_cpu_s"] > 0 and int(back["tokens"]) == obj["tokens"]
+    assert obj["tool_calls"] == run["metrics.cost/total_tool_calls"]
+    assert obj["cpu_s"] == run["metrics.cost/total_cpu_s"] > 0 and int(back["tokens"]) == obj["tokens"]
     assert str(obj["tokens"]) in row.split()
 
 
@@ -226,7 +229,7 @@ def test_trajectories_summarize_steps_and_questions(trained: tuple[Any, Path]) -
                for line in by_name.stdout.splitlines() if line.strip())
     as_csv = invoke("trajectories", "tiny", "--runs-dir", str(runs), "--format", "csv")
     (step_row,) = list(csv.DictReader(io.StringIO(as_csv.stdout)))
-    assert int(step_row["leaves"]) == len(leaves) and float(step_row["mean reward"]) == leaves["reward"].mean()
+    assert int(step_row["leaves"]) == len(leaves) and float(step_row["mean_reward"]) == leaves["reward"].mean()
     per_q = json.loads(invoke("trajectories", "tiny", "--step", "1", "--runs-dir", str(runs), "--format",
                               "json").stdout)
     assert sorted(r["question"] for r in per_q) == sorted(leaves["question_id"].unique())

@@ -80,3 +80,19 @@ def test_bad_show_arguments_say_what_exists(stored: tuple[Path, list[RolloutTree
     assert no_leaf.exit_code == 2 and "question q1 has leaves [0, 1, 2, 3]" in no_leaf.stderr
     no_step_stored = show(root, "--step", "4", "--show", "q1")
     assert no_step_stored.exit_code == 2 and "steps: [3]" in no_step_stored.stderr
+
+
+def test_a_transcript_into_a_file_is_as_wide_as_a_terminal_and_format_json_is_refused(
+        stored: tuple[Path, list[RolloutTree]]) -> None:
+    """Piped (COLUMNS unset, not a terminal) a transcript's rules spanned 100 000 columns: 2.1 MB for 34 lines.
+    ``--format json`` printed the text view as if it were JSON; it is refused instead (a transcript is text)."""
+    root, _ = stored
+    base = ["trajectories", "run-x", "--store", str(root / "store"), "--runs-dir", str(root / "runs"), "--step", "3"]
+    piped = CliRunner().invoke(app, [*base, "--show", "q1/0"], env={"COLUMNS": None}, catch_exceptions=False)
+    assert piped.exit_code == 0, piped.output
+    lines = piped.stdout.splitlines()
+    assert len(piped.stdout) < 50_000 and max(len(line) for line in lines) <= 100
+    assert any(set(line.strip()) == {"─"} for line in lines)  # the closing rule is there, 100 wide
+    as_json = CliRunner().invoke(app, [*base, "--show", "q1", "--format", "json"], env={"COLUMNS": None},
+                                 catch_exceptions=False)
+    assert as_json.exit_code == 2 and "does not apply to --show" in as_json.stderr
