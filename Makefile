@@ -26,7 +26,8 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 TRL_VENV ?= .venv-trl
 TRL_VERSION ?= 1.16.0
 TRL_STAMP := $(TRL_VENV)/.installed
-# The demo: SmolLM2-135M, cold-start SFT → evaluation → AEPO RL → evaluation (17 min on 2 idle AMX cores, bf16;
+# The demo: SmolLM2-135M, cold-start SFT → evaluation → AEPO RL → evaluation (9-13 min on 2 idle Zen 4 cores with the
+# token tree; before it 17 min on 2 idle AMX cores, bf16;
 # 19.5 min on 2 idle cores of an AVX2-only AMD EPYC, float32).
 # DEMO_CONFIG=configs/tiny.yaml: the same pipeline on a tiny random model in about a minute.
 DEMO_CONFIG ?= configs/demo.yaml
