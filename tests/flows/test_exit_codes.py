@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -47,7 +46,6 @@ def test_a_user_mistake_exits_2_with_one_line_before_anything_is_created(tmp_pat
         _store_with_one_experiment(runs)
     before = sorted(p.name for p in runs.iterdir()) if runs.exists() else []
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "AEPO_"))}
-    t0 = time.perf_counter()
     result = subprocess.run([str(Path(sys.executable).with_name("aepo")), *[a.format(tmp=tmp_path) for a in args],
                              "--runs-dir", str(runs)], cwd=tmp_path, env={**env, "COLUMNS": "250"},
                             capture_output=True, text=True, timeout=120)
@@ -55,4 +53,3 @@ def test_a_user_mistake_exits_2_with_one_line_before_anything_is_created(tmp_pat
     assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
     after = sorted(p.name for p in runs.iterdir()) if runs.exists() else []
     assert after == before  # no prefect/, no mlflow.db, no runs dir made
-    assert time.perf_counter() - t0 < 30
