@@ -26,12 +26,29 @@ from flows.cli.render import eval_table, fail, flow_progress, fmt, out, print_nu
 from tasks.progress import Progress as ProgressEvent
 
 if TYPE_CHECKING:
+    from aepo_core.config import ExperimentConfig
     from flows.evaluate import EvalResult
 
 
 def _eval_progress(bar: Progress, task: Any, event: ProgressEvent) -> None:
     if event.stage == "evaluate":
         bar.update(task, advance=1, description=f"evaluated {event.name}")
+
+
+def _checked_inputs(config: Path | None, sets: list[str] | None, checkpoint: str | None,
+                    compare_to: str | None) -> ExperimentConfig | None:
+    """The ``-c`` config (without overrides), after every check that needs nothing created: the config with the
+    overrides, a local ``--compare-to`` and ``--checkpoint`` that exist; a mistake exits 2 here."""
+    from infra.run.reading import may_exist
+
+    base = load_checked_config(config, [], training=False) if config is not None else None
+    if config is not None and sets:
+        load_checked_config(config, sets, training=False)
+    if compare_to is not None and not may_exist(compare_to):
+        fail(f"--compare-to {compare_to}: no such file or directory")
+    if checkpoint is not None and not may_exist(checkpoint):
+        fail(f"checkpoint {checkpoint} does not exist")
+    return base
 
 
 def eval_(
@@ -61,16 +78,8 @@ def eval_(
       aepo eval --checkpoint models:/aepo-policy@best
       aepo eval -c configs/tiny.yaml --compare-to runs/eval/tiny/final/
     """
-    base = load_checked_config(config, [], training=False) if config is not None else None
-    if config is not None and set_:
-        load_checked_config(config, set_, training=False)  # a bad override exits 2 here, before anything is made
+    base = _checked_inputs(config, set_, checkpoint, compare_to)
     runs = resolve_runs_dir(runs_dir, base)
-    from infra.run.reading import may_exist
-
-    if compare_to is not None and not may_exist(compare_to):
-        fail(f"--compare-to {compare_to}: no such file or directory")
-    if checkpoint is not None and not may_exist(checkpoint):  # before the Prefect home or anything else is made
-        fail(f"checkpoint {checkpoint} does not exist")
     prepare_environment(runs)
     from flows.evaluate import evaluate
     from infra.run.policy_source import POLICY_ERRORS, locate_policy

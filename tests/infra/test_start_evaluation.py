@@ -39,7 +39,8 @@ class Counted:
 
 def _evaluate(runtime: PolicyRuntime, runs: Path, run_id: str) -> tuple[Counted, EvalReport, str | None, str]:
     compute = Counted(runtime)
-    out = SharedStart.of(runtime, runs).evaluate(DATASET, EvalSource(run_id, f"name-{run_id}", None, 0), "start",
+    source = EvalSource(run_id, f"name-{run_id}", None, 0, "start")
+    out = SharedStart.of(runtime, runs).evaluate(DATASET, source, "start",
                                                  compute)
     return compute, out.report, out.reused_from.run_id if out.reused_from else None, out.key
 
@@ -77,7 +78,7 @@ def test_a_changed_setting_or_weights_evaluate_themselves(first, model_cache: Pa
     shared = SharedStart.of(runtime, runs)
     assert start_eval_key(runtime, DATASET, rows, shared.weights, shared.prompt).name != key, change
     if change in ("seed=1", "model.init_seed=1"):  # two of them evaluated end to end (each samples)
-        out = shared.evaluate(DATASET, EvalSource("run-c", "c", None, 0), "start", compute)
+        out = shared.evaluate(DATASET, EvalSource("run-c", "c", None, 0, "start"), "start", compute)
         assert compute.calls == 1 and out.reused_from is None
 
 
@@ -117,7 +118,8 @@ def test_concurrent_runs_sample_once(model_cache: Path, tmp_path: Path) -> None:
         return Counted(runtime)()
 
     def run(run_id: str, compute) -> None:
-        out = SharedStart.of(runtime, tmp_path).evaluate(DATASET, EvalSource(run_id, run_id, None, 0), "start",
+        source = EvalSource(run_id, run_id, None, 0, "start")
+        out = SharedStart.of(runtime, tmp_path).evaluate(DATASET, source, "start",
                                                         compute)
         result[run_id] = out.reused_from.run_id if out.reused_from else None
 
