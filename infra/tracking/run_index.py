@@ -38,34 +38,42 @@ def _time(ms: int | None) -> datetime | None:
     return datetime.fromtimestamp(ms / 1000) if ms is not None else None
 
 
+def _local_db(tracking_uri: str) -> Path | None:
+    """The SQLite file of a local store this module reads directly (None: another store, or none yet)."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    db = Path(tracking_uri.removeprefix("sqlite:///"))
+    return db if db.is_file() else None
+
+
+def _read_only(db: Path) -> sqlite3.Connection:
+    return sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True)
+
+
 def newest_runs(tracking_uri: str, experiment: str, limit: int) -> list[RunSummary]:
     """The ``limit`` newest active runs of ``experiment`` (by start time, as ``MlflowClient.search_runs``)."""
-    if tracking_uri.startswith("sqlite:///"):
-        db = Path(tracking_uri.removeprefix("sqlite:///"))
-        if db.is_file():
-            try:
-                return _from_sqlite(db, experiment, limit)
-            except sqlite3.Error:
-                pass  # not the schema this reader knows: MLflow's client reads it
+    if (db := _local_db(tracking_uri)) is not None:
+        try:
+            return _from_sqlite(db, experiment, limit)
+        except sqlite3.Error:
+            pass  # not the schema this reader knows: MLflow's client reads it
     return _from_client(tracking_uri, experiment, limit)
 
 
 def experiment_names(tracking_uri: str) -> list[str]:
     """The names of the store's active experiments, sorted."""
-    if tracking_uri.startswith("sqlite:///"):
-        db = Path(tracking_uri.removeprefix("sqlite:///"))
-        if db.is_file():
-            try:
-                with sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True) as con:
-                    return sorted(name for (name,) in con.execute(
-                        "SELECT name FROM experiments WHERE lifecycle_stage = 'active'"))
-            except sqlite3.Error:
-                pass  # not the schema this reader knows: MLflow's client reads it
+    if (db := _local_db(tracking_uri)) is not None:
+        try:
+            with _read_only(db) as con:
+                return sorted(name for (name,) in con.execute(
+                    "SELECT name FROM experiments WHERE lifecycle_stage = 'active'"))
+        except sqlite3.Error:
+            pass  # not the schema this reader knows: MLflow's client reads it
     return sorted(e.name for e in open_store(tracking_uri).search_experiments())
 
 
 def _from_sqlite(db: Path, experiment: str, limit: int) -> list[RunSummary]:
-    with sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True) as con:
+    with _read_only(db) as con:
         runs = con.execute(
             "SELECT r.run_uuid, r.name, r.status, r.start_time FROM runs r "
             "JOIN experiments e ON e.experiment_id = r.experiment_id "
