@@ -1,4 +1,4 @@
-"""Deployments of the train / evaluate / sweep flows for ``prefect.serve`` (``aepo serve``).
+"""Deployments of the train / evaluate / study / compare / sweep flows for ``prefect.serve`` (``aepo serve``).
 
 For users without a work pool: one long-running process polls the Prefect API for runs of these deployments
 and executes them in subprocesses.  With a process work pool, ``prefect.yaml`` declares the same flows as
@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from flows.compare import compare
 from flows.evaluate import evaluate
 from flows.study import rollout_study
 from flows.sweep import sweep
@@ -31,13 +32,14 @@ SERVED_SUFFIX = "-served"
 
 def build_deployments(runs_dir: str | Path = "runs", config: str | Path = DEFAULT_CONFIG,
                       sweep_file: str | Path = DEFAULT_SWEEP, sweep_cron: str | None = None) -> list[Any]:
-    """RunnerDeployments named ``train-served``, ``evaluate-served``, ``rollout-study-served`` and ``sweep-served``
-    (the last on ``sweep_cron`` when asked for one, e.g. :data:`WEEKLY_SWEEP_CRON`; None, the default: no schedule),
-    their runs in ``runs_dir``. A scheduled sweep deployment passes ``dated``: each firing is a new sweep, its cells
-    all run again (:mod:`flows.sweep`); without a schedule a run of it is like ``aepo sweep`` (finished cells reused).
+    """RunnerDeployments named ``train-served``, ``evaluate-served``, ``rollout-study-served``, ``compare-served`` and
+    ``sweep-served`` (the last on ``sweep_cron`` when asked for one, e.g. :data:`WEEKLY_SWEEP_CRON`; None, the
+    default: no schedule), their runs in ``runs_dir``. A scheduled sweep deployment passes ``dated``: each firing is
+    a new sweep, its cells all run again (:mod:`flows.sweep`); without a schedule a run of it is like ``aepo sweep``
+    (finished cells reused).
 
     The train deployment's ``config`` parameter is the resolved config (the UI renders it as a form); the
-    evaluate and sweep deployments take file paths, resolved to absolute paths here so runs do not depend on
+    evaluate, compare and sweep deployments take file paths, resolved to absolute paths here so runs do not depend on
     the serving process's working directory.
     """
     cfg = read_config_file(Path(config))
@@ -55,6 +57,10 @@ def build_deployments(runs_dir: str | Path = "runs", config: str | Path = DEFAUL
                                                 "runs_dir": runs},
                                     description="Rollout study at a fixed policy: sampling modes × k on the same "
                                     "questions, paired seeds, bootstrap CIs", tags=["aepo"]),
+        compare.to_deployment(name=f"compare{SERVED_SUFFIX}",
+                              parameters={"sweep": str(Path(sweep_file).resolve()), "runs_dir": runs},
+                              description="Compare a sweep's arms over seeds (paired differences, Holm, curves), "
+                              "logged to its parent MLflow run", tags=["aepo"]),
         sweep.to_deployment(name=f"sweep{SERVED_SUFFIX}", cron=sweep_cron,
                             parameters={"sweep_config": str(Path(sweep_file).resolve()), "runs_dir": runs,
                                         **({"dated": True} if sweep_cron else {})},

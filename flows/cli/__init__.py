@@ -28,7 +28,7 @@ from typing import Annotated
 
 import typer
 
-from flows.cli import config, evaluate, replay, runs, serve, sweep, train, trajectories, ui
+from flows.cli import compare, config, evaluate, replay, runs, serve, sweep, train, trajectories, ui
 from flows.cli.environment import set_verbosity
 
 app = typer.Typer(name="aepo", help="Agentic entropy-balanced policy optimization: experiments on Prefect + MLflow.",
@@ -60,6 +60,7 @@ def main_options(
 app.command("train")(train.train)
 app.command("eval")(evaluate.eval_)
 app.command("sweep")(sweep.sweep_cmd)
+app.command("compare")(compare.compare_cmd)
 app.command("serve")(serve.serve)
 app.command("runs")(runs.runs)
 app.command("trajectories")(trajectories.trajectories)

@@ -28,6 +28,8 @@ QUIET_ENV = {
     "MLFLOW_LOGGING_LEVEL": "WARNING",
     # transformers' "Loading weights" bar at every model load (transformers reads it from huggingface_hub at import).
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    # MLflow's "Downloading artifacts" bar, once per downloaded file (aepo compare reads every run's evaluation).
+    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
 }
 """Settings of a quiet terminal (the default; ``-v`` leaves every library at its own level). Set before Prefect and
 MLflow are imported, which read them once."""

@@ -91,8 +91,7 @@ def print_records(title: str, records: Sequence[dict[str, Any]], output: OutputF
     ``run_id``, ``pass@1`` → ``pass_at_1``)."""
     columns = list(records[0]) if records else []
     if output is OutputFormat.json:
-        rows = [{identifier(k): _plain(v) for k, v in r.items()} for r in records]
-        sys.stdout.write(json.dumps(rows, indent=1) + "\n")
+        sys.stdout.write(json.dumps(plain_records(records), indent=1) + "\n")
         return
     if output is OutputFormat.csv:
         writer = csv.writer(sys.stdout, lineterminator="\n")
@@ -107,6 +106,11 @@ def print_records(title: str, records: Sequence[dict[str, Any]], output: OutputF
     for r in records:
         table.add_row(*(render(k, v) for k, v in r.items()))
     out().print(table)
+
+
+def plain_records(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows as a program reads them: identifier keys (:func:`identifier`), NaN as None, numpy scalars as Python's."""
+    return [{identifier(k): _plain(v) for k, v in r.items()} for r in records]
 
 
 def identifier(column: str) -> str:

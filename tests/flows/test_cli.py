@@ -278,7 +278,8 @@ def test_served_deployments_are_built(prefect_harness: Any, tmp_path: Path) -> N
 
     deployments = {d.name: d for d in build_deployments(tmp_path, TINY, REPO / "configs" / "sweeps" / "tiny.yaml")}
     # not prefect.yaml's names
-    assert set(deployments) == {"train-served", "evaluate-served", "rollout-study-served", "sweep-served"}
+    assert set(deployments) == {"train-served", "evaluate-served", "rollout-study-served", "compare-served",
+                                "sweep-served"}
     assert deployments["train-served"].parameters["config"]["name"] == "tiny"
     assert deployments["train-served"].parameters["runs_dir"] == str(tmp_path.resolve())
     assert deployments["sweep-served"].schedules == []  # a schedule only when asked (`aepo serve --cron`)
@@ -291,7 +292,7 @@ def test_prefect_yaml_deployments_load_and_validate(prefect_harness: Any) -> Non
 
     spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
     deployments = {d["name"]: d for d in spec["deployments"]}
-    assert set(deployments) == {"train", "evaluate", "rollout-study", "sweep"}
+    assert set(deployments) == {"train", "evaluate", "rollout-study", "compare", "sweep"}
     for d in deployments.values():
         assert d["work_pool"]["name"] == "aepo-process"
         assert d["parameters"]["runs_dir"] is None  # the worker's $AEPO_RUNS_DIR, else the config's
