@@ -131,8 +131,10 @@ def log_model(tracker: Tracker, model: Any, tokenizer: Any, step: int, name: str
     reqs = [f"transformers=={transformers.__version__}", f"torch=={torch.__version__.split('+')[0]}"]
     # Created here so it belongs to the run's experiment (the fluent path would use the process's active
     # experiment, "Default", and its ./mlruns artifact root).
+    # The run's params on the model (its page's Parameters), as the fluent log_model would set them.
     logged = tracker.client.create_logged_model(experiment, name=name, source_run_id=run_id,
-                                                tags={MODEL_TAG_STEP: str(step)})
+                                                tags={MODEL_TAG_STEP: str(step)},
+                                                params=dict(tracker.client.get_run(run_id).data.params))
     extra: dict[str, Any] = {}
     if protocol is not None:
         extra = {"metadata": {PROTOCOL_METADATA: protocol.as_dict()},
@@ -143,7 +145,9 @@ def log_model(tracker: Tracker, model: Any, tokenizer: Any, step: int, name: str
         info = mlflow.transformers.log_model(
             transformers_model={"model": model, "tokenizer": tokenizer}, name=name, task=task,
             run_id=run_id, model_id=logged.model_id, pip_requirements=reqs,  # explicit reqs: no slow inference
-            **extra,
+            # the step the run's output names and whose metrics MLflow links to the model: the final one (the
+            # final evaluation). At the default 0 the model showed the SFT evaluation's metrics as its own.
+            step=step, **extra,
         )
     log.info("logged model %s of run %s", info.model_uri, run_id)
     return LoggedPolicy(info.model_uri, logged.model_id)
@@ -167,13 +171,19 @@ def register_model(tracker: Tracker, logged: LoggedPolicy, name: str, metrics: M
     tags["step"] = str(step)
     tags[VERSION_TAG_MODEL_ID] = logged.model_id  # the SQL registry stores no model_id of its own (3.17)
     tags.update(provenance.tags())
-    # The source is the model's artifact location, not its models:/m-… URI: MLflow's SQL registry resolves
-    # the latter through the process-global tracking URI (its own TODO), not this client's.
+    # The source is the model's models:/m-… URI, MLflow 3's link: the registry page shows "Source Model" (a link to
+    # the model's page) only for such a source. MLflow's SQL registry resolves it through the process-global
+    # tracking URI (its own TODO), not this client's, hence fluent_uri; it keeps no model_id of its own (3.17:
+    # None on the version however it is created), so the version tag above names the model too.
     made = [v for v in tracker.client.search_model_versions(f"name = '{name}' AND run_id = '{tracker.run_id}'")
             if v.tags.get(VERSION_TAG_MODEL_ID) == logged.model_id]
-    source = tracker.client.get_logged_model(logged.model_id).artifact_location
-    version = made[0] if made else tracker.client.create_model_version(
-        name, source=source, run_id=tracker.run_id, tags=tags, description=description, model_id=logged.model_id)
+    if made:
+        version = made[0]
+    else:
+        with fluent_uri(tracker.tracking_uri):
+            version = tracker.client.create_model_version(name, source=f"{REGISTRY_SCHEME}{logged.model_id}",
+                                                          run_id=tracker.run_id, tags=tags, description=description,
+                                                          model_id=logged.model_id)
     uri = f"{REGISTRY_SCHEME}{name}/{version.version}"
     _link_logged_model(tracker, logged.model_id, name, str(version.version))
     client = tracker.client

@@ -445,6 +445,34 @@ def test_progress_comes_from_structured_events_not_from_the_log_text() -> None:
 
 
 @pytest.mark.slow  # trains
+def test_the_logged_model_carries_its_lineage(trained: tuple[Any, Path]) -> None:
+    """Issue 54 §2, read back through the MLflow client: the model holds the final step's metrics (the final
+    evaluation's Pass@1, not the SFT evaluation's at step 0: MLflow links the metrics of the step a model is logged
+    at), the run's params, and the run's output names it at that step; the registered version's source is the model
+    (the registry page links "Source Model" from a ``models:/<model id>`` source), the model lists the version."""
+    import json
+
+    from mlflow import MlflowClient
+
+    from infra.tracking.client import tracking_uri_for
+
+    _, runs = trained
+    uri = tracking_uri_for(runs)
+    client = MlflowClient(uri, registry_uri=uri)
+    [version] = client.search_model_versions("name='aepo-policy'")
+    model_id = version.tags["model_id"]
+    model = client.get_logged_model(model_id)
+    run = client.get_run(version.run_id)
+    assert {m.step for m in model.metrics} == {1}
+    linked = {m.key: m.value for m in model.metrics}
+    assert linked["eval/synthetic_test/pass_at_1"] == run.data.metrics["eval/synthetic_test/pass_at_1"]
+    assert model.params["algorithm.loss"] == run.data.params["algorithm.loss"] and len(model.params) >= 50
+    assert [(o.model_id, o.step) for o in run.outputs.model_outputs] == [(model_id, 1)]
+    assert version.source == f"models:/{model_id}"
+    assert {"name": "aepo-policy", "version": "1"} in json.loads(model.tags["mlflow.modelVersions"])
+
+
+@pytest.mark.slow  # trains
 def test_registered_policy_loads_in_mlflow_and_through_aepo_eval(trained: tuple[Any, Path]) -> None:
     """The trained policy is registered with its final metrics and its protocol; MLflow loads it as a transformers
     model whose prompt template is the rollout prompt; `aepo eval models:/…` evaluates exactly its weights and
