@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 
+from aepo_core.config import TrackingConfig
 from flows.cli.environment import prefect_home, server_environment
 from flows.cli.inputs import RunsOpt, exits, resolve_runs_dir
 from flows.cli.render import err, fail, out, where_table
@@ -79,6 +80,7 @@ def _print_where(ui_servers: UIServers, rdir: Path) -> None:
     """Where the servers are, how workers use them, and what is open to whom."""
     console = out()
     console.print(where_table([
+        ("open", ui_servers.landing_url(TrackingConfig().experiment)),
         ("MLflow", f"{ui_servers.mlflow_url}   ({ui_servers.stores()})"),
         *([("Prefect", ui_servers.prefect_url)] if ui_servers.prefect_url else []),
         ("runs dir", str(rdir)),

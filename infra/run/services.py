@@ -18,10 +18,12 @@ from pathlib import Path
 from infra.prefect_api import start_temporary_api
 from infra.run.preflight import EXIT_FAILED, InputError
 from infra.servers import ManagedServer, ServerError
+from infra.tracking.client import landing_page
 from infra.tracking.server import (
     ServerOptionError,
     ServerOptions,
     allowed_hosts,
+    experiment_id,
     local_artifact_experiments,
     redacted,
 )
@@ -107,6 +109,12 @@ class UIServers:
     def stores(self) -> str:
         """Where the MLflow server keeps runs and artifacts (the database's password redacted)."""
         return f"runs: {redacted(self.options.backend_store_uri)}; artifacts: {self.options.artifacts_destination}"
+
+    def landing_url(self, experiment: str) -> str:
+        """The page to open: ``experiment``'s runs in MLflow's classic layout (:func:`landing_page`), the experiments
+        list while it does not exist."""
+        found = experiment_id(self.local_url, experiment)
+        return landing_page(self.mlflow_url, found)
 
     def local_artifact_experiments(self) -> list[str]:
         """Experiments whose artifacts live on a local path: runs of other machines would write them to their own

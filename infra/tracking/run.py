@@ -55,6 +55,7 @@ from infra.tracking.client import (
     TrackingError,
     download_artifacts,
     git_sha,
+    headline_metrics,
     metric_key,
     open_store,
     param_value,
@@ -443,10 +444,11 @@ class Tracker(RunLogger):
         return self.tracking_uri.startswith(("http://", "https://"))
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> int:
-        """Log metrics at ``step`` (names made MLflow-legal); NaN/inf and non-numbers are skipped. Returns count."""
+        """Log metrics at ``step`` (names made MLflow-legal), with their :func:`headline_metrics` copies; NaN/inf and
+        non-numbers are skipped. Returns count."""
         ts = int(time.time() * 1000)
         items = []
-        for name, value in metrics.items():
+        for name, value in {**metrics, **headline_metrics(metrics)}.items():
             try:
                 if isinstance(value, (str, bytes)):
                     raise TypeError(type(value).__name__)

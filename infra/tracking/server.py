@@ -105,6 +105,16 @@ def allowed_hosts(public: str) -> list[str]:
     return [*defaults, *(n for name in names for n in (name, f"{name}:*"))]
 
 
+def experiment_id(mlflow_url: str, name: str) -> str | None:
+    """The id of experiment ``name`` on the server; None when it has none (or does not answer)."""
+    query = urllib.parse.urlencode({"experiment_name": name})
+    try:
+        with urllib.request.urlopen(f"{mlflow_url}/api/2.0/mlflow/experiments/get-by-name?{query}", timeout=10) as resp:
+            return str(json.load(resp)["experiment"]["experiment_id"])
+    except (OSError, ValueError, KeyError):  # 404 (HTTPError is an OSError): no such experiment yet
+        return None
+
+
 def local_artifact_experiments(mlflow_url: str) -> list[str]:
     """Experiments of the server whose artifacts live on a local path (created by runs that logged straight to
     the SQLite store): a run on another machine would write its artifacts to its own disk there."""

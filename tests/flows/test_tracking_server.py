@@ -67,6 +67,15 @@ def test_train_eval_runs_and_trajectories_against_the_server(server: Stack, tmp_
     keys = server.keys("mlartifacts/")
     assert any(k.endswith(f"/{run_id}/artifacts/config.yaml") for k in keys), keys[:20]
     assert _prefect_state(server, run["tags.prefect_flow_run_id"]) == "Completed"  # on the ui's Prefect server
+    # issue 54 §3: the run page links its flow run (the description is markdown) and opens on Pass@1 and reward
+    flow_run = run["tags.prefect_flow_run_id"]
+    assert f"Prefect flow run: [{flow_run}]({run['tags.prefect_flow_run_url']})" in run["tags.mlflow.note.content"]
+    assert run["tags.prefect_flow_run_url"].endswith(f"/runs/flow-run/{flow_run}")
+    assert {"metrics.Summary/pass_at_1_synthetic_test", "metrics.Summary/reward"} <= set(run.index)
+    assert run["metrics.Summary/pass_at_1_synthetic_test"] == run["metrics.eval/synthetic_test/pass_at_1"]
+    from infra.tracking.server import experiment_id
+
+    assert experiment_id(uri, "aepo") == run["experiment_id"] and experiment_id(uri, "nosuch") is None
     traces = tracker.client.search_traces(locations=[run["experiment_id"]], run_id=run_id)
     assert {t.info.tags["aepo.kind"] for t in traces} == {"train", "eval"}  # the step's and the final evaluation's
 
@@ -154,6 +163,8 @@ def test_sigterm_stops_the_ui_and_both_servers(tmp_path: Path) -> None:
         while "Ctrl-C stops the servers" not in (server.tmp / "ui.log").read_text(errors="replace"):
             assert time.monotonic() < deadline and ui.running, server.log_tail("ui")
             time.sleep(0.2)
+        # the page it prints opens the classic layout (no experiment yet in a fresh runs dir: the list)
+        assert f"{server.mlflow_url}/#/experiments?workflowType=machine_learning" in (server.tmp / "ui.log").read_text()
         tree = psutil.Process(ui.pid).children(recursive=True)
         cmdlines = [" ".join(p.cmdline()) for p in tree]
         assert any("mlflow" in c and "server" in c for c in cmdlines) and any("prefect" in c for c in cmdlines)

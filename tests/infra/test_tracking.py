@@ -485,3 +485,40 @@ def test_runs_logging_the_same_new_dataset_at_once_all_succeed(runs_dir: Path) -
         assert names == {f"synthetic:train-{r}" for r in range(rounds)}
     for t in trackers:
         t.finish()
+
+
+def test_pass_at_1_and_the_reward_open_the_run_page(runs_dir: Path) -> None:
+    """Issue 54 §3: MLflow's UI orders a run's chart sections by name, byte by byte (cost/* came first and Pass@1
+    needed a search): Pass@1 on each dataset and the training reward are logged once more under ``Summary/``, whose
+    capital sorts before every lower-case section; the values and steps are the originals'."""
+    from infra.tracking.client import HEADLINE_SECTION, headline_metrics
+
+    tracker = Tracker(tracking_uri_for(runs_dir))
+    tracker.start(ExperimentConfig(), run_name="headline")
+    tracker.log_metrics({"eval/synthetic_test/pass@1": 0.5, "eval/synthetic_test/pass_at_2": 0.7,
+                         "eval_start/synthetic_test/pass_at_1": 0.1, "rollout/reward_mean": -0.2,
+                         "cost/total_cpu_s": 3.0}, 2)
+    history = tracker.metric_history()
+    assert history["Summary/pass_at_1_synthetic_test"] == [(2, 0.5)] and history["Summary/reward"] == [(2, -0.2)]
+    assert {k for k in history if k.startswith("Summary/")} == {"Summary/pass_at_1_synthetic_test", "Summary/reward"}
+    sections = sorted({k.rsplit("/", 1)[0] for k in history}, key=str.encode)
+    assert sections[0] == HEADLINE_SECTION
+    assert headline_metrics({"train/loss": 1.0}) == {}
+    tracker.finish()
+
+
+def test_the_run_description_links_its_flow_run() -> None:
+    from infra.tracking.client import TAG_DESCRIPTION, RunOrigin
+
+    tags = RunOrigin("flows/train.py:train", "AEPO training run.", "abc-123",
+                     "http://127.0.0.1:4200/runs/flow-run/abc-123").tags()
+    assert tags[TAG_DESCRIPTION] == ("AEPO training run.\n\nPrefect flow run: "
+                                     "[abc-123](http://127.0.0.1:4200/runs/flow-run/abc-123)")
+    assert RunOrigin("x", "Outside a flow.").tags()[TAG_DESCRIPTION] == "Outside a flow."
+
+
+def test_the_ui_opens_the_classic_layout() -> None:
+    from infra.tracking.client import landing_page
+
+    assert landing_page("http://h:5000/", "3") == "http://h:5000/#/experiments/3?workflowType=machine_learning"
+    assert landing_page("http://h:5000", None) == "http://h:5000/#/experiments?workflowType=machine_learning"
