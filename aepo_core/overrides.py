@@ -62,10 +62,16 @@ def known_keys() -> tuple[str, ...]:
     return tuple(_dotted_keys(ExperimentConfig))
 
 
+def did_you_mean(word: str, known: Iterable[str], cutoff: float = 0.75) -> str:
+    """`` (did you mean 'rollout.gamma'?)``: the closest of ``known`` to a mistyped ``word``, when one is close (a
+    config key, a CLI choice, an arm); "" otherwise."""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=cutoff)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
 def _unknown_key(loc: str) -> str:
     """``unknown key 'rollout.gama' (did you mean 'rollout.gamma'?)``: the closest known key, when one is close."""
-    close = difflib.get_close_matches(loc, known_keys(), n=1, cutoff=0.75)
-    return f"unknown key '{loc}'" + (f" (did you mean '{close[0]}'?)" if close else "")
+    return f"unknown key '{loc}'" + did_you_mean(loc, known_keys())
 
 
 def _format_validation_error(exc: ValidationError, source: str) -> str:

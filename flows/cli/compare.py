@@ -12,7 +12,16 @@ import typer
 from rich.markup import escape
 
 from flows.cli.environment import prepare_environment, start_prefect_api
-from flows.cli.inputs import FormatOpt, RunsOpt, TrackingOpt, exits, reading_tracking_uri, resolve_runs_dir
+from flows.cli.inputs import (
+    FormatOpt,
+    RunsOpt,
+    TrackingOpt,
+    choice,
+    choices,
+    exits,
+    reading_tracking_uri,
+    resolve_runs_dir,
+)
 from flows.cli.render import (
     OutputFormat,
     err,
@@ -52,7 +61,8 @@ def compare_cmd(
                                                 "every run evaluated).")] = None,
     baseline: Annotated[str, typer.Option("--baseline", help="The arm each arm is compared with per question.")
                         ] = "grpo",
-    table: Annotated[CompareTable, typer.Option("--table", help="With --format csv: which table.")
+    table: Annotated[CompareTable, typer.Option("--table", parser=choice(CompareTable), metavar=choices(CompareTable),
+                                                help="With --format csv: which table.")
                      ] = CompareTable.arms,
     no_log: Annotated[bool, typer.Option("--no-log", help="Do not log the tables and figures to the sweep's parent "
                                          "MLflow run.")] = False,

@@ -4,6 +4,7 @@ answer exits 1)."""
 
 from __future__ import annotations
 
+import enum
 import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -12,12 +13,27 @@ from typing import Annotated, ParamSpec, TypeVar
 import typer
 
 from aepo_core.config import RUNS_DIR_ENV, ExperimentConfig
+from aepo_core.overrides import did_you_mean
 from flows.cli.render import OutputFormat, fail
 from infra.run import preflight
 from infra.run.preflight import DEFAULT_RUNS_DIR, InputError, with_runs_dir
 
-__all__ = ["DEFAULT_RUNS_DIR", "check_datasets", "check_not_running", "check_storage", "check_tracking_store", "exits",
-           "healthy", "load_checked_config", "reading_tracking_uri", "resolve_runs_dir", "with_runs_dir"]
+__all__ = [
+    "DEFAULT_RUNS_DIR",
+    "check_datasets",
+    "check_experiment",
+    "check_not_running",
+    "check_storage",
+    "check_tracking_store",
+    "choice",
+    "choices",
+    "exits",
+    "healthy",
+    "load_checked_config",
+    "reading_tracking_uri",
+    "resolve_runs_dir",
+    "with_runs_dir",
+]
 
 RUNS_ENV = RUNS_DIR_ENV
 
@@ -27,8 +43,34 @@ SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", metavar="KEY=VA
 RunsOpt = Annotated[str | None, typer.Option("--runs-dir", envvar=RUNS_ENV, show_envvar=True, metavar="DIR",
                                              help="Where all state goes (default: the config's storage.runs_dir, "
                                                   "./runs).")]
-FormatOpt = Annotated[OutputFormat, typer.Option("--format", help="table (for a person), csv or json (every value "
-                                                "unrounded, for a program).")]
+E = TypeVar("E", bound=enum.Enum)
+
+
+def choice(enum_type: type[E]) -> Callable[[str | E], E]:
+    """The ``parser`` of an option whose values are ``enum_type``'s: the member, or a ValueError that lists the
+    values and offers the closest to a near miss (``--format jsn``: did you mean 'json'?)."""
+    values = [str(member.value) for member in enum_type]
+
+    def parse(text: str | E) -> E:
+        if isinstance(text, enum_type):
+            return text
+        try:
+            return enum_type(text)
+        except ValueError:
+            raise ValueError(f"{text!r} is not one of {', '.join(map(repr, values))}"
+                             f"{did_you_mean(str(text), values, 0.6)}") from None
+
+    return parse
+
+
+def choices(enum_type: type[enum.Enum]) -> str:
+    """An enum option's metavar: its values."""
+    return "[" + "|".join(str(member.value) for member in enum_type) + "]"
+
+
+FormatOpt = Annotated[OutputFormat, typer.Option("--format", parser=choice(OutputFormat), metavar=choices(OutputFormat),
+                                                help="table (for a person), csv or json (every value unrounded, "
+                                                     "for a program).")]
 TrackingOpt = Annotated[str | None, typer.Option("--tracking-uri", help="MLflow tracking URI, e.g. an `mlflow "
                                                  "server` (http://host:5000, `aepo ui`); default: the runs dir's "
                                                  "SQLite store.")]
@@ -56,6 +98,16 @@ def exits(check: Callable[P, R]) -> Callable[P, R]:
             fail(str(exc), code=exc.code)
 
     return checked
+
+
+def check_experiment(uri: str, experiment: str) -> None:
+    """Exit 2 naming the store's experiments (and the closest one) when ``experiment`` is not among them."""
+    from infra.run.reading import experiment_names
+
+    known = experiment_names(uri)
+    if experiment not in known:
+        fail(f"no experiment {experiment!r} at {uri}{did_you_mean(experiment, known, 0.6)} (experiments: "
+             f"{', '.join(known) or 'none'}; --experiment/-e)")
 
 
 def load_checked_config(path: Path | None, sets: Sequence[str] | None, training: bool = True) -> ExperimentConfig:

@@ -10,8 +10,8 @@ from typing import Annotated
 
 import typer
 
-from flows.cli.inputs import FormatOpt, RunsOpt, TrackingOpt, reading_tracking_uri, resolve_runs_dir
-from flows.cli.render import OutputFormat, as_count, err, fail, fmt, print_records
+from flows.cli.inputs import FormatOpt, RunsOpt, TrackingOpt, check_experiment, reading_tracking_uri, resolve_runs_dir
+from flows.cli.render import OutputFormat, as_count, err, fmt, print_records
 
 
 def _first_metric(metrics: Mapping[str, float], pattern: re.Pattern[str]) -> tuple[str | None, float | None]:
@@ -54,11 +54,9 @@ def runs(
     rdir = resolve_runs_dir(runs_dir)
     uri = reading_tracking_uri(rdir, tracking_uri)
     assert uri is not None
-    from infra.run.reading import experiment_names, newest_runs
+    from infra.run.reading import newest_runs
 
-    known = experiment_names(uri)
-    if experiment not in known:
-        fail(f"no experiment {experiment!r} at {uri} (experiments: {', '.join(known) or 'none'}; --experiment/-e)")
+    check_experiment(uri, experiment)
     found = newest_runs(uri, experiment, limit)
     pass1 = re.compile(r"^eval/(.+)/pass_at_1$")
     records = []

@@ -7,7 +7,14 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from flows.cli.inputs import FormatOpt, RunsOpt, TrackingOpt, reading_tracking_uri, resolve_runs_dir
+from flows.cli.inputs import (
+    FormatOpt,
+    RunsOpt,
+    TrackingOpt,
+    check_experiment,
+    reading_tracking_uri,
+    resolve_runs_dir,
+)
 from flows.cli.render import OutputFormat, fail, print_records, transcript_out
 
 if TYPE_CHECKING:
@@ -50,7 +57,8 @@ def trajectories(
     store_uri: Annotated[str | None, typer.Option(
         "--store", help="Trajectory store: the directory holding trajectories/ and nodes/ (default: the runs dir; "
                         "s3://… works).")] = None,
-    experiment: Annotated[str, typer.Option("--experiment", "-e")] = "aepo",
+    experiment: Annotated[str, typer.Option("--experiment", "-e", help="MLflow experiment a run name is looked up "
+                                                                      "in.")] = "aepo",
     tracking_uri: TrackingOpt = None,
     output: FormatOpt = OutputFormat.table,
 ) -> None:
@@ -73,6 +81,8 @@ def trajectories(
              "are `aepo trajectories RUN --step N --format json`, the whole store is Parquet (runs/trajectories)")
     rdir = resolve_runs_dir(runs_dir)
     uri = reading_tracking_uri(rdir, tracking_uri, required=False)
+    if uri is not None:
+        check_experiment(uri, experiment)
     store = reading_store(rdir, store_uri)
     try:  # a damaged part (or a bad run id or step) is one line naming it, exit 2
         _summarize(store, _resolve_store_run(store, run, uri, experiment), step, show, output)

@@ -39,6 +39,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
 
 from aepo_core.evaluation import Interval, OverSeeds, PairedDiff, paired_over_seeds, pooled_paired_comparison
 from aepo_core.metrics import bootstrap_ci, holm_adjust, pass_at_k, t_test_p
+from aepo_core.overrides import did_you_mean
 from infra.data.loaders import dataset_key
 from infra.plots import Band
 from infra.run.preflight import InputError
@@ -111,7 +112,8 @@ class Selection:
         if arms:
             unknown = [a for a in arms if a not in {r.arm for r in runs}]
             if unknown:
-                raise ComparisonError(f"no arm {', '.join(unknown)} among the runs (arms: {', '.join(self.arms)})")
+                hint, known = did_you_mean(unknown[0], self.arms), ", ".join(self.arms)
+                raise ComparisonError(f"no arm {', '.join(unknown)} among the runs{hint} (arms: {known})")
             runs = sorted((r for r in runs if r.arm in arms), key=lambda r: (list(arms).index(r.arm), r.seed))
         if seeds:
             missing = sorted(set(seeds) - {r.seed for r in runs})

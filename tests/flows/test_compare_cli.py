@@ -121,7 +121,7 @@ def test_the_table_for_a_person(store: tuple[Path, str, str]) -> None:
 
 @pytest.mark.parametrize(("args", "needle"), [
     (["nosuch"], "no sweep named 'nosuch'"),
-    (["tiny-sweep", "-a", "dapo"], "no arm dapo among the runs (arms: aepo, grpo)"),
+    (["tiny-sweep", "-a", "dapo"], "no arm dapo among the runs (did you mean 'aepo'?) (arms: aepo, grpo)"),
     (["tiny-sweep", "--seed", "9"], "no run of seed 9"),
     (["tiny-sweep", "--run", "0123456789abcdef0123456789abcdef"], "not both"),
     (["--run", "0123456789abcdef0123456789abcdef"], "no run 0123456789abcdef0123456789abcdef"),

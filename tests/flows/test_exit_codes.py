@@ -35,6 +35,11 @@ CASES = [
     ("runs without a store", ["runs"], "no MLflow store", False),
     ("runs unknown experiment", ["runs", "-e", "nosuch"], "no experiment 'nosuch' at", True),
     ("trajectories unknown run", ["trajectories", "nosuch"], "no stored trajectories for run 'nosuch'", False),
+    ("trajectories unknown experiment", ["trajectories", "only", "-e", "aep"],
+     "no experiment 'aep' at", True),
+    ("runs experiment typo", ["runs", "-e", "aep"], "(did you mean 'aepo'?)", True),
+    ("compare unknown sweep", ["compare", "nosuch"], "no sweep named 'nosuch'", True),
+    ("compare without a store", ["compare", "nosuch"], "no MLflow store", False),
 ]
 
 
@@ -53,3 +58,19 @@ def test_a_user_mistake_exits_2_with_one_line_before_anything_is_created(tmp_pat
     assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
     after = sorted(p.name for p in runs.iterdir()) if runs.exists() else []
     assert after == before  # no prefect/, no mlflow.db, no runs dir made
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["runs", "--format", "jsn"], "'jsn' is not one of 'table', 'csv', 'json' (did you mean 'json'?)"),
+    (["trajectories", "nosuch", "--format", "cvs"], "(did you mean 'csv'?)"),
+    (["compare", "nosuch", "--format", "csv", "--table", "pair"], "(did you mean 'pairs'?)"),
+    (["runs", "--format", "xml"], "'xml' is not one of 'table', 'csv', 'json'"),
+])
+def test_a_mistyped_choice_exits_2_and_offers_the_closest(tmp_path: Path, args: list[str], needle: str) -> None:
+    """Issue 54 §5: a CLI choice's near miss gets "did you mean", as a config key's does; the command never starts."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "AEPO_"))}
+    result = subprocess.run([str(Path(sys.executable).with_name("aepo")), *args, "--runs-dir", str(tmp_path / "runs")],
+                            cwd=tmp_path, env={**env, "COLUMNS": "250"}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and needle in result.stderr, result.stderr
+    assert "did you mean" not in result.stderr or needle.endswith("?)")
+    assert "Traceback" not in result.stderr and not (tmp_path / "runs").exists()

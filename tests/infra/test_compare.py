@@ -83,7 +83,8 @@ def test_a_mistake_in_what_to_compare_is_named(store: tuple[str, str]) -> None:
     with pytest.raises(ComparisonError, match="no run 0123456789abcdef0123456789abcdef"):
         sweep_selection(tracker, "0123456789abcdef0123456789abcdef")
     selection = sweep_selection(tracker, "tiny-sweep")
-    with pytest.raises(ComparisonError, match=r"no arm dapo among the runs \(arms: aepo, grpo\)"):
+    with pytest.raises(ComparisonError, match=r"no arm dapo among the runs \(did you mean 'aepo'\?\) \(arms: aepo, "
+                                              r"grpo\)"):
         selection.only(["dapo"], None)
     with pytest.raises(ComparisonError, match="no run of seed 7"):
         selection.only(None, [7])
