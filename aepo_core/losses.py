@@ -20,6 +20,7 @@ from typing import Literal, get_args
 import torch
 
 from aepo_core.config import AlgorithmConfig
+from aepo_core.token_classes import HIGH_ENTROPY_NATS
 
 
 @dataclass(frozen=True)
@@ -415,6 +416,17 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> Diagnostic:
     return Diagnostic(float(x.float()[mask].sum() / n) if n else 0.0, "mean", float(mask.sum()))
 
 
+def spread_diagnostics(name: str, values: torch.Tensor, mask: torch.Tensor) -> dict[str, Diagnostic]:
+    """``<name>_mean`` (token-weighted), ``<name>_min`` and ``<name>_max`` of ``values`` over ``mask``: how far a
+    per-token weight (the entropy-aware advantage's factor) spread over the update's tokens."""
+    m = mask.bool()
+    picked = values.detach().float()[m]
+    if picked.numel() == 0:
+        return {}
+    return {f"{name}_mean": _masked_mean(values.detach(), m), f"{name}_min": Diagnostic(float(picked.min()), "min"),
+            f"{name}_max": Diagnostic(float(picked.max()), "max")}
+
+
 def _count(mask: torch.Tensor) -> Diagnostic:
     """The number of tokens in ``mask``, summed when combined."""
     return Diagnostic(float(mask.sum()), "sum")
@@ -449,6 +461,13 @@ def _diagnostics(
         diag["num_high_entropy_tokens"] = _count(high_entropy)
     if inp.entropy is not None:
         diag["entropy_mean"] = _masked_mean(inp.entropy, mask)
+        # How much a clipping rule had to act on, in every arm and on one absolute scale (issue 53 §2): the update's
+        # tokens at or above HIGH_ENTROPY_NATS and the shares of them whose ratio was clipped, by side (the
+        # clip_gate's own threshold is a quantile of each mini-batch, so it always finds its top fraction).
+        hot = (inp.entropy.detach() >= HIGH_ENTROPY_NATS) & mask
+        diag["high_entropy_share"] = _masked_mean(hot, mask)
+        diag["high_entropy_clip_frac_high"] = _masked_mean(out.clipped_high, hot)
+        diag["high_entropy_clip_frac_low"] = _masked_mean(out.clipped_low, hot)
     if kl is not None:
         diag["kl_ref"] = _masked_mean(kl.detach(), mask)
     return diag

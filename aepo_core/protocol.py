@@ -30,7 +30,7 @@ TRUNCATION_MARKER = "…[truncated]"
 
 _TAG_NAMES: tuple[str, ...] = ("think", "answer", "result", *TOOL_NAMES)
 # Any protocol tag, opening or closing; group 1 is "/" for a closing tag, group 2 the name.
-_TAG_RE = re.compile(r"<(/?)(" + "|".join(_TAG_NAMES) + r")>")
+TAG_RE = re.compile(r"<(/?)(" + "|".join(_TAG_NAMES) + r")>")
 # \boxed or \fbox as a whole control word (not \boxedfoo).
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _BARE_TOKEN_END = re.compile(r"[\s$]")
@@ -177,7 +177,7 @@ def tool_call_spans(text: str, tool_names: tuple[str, ...] = TOOL_NAMES) -> list
     pos = 0
     closings = {close_tag(name) for name in tool_names}
     while True:
-        match = _TAG_RE.search(text, pos)
+        match = TAG_RE.search(text, pos)
         if match is None:
             return spans
         tag = match.group(0)
@@ -220,7 +220,7 @@ def check_format(response_text: str, *, allow_text_outside_blocks: bool = False)
     awaiting_result = False
     answered = False
     while True:
-        match = _TAG_RE.search(response_text, pos)
+        match = TAG_RE.search(response_text, pos)
         gap = response_text[pos : match.start() if match else len(response_text)]
         if gap.strip():
             if answered:
@@ -274,7 +274,7 @@ def _block_end(text: str, content_start: int, name: str) -> int | str:
         return end
     if text.find(closing, content_start) < 0:
         return "unbalanced_think" if name == "think" else "unclosed_answer"
-    inner = _TAG_RE.search(text, content_start)
+    inner = TAG_RE.search(text, content_start)
     assert inner is not None  # at worst it is the closing tag found above
     if inner.group(0) == closing:
         return inner.start()

@@ -61,6 +61,8 @@ class TrainResult:
     """The registered policy, ``models:/<tracking.registered_model>/<version>`` (None: not registered)."""
     evals: Summaries = field(default_factory=dict)
     comparisons: Comparisons = field(default_factory=dict)
+    idle_mechanisms: list[str] = field(default_factory=list)
+    """The mechanisms the config turned on that had next to nothing to act on (:mod:`aepo_core.activity`)."""
 
     @property
     def final_eval(self) -> dict[str, EvalSummary]:
@@ -130,9 +132,10 @@ def train(
         _train_loop(session, evals)
         comparisons = paired_vs_earlier(evals.per_question, cfg)
         model_version = session.record_outcome(evals.summaries.get("final", {}), comparisons)
+        idle = session.idle_mechanisms()
     result = TrainResult(session.run_id, plan.name, session.trainer.step, str(plan.runs), session.checkpoints.uri,
                          session.tracker.tracking_uri, str(session.trajectories.uri), session.run_url, model_version,
-                         evals.summaries, comparisons)
+                         evals.summaries, comparisons, idle)
     create_markdown_artifact(key=artifact_key("train", plan.name), markdown=summary_markdown(result, cfg),
                              description=f"summary of {plan.name}")
     return result
@@ -238,6 +241,9 @@ def summary_markdown(info: TrainResult, cfg: ExperimentConfig) -> str:
             lines.append(f"| {stage} | {ds} | {s.pass1.value:.3f} | [{s.pass1.low:.3f}, {s.pass1.high:.3f}]"
                          f" | {s.pass_k.value:.3f} | {s.tool_calls_per_question:.2f} | {s.answered_rate:.2f} |")
     lines += [f"\n- {line}" for line in comparison_lines(info.comparisons)]
+    if info.idle_mechanisms:
+        lines += ["", "**Mechanisms with next to nothing to act on** (mean over the RL steps):",
+                  *(f"- {note}" for note in info.idle_mechanisms)]
     return "\n".join(lines)
 
 

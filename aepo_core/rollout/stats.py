@@ -7,13 +7,31 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from aepo_core.metrics import distinct_sequences
-from aepo_core.rollout.study import branch_points_by_leaf, concentration
+from aepo_core.rollout.study import (
+    ConsecutiveHighEntropy,
+    branch_points_by_leaf,
+    concentration,
+    consecutive_high_entropy,
+)
 from aepo_core.rollout.tree import RolloutTree
 
 
 def _mean(values: Sequence[float]) -> float:
     finite = [v for v in values if not math.isnan(v)]
     return sum(finite) / len(finite) if finite else math.nan
+
+
+def _std(values: Sequence[float]) -> float:
+    """Population standard deviation; NaN for none."""
+    if not values:
+        return math.nan
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+
+
+def _summed(parts: Sequence[ConsecutiveHighEntropy]) -> ConsecutiveHighEntropy:
+    return ConsecutiveHighEntropy(sum(p.steps for p in parts), sum(p.after_high for p in parts),
+                                  sum(p.high for p in parts), sum(p.high_after_high for p in parts))
 
 
 def rollout_stats(
@@ -27,6 +45,7 @@ def rollout_stats(
     branches_per_q = [sum(1 for n in t.nodes if n.branched) for t in trees]
     delta_h = [n.delta_entropy for t in trees for n in t.nodes if not math.isnan(n.delta_entropy)]
     shares = [concentration(branch_points_by_leaf(t)) for t in trees]
+    runs = _summed([consecutive_high_entropy(t) for t in trees])
     statuses: dict[str, int] = defaultdict(int)
     for _, leaf in leaves:
         statuses[leaf.status] += 1
@@ -55,6 +74,15 @@ def rollout_stats(
         "h_root_mean": _mean([t.h_root for t in trees]),
         "h_tool_mean": _mean([t.h_tool for t in trees]),
         "delta_h_mean": _mean(delta_h),
+        # What AEPO's rollout mechanisms acted on (issue 53 §2): the branch decisions the consecutive-branch penalty
+        # turned off, the spread of m over the questions (pre-monitoring's allocation), and how often a high-entropy
+        # tool step follows a high-entropy one against the chance level (all tool steps after a high-entropy one).
+        "penalized_per_question": sum(1 for t in trees for n in t.nodes if n.branch_reason == "penalized") / n_q,
+        "global_budget_std": _std([float(t.global_budget) for t in trees]),
+        "global_budget_min": float(min((t.global_budget for t in trees), default=0)),
+        "global_budget_max": float(max((t.global_budget for t in trees), default=0)),
+        "consecutive_high_entropy_share": runs.high_after_high / runs.high if runs.high else math.nan,
+        "consecutive_high_entropy_chance": runs.after_high / runs.steps if runs.steps else math.nan,
         "response_tokens_mean": _mean([float(len(t.response_ids(leaf))) for t, leaf in leaves]),
     }
     for status in ("answered", "truncated", "tool_limit", "tool_error", "engine_error"):

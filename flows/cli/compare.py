@@ -131,6 +131,10 @@ def print_comparison(c: AlgorithmComparison, output: OutputFormat, table: Compar
     print_records(f"Arms over seeds, {over} (Pass@1: mean and Student-t 95% CI over seeds; over questions: "
                   "bootstrap 95% CI, seeds averaged)", [_arm_row(c, a) for a in c.arms], output,
                   right=("seeds",), fold=("Pass@1 per seed",))
+    activity = _activity_rows(c)
+    if len(activity[0]) > 1:
+        print_records("What the mechanisms acted on (each run's mean over its steps; mean and Student-t 95% CI over "
+                      "seeds)", activity, output)
     if c.pairs:
         print_records("Paired differences a − b, seed-matched (over seeds: Student t, p Holm-adjusted over the pairs; "
                       "given seeds: bootstrap over questions)", [_pair_row(p) for p in c.pairs], output,
@@ -145,22 +149,36 @@ def print_comparison(c: AlgorithmComparison, output: OutputFormat, table: Compar
 
 
 def _arm_row(c: AlgorithmComparison, a: ArmResult) -> dict[str, str]:
-    from infra.run.compare import ACTIVITY, CLIP, TREND_WORDS
+    from infra.run.compare import TREND_WORDS
 
     p, s, t, vs = a.pass1_over_seeds, a.entropy_slope, a.generated_tokens, a.vs_baseline
-    activity = {heading: "–" if (o := a.activity.get(m)) is None else
-                interval(*(None if x is None else 100 * x for x in (o.mean, o.low, o.high)), 2)
-                if m == CLIP or m.endswith("clip_frac_high") else interval(o.mean, o.low, o.high)
-                for m, heading in ACTIVITY.items()}
     return {"arm": a.name, "seeds": str(p.seeds), "Pass@1 per seed": " ".join(f"{v:.3f}" for v in p.per_seed.values()),
             "Pass@1 [CI over seeds]": interval(p.mean, p.low, p.high),
             "Pass@1 [CI over questions]": interval(a.pass1.value, a.pass1.low, a.pass1.high),
             f"Pass@{c.k} [CI]": interval(a.pass_k.value, a.pass_k.low, a.pass_k.high),
             f"Δ vs {c.baseline} [CI]": "–" if vs is None else interval(vs.diff, vs.ci_low, vs.ci_high, signed=True),
             "tokens/run": "–" if t is None else f"{t.mean:,.0f}", "tool calls/q": fmt(a.tool_calls_per_question, 2),
-            **{f"{k} %" if "clip" in k else k: v for k, v in activity.items()},
             "entropy slope/step [CI]": "–" if s is None else interval(s.mean, s.low, s.high, 4, signed=True),
             "entropy trend": "–" if s is None else TREND_WORDS[s.sign]}
+
+
+def _activity_rows(c: AlgorithmComparison) -> list[dict[str, str]]:
+    """Per arm, what its mechanisms acted on (:data:`~infra.run.compare.ACTIVITY`, the metrics some arm logged):
+    each run's mean over its steps, then the mean over seeds with its interval; shares in per cent."""
+    from infra.run.compare import ACTIVITY, PERCENT
+
+    logged = [m for m in ACTIVITY if any(m in a.activity for a in c.arms)]
+
+    def cell(a: ArmResult, metric: str) -> str:
+        o = a.activity.get(metric)
+        if o is None:
+            return "–"
+        if metric in PERCENT:
+            return interval(*(None if x is None else 100 * x for x in (o.mean, o.low, o.high)), 2)
+        return interval(o.mean, o.low, o.high)
+
+    return [{"arm": a.name, **{f"{ACTIVITY[m]}{' %' if m in PERCENT else ''}": cell(a, m) for m in logged}}
+            for a in c.arms]
 
 
 def _pair_row(p: PairResult) -> dict[str, str]:

@@ -86,6 +86,8 @@ def train(
                              result.final_eval, cfg.eval.pass_k, stages=result.evals))
     for line in comparison_lines(result.comparisons):
         console.print(line)
+    for note in result.idle_mechanisms:
+        console.print(escape(f"next to nothing to act on: {note}"))
     console.print(where_table([
         ("MLflow run", f"{result.run_id}  ({result.tracking_uri})"),
         *([("registered policy", result.model_version)] if result.model_version else []),

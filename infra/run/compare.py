@@ -37,6 +37,7 @@ from typing import Any
 import pandas as pd
 from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
 
+from aepo_core.activity import ACTIVITY_METRICS
 from aepo_core.evaluation import Interval, OverSeeds, PairedDiff, paired_over_seeds, pooled_paired_comparison
 from aepo_core.metrics import bootstrap_ci, holm_adjust, pass_at_k, t_test_p
 from aepo_core.overrides import did_you_mean
@@ -66,13 +67,10 @@ CURVE_METRICS = {  # metric → panel title
 it, and concentrates fewer branches on one path. A metric a run never logged is left out of its arm's curve."""
 BY_TOKENS = (ENTROPY, "rollout/reward_mean", "rollout/tool_calls_mean")
 """Drawn once more against the cumulative generated tokens: an arm that branches spends more per step."""
-ACTIVITY = {  # metric → column heading
-    CLIP: "clipped update tokens",
-    "train/clip_frac_high": "clipped high",
-    "rollout/delta_h_mean": "ΔH after tools",
-}
-"""How much the mechanisms had to act on, per run the mean over its steps: the clipping losses (AEPO's stop-gradient
-balance, PPO's, GPPO's) differ only on clipped tokens; the branch rule reads ΔH after tool results."""
+ACTIVITY = ACTIVITY_METRICS
+PERCENT = {CLIP, "train/clip_frac_high", "train/high_entropy_share", "train/high_entropy_clip_frac_high",
+           "train/high_entropy_clip_frac_low"}
+"""The :data:`ACTIVITY` shares a table shows in per cent."""
 RUN_METRICS = ("rollout/distinct_tool_sequences", "rollout/max_branches_per_path", "rollout/branch_samples",
                "rollout/reward_mean", "step/wall_s")
 CURVES_ARTIFACT_DIR = "training_curves"

@@ -13,6 +13,7 @@ The rollout prompt (:meth:`PolicyRuntime.prompt_ids`) is part of the algorithm: 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import random
@@ -30,6 +31,7 @@ from aepo_core.protocol import AgentProtocol
 from aepo_core.rewards import make_reward_fn
 from aepo_core.rollout.scheduler import EngineFailure, Question, RolloutResult, RolloutScheduler
 from aepo_core.scoring import StepScores, score_trees
+from aepo_core.token_classes import tally_trees
 from infra.data.loaders import is_synthetic, load_dataset_rows
 from infra.data.rows import QuestionRow
 from infra.data.synthetic import SyntheticTask
@@ -163,7 +165,16 @@ class PolicyRuntime:
         finally:
             engine.release()  # retained KV of this rollout is never asked for again: free it now
             release_memory()  # and its heap pages, or the update stacks on them
-        return dataclasses.replace(result, stats={**result.stats, **self._weight_version_stats(result, engine)})
+        return dataclasses.replace(result, stats={**result.stats, **self._weight_version_stats(result, engine),
+                                                  **self._entropy_map(result, rollout)})
+
+    def _entropy_map(self, result: RolloutResult, rollout: RolloutConfig) -> dict[str, float]:
+        """Where the sampled responses' entropy lives (:mod:`aepo_core.token_classes`): mean entropy by token class
+        and window, each class's share of model tokens, the share at or above 0.672 nats (``rollout/entropy_*``,
+        ``rollout/share_*``, ``rollout/high_entropy_share``). Entropies an engine only estimated (top-k) are
+        tallied as they are."""
+        decode = functools.lru_cache(maxsize=None)(lambda t: self.tokenizer.decode([t]))
+        return tally_trees(result.trees, decode, rollout.entropy_window).metrics()
 
     def _weight_version_stats(self, result: RolloutResult, engine: PolicyEngine) -> dict[str, float]:
         """Model segments sampled by weights other than the last ones loaded (``rollout/stale_segments``) and the

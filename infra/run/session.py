@@ -20,6 +20,7 @@ import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from aepo_core.activity import ACTIVITY_METRICS, idle_mechanisms
 from aepo_core.config import ExperimentConfig
 from aepo_core.cost import COST_PREFIX, TOTAL
 from aepo_core.dynamic_sampling import FilledBatch
@@ -145,6 +146,15 @@ class RunSession:
                                                     scores=scores[i]), f"plots/rollout_tree/step-{step:06d}.png")
         self.tracker.log_trajectory_sample(trees, scores, max_rows=16, step=step,
                                            questions=self.trainer.question_texts(trees))
+
+    def idle_mechanisms(self) -> list[str]:
+        """Rank 0: the mechanisms the config turned on that barely acted in this run
+        (:func:`~aepo_core.activity.idle_mechanisms` of its activity metrics' means over its steps)."""
+        if not self.is_main or self.mlflow is None:
+            return []
+        history = self.mlflow.metric_history(list(ACTIVITY_METRICS))
+        return idle_mechanisms({k: sum(v for _, v in points) / len(points) for k, points in history.items() if points},
+                               self.cfg)
 
     def record_outcome(self, final: Mapping[str, EvalSummary],
                        comparisons: Mapping[str, Mapping[str, PairedDiff]]) -> str | None:

@@ -48,6 +48,7 @@ from aepo_core.losses import (
     combine_diagnostics,
     compute_policy_loss,
     loss_normalizer,
+    spread_diagnostics,
 )
 from infra.numerics import Numerics
 from infra.training.backend import TrainBackend
@@ -297,6 +298,10 @@ class PolicyUpdater:
                                                  else "none", alg.rollout_correction_cap)
         inputs = LossInputs(logprobs, old, adv * weights, batch.loss_mask, ent, ref)
         loss, diag = compute_policy_loss(inputs, alg, norm, norm_len=cfg.rollout.max_response_tokens)
+        if alg.entropy_advantage:  # how far it reweighted the tokens (issue 53 §2): the factor a unit advantage gets
+            factor = entropy_aware_advantage(torch.ones_like(batch.advantages), ent, batch.loss_mask,
+                                             alg.entropy_advantage_alpha, stats, alg.entropy_eps)
+            diag.update(spread_diagnostics("entropy_advantage_factor", factor, batch.loss_mask))
         if self.observer is not None and weight == 1.0:
             self.observer.micro_batch(mb, inputs, norm, cfg.rollout.max_response_tokens)
         self.backend.backward(loss * weight if weight != 1.0 else loss)

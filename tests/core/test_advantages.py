@@ -205,3 +205,24 @@ def test_dr_grpo_forces_the_constant_normalizer():
     loss.backward()
     assert loss.item() == pytest.approx((-2.0 / norm_len - 3.0 / norm_len) / 2)
     torch.testing.assert_close(logp.grad, -adv / norm_len / 2)
+
+
+def test_the_entropy_advantage_factor_and_its_spread():
+    """Issue 53 §2: the factor max(0, 1 + α·z(H)) the entropy-aware advantage multiplies by, and its spread over the
+    update's tokens (mean token-weighted, min, max): H = 0, 1, 2 on three model tokens (mean 1, population sd √⅔),
+    α = 0.5: z = −1.2247, 0, +1.2247 → factors 0.388, 1, 1.612; the masked token counts nowhere."""
+    from aepo_core.losses import spread_diagnostics
+
+    entropy = torch.tensor([[0.0, 1.0, 2.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    factor = entropy_aware_advantage(torch.ones_like(entropy), entropy, mask, 0.5)  # what a unit advantage gets
+    z = 1 / math.sqrt(2 / 3)
+    assert factor[0, :3].tolist() == pytest.approx([1 - 0.5 * z, 1.0, 1 + 0.5 * z], abs=1e-5)
+    adv = torch.tensor([[2.0, 2.0, 2.0, 2.0]])
+    assert entropy_aware_advantage(adv, entropy, mask, 0.5)[0].tolist() == pytest.approx(
+        [2 * (1 - 0.5 * z), 2.0, 2 * (1 + 0.5 * z), 0.0], abs=1e-5)
+    d = spread_diagnostics("f", factor, mask)
+    assert (d["f_min"].value, d["f_max"].value) == (pytest.approx(1 - 0.5 * z, abs=1e-5),
+                                                    pytest.approx(1 + 0.5 * z, abs=1e-5))
+    assert d["f_mean"].value == pytest.approx(1.0, abs=1e-5) and d["f_mean"].weight == 3.0
+    assert spread_diagnostics("f", factor, torch.zeros_like(mask)) == {}

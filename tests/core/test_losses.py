@@ -363,6 +363,9 @@ def test_every_diagnostic_declares_how_it_combines():
         **{name: ("mean", 4.0) for name in ("clip_frac", "clip_frac_high", "clip_frac_low", "approx_kl",
                                            "ratio_mean", "entropy_mean", "kl_ref")},
         "clip_frac_high_entropy": ("mean", diag["num_high_entropy_tokens"].value),
+        "high_entropy_share": ("mean", 4.0),
+        # weighted by the tokens at or above 0.672 nats (2.0 and 4.0)
+        "high_entropy_clip_frac_high": ("mean", 2.0), "high_entropy_clip_frac_low": ("mean", 2.0),
         "ratio_max": ("max", 0.0),
         "ratio_min": ("min", 0.0),
         "num_tokens": ("sum", 0.0),
@@ -485,3 +488,18 @@ def test_token_gradient_weights_zero_where_ppo_clips_and_not_where_aepo_keeps_th
     assert float(ppo[0, 0]) == 0.0 and float(aepo[0, 0]) == pytest.approx(-(1 + EPS_H) * A[0] / 4)
     assert float(aepo[0, 2]) == 0.0  # the low side stays clipped under AEPO
     assert inp.logprobs.grad is None  # the caller's tensor is untouched
+
+
+@pytest.mark.parametrize("loss", ["ppo_clip", "aepo", "dapo"])
+def test_high_entropy_clipping_by_side_in_every_arm(loss: str):
+    """Issue 53 §2: the tokens at or above 0.672 nats and the shares of them clipped, by side, whatever the loss and
+    its gate. R = 1.5, 1.1, 0.5, 0.9 with Â = 2, 1, −1, −3 and ε = 0.2: token 0 is clipped high, token 2 low; the
+    hot tokens are 0 and 2 (entropies 2.0 and 4.0)."""
+    inp = make_inputs(LOG_R, [A], entropy=[[2.0, 0.1, 4.0, 0.3]])
+    _, _, diag = loss_and_grad(inp, loss=loss)
+    assert diag["high_entropy_share"].value == pytest.approx(0.5)
+    assert diag["high_entropy_clip_frac_high"].value == pytest.approx(0.5)  # (dapo's ε_h 0.28: 1.5 > 1.28 too)
+    assert diag["high_entropy_clip_frac_low"].value == pytest.approx(0.5)
+    cold = make_inputs(LOG_R, [A], entropy=[[0.1, 0.1, 0.1, 0.1]])
+    _, _, none = loss_and_grad(cold, loss=loss)
+    assert none["high_entropy_share"].value == 0.0 and none["high_entropy_clip_frac_high"].value == 0.0

@@ -195,3 +195,22 @@ def test_branch_rate_by_l_pools_decisions_over_questions():
     b = profile_group(spread_tree(), rewards=[0.0] * 4, correct=[False] * 4)  # no decision reasons set: none
     s = summarize_mode([a, a, b], n_resamples=50)
     assert s.branch_rate_by_l[0].mean == pytest.approx(4 / 6) and s.branch_rate_by_l[0].n == 2
+
+
+def test_every_step_logs_what_the_rollout_mechanisms_acted_on():
+    """Issue 53 §2, from rollout_stats on every RL step: the hand-built tree's one penalized decision, its
+    consecutive high-entropy steps (1 of 2) against their chance level (2 of 4), and m's spread over the questions
+    (2 and 5): the same counts as the rollout study's, summed over the batch's trees."""
+    import dataclasses
+
+    from aepo_core.rollout.stats import rollout_stats
+
+    other = dataclasses.replace(paper_tree(), question_id="q-other", global_budget=5)
+    stats, _ = rollout_stats([paper_tree(), other])
+    assert stats["penalized_per_question"] == 1.0
+    assert stats["consecutive_high_entropy_share"] == pytest.approx(2 / 4)  # (1 + 1) of (2 + 2)
+    assert stats["consecutive_high_entropy_chance"] == pytest.approx(4 / 8)
+    assert (stats["global_budget_min"], stats["global_budget_max"]) == (2.0, 5.0)
+    assert stats["global_budget_std"] == pytest.approx(1.5)
+    empty, _ = rollout_stats([])
+    assert math.isnan(empty["consecutive_high_entropy_share"]) and empty["penalized_per_question"] == 0.0
