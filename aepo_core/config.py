@@ -291,6 +291,12 @@ class SFTConfig(Section):
     max_examples: int | None = Field(
         None, ge=1, description="Transcripts of the first N training questions only; None: every question."
     )
+    varied: bool = Field(
+        False, description="Oracle transcripts in varied words: each transcript picks its thoughts' openings, its "
+        "queries' and its answer's phrasing and its fact summaries from several (seeded by the question id), and a "
+        "fact already in an earlier result is searched for again in half of them (a second valid strategy); false: "
+        "one template each, which SFT memorises (issue 53 §3: post-tool windows of 0.07 nats at the RL start)."
+    )
 
     def order_seed(self, run_seed: int) -> int:
         """The seed of SFT's batch order: this section's, else the run's."""

@@ -81,6 +81,8 @@ def _sft_key(cfg: Any) -> str:
         # train.sft.warmup_steps came after the cached SFT starts of the rollout study (issue 26); at its default
         # it trains the same weights, so it is left out and those caches keep their key.
         del parts["train.sft"]["warmup_steps"]
+    if not parts["train.sft"]["varied"]:  # (issue 53) at its default the same transcripts: the caches keep their key
+        del parts["train.sft"]["varied"]
     # model.sampler_dtype (issue 52) picks the training rollouts' engine: SFT never samples, so it is left out.
     del parts["model"]["sampler_dtype"]
     # train.sft.seed (later still) orders SFT's batches in place of the run's seed: the key holds the seed that does.

@@ -74,6 +74,8 @@ class FactKind:
     templates: tuple[str, ...]
     query: str
     need: str
+    queries: tuple[str, ...] = ()  # other phrasings of ``query`` (varied transcripts), each with the kind's keyword
+    needs: tuple[str, ...] = ()  # other phrasings of ``need``
 
 
 FACT_KINDS: dict[str, FactKind] = {
@@ -83,37 +85,45 @@ FACT_KINDS: dict[str, FactKind] = {
             "{company} was founded in {year}.",
             "Founded in {year}, {company} grew quickly.",
             "The firm {company} was founded in the year {year}.",
-        ), "When was {subject} founded", "the founding year of {subject}"),
+        ), "When was {subject} founded", "the founding year of {subject}",
+            ("{subject} founded", "year {subject} was founded"), ("when {subject} was founded",)),
         FactKind("founder", "company", "person", (
             "The founder of {company} is {person}.",
             "{person} is the founder of {company}.",
             "{company} counts {person} as its founder.",
-        ), "{subject} founder", "the founder of {subject}"),
+        ), "{subject} founder", "the founder of {subject}",
+            ("founder of {subject}", "who is the founder of {subject}"), ("who founded {subject}",)),
         FactKind("headquarters", "company", "city", (
             "{company} has its headquarters in {city}.",
             "The headquarters of {company} are in {city}.",
             "{company} keeps its headquarters in the city of {city}.",
-        ), "{subject} headquarters", "the headquarters of {subject}"),
+        ), "{subject} headquarters", "the headquarters of {subject}",
+            ("headquarters of {subject}", "where are the headquarters of {subject}"),
+            ("where {subject} has its headquarters",)),
         FactKind("born", "person", "year", (
             "{person} was born in {year}.",
             "Born in {year}, {person} moved often as a child.",
             "{person} was born in the year {year}.",
-        ), "When was {subject} born", "the birth year of {subject}"),
+        ), "When was {subject} born", "the birth year of {subject}",
+            ("{subject} born", "year {subject} was born"), ("when {subject} was born",)),
         FactKind("home", "person", "city", (
             "{person} makes a home in {city}.",
             "The home of {person} is in {city}.",
             "{person} has a home in the city of {city}.",
-        ), "{subject} home", "the home city of {subject}"),
+        ), "{subject} home", "the home city of {subject}",
+            ("home of {subject}", "where is the home of {subject}"), ("where {subject} has a home",)),
         FactKind("country", "city", "country", (
             "{city} is a city in the country of {country}.",
             "The country of {country} includes the city of {city}.",
             "{city} lies in the country {country}.",
-        ), "{subject} country", "the country of {subject}"),
+        ), "{subject} country", "the country of {subject}",
+            ("country of {subject}", "which country is {subject} in"), ("which country {subject} is in",)),
         FactKind("population", "city", "population", (
             "{city} has a population of {population}.",
             "The population of {city} is {population}.",
             "About {population} people make up the population of {city}.",
-        ), "{subject} population", "the population of {subject}"),
+        ), "{subject} population", "the population of {subject}",
+            ("population of {subject}", "what is the population of {subject}"), ("how many people live in {subject}",)),
     )
 }
 MAX_TEMPLATES_PER_FACT = min(len(k.templates) for k in FACT_KINDS.values())
@@ -675,9 +685,22 @@ def _think(text: str) -> str:
     return f"{THINK_OPEN}{text}{THINK_CLOSE}"
 
 
-def _summary(kind: str, subject: str, value: str) -> str:
-    """The fact just read, restated in the corpus's first phrasing (terse think text)."""
-    return fact_sentence(kind, 0, subject, format_value(kind, value))
+def _summary(kind: str, subject: str, value: str, template: int = 0) -> str:
+    """The fact just read, restated in the corpus's phrasing ``template`` (the first: terse think text)."""
+    return fact_sentence(kind, template, subject, format_value(kind, value))
+
+
+VARIED_WORDS: dict[str, tuple[str, ...]] = {  # each: the one-template transcripts' phrasing first, then others
+    "first": ("I need {need}.", "First, find {need}.", "To answer this, look up {need}."),
+    "next": ("Next: {need}.", "Now find {need}.", "Then I need {need}."),
+    "compute": ("Compute {description}.", "Now compute {description}.", "Next, compute {description}."),
+    "reuse": ("The results above say: {summary}", "Already in the results: {summary}",
+              "From the earlier result: {summary}"),
+    "printed": ("The result is {printed}.", "Python printed {printed}.", "That gives {printed}."),
+    "final": ("The answer is \\boxed{{{answer}}}.", "So the answer is \\boxed{{{answer}}}.",
+              "Final answer: \\boxed{{{answer}}}."),
+}
+"""The words of an oracle transcript that ``varied`` draws from (:func:`oracle_transcript`)."""
 
 
 def oracle_transcript(
@@ -687,6 +710,7 @@ def oracle_transcript(
     *,
     max_result_chars: int = DEFAULT_MAX_RESULT_CHARS,
     reuse_results: bool = True,
+    varied: bool = False,
 ) -> list[tuple[str, str]]:
     """The ideal response to a synthetic question, as ``(role, text)`` segments (role ``model`` or ``tool``).
 
@@ -695,12 +719,20 @@ def oracle_transcript(
     exactly what a policy would see at RL time: model segments end at the stop strings (``</search>``,
     ``</python>``, ``</answer>``) and tool segments are ``result_block(tool output, max_result_chars)``.
     With ``reuse_results`` a fact already visible in an earlier search result is not searched for again (the
-    efficient behaviour we want the policy to learn).  Raises :class:`OracleError` when a fact is not in the
-    results or Python does not print an integer.
+    efficient behaviour we want the policy to learn).  ``varied`` (``train.sft.varied``): the transcript draws its
+    words from :data:`VARIED_WORDS`, the kinds' query and need phrasings and the corpus's fact phrasings, and searches
+    again for a fact already seen half the time, all seeded by the row's id (the same row, the same transcript);
+    without it every transcript of a relation is worded alike.  Raises :class:`OracleError` when a fact is not in
+    the results or Python does not print an integer.
     """
     relation = row.metadata.get("relation")
     if relation not in RELATION_PLANS:
         raise OracleError(f"row {row.id} has no known synthetic relation ({relation!r})")
+    rng = random.Random(f"oracle:{row.id}")
+
+    def pick(options: Sequence[str]) -> str:
+        return rng.choice(options) if varied else options[0]
+
     entities: dict[str, str] = {f"e{i}": e for i, e in enumerate(row.metadata["entities"])}
     values: list[str] = []
     segments: list[tuple[str, str]] = []
@@ -710,10 +742,13 @@ def oracle_transcript(
     def ref(name: str) -> str:
         return entities[name] if name.startswith("e") else values[int(name[1:])]
 
+    def summary(kind: str, subject: str, value: str) -> str:
+        return _summary(kind, subject, value, rng.randrange(len(FACT_KINDS[kind].templates)) if varied else 0)
+
     for step in RELATION_PLANS[relation]:
         if isinstance(step, Compute):
             code = f"print({step.expression.format(**{f'v{i}': v for i, v in enumerate(values)})})"
-            thought.append(f"Compute {step.description}.")
+            thought.append(pick(VARIED_WORDS["compute"]).format(description=step.description))
             segments.append((MODEL, f"{_think(' '.join(thought))}{PYTHON_OPEN}{code}{PYTHON_CLOSE}"))
             visible = result_block(python(code), max_result_chars)
             segments.append((TOOL, visible))
@@ -721,18 +756,18 @@ def oracle_transcript(
             if not re.fullmatch(r"-?\d+", printed):
                 raise OracleError(f"row {row.id}: python printed {printed!r} for {code!r}, not an integer")
             values.append(printed)
-            thought = [f"The result is {printed}."]
+            thought = [pick(VARIED_WORDS["printed"]).format(printed=printed)]
             continue
         subject = ref(step.subject)
         kind = FACT_KINDS[step.kind]
         known = read_fact("\n".join(seen), step.kind, subject) if reuse_results and seen else None
-        if known is not None:
+        if known is not None and not (varied and rng.random() < 0.5):
             values.append(known)
-            thought.append(f"The results above say: {_summary(step.kind, subject, known)}")
+            thought.append(pick(VARIED_WORDS["reuse"]).format(summary=summary(step.kind, subject, known)))
             continue
-        need = kind.need.format(subject=subject)
-        thought.append(f"Next: {need}." if thought else f"I need {need}.")
-        query = kind.query.format(subject=subject)
+        need = pick((kind.need, *kind.needs)).format(subject=subject)
+        thought.append(pick(VARIED_WORDS["next" if thought else "first"]).format(need=need))
+        query = pick((kind.query, *kind.queries)).format(subject=subject)
         segments.append((MODEL, f"{_think(' '.join(thought))}{SEARCH_OPEN}{query}{SEARCH_CLOSE}"))
         visible = result_block(search(query), max_result_chars)  # read only what the model would see
         seen.append(visible)
@@ -741,9 +776,8 @@ def oracle_transcript(
         if value is None:
             raise OracleError(f"row {row.id}: no '{step.kind}' fact about {subject!r} in the results of {query!r}")
         values.append(value)
-        thought = [_summary(step.kind, subject, value)]
-    answer = values[-1]
-    final = f"The answer is \\boxed{{{answer}}}."
+        thought = [summary(step.kind, subject, value)]
+    final = pick(VARIED_WORDS["final"]).format(answer=values[-1])
     segments.append((MODEL, f"{_think(' '.join(thought))}{ANSWER_OPEN}{final}{ANSWER_CLOSE}"))
     return segments
 

@@ -131,7 +131,7 @@ def run_sft(runtime: PolicyRuntime, rows: Sequence[QuestionRow]) -> SFTReport:
     samples = []
     for row in rows:
         segments = oracle_transcript(row, lambda q: search(q).text, lambda c: python(c).text,
-                                     max_result_chars=cfg.rollout.max_result_chars)
+                                     max_result_chars=cfg.rollout.max_result_chars, varied=sft_cfg.varied)
         samples.append(sft_sample(runtime.prompt_ids(row.question), segments, runtime.encode))
     steps = sft_cfg.epochs * -(-len(samples) // sft_cfg.batch_size)
     backend = TorchBackend(runtime.model, sft_cfg.optimizer(cfg.optim), steps,

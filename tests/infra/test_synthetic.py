@@ -193,6 +193,32 @@ def test_oracle_answers_every_question_with_the_real_tools(
     assert all(len(q.split()) <= 5 for q in search_calls)  # short, natural queries
 
 
+def test_varied_transcripts_answer_alike_in_other_words(
+    small_task: SyntheticTask, small_search: SearchTool, sandbox: PythonSandbox
+) -> None:
+    """train.sft.varied (issue 53 §3): every varied transcript is as valid as the one-template one (same checks, full
+    reward), the same row always gets the same words, and over the rows the words differ: more than one opening, query
+    form and answer phrasing."""
+    def search(query: str) -> str:
+        return small_search(query).text
+
+    def python(code: str) -> str:
+        return sandbox(code).text
+
+    rows = [row for split in SPLITS for row in small_task.questions(split)]
+    varied = {row.id: oracle_transcript(row, search, python, max_result_chars=RESULT_CHARS, varied=True)
+              for row in rows}
+    for row in rows:
+        _check_transcript(row, varied[row.id])
+    row = rows[0]
+    assert oracle_transcript(row, search, python, max_result_chars=RESULT_CHARS, varied=True) == varied[row.id]
+    firsts = {segments[0][1].split("</think>")[0] for segments in varied.values()}
+    finals = {segments[-1][1].split("<answer>")[1].split("\\boxed")[0] for segments in varied.values()}
+    assert len({f.split()[0] for f in firsts}) >= 3 and len(finals) == 3  # "<think>I", "<think>First,", "<think>To"
+    plain = [oracle_transcript(r, search, python, max_result_chars=RESULT_CHARS) for r in rows]
+    assert len({segments[-1][1].split("<answer>")[1].split("\\boxed")[0] for segments in plain}) == 1
+
+
 def test_oracle_is_robust_to_a_hard_corpus(tmp_path: Path) -> None:
     """Dense passages, two phrasings per fact and three namesakes + three rival passages per company."""
     task = SyntheticTask(seed=11, n_companies=SMALL, families=("single_hop", "two_hop"), facts_per_document=3,
