@@ -11,11 +11,13 @@ All state lives under one runs directory (``--runs-dir``, else ``$AEPO_RUNS_DIR`
     runs/eval/<run name>/<dataset>.parquet   per-question evaluation results (storage.evaluations_uri: elsewhere)
     runs/cache/checkpoints/             verified local copies of remote checkpoints, staging of remote saves
     runs/sweeps/<sweep name>/           sweep comparison tables and plot
+    runs/compare/<sweep name>/          aepo compare's figures
 
-This package assembles the app from one module per command (``train``, ``evaluate``, ``sweep``, ``serve``,
-``runs``, ``trajectories``, ``ui``, ``config``); what they share is in :mod:`~flows.cli.inputs` (options, the runs
-dir, checks before anything is created), :mod:`~flows.cli.environment` (Prefect's home, a quiet terminal, SIGTERM)
-and :mod:`~flows.cli.render` (tables, the progress bar, a user error's line and exit status).
+This package assembles the app from one module per command (``train``, ``evaluate``, ``sweep``, ``compare``,
+``serve``, ``runs``, ``trajectories``, ``replay``, ``ui``, ``config``); what they share is in
+:mod:`~flows.cli.inputs` (options, the runs dir, checks before anything is created), :mod:`~flows.cli.environment`
+(Prefect's home, a quiet terminal, SIGTERM) and :mod:`~flows.cli.render` (tables, the progress bar, a user error's
+line and exit status).
 
 Prefect reads its settings when it is imported, so no command module imports a flow (hence no Prefect) at the top:
 each command validates its inputs first — a bad config exits with status 2 and a one-line message before

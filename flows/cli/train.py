@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -22,6 +23,9 @@ from flows.cli.inputs import (
 )
 from flows.cli.render import eval_table, fail, flow_progress, out, print_numerics, ui_hint, where_table
 from tasks.progress import Progress as ProgressEvent
+
+if TYPE_CHECKING:
+    from flows.train import TrainResult
 
 
 def _train_progress(bar: Progress, task: Any, event: ProgressEvent) -> None:
@@ -68,7 +72,6 @@ def train(
     prepare_environment(plan.runs, rank=plan.ranks.rank)
     print_numerics(plan.numerics().describe())
     start_prefect_api()
-    from flows.train import comparison_lines
     from flows.train import train as train_flow
     from tasks.retry import USER_ERRORS
 
@@ -81,9 +84,16 @@ def train(
     except Exception as exc:
         fail(f"training failed: {exc}", code=1)
     plan.ranks.finish()  # under a launcher: every rank ends together, the process group torn down
+    _print_result(result, cfg.eval.pass_k, plan.runs)
+
+
+def _print_result(result: TrainResult, pass_k: int, runs: Path) -> None:
+    """The evaluations, the paired comparisons, the mechanisms that barely acted, where everything went."""
+    from flows.train import comparison_lines
+
     console = out()
     console.print(eval_table(f"aepo train: {result.run_name} — evaluations ({result.steps} RL steps)",
-                             result.final_eval, cfg.eval.pass_k, stages=result.evals))
+                             result.final_eval, pass_k, stages=result.evals))
     for line in comparison_lines(result.comparisons):
         console.print(line)
     for note in result.idle_mechanisms:
@@ -95,4 +105,4 @@ def train(
         ("trajectories", f"{result.trajectories}/trajectories  (nodes: {result.trajectories}/nodes)"),
         ("runs dir", result.runs_dir),
     ]))
-    console.print(escape(ui_hint(result.tracking_uri, plan.runs)))
+    console.print(escape(ui_hint(result.tracking_uri, runs)))

@@ -685,11 +685,6 @@ def _think(text: str) -> str:
     return f"{THINK_OPEN}{text}{THINK_CLOSE}"
 
 
-def _summary(kind: str, subject: str, value: str, template: int = 0) -> str:
-    """The fact just read, restated in the corpus's phrasing ``template`` (the first: terse think text)."""
-    return fact_sentence(kind, template, subject, format_value(kind, value))
-
-
 VARIED_WORDS: dict[str, tuple[str, ...]] = {  # each: the one-template transcripts' phrasing first, then others
     "first": ("I need {need}.", "First, find {need}.", "To answer this, look up {need}."),
     "next": ("Next: {need}.", "Now find {need}.", "Then I need {need}."),
@@ -742,8 +737,9 @@ def oracle_transcript(
     def ref(name: str) -> str:
         return entities[name] if name.startswith("e") else values[int(name[1:])]
 
-    def summary(kind: str, subject: str, value: str) -> str:
-        return _summary(kind, subject, value, rng.randrange(len(FACT_KINDS[kind].templates)) if varied else 0)
+    def summary(kind: str, subject: str, value: str) -> str:  # the fact just read, in the corpus's words
+        template = rng.randrange(len(FACT_KINDS[kind].templates)) if varied else 0  # the first: terse think text
+        return fact_sentence(kind, template, subject, format_value(kind, value))
 
     for step in RELATION_PLANS[relation]:
         if isinstance(step, Compute):

@@ -117,7 +117,7 @@ def test_run_params_tags_metrics_and_artifacts(runs_dir: Path, tmp_path: Path,
 
     n = tracker.log_metrics({"rollout/reward_mean": 0.5, "rollout/accuracy": float("nan"),
                              "train/loss": float("inf"), "eval/syn/pass@1": 0.25, "bad": "x"}, step=0)
-    assert n == 2
+    assert n == 4  # the two finite numbers, and each once more under Summary/ (headline_metrics)
     tracker.log_metrics({"rollout/reward_mean": 0.75, "rollout/accuracy": 0.5}, step=1)
     tracker.log_config(cfg)
     history = tracker.metric_history()
@@ -149,10 +149,12 @@ def test_run_params_tags_metrics_and_artifacts(runs_dir: Path, tmp_path: Path,
     assert tags["config_hash"] == cfg.config_hash() and tags["git_sha"] == "0123abcd"
     assert tags["prefect_flow_run_id"] == "flow-123" and tags["purpose"] == "test"
     assert tags["prefect_flow_run_url"] == "http://prefect/flow-runs/flow-run/flow-123"
-    assert tags["mlflow.source.name"] == "flows/x.py:f" and tags["mlflow.note.content"] == "a test run"
+    assert tags["mlflow.source.name"] == "flows/x.py:f" and tags["mlflow.note.content"] == (
+        "a test run\n\nPrefect flow run: [flow-123](http://prefect/flow-runs/flow-run/flow-123)")
     assert tags["mlflow.runName"] == "run-a" and run.info.status == "FINISHED"
     assert history == {"eval/syn/pass_at_1": [(0, 0.25)], "rollout/accuracy": [(1, 0.5)],
-                       "rollout/reward_mean": [(0, 0.5), (1, 0.75)]}
+                       "rollout/reward_mean": [(0, 0.5), (1, 0.75)],
+                       "Summary/pass_at_1_syn": [(0, 0.25)], "Summary/reward": [(0, 0.5), (1, 0.75)]}
     assert "train/loss" not in run.data.metrics and "eval/syn/pass_at_1" in run.data.metrics
 
     # Artifacts live under <runs_dir>/mlartifacts, not ./mlruns.
