@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
 
 from aepo_core.activity import ACTIVITY_METRICS
@@ -140,10 +141,7 @@ def newest_sweep_parent(tracker: Tracker, sweep_name: str) -> str:
 def sweep_children(tracker: Tracker, parent_run_id: str, spec: SweepSpec | None = None) -> Selection:
     """The FINISHED children of the sweep's parent run, newest per (arm, seed), in the order their arms first
     started (a sweep file's order where ``spec`` is given)."""
-    try:
-        parent = tracker.client.get_run(parent_run_id)
-    except Exception as exc:  # MlflowException (RESOURCE_DOES_NOT_EXIST) or a malformed id
-        raise ComparisonError(f"no run {parent_run_id} at {tracker.tracking_uri}") from exc
+    parent = _run(tracker, parent_run_id)
     finished = f"tags.mlflow.parentRunId = '{parent_run_id}' AND attributes.status = 'FINISHED'"
     children = tracker.search_runs(filter_string=finished, order_by=["attributes.start_time ASC"])
     named = {r.run_name: (r.cell, r.seed) for r in spec.runs} if spec is not None else {}
@@ -188,15 +186,23 @@ def find_runs(tracking_uri: str, sweep: str | None, run_ids: Sequence[str], arms
     return (sweep_selection(tracker, sweep) if sweep else given_runs(tracker, run_ids)).only(arms, seeds)
 
 
+def _run(tracker: Tracker, run_id: str) -> Any:
+    """The MLflow run ``run_id``; :class:`ComparisonError` only where the store says there is no such run (an
+    unknown or malformed id): a store that fails to answer stays the fault it is."""
+    try:
+        return tracker.client.get_run(run_id)
+    except MlflowException as exc:
+        if exc.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            raise
+        raise ComparisonError(f"no run {run_id} at {tracker.tracking_uri}") from None
+
+
 def given_runs(tracker: Tracker, run_ids: Sequence[str]) -> Selection:
     """Runs named by id: arm from the ``sweep_cell`` tag, else the ``algorithm`` tag, else the run name; seed from
     the ``seed`` tag. Each must be FINISHED."""
     runs = []
     for run_id in run_ids:
-        try:
-            run = tracker.client.get_run(run_id)
-        except Exception as exc:
-            raise ComparisonError(f"no run {run_id} at {tracker.tracking_uri}") from exc
+        run = _run(tracker, run_id)
         if run.info.status != "FINISHED":
             raise ComparisonError(f"run {run_id} ({run.info.run_name}) is {run.info.status}, not FINISHED")
         tags = run.data.tags

@@ -173,8 +173,8 @@ def register_model(tracker: Tracker, logged: LoggedPolicy, name: str, metrics: M
     tags.update(provenance.tags())
     # The source is the model's models:/m-… URI, MLflow 3's link: the registry page shows "Source Model" (a link to
     # the model's page) only for such a source. MLflow's SQL registry resolves it through the process-global
-    # tracking URI (its own TODO), not this client's, hence fluent_uri; it keeps no model_id of its own (3.17:
-    # None on the version however it is created), so the version tag above names the model too.
+    # tracking URI, not this client's (an MLflow limitation), hence fluent_uri; it keeps no model_id of its own
+    # (3.17: None on the version however it is created), so the version tag above names the model too.
     made = [v for v in tracker.client.search_model_versions(f"name = '{name}' AND run_id = '{tracker.run_id}'")
             if v.tags.get(VERSION_TAG_MODEL_ID) == logged.model_id]
     if made:

@@ -306,3 +306,19 @@ def test_a_selection_needs_a_run(store: tuple[str, str]) -> None:
     uri, _ = store
     with tempfile.TemporaryDirectory() as tmp, pytest.raises(ComparisonError, match="no final evaluation"):
         compare_runs(Selection([], uri), Path(tmp))
+
+
+def test_a_store_that_fails_is_a_fault_not_a_missing_run(store: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """Only the store's "no such run" becomes the user's mistake (exit 2); any other failure stays itself."""
+    from mlflow.exceptions import MlflowException
+
+    uri, parent = store
+    tracker = Tracker(uri)
+
+    def broken(run_id: str) -> None:
+        raise MlflowException("database is locked", error_code="INTERNAL_ERROR")
+
+    monkeypatch.setattr(tracker.client, "get_run", broken)
+    with pytest.raises(MlflowException, match="database is locked"):
+        given_runs(tracker, [parent])
