@@ -12,6 +12,7 @@ import math
 from collections.abc import Mapping
 
 from aepo_core.config import ExperimentConfig
+from aepo_core.rollout.budget import budget_band
 from aepo_core.token_classes import HIGH_ENTROPY_NATS
 
 ACTIVITY_METRICS = {  # metric → a table's column heading
@@ -69,8 +70,26 @@ def idle_mechanisms(means: Mapping[str, float], cfg: ExperimentConfig) -> list[s
             notes.append(f"the consecutive-branch penalty turned off {x:.2f} decisions per question")
     if cfg.rollout.mode == "aepo" and cfg.rollout.premonitor and (x := below("rollout/global_budget_std", 1e-9)) \
             is not None:
-        notes.append("pre-monitoring gave every question the same global budget m")
+        notes.append(_same_m(means.get("rollout/global_budget_mean"), cfg))
     if cfg.algorithm.entropy_advantage and (x := below("train/entropy_advantage_factor_max", FACTOR_FLOOR)) \
             is not None:
         notes.append(f"the entropy-aware advantage's factor stayed at or under {x:.2f}")
     return notes
+
+
+def _same_m(m_mean: float | None, cfg: ExperimentConfig) -> str:
+    """Pre-monitoring gave one m to every question; with m known, the entropy gaps for which the rule gives it."""
+    note = "pre-monitoring gave every question the same global budget m"
+    if m_mean is None or math.isnan(m_mean):
+        return note
+    r = cfg.rollout
+    m = max(1, min(r.k, round(m_mean)))
+    low, high = budget_band(r.k, r.beta, m, r.budget_rule)
+    band = (f"between {_nats(low)} and {_nats(high)} nats" if math.isfinite(low) and math.isfinite(high)
+            else f"at or above {_nats(low)} nats" if math.isfinite(low) else f"below {_nats(high)} nats")
+    return (f"{note} = {m}: at k = {r.k}, β = {r.beta:g} the {r.budget_rule} rule gives m = {m} for any "
+            f"H_root − H̄_tool {band}")
+
+
+def _nats(x: float) -> str:
+    return f"{x:+.2f}".replace("-", "−")

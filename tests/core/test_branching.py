@@ -13,6 +13,7 @@ from aepo_core.rollout.branching import (
     consecutive_branch_penalty,
 )
 from aepo_core.rollout.budget import (
+    budget_band,
     fixed_budget,
     global_budget,
     mean_tool_entropy,
@@ -49,6 +50,30 @@ def test_official_budget_rule_truncates_and_adds_one():
     assert 0.4 < mean_excess < 0.6
     assert official_tool_entropy(1.0, [2.0, 3.0]) == 2.0  # the first segment counts
     assert official_tool_entropy(1.0, []) == 1.0
+
+
+def test_budget_band_is_where_the_rule_gives_m():
+    """The gap H_root − H̄_tool for which a rule gives m: at the demo's k = 4, β = 0.5 the paper's rule gives m = 2
+    for any gap within ±2·logit(5/8) = ±1.02 nats, at the paper's k = 12 within ±0.33 (m = 6); the published rule
+    splits at 0.  Checked against the rules themselves at random gaps, for both rules and several k and β."""
+    low, high = budget_band(4, 0.5, 2)
+    assert low == pytest.approx(-1.0217, abs=1e-4) and high == pytest.approx(1.0217, abs=1e-4)
+    assert budget_band(12, 0.5, 6) == pytest.approx((-0.3341, 0.3341), abs=1e-4)
+    assert budget_band(4, 0.5, 1)[0] == float("-inf") and budget_band(4, 0.5, 4)[1] == float("inf")
+    assert budget_band(4, 0.5, 3, "official") == pytest.approx((0.0, 2.1972), abs=1e-4)  # 4σ ∈ [2, 3)
+    rng = random.Random(0)
+    for rule, rule_fn in (("paper", global_budget), ("official", official_global_budget)):
+        for k in (1, 2, 4, 5, 8, 12):
+            for beta in (0.25, 0.5, 2.0):
+                for _ in range(300):
+                    gap = rng.uniform(-12, 12)
+                    m = rule_fn(k, gap, 0.0, beta)
+                    low, high = budget_band(k, beta, m, rule)
+                    assert low <= gap < high, (rule, k, beta, gap, m, low, high)
+    with pytest.raises(ValueError):
+        budget_band(4, 0.5, 5)
+    with pytest.raises(ValueError):
+        budget_band(4, 0.0, 2)
 
 
 def test_no_tool_calls_means_h_tool_is_h_root():

@@ -83,3 +83,21 @@ def test_a_run_whose_mechanisms_did_not_act_says_so() -> None:
     acting = {**powered, "train/clip_frac": 0.03, "train/high_entropy_share": 0.2,
               "rollout/entropy_post_tool_window": 0.6, "rollout/penalized_per_question": 1.0}
     assert idle_mechanisms(acting, build_config(ExperimentConfig().to_dict(), ["rollout.mode=aepo"])) == []
+
+
+def test_an_idle_pre_monitoring_names_the_band_of_its_m() -> None:
+    """Pre-monitoring that gave every question the same m says for which entropy gaps the rule gives that m: at the
+    demo's k = 4 and β = 0.5, m = 2 for any |H_root − H̄_tool| under 1.02 nats (the demo's gaps were ~0.2), which is
+    why m never moved there (issue 53, candidate 1)."""
+    from aepo_core.activity import idle_mechanisms
+    from aepo_core.config import ExperimentConfig
+    from aepo_core.overrides import build_config
+
+    demo = build_config(ExperimentConfig().to_dict(),
+                        ["rollout.mode=aepo", "rollout.k=4", "rollout.initial_rollouts=2"])
+    same_m = {"rollout/global_budget_std": 0.0, "rollout/global_budget_mean": 2.0}
+    [note] = idle_mechanisms(same_m, demo)
+    assert "m = 2" in note and "−1.02 and +1.02 nats" in note and "k = 4, β = 0.5" in note, note
+    [note] = idle_mechanisms({**same_m, "rollout/global_budget_mean": 4.0}, demo)
+    assert "at or above +3.89 nats" in note, note  # m = k: the band is open above
+    assert idle_mechanisms({**same_m, "rollout/global_budget_std": 0.5}, demo) == []
