@@ -4,9 +4,47 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from aepo_core.config_section import Section
+from aepo_core.tool_latency import LOGNORMAL_MAX_TAIL
+
+
+class ToolLatencyConfig(Section):
+    """Latency added to each call of a tool, so that the cost of waiting on real tools (a web-search API: 0.5-3 s, a
+    page fetch with a reader model: 5-30 s) can be measured with the offline ones (issue 56). Each call's delay is
+    drawn from (seed, tool, argument, how many times this argument was called before), never from the order calls
+    run in, so a run repeats its delays. The delay counts towards ``tools.timeout_s``; a cached result comes back
+    without it (a cache hit of a real API is fast too): turn ``tools.cache`` off to delay every call."""
+
+    kind: Literal["none", "fixed", "lognormal", "replay"] = Field(
+        "none",
+        description="none: no added delay; fixed: mean_s every call; lognormal: a log-normal with mean mean_s and "
+        "99th percentile p99_s (heavy tails: most calls fast, a few very slow); replay: a recorded latency from "
+        "replay_file per call.",
+    )
+    mean_s: float = Field(0.0, ge=0.0, description="fixed: the delay; lognormal: the mean delay, in seconds.")
+    p99_s: float | None = Field(
+        None, gt=0.0, description=f"lognormal: the 99th percentile in seconds, above mean_s and at most "
+        f"{LOGNORMAL_MAX_TAIL:.2f} × mean_s (a log-normal's widest tail for a given mean).",
+    )
+    replay_file: str | None = Field(
+        None, description="replay: recorded latencies in seconds, a JSON list or one number per line."
+    )
+    seed: int = Field(0, description="Seed of the draws (with the tool's name, the argument and its occurrence).")
+
+    @model_validator(mode="after")
+    def _complete(self) -> ToolLatencyConfig:
+        if self.kind == "fixed" and self.mean_s <= 0:
+            raise ValueError("latency kind fixed needs mean_s > 0")
+        if self.kind == "lognormal":
+            p99 = self.p99_s or 0.0
+            if self.mean_s <= 0 or not self.mean_s < p99 <= LOGNORMAL_MAX_TAIL * self.mean_s:
+                raise ValueError(f"latency kind lognormal needs mean_s > 0 and mean_s < p99_s <= "
+                                 f"{LOGNORMAL_MAX_TAIL:.2f} × mean_s; got mean_s={self.mean_s}, p99_s={self.p99_s}")
+        if self.kind == "replay" and not self.replay_file:
+            raise ValueError("latency kind replay needs replay_file")
+        return self
 
 
 class SearchToolConfig(Section):
@@ -30,6 +68,7 @@ class SearchToolConfig(Section):
     retry_backoff_s: float = Field(
         0.5, ge=0.0, description="First retry delay for transient search errors; doubles each retry (with jitter)."
     )
+    latency: ToolLatencyConfig = Field(default_factory=ToolLatencyConfig, description="Delay added to each call.")
 
 
 class PythonToolConfig(Section):
@@ -72,6 +111,7 @@ class PythonToolConfig(Section):
     )
     isolate_network: bool = Field(True, description="Run under `unshare -n` when the OS allows it.")
     interpreter: str | None = Field(None, description="Python executable for model code (default: the running one).")
+    latency: ToolLatencyConfig = Field(default_factory=ToolLatencyConfig, description="Delay added to each call.")
     workdir_root: str | None = Field(
         None,
         description="Parent of the per-call temporary working directories when there is no private root (default: "
