@@ -9,11 +9,12 @@ The same questions, seed and policy in every run (SmolLM2 after a few cold-start
 - ``moderate``: log-normal, mean 1 s, p99 5 s (a web-search API);
 - ``heavy``: log-normal, mean 3 s, p99 20 s (page fetches with a reader model, a sandbox under load).
 
-A delay depends on the call (seed, tool, argument, occurrence), so every setting runs the same trees: the bench checks
-it. Reported per (mode, setting): the rollout's wall time and its ratio to the same mode at zero latency (issue 56's
-targets for a scheduler that hides latency: ≤ 1.2× at moderate, ≤ 1.5× at heavy), the share of the wall time the
-engine generated (``generate_s``) and the share spent waiting on tools (``tools_s``). Settings run interleaved per
-repetition, so load drifts hit them alike; the best of ``--reps`` is kept (repetitions repeat identical work).
+A delay depends on the call (seed, tool, argument, occurrence), so the same trees run at every setting where the
+engine's samples do not depend on their batch; the bench reports whether they did. Per (mode, scheduling, setting):
+the rollout's wall time and its ratio to the same mode and scheduling at zero latency (issue 56's targets for a
+scheduler that hides latency: ≤ 1.2× at moderate, ≤ 1.5× at heavy), the share of the wall time the engine generated
+(``generate_s``) and the share the loop waited on tools with nothing to generate (``tools_s``). Settings run
+interleaved per repetition, so load drifts hit them alike; the best of ``--reps`` is kept.
 
 Run: ``.venv/bin/python -m bench.rollout_latency [--questions 8] [--reps 1] [--tool-workers 64]
 [--out bench/results/rollout_latency.json]`` (~15 min on 2 idle Zen 4 cores, most of it waiting).
@@ -32,7 +33,7 @@ from typing import Any
 
 from aepo_core.config import RolloutConfig
 from aepo_core.interfaces import Tool
-from aepo_core.rollout.scheduler import Question, RolloutScheduler
+from aepo_core.rollout.scheduler import Question
 from aepo_core.tool_config import ToolLatencyConfig
 from bench.harness import RESULTS_DIR, default_compute, environment, print_table, write_result
 
@@ -44,6 +45,8 @@ SETTINGS: dict[str, ToolLatencyConfig] = {
     "heavy": ToolLatencyConfig(kind="lognormal", mean_s=3.0, p99_s=20.0),
 }
 MODES = ("independent", "arpo", "aepo")
+SCHEDULINGS = ("rounds", "per_question")
+"""``rollout.scheduling``: the round-synchronous loop (the baseline) and questions that advance on their own."""
 TARGETS = {"moderate": 1.2, "heavy": 1.5}
 """Issue 56's targets for the wall time against zero latency, for a scheduler that hides tool latency."""
 TOOL_TIMEOUT_S = 120.0
@@ -64,6 +67,8 @@ def delayed_tools(docs: Sequence[dict[str, str]], workdir: Path, latency: ToolLa
 def one_rollout(policy: Any, compute: str, docs: Sequence[dict[str, str]], questions: Sequence[Question],
                 cfg: RolloutConfig, latency: ToolLatencyConfig, seed: int, workers: int, workdir: Path
                 ) -> tuple[dict[str, float], list[Any]]:
+    from aepo_core.rollout.overlap import scheduler_class
+
     """One rollout of ``questions``: its timings and counts, and its trees' token structure (to compare settings)."""
     from bench.rollout import KV_REUSE_MB
     from infra.engines.hf import HFEngine
@@ -71,8 +76,8 @@ def one_rollout(policy: Any, compute: str, docs: Sequence[dict[str, str]], quest
 
     engine = HFEngine(policy.model, policy.tokenizer, seed=seed, autocast_dtype=autocast_dtype(compute),
                       kv_reuse_mb=KV_REUSE_MB)
-    scheduler = RolloutScheduler(engine, delayed_tools(docs, workdir, latency), cfg, tool_timeout_s=TOOL_TIMEOUT_S,
-                                 tool_workers=workers)
+    scheduler = scheduler_class(cfg.scheduling)(engine, delayed_tools(docs, workdir, latency), cfg,
+                                                tool_timeout_s=TOOL_TIMEOUT_S, tool_workers=workers)
     t0 = time.perf_counter()
     res = scheduler.run(questions, seed=seed)
     wall = time.perf_counter() - t0
@@ -85,12 +90,13 @@ def one_rollout(policy: Any, compute: str, docs: Sequence[dict[str, str]], quest
 
 
 def summarize(runs: Mapping[str, Mapping[str, Sequence[Mapping[str, float]]]]) -> dict[str, dict[str, Any]]:
-    """mode → setting → the best repetition (least wall time) and its ratio to the mode's zero-latency best."""
+    """arm (mode/scheduling) → setting → the best repetition (least wall time) and its ratio to the arm's best at zero
+    latency."""
     out: dict[str, dict[str, Any]] = {}
-    for mode, by_setting in runs.items():
+    for arm, by_setting in runs.items():
         best = {setting: min(reps, key=lambda r: r["wall_s"]) for setting, reps in by_setting.items()}
         zero = best["zero"]["wall_s"]
-        out[mode] = {setting: {**b, "vs_zero": b["wall_s"] / zero,
+        out[arm] = {setting: {**b, "vs_zero": b["wall_s"] / zero,
                                "target": TARGETS.get(setting), "met": (b["wall_s"] / zero <= TARGETS[setting])
                                if setting in TARGETS else None} for setting, b in best.items()}
     return out
@@ -104,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--tool-workers", type=int, default=64, help="tool calls in flight at once (an API's concurrency)")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--schedulings", nargs="+", default=list(SCHEDULINGS), choices=SCHEDULINGS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "rollout_latency.json")
     args = p.parse_args(argv)
@@ -115,44 +122,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = environment(threads=0)
     compute = default_compute(BUILTIN_SMOLLM2)
     task = SyntheticTask(**TASK_KW)
-    runs: dict[str, dict[str, list[dict[str, float]]]] = {m: {s: [] for s in SETTINGS} for m in args.modes}
+    arms = [f"{m}/{s}" for m in args.modes for s in args.schedulings]
+    runs: dict[str, dict[str, list[dict[str, float]]]] = {a: {s: [] for s in SETTINGS} for a in arms}
     same_trees: dict[str, bool] = {}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         sft_args = argparse.Namespace(sft_steps=4, sft_batch=4, sft_lr=2e-4, seed=args.seed, model_cache=None,
                                       no_sft_cache=False)
-        from bench.rollout import model_config
-        from infra.models import load_policy
 
         model, tokenizer = load_policy(model_config(BUILTIN_SMOLLM2, None))
         policy = tool_policy(BUILTIN_SMOLLM2, model, tokenizer, compute, sft_args, task, workdir)
         questions = bench_questions(task, policy.tokenizer, args.questions)
         for rep in range(args.reps):
-            for mode in args.modes:
-                cfg = RolloutConfig(mode=mode, k=args.k, initial_rollouts=args.k // 2, max_tool_calls=3,
-                                    max_response_tokens=args.max_response_tokens, max_result_chars=600)
+            for arm in arms:
+                mode, scheduling = arm.split("/")
+                cfg = RolloutConfig(mode=mode, scheduling=scheduling, k=args.k, initial_rollouts=args.k // 2,
+                                    max_tool_calls=3, max_response_tokens=args.max_response_tokens,
+                                    max_result_chars=600)
                 trees = {}
                 order = list(SETTINGS) if rep % 2 == 0 else list(reversed(SETTINGS))
                 for setting in order:
                     stats, trees[setting] = one_rollout(policy, compute, task.documents(), questions, cfg,
                                                         SETTINGS[setting], args.seed, args.tool_workers, workdir)
-                    runs[mode][setting].append(stats)
-                    log.info("%s %s rep %d: %.1f s (engine %.0f %%, tools %.0f %%), %.2f tool calls per leaf", mode,
+                    runs[arm][setting].append(stats)
+                    log.info("%s %s rep %d: %.1f s (engine %.0f %%, tools %.0f %%), %.2f tool calls per leaf", arm,
                              setting, rep, stats["wall_s"], 100 * stats["engine_busy_share"],
                              100 * stats["tool_wait_share"], stats["tool_calls_mean"])
-                same_trees[mode] = same_trees.get(mode, True) and all(t == trees["zero"] for t in trees.values())
+                same_trees[arm] = all(t == trees["zero"] for t in trees.values())
     summary = summarize(runs)
     print_table(f"Rollout wall time against tool latency ({args.questions} two-hop questions × k = {args.k}, "
-                f"{args.tool_workers} tool calls in flight; round-synchronous scheduler; best of {args.reps})",
-                ["mode", "latency", "wall s", "× zero", "target", "engine busy", "tool wait", "tool calls/leaf",
-                 "same trees"],
-                [[mode, setting, f"{b['wall_s']:.1f}", f"{b['vs_zero']:.2f}",
+                f"{args.tool_workers} tool calls in flight; best of {args.reps})",
+                ["mode / scheduling", "latency", "wall s", "× zero", "target", "engine busy", "tool wait",
+                 "tool calls/leaf", "same trees"],
+                [[arm, setting, f"{b['wall_s']:.1f}", f"{b['vs_zero']:.2f}",
                   "" if b["target"] is None else f"≤ {b['target']}", f"{b['engine_busy_share']:.0%}",
-                  f"{b['tool_wait_share']:.0%}", f"{b['tool_calls_mean']:.2f}", same_trees[mode]]
-                 for mode, by_setting in summary.items() for setting, b in by_setting.items()])
+                  f"{b['tool_wait_share']:.0%}", f"{b['tool_calls_mean']:.2f}", same_trees[arm]]
+                 for arm, by_setting in summary.items() for setting, b in by_setting.items()])
     write_result(args.out, {
         "benchmark": "rollout_latency (issue 56 §1)", "environment": env, "compute": compute,
-        "scheduler": "round-synchronous", "questions": args.questions, "k": args.k,
+        "schedulings": args.schedulings, "questions": args.questions, "k": args.k,
         "max_response_tokens": args.max_response_tokens, "tool_workers": args.tool_workers, "reps": args.reps,
         "settings": {s: c.model_dump() for s, c in SETTINGS.items()}, "policy": policy.label, "runs": runs,
         "summary": summary, "same_trees": same_trees,

@@ -50,6 +50,7 @@ import hashlib
 import logging
 import math
 import random
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
@@ -146,6 +147,10 @@ class _QuestionState:
     @property
     def probe(self) -> _Path:
         return self.paths[0]
+
+
+ToolJob = tuple[_QuestionState, _Path, "ToolCall | None", "str | None"]
+"""A tool step of a path: the call to run, or the notice (a limit or an invalid call) that stands for it."""
 
 
 class EngineFailure(RuntimeError):
@@ -260,6 +265,7 @@ class RolloutScheduler:
         # and the calls after them must still start at once (_run_calls caps live calls at tool_workers).
         self._pool = ThreadPoolExecutor(max_workers=TOOL_THREAD_HEADROOM * self.tool_workers,
                                         thread_name_prefix="aepo-tool")
+        self._slots = threading.Semaphore(self.tool_workers)  # live calls, over every batch of calls in flight
         try:
             premonitor = cfg.mode == "aepo" and cfg.premonitor
             if premonitor and cfg.budget_rule == "official":
@@ -332,7 +338,7 @@ class RolloutScheduler:
             if not active:
                 return
             results = self._generate(states, active, sampling)
-            tool_jobs: list[tuple[_QuestionState, _Path, ToolCall | None, str | None]] = []
+            tool_jobs: list[ToolJob] = []
             for (st, p), res in zip(active, results, strict=True):
                 job = self._absorb_segment(st, p, res, branching and not st.probing)
                 if job is not None:
@@ -564,21 +570,36 @@ class RolloutScheduler:
                 self._fork(st, fork_from, [*p.step_history, True], b)
         p.step_history.append(branched)
 
-    def _dispatch_tools(self, jobs: list[tuple[_QuestionState, _Path, ToolCall | None, str | None]]) -> None:
+    def _dispatch_tools(self, jobs: list[ToolJob]) -> None:
         """Run the round's tool calls in parallel and append each result (or notice) to its path, in job order."""
         t0 = time.perf_counter()
+        self._apply_tool_results(jobs, self._tool_results(jobs))
+        self._timers["tools_s"] += time.perf_counter() - t0
+
+    def _tool_results(self, jobs: list[ToolJob]) -> list[ToolResult]:
+        """The result of each job: a notice for a call that must not run, the record's for a replayed probe, else the
+        tool's (the calls run in parallel, :meth:`_run_calls`). Reads the paths, changes nothing: it may run in a
+        thread while the loop goes on with other questions."""
         replayed = [p.replay.tool_results[p.tool_calls] if call is not None and p.replay
                     and p.tool_calls < len(p.replay.tool_results) else None for _, p, call, _ in jobs]
         results = iter(self._run_calls([call for (_, _, call, _), r in zip(jobs, replayed, strict=True)
                                         if call is not None and r is None]))
-        for (st, p, call, notice), cached in zip(jobs, replayed, strict=True):
+        out = []
+        for (_, p, call, notice), cached in zip(jobs, replayed, strict=True):
             if call is None:
                 assert notice is not None
                 name = "limit" if p.limit_notice else "invalid"
-                result = ToolResult(notice, ok=False, error=name)
-                event = ToolEvent(name, "", False, name, 0.0, False, len(notice))
+                out.append(ToolResult(notice, ok=False, error=name))
             else:
-                result = cached or next(results)
+                out.append(cached or next(results))
+        return out
+
+    def _apply_tool_results(self, jobs: list[ToolJob], results: list[ToolResult]) -> None:
+        """Append each job's result to its path, in job order."""
+        for (st, p, call, _), result in zip(jobs, results, strict=True):
+            if call is None:
+                event = ToolEvent(result.error or "invalid", "", False, result.error, 0.0, False, len(result.text))
+            else:
                 if p.record is not None:
                     p.record.tool_results.append(result)
                 event = ToolEvent(call.name, call.argument, result.ok, result.error, result.latency_s,
@@ -586,7 +607,6 @@ class RolloutScheduler:
                 p.tool_calls += 1
             p.last_tool_failed = not result.ok
             self._append_result(st, p, result.text, event)
-        self._timers["tools_s"] += time.perf_counter() - t0
 
     def _run_calls(self, calls: list[ToolCall]) -> list[ToolResult]:
         """Results of ``calls``, at most ``tool_workers`` running at a time, each timed out ``tool_timeout_s``
@@ -605,18 +625,22 @@ class RolloutScheduler:
             return starts.get(i, handed) + self.tool_timeout_s
 
         while pending or running:
-            while pending and len(running) < self.tool_workers:
+            # A slot per live call, shared with the batches of other questions in flight (rollout.scheduling:
+            # per_question); with none running here, wait for one (the wait does not count against the call).
+            while pending and self._slots.acquire(blocking=not running):
                 i = pending.popleft()
                 running[self._pool.submit(self._started_call, calls[i], starts, i)] = (i, time.monotonic())
             first = min(deadline(*entry) for entry in running.values())
             done, _ = wait(running, timeout=max(0.0, first - time.monotonic()), return_when=FIRST_COMPLETED)
             for fut in done:
                 results[running.pop(fut)[0]] = fut.result()
+                self._slots.release()
             now = time.monotonic()
             for fut, (i, handed) in list(running.items()):
                 if now >= deadline(i, handed):
                     fut.cancel()  # only a call that has not started can be cancelled; a running one is abandoned
                     del running[fut]
+                    self._slots.release()
                     results[i] = self._timed_out(calls[i])
         return [r for r in results if r is not None]
 

@@ -29,7 +29,8 @@ from aepo_core.config import ExperimentConfig, RolloutConfig
 from aepo_core.interfaces import RewardFn, SamplingParams, Tool
 from aepo_core.protocol import AgentProtocol
 from aepo_core.rewards import make_reward_fn
-from aepo_core.rollout.scheduler import EngineFailure, Question, RolloutResult, RolloutScheduler
+from aepo_core.rollout.overlap import scheduler_class
+from aepo_core.rollout.scheduler import EngineFailure, Question, RolloutResult
 from aepo_core.scoring import StepScores, score_trees
 from aepo_core.token_classes import tally_trees
 from infra.data.loaders import is_synthetic, load_dataset_rows
@@ -155,8 +156,9 @@ class PolicyRuntime:
         after its own retries raise :class:`~aepo_core.rollout.scheduler.EngineFailure` naming ``rollout.engine``
         (the task's retry, then the run, takes over): a failed leaf is never scored, stored or trained on."""
         engine = engine or self.sampler
-        scheduler = RolloutScheduler(engine, self.tools, rollout, tool_timeout_s=self.cfg.tools.timeout_s,
-                                     tool_workers=self.cfg.tools.workers)
+        scheduler = scheduler_class(rollout.scheduling)(engine, self.tools, rollout,
+                                                        tool_timeout_s=self.cfg.tools.timeout_s,
+                                                        tool_workers=self.cfg.tools.workers)
         try:
             result = scheduler.run([Question(row.id, self.prompt_ids(row.question)) for row in rows], seed=seed,
                                    sampling=sampling)

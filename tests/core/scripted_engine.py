@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,17 @@ def tool_then_answer(calls: int, h_first: float, h_after_tool: Sequence[float] |
         return Segment("<think>done</think><answer>\\boxed{x}</answer>", h)
 
     return script
+
+
+def random_script(transcript: str, seed: int) -> Segment:
+    """Random per segment seed: an entropy in [0.5, 4) and, for the first three turns, a search call with probability
+    0.75; the text carries the seed, so two paths share a transcript only when they sampled the same segments."""
+    rng = random.Random(seed)
+    n = transcript.count("<result>")
+    h = rng.uniform(0.5, 4.0)
+    if n < 3 and rng.random() < 0.75:
+        return Segment(f"<think>{seed % 1_000_003} {n}</think><search>q{n}</search>", h)
+    return Segment(f"<think>{seed % 1_000_003}</think><answer>\\boxed{{x}}</answer>", h)
 
 
 @dataclass

@@ -12,10 +12,8 @@ arpo's first global (the issue's review).
 
 from __future__ import annotations
 
-import random
-
 import pytest
-from scripted_engine import EchoSearch, ScriptedEngine, Segment
+from scripted_engine import EchoSearch, ScriptedEngine, Segment, random_script
 
 from aepo_core.config import RolloutConfig
 from aepo_core.interfaces import GenerationResult
@@ -26,15 +24,6 @@ from aepo_core.rollout.tree import RolloutTree
 QUESTIONS, SEEDS = 200, (0, 1)
 BASE = dict(k=8, initial_rollouts=4, beam_size=2, gamma=0.2, tau=0.5, entropy_window=20, max_tool_calls=3,
             max_response_tokens=4000)
-
-
-def random_script(transcript: str, seed: int) -> Segment:
-    rng = random.Random(seed)
-    n = transcript.count("<result>")
-    h = rng.uniform(0.5, 4.0)
-    if n < 3 and rng.random() < 0.75:
-        return Segment(f"<think>{seed % 1_000_003} {n}</think><search>q{n}</search>", h)
-    return Segment(f"<think>{seed % 1_000_003}</think><answer>\\boxed{{x}}</answer>", h)
 
 
 def rollouts(cfg: RolloutConfig) -> list[RolloutResult]:
