@@ -156,13 +156,15 @@ class RolloutConfig(Section):
     remote: RemoteEngineConfig = Field(
         default_factory=RemoteEngineConfig, description="The completions server used when engine is remote."
     )
-    scheduling: Literal["rounds", "per_question"] = Field(
+    scheduling: Literal["rounds", "per_question", "per_path"] = Field(
         "rounds",
         description="rounds: every active path of every question generates a segment, then the round's tool calls "
         "run, then the next round, so each round waits for the slowest call of the batch; per_question: a question "
         "whose tool calls are back generates its next segment while other questions' calls run (the engine batches "
-        "the questions that are ready), so a slow call holds back only its own question. A question's events "
-        "happen in the same order either way: with an engine whose samples do not depend on the batch they are "
+        "the questions that are ready), so a slow call holds back only its own question; per_path: a path whose "
+        "result is back generates at once, and a question's branch decisions are taken in the round loop's order "
+        "(a decision waits for the paths that come before it, the path itself does not). The trees are the round "
+        "loop's either way: with an engine whose samples do not depend on the batch they are "
         "generated in, the trees are identical (tests/core/test_overlap.py); with bf16 or batched float kernels a "
         "different batch can flip a token.",
     )

@@ -45,8 +45,8 @@ SETTINGS: dict[str, ToolLatencyConfig] = {
     "heavy": ToolLatencyConfig(kind="lognormal", mean_s=3.0, p99_s=20.0),
 }
 MODES = ("independent", "arpo", "aepo")
-SCHEDULINGS = ("rounds", "per_question")
-"""``rollout.scheduling``: the round-synchronous loop (the baseline) and questions that advance on their own."""
+SCHEDULINGS = ("rounds", "per_question", "per_path")
+"""``rollout.scheduling``: the round-synchronous loop (the baseline), questions and paths that advance on their own."""
 TARGETS = {"moderate": 1.2, "heavy": 1.5}
 """Issue 56's targets for the wall time against zero latency, for a scheduler that hides tool latency."""
 TOOL_TIMEOUT_S = 120.0
@@ -160,11 +160,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                              100 * stats["tool_wait_share"], stats["tool_calls_mean"])
                 same_trees[arm] = all(t == trees["zero"] for t in trees.values())
     summary = summarize(runs)
-    as_rounds = {arm: all(t == all_trees.get(arm.replace("per_question", "rounds"), {}).get(setting)
+    as_rounds = {arm: all(t == all_trees.get(arm.split("/")[0] + "/rounds", {}).get(setting)
                           for setting, t in by_setting.items())
-                 for arm, by_setting in all_trees.items() if arm.endswith("per_question")}
-    print("per-question trees equal to the round loop's (same mode, every setting): "
-          + ", ".join(f"{arm.split('/')[0]} {'yes' if same else 'NO'}" for arm, same in as_rounds.items()))
+                 for arm, by_setting in all_trees.items() if not arm.endswith("/rounds")}
+    print("trees equal to the round loop's (same mode, every setting): "
+          + ", ".join(f"{arm} {'yes' if same else 'NO'}" for arm, same in as_rounds.items()))
     print_table(f"Rollout wall time against tool latency ({args.questions} two-hop questions × k = {args.k}, "
                 f"{args.tool_workers} tool calls in flight; best of {args.reps})",
                 ["mode / scheduling", "latency", "wall s", "× zero", "target", "engine busy", "tool wait",
@@ -178,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "schedulings": args.schedulings, "questions": args.questions, "k": args.k,
         "max_response_tokens": args.max_response_tokens, "tool_workers": args.tool_workers, "reps": args.reps,
         "settings": {s: c.model_dump() for s, c in SETTINGS.items()}, "policy": policy.label, "runs": runs,
-        "summary": summary, "same_trees": same_trees, "per_question_trees_equal_rounds": as_rounds,
+        "summary": summary, "same_trees": same_trees, "trees_equal_rounds": as_rounds,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     })
     print(f"results: {args.out}")

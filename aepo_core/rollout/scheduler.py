@@ -314,7 +314,9 @@ class RolloutScheduler:
         the branch decision gave it, sampling its own continuation (``branch``: its number among the forks of
         that decision, 1..beam_size − 1)."""
         point = st.fork_points[tool_node]
-        key = f"{point.key}/{len(point.step_history)}.{branch}"
+        # The step's index is the decision's (``history`` ends with it): the point's own history may lack a decision
+        # still pending when the result came back (rollout.scheduling per_path); in the round loop they agree.
+        key = f"{point.key}/{len(history) - 1}.{branch}"
         path = replace(point, leaf_id=st.leaves_started, kind="branch", key=key, node_ids=list(point.node_ids),
                        step_history=list(history), fork_pending=True, record=None, replay=None, set_budget=False,
                        started=time.perf_counter())

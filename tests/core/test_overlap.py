@@ -1,8 +1,9 @@
-"""rollout.scheduling: per_question (issue 56 §2): a question whose tool calls are back generates while the others'
-calls run, and its tree is the one the round loop samples — with tool calls of random latency (so they complete
-in shuffled orders), in every mode, with and without the probe kept, and across repeated runs. The engine is the
-scripted one (its samples do not depend on their batch); the test is not vacuous: the per-question runs call the
-engine with other batches than the round loop (checked), so only the per-question ordering keeps the trees equal."""
+"""rollout.scheduling per_question and per_path (issue 56 §2): a question (per_path: a path) whose tool calls are
+back generates while the others' calls run, and its tree is the one the round loop samples — with tool calls of
+random latency (so they complete in shuffled orders), in every mode, with and without the probe kept, and across
+repeated runs. The engine is the scripted one (its samples do not depend on their batch); the test is not vacuous:
+the overlapped runs call the engine with other batches than the round loop (checked), so only their ordering of
+decisions and nodes keeps the trees equal."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from scripted_engine import ScriptedEngine, random_script
 
 from aepo_core.config import RolloutConfig
 from aepo_core.interfaces import ToolResult
-from aepo_core.rollout.overlap import PerQuestionScheduler, scheduler_class
+from aepo_core.rollout.overlap import PerPathScheduler, PerQuestionScheduler, scheduler_class
 from aepo_core.rollout.scheduler import Question, RolloutScheduler
 from aepo_core.rollout.tree import RolloutTree
 
@@ -60,8 +61,9 @@ CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("scheduler", [PerQuestionScheduler, PerPathScheduler])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_per_question_trees_are_the_round_loop_s(name: str) -> None:
+def test_per_question_and_per_path_trees_are_the_round_loop_s(name: str, scheduler: type[RolloutScheduler]) -> None:
     cfg = RolloutConfig(**BASE, **CONFIGS[name])
     rounds_engine = ScriptedEngine(random_script)
     rounds = RolloutScheduler(rounds_engine, {"search": SlowSearch(0.0)}, cfg).run(QUESTIONS, seed=3)
@@ -69,14 +71,15 @@ def test_per_question_trees_are_the_round_loop_s(name: str) -> None:
     assert any(n.branched for t in rounds.trees for n in t.nodes) or cfg.mode == "independent"
     for _ in range(2):  # twice: completion orders differ between the runs
         engine = ScriptedEngine(random_script)
-        run = PerQuestionScheduler(engine, {"search": SlowSearch()}, cfg).run(QUESTIONS, seed=3)
+        run = scheduler(engine, {"search": SlowSearch()}, cfg).run(QUESTIONS, seed=3)
         assert signature(run.trees) == expected
         assert run.stats["leaves"] == rounds.stats["leaves"] and run.stats["tokens_generated"] == \
             rounds.stats["tokens_generated"]
         assert engine.calls != rounds_engine.calls  # other batches: the questions did not move in lockstep
 
 
-def test_a_slow_question_does_not_hold_the_others_back() -> None:
+@pytest.mark.parametrize("scheduler", [PerQuestionScheduler, PerPathScheduler])
+def test_a_slow_question_does_not_hold_the_others_back(scheduler: type[RolloutScheduler]) -> None:
     """One question's every call takes 0.5 s; the rest answer at once. The others finish their trees while it
     waits: the engine is called for them between its rounds (in the round loop every call waits for it)."""
 
@@ -92,7 +95,7 @@ def test_a_slow_question_does_not_hold_the_others_back() -> None:
 
     cfg = RolloutConfig(**BASE, mode="arpo")
     engine = ScriptedEngine(script)
-    res = PerQuestionScheduler(engine, {"search": OneSlow()}, cfg).run(QUESTIONS[:6], seed=0)
+    res = scheduler(engine, {"search": OneSlow()}, cfg).run(QUESTIONS[:6], seed=0)
     rounds_engine = ScriptedEngine(script)
     rounds = RolloutScheduler(rounds_engine, {"search": OneSlow()}, cfg).run(QUESTIONS[:6], seed=0)
     assert signature(res.trees) == signature(rounds.trees)
@@ -105,4 +108,5 @@ def test_a_slow_question_does_not_hold_the_others_back() -> None:
 
 def test_the_config_picks_the_scheduler() -> None:
     assert scheduler_class("rounds") is RolloutScheduler and scheduler_class("per_question") is PerQuestionScheduler
+    assert scheduler_class("per_path") is PerPathScheduler
     assert RolloutConfig().scheduling == "rounds"
