@@ -131,3 +131,23 @@ def test_the_official_entropy_scale_asks_the_in_process_engine_for_the_published
     assert 0 < tree.h_root < RolloutConfig().entropy_window * math.log(11) / math.log(len(engine.tokenizer))
     (plain,) = engine.generate([GenerationRequest(taught[3], 4, ())], SamplingParams())
     assert plain.published_entropies is None  # not asked for, not paid for
+
+
+@pytest.mark.parametrize("scheduling", ["per_question", "per_path"])
+def test_overlapped_schedulings_sample_the_round_loop_s_tree_with_real_tools(taught, scheduling):
+    """The real engine (float32) and the real tools, two questions: the overlapped schedulings give the round loop's
+    trees (tests/core/test_overlap.py proves the ordering with a scripted engine; this, that nothing in the real
+    engine or tools depends on which paths share a generate call)."""
+    from aepo_core.rollout.overlap import scheduler_class
+
+    engine, tools, row, prompt, _ = taught
+    questions = [Question(row.id, prompt), Question(f"{row.id}-again", prompt)]
+    trees = {}
+    for name in ("rounds", scheduling):
+        cfg = RolloutConfig(mode="aepo", k=3, initial_rollouts=1, max_response_tokens=700, max_tool_calls=4,
+                            temperature=0.3, scheduling=name)
+        res = scheduler_class(name)(engine, tools, cfg, tool_timeout_s=10.0).run(
+            questions, seed=4, sampling=SamplingParams(temperature=0.3))
+        trees[name] = [[(n.parent_id, n.kind, tuple(n.token_ids), n.branched) for n in t.nodes] for t in res.trees]
+    assert any(kind == "tool" for tree in trees["rounds"] for _, kind, _, _ in tree)
+    assert trees[scheduling] == trees["rounds"]
