@@ -15,6 +15,7 @@ loop's order.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 
@@ -22,6 +23,7 @@ from aepo_core.interfaces import GenerationResult, SamplingParams, ToolResult
 from aepo_core.protocol import ToolCall
 from aepo_core.rollout.scheduler import (
     TOOL_THREAD_HEADROOM,
+    Question,
     RolloutResult,
     RolloutScheduler,
     ToolJob,
@@ -80,13 +82,13 @@ class PerPathScheduler(RolloutScheduler):
     the round loop's wherever the engine's samples do not depend on their batch.
     """
 
-    def run(self, *args: object, **kwargs: object) -> RolloutResult:  # type: ignore[override]
+    def run(self, questions: Sequence[Question], seed: int, sampling: SamplingParams | None = None) -> RolloutResult:
         self._start: dict[int, int] = {}  # id(path) → the logical round of its first segment less its segments then
         self._clock: dict[str, int] = {}  # question → the round after its latest absorbed segment
         self._pending: dict[str, list[tuple[int, int, _Path, Node]]] = {}  # question → (round, path index, …)
         self._order: dict[str, list[tuple[int, int, int]]] = {}  # question → each node's (round, phase, path index)
         self._deciding = 0
-        return super().run(*args, **kwargs)  # type: ignore[arg-type]
+        return super().run(questions, seed, sampling)
 
     # -- logical time
     def _round(self, p: _Path) -> int:
