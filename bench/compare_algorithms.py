@@ -85,6 +85,9 @@ def _sft_key(cfg: Any) -> str:
         del parts["train.sft"]["varied"]
     # model.sampler_dtype (issue 52) picks the training rollouts' engine: SFT never samples, so it is left out.
     del parts["model"]["sampler_dtype"]
+    # tools.<name>.latency (issue 56) delays a call, never changes its result: the transcripts are the same.
+    for tool in ("search", "python"):
+        del parts["tools"][tool]["latency"]
     # train.sft.seed (later still) orders SFT's batches in place of the run's seed: the key holds the seed that does.
     parts["seed"] = cfg.train.sft.order_seed(cfg.seed)
     del parts["train.sft"]["seed"]

@@ -32,3 +32,11 @@ def test_the_sft_start_is_keyed_by_the_seed_that_orders_sft() -> None:
     assert key("seed=1", f"train.sft.seed={base.seed}") == _sft_key(base)
     assert key("seed=1") != _sft_key(base)
     assert key(f"train.sft.seed={base.seed + 1}") == key(f"seed={base.seed + 1}")
+
+
+def test_settings_that_do_not_change_sft_keep_its_key() -> None:
+    """Tool latency (issue 56) delays calls and never changes a transcript; the rollout's scheduling is not SFT's."""
+    base = _sft_key(load_config(BASE))
+    assert _sft_key(load_config(BASE, ["tools.search.latency.kind=fixed", "tools.search.latency.mean_s=2",
+                                       "rollout.scheduling=per_path"])) == base
+    assert _sft_key(load_config(BASE, ["tools.search.top_k=5"])) != base  # the search results do change them
