@@ -336,6 +336,17 @@ class TrainConfig(Section):
     update_timeout_s: float = Field(3600.0, gt=0.0, description="Prefect timeout of one update task.")
     eval_timeout_s: float = Field(7200.0, gt=0.0, description="Prefect timeout of one evaluation task.")
     task_retries: int = Field(2, ge=0, description="Retries of rollout/score/evaluate on transient errors.")
+    max_staleness: int = Field(
+        0, ge=0, description="Bounded-staleness overlap of rollout and update (the name TRL's AsyncGRPOTrainer "
+        "uses; verl's one-step-off-policy recipe is 1): 0 samples every step's rollouts from the weights it updates "
+        "(on-policy, today's loop); s > 0 samples the rollouts of step j from the weights after update "
+        "max(c, j-1-s), c the last checkpoint step before j, so the next batches are sampled while the current "
+        "update trains and every segment is at most s updates old. A checkpoint drains the overlap (the s rollouts "
+        "after it run alone), so resume stays exact. The segments carry their weight version; "
+        "rollout/staleness_* and rollout/version_spread are logged; algorithm.rollout_correction auto turns tis "
+        "on. One sampler runs one rollout at a time, so s > 1 adds staleness without adding overlap (it is for "
+        "rollouts whose length varies a lot). Not under train.backend deepspeed or several ranks.",
+    )
 
     @model_validator(mode="after")
     def _offload_fits_stage(self) -> TrainConfig:
@@ -343,6 +354,9 @@ class TrainConfig(Section):
             raise ValueError("train.offload_params needs train.zero_stage=3")
         if self.backend == "deepspeed" and self.offload_optimizer and self.zero_stage == 0:
             raise ValueError("train.offload_optimizer needs train.zero_stage >= 1")
+        if self.backend == "deepspeed" and self.max_staleness:
+            raise ValueError("train.max_staleness > 0 needs train.backend torch: under DeepSpeed the engine shares "
+                             "the (partitioned) training model, which the overlapped update changes while it samples")
         return self
 
 
@@ -602,6 +616,10 @@ class ExperimentConfig(Section):
             raise ValueError("model.sampler_dtype=int8 is the in-process engine's CPU copy: it needs "
                              f"rollout.engine=hf, train.backend=torch and model.device=cpu (got {r.engine}, "
                              f"{self.train.backend}, {self.model.device})")
+        if self.train.max_staleness and (self.optim.old_logprobs == "rollout" or self.optim.scoring_pass == "never"):
+            raise ValueError("train.max_staleness > 0 needs optim.old_logprobs=trainer and optim.scoring_pass "
+                             "auto or always: the sampler's log-probs are of weights up to max_staleness updates "
+                             "old, not π_old (the trainer's, which the scoring pass computes and TIS corrects to)")
         self.optim.share_prefix = resolved_share_prefix(self.optim.share_prefix, self.train.backend,
                                                         self.model.device, self.model.attn_implementation)
         if self.optim.share_prefix != "off" and self.train.backend != "torch":
@@ -637,6 +655,9 @@ class ExperimentConfig(Section):
         (a collective), while the ranks roll out different shards of the batch with different numbers of engine
         calls: nothing in the rollout may run that forward, or the run hangs."""
         r, t = self.rollout, self.train
+        if world_size > 1 and t.max_staleness:
+            raise ConfigError(f"train.max_staleness > 0 runs in one process, not on {world_size} ranks: the "
+                              "overlapped rollout's collectives would interleave with the update's")
         if world_size < 2 or t.backend != "deepspeed" or t.zero_stage != 3:
             return
         if r.engine == "hf":

@@ -29,12 +29,13 @@ QUANTIZED_SAMPLERS = frozenset({"int8"})
 against the trainer, where a bf16 copy's is ~0.03)."""
 
 
-def resolved_correction(requested: str, sampler_dtype: str) -> RolloutCorrection:
+def resolved_correction(requested: str, sampler_dtype: str, max_staleness: int = 0) -> RolloutCorrection:
     """``algorithm.rollout_correction`` for a run whose rollouts are sampled by ``sampler_dtype`` (the resolved
-    ``model.sampler_dtype``): ``auto`` → tis where the sampler is quantized (:data:`QUANTIZED_SAMPLERS`), none
-    elsewhere; an explicit mode as it is."""
+    ``model.sampler_dtype``) from weights up to ``max_staleness`` updates old (``train.max_staleness``): ``auto`` →
+    tis where the sampler is quantized (:data:`QUANTIZED_SAMPLERS`) or stale (the gap is then the policy's own
+    movement, as in verl's and TRL's asynchronous trainers), none elsewhere; an explicit mode as it is."""
     if requested == "auto":
-        return "tis" if sampler_dtype in QUANTIZED_SAMPLERS else "none"
+        return "tis" if sampler_dtype in QUANTIZED_SAMPLERS or max_staleness > 0 else "none"
     if requested not in ("none", "tis", "mask"):
         raise ValueError(f"unknown rollout correction {requested!r}")
     return requested  # type: ignore[return-value]

@@ -49,6 +49,11 @@ class FilledBatch:
         return {**self.rollouts[0].metrics(), **self.scores.metrics}
 
 
+def max_rounds(alg: AlgorithmConfig) -> int:
+    """The most sampling rounds a step makes: ``alg.dynamic_sampling_max_tries`` with dynamic sampling, else 1."""
+    return alg.dynamic_sampling_max_tries if alg.dynamic_sampling else 1
+
+
 class InformativeBatch:
     """DAPO dynamic sampling, one round at a time: :meth:`add` sampled rounds while :meth:`wants_more` (until
     ``batch_size`` informative groups or ``alg.dynamic_sampling_max_tries`` rounds; one round when dynamic sampling is
@@ -62,7 +67,7 @@ class InformativeBatch:
 
     def __init__(self, batch_size: int, alg: AlgorithmConfig) -> None:
         self.batch_size, self.alg = batch_size, alg
-        self.max_tries = alg.dynamic_sampling_max_tries if alg.dynamic_sampling else 1
+        self.max_tries = max_rounds(alg)
         self.rounds: list[tuple[RolloutResult, StepScores]] = []
         self.kept: list[tuple[RolloutTree, tuple[LeafScore, ...]]] = []
 

@@ -19,9 +19,9 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
 from aepo_core.config import ExperimentConfig
-from aepo_core.dynamic_sampling import InformativeBatch
 from aepo_core.evaluation import EvalSummary, PairedDiff
-from aepo_core.rollout.scheduler import merge_results
+from aepo_core.staleness import staleness_metrics
+from flows.collect import Collected, RolloutsAhead, collect
 from flows.common import artifact_key, run_origin, train_flow_run_name
 from infra.run.evaluation import EvalSource
 from infra.run.parameters import resolve_config
@@ -29,12 +29,14 @@ from infra.run.plan import plan_run
 from infra.run.session import BEFORE_SFT, RunSession, open_run, paired_vs_earlier, run_description
 from tasks.data import prepare_data, source_fingerprint
 from tasks.progress import Progress, report
-from tasks.rl import checkpoint, evaluate, rollout, score, sft, store, update, write_eval_results
+from tasks.rl import checkpoint, evaluate, sft, store, update, write_eval_results
 
 PHASE_TIME = "time/"
 """Wall seconds by phase: ``time/rollout_s`` (sampling and scoring, refill rounds included) and ``time/update_s``
-(the scoring pass, ``train/scoring_pass_s``, included) per RL step; ``time/sft_s`` at step 0;
-``time/eval_<label>_s`` at the evaluation's step (``start``, ``sft``, ``step<N>``, ``final``)."""
+(the scoring pass, ``train/scoring_pass_s``, included) per RL step; under ``train.max_staleness`` > 0 also
+``time/rollout_wait_s``, the part of the step spent waiting for its rollouts (the rest of them overlapped an earlier
+update); ``time/sft_s`` at step 0; ``time/eval_<label>_s`` at the evaluation's step (``start``, ``sft``,
+``step<N>``, ``final``)."""
 
 Summaries = dict[str, dict[str, EvalSummary]]
 """stage (start, sft, stepN, final) → dataset key → summary."""
@@ -157,18 +159,28 @@ def _train_loop(session: RunSession, evals: _Evaluations) -> None:
             evals.recall(label)
     elif session.is_main:
         _start_and_sft(session, evals)
+    ahead = RolloutsAhead(session) if cfg.train.max_staleness else None
     while trainer.step < total:
         step = trainer.step + 1
-        reward = rl_step(session, step)
+        reward = rl_step(session, step, ahead)
         if step % cfg.checkpoint.every == 0 or step == total:
             session.tracker.flush_traces()  # (the steps up to a checkpoint are never repeated: their traces must be in)
-            checkpoint(trainer)
+            checkpoint(trainer)  # (no rollout is in flight here: aepo_core.staleness)
         if cfg.eval.every and step % cfg.eval.every == 0 and step < total and session.is_main:
+            _current_weights(ahead)
             evals.run(f"step{step}", step)
         update_progress_artifact(progress_id, progress=100.0 * step / total,
                                  description=f"step {step}/{total}: reward {reward:.3f}")
     if session.is_main:
+        _current_weights(ahead)
         evals.run("final", trainer.step)
+
+
+def _current_weights(ahead: RolloutsAhead | None) -> None:
+    """Before an evaluation: under overlap the engine holds the weights of its last rollout, and may still be
+    sampling; on-policy it already holds the trainer's."""
+    if ahead is not None:
+        ahead.hand_over()
 
 
 def _start_and_sft(session: RunSession, evals: _Evaluations) -> None:
@@ -185,29 +197,39 @@ def _start_and_sft(session: RunSession, evals: _Evaluations) -> None:
             evals.run("sft", 0)
 
 
-def rl_step(session: RunSession, step: int) -> float:
-    """One RL step, top to bottom: sample and score rounds of the data order's next questions until the batch is
-    full of informative groups (one round without dynamic sampling; every rank rolls out its shard, then all see the
-    whole step, in question order), update on the kept groups, store every sampled tree (rank 0), log. Returns the
-    step's mean reward."""
-    runtime, trainer, ranks, cfg = session.runtime, session.trainer, session.trainer.ranks, session.cfg
+def rl_step(session: RunSession, step: int, ahead: RolloutsAhead | None = None) -> float:
+    """One RL step, top to bottom: the step's rollouts (:func:`~flows.collect.collect`, or under overlap taken
+    from ``ahead``, which meanwhile starts the next steps'), update on the kept groups, store every sampled tree
+    (rank 0), log. Returns the step's mean reward."""
+    runtime, trainer, cfg = session.runtime, session.trainer, session.cfg
     t0, cpu0 = time.perf_counter(), runtime.cpu_seconds()
-    batch = InformativeBatch(cfg.train.batch_size, cfg.algorithm)
-    sample = rollout.with_options(timeout_seconds=cfg.train.rollout_timeout_s, retries=cfg.train.task_retries)
-    while batch.wants_more():
-        rows = trainer.next_batch()
-        result = merge_results(ranks.all_gather(sample(runtime, ranks.shard(rows), step, batch.tries, ranks.rank)))
-        batch.add(result, score(runtime, result, rows, step))
-    filled = batch.filled()
+    got = collect(session, step) if ahead is None else ahead.take(step)
+    filled = got.batch
     t1, cpu1 = time.perf_counter(), runtime.cpu_seconds()
     train_metrics = update.with_options(timeout_seconds=cfg.train.update_timeout_s)(trainer, filled, step)
-    t2 = time.perf_counter()
-    spent = trainer.account(filled.rollouts, cpu1 - cpu0, runtime.cpu_seconds() - cpu1, t1 - t0, t2 - t1)
+    t2, cpu2 = time.perf_counter(), runtime.cpu_seconds()
+    spent = trainer.account(filled.rollouts, *_cpu_split(got, ahead is not None, cpu1 - cpu0, cpu2 - cpu1, t2 - t1),
+                            t1 - t0, t2 - t1)
     if session.is_main:
         store(session.trajectories, trainer.run_id, step, filled, trainer.rows_by_id)
-    session.log_step(step, filled, {**train_metrics, **spent, f"{PHASE_TIME}rollout_s": t1 - t0,
+    overlap = {} if ahead is None else {f"{PHASE_TIME}rollout_wait_s": t1 - t0, **{
+        f"rollout/{k}": v for k, v in staleness_metrics(filled.trees, step - 1).items()}}
+    session.log_step(step, filled, {**train_metrics, **spent, **overlap, f"{PHASE_TIME}rollout_s": got.wall_s,
                                     f"{PHASE_TIME}update_s": t2 - t1, "step/wall_s": time.perf_counter() - t0})
     return filled.scores.metrics["rollout/reward_mean"]
+
+
+def _cpu_split(got: Collected, overlapped: bool, wait_cpu: float, update_cpu: float, update_wall: float
+               ) -> tuple[float, float]:
+    """(rollout, update) CPU seconds of a step. In turn, each phase's own. Under overlap the rollouts of later
+    steps ran during this update, so the process's CPU seconds of the step (waiting and updating) are apportioned
+    by the busy seconds of this step's rollouts and this update: the run's total stays exact, the split is an
+    estimate."""
+    if not overlapped:
+        return wait_cpu, update_cpu
+    total, busy = wait_cpu + update_cpu, got.wall_s + update_wall
+    rollout = total * got.wall_s / busy if busy > 0 else 0.0
+    return rollout, total - rollout
 
 
 def mlflow_link(info: TrainResult) -> str:

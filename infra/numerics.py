@@ -222,7 +222,8 @@ def resolve_numerics(cfg: ExperimentConfig, facts: DeviceFacts) -> Numerics:
             _warn_once(f"{', '.join(slow)}: bf16 is the slow path on {facts.describe()} (float32 is faster here); "
                        "`auto` would choose float32")
     return Numerics(compute, generation, vllm_dtype, facts, m.sampler_dtype,
-                    resolved_correction(cfg.algorithm.rollout_correction, m.sampler_dtype))
+                    resolved_correction(cfg.algorithm.rollout_correction, m.sampler_dtype,
+                                        cfg.train.max_staleness))
 
 
 @functools.cache
@@ -284,7 +285,8 @@ def recorded_numerics(cfg: ExperimentConfig, params: Mapping[str, str], tags: Ma
     vllm_dtype = (params.get("numerics.vllm_dtype", auto_dtype(facts)) if cfg.rollout.vllm.dtype == AUTO
                   else cfg.rollout.vllm.dtype)
     return Numerics(compute, generation, vllm_dtype, facts, m.sampler_dtype,
-                    resolved_correction(cfg.algorithm.rollout_correction, m.sampler_dtype))
+                    resolved_correction(cfg.algorithm.rollout_correction, m.sampler_dtype,
+                                        cfg.train.max_staleness))
 
 
 def vllm_device() -> str:

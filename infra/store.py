@@ -148,10 +148,12 @@ TRAJECTORY_SCHEMA = _schema("trajectories", [
            "each leaf).", False),
     column("h_root", pa.float64(), "H_root, the tree's initial-segment entropy (null if unmeasured)."),
     column("h_tool", pa.float64(), "The tree's mean tool-step entropy from pre-monitoring (null if unmeasured)."),
-    column("weight_version", pa.string(), "The weights that sampled the trajectory's model segments as the server "
-           "reported them (the RL step of the last weight sync); several, comma-separated in path order, when the "
-           "trajectory straddled a sync (\"3,4\"); null when the engine does not track versions or before schema "
-           "version 2."),
+    column("weight_version", pa.string(), "The weights that sampled the trajectory's model segments: the updates "
+           "behind them, as the server reported them (the RL step of the last weight sync) or as the in-process "
+           "engine was handed them (under train.max_staleness the rollouts of step j come from update "
+           "max(c, j-1-s)); several, comma-separated in path order, when the trajectory straddled a sync "
+           "(\"3,4\"); null when the engine does not track versions (an HF checkpoint loaded by path), and for the "
+           "in-process engine before issue 56."),
 ])
 """One row per leaf (trajectory) of a rollout tree; each field's meaning is its ``description`` metadata
 (:func:`describe` lists them)."""
@@ -190,8 +192,10 @@ NODE_SCHEMA = _schema("nodes", [
     column("tool_cache_hit", pa.bool_(), "The tool result came from the cache (null on other nodes)."),
     column("tool_result_chars", pa.int32(), "Characters of the tool's result (null on other nodes)."),
     column("text", pa.string(), "The segment's text.", False),
-    column("weight_version", pa.string(), "The weights that sampled a model segment, as the server reported them; "
-           "null on prompt and tool nodes, for engines that do not track versions and before schema version 2."),
+    column("weight_version", pa.string(), "The weights that sampled a model segment (the updates behind them), as "
+           "the server reported them or the in-process engine was handed them; null on prompt and tool nodes, for "
+           "engines that do not track versions, before schema version 2 and for the in-process engine before "
+           "issue 56."),
 ])
 """One row per node (segment) of a rollout tree; each field's meaning is its ``description`` metadata."""
 

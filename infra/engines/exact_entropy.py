@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from aepo_core.interfaces import GenerationRequest, GenerationResult, SamplingParams
 from infra.engines.hf import HFEngine
-from infra.engines.weights import PolicyEngine, WeightSource
+from infra.engines.weights import PolicyEngine, PolicyWeights, WeightSource
 
 
 class ExactEntropyEngine:
@@ -46,8 +46,12 @@ class ExactEntropyEngine:
         return self.inner.eos_token_id
 
     def load_weights(self, source: WeightSource) -> None:
-        """The server loads the new weights; the scorer runs on the policy itself, whose change it detects."""
+        """The server loads the new weights, and so does the scorer: a no-op where it runs on the policy itself,
+        a copy under ``train.max_staleness`` (where the live weights are newer than the sampled ones). A checkpoint
+        directory goes to the server alone: the scorer may be the training model itself."""
         self.inner.load_weights(source)
+        if isinstance(source, PolicyWeights):
+            self.scorer.load_weights(source)
 
     def release(self) -> None:
         self.inner.release()

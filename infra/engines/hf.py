@@ -103,12 +103,13 @@ class _Row:
     stop_string: str | None = None
     error: str | None = None
 
-    def result(self, published: bool) -> GenerationResult:
-        """``published``: the published entropy terms were asked for (``SamplingParams.published_entropy``)."""
+    def result(self, published: bool, version: str | None) -> GenerationResult:
+        """``published``: the published entropy terms were asked for (``SamplingParams.published_entropy``);
+        ``version``: the engine's weight version."""
         return GenerationResult(
             token_ids=list(self.ids), logprobs=list(self.logprobs), entropies=list(self.entropies),
             finish_reason=self.finish or "error", stop_string=self.stop_string, error=self.error,
-            published_entropies=list(self.published_entropies) if published else None,
+            published_entropies=list(self.published_entropies) if published else None, weight_version=version,
         )
 
 
@@ -227,6 +228,7 @@ class HFEngine:
         the live weights; None: tensor by tensor in place (the same layout, another dtype)."""
         self.model = model
         self._refresh = refresh
+        self._version: str | None = None
         self.autocast_dtype = autocast_dtype  # mixed precision: bf16 matmuls over float32 weights
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -306,13 +308,16 @@ class HFEngine:
 
     @property
     def weight_version(self) -> str | None:
-        return None  # results carry no version: this engine samples from the weights it was handed, always
+        """The updates behind the live weights last loaded (:attr:`PolicyWeights.version`), which every result
+        carries; None before any load or after an HF checkpoint directory (a version this engine cannot know)."""
+        return self._version
 
     @torch.no_grad()
     def load_weights(self, source: WeightSource) -> None:
         """Sample from ``source`` next: the live training weights (copied into this engine's own model unless it
         is the training model itself) or an HF checkpoint directory (loaded in place)."""
         self.clear_kv()
+        self._version = str(source.version) if isinstance(source, PolicyWeights) else None
         if not isinstance(source, PolicyWeights):
             if self._refresh is not None:
                 raise ValueError(f"an engine on a refreshed copy (the int8 sampler) takes live weights, not {source}")
@@ -350,7 +355,7 @@ class HFEngine:
         log.debug("generated %d tokens for %d rows in %.2f s (%.1f tok/s, %d passes, %d row-steps)",
                   stats.new_tokens, stats.rows, stats.seconds, stats.tokens_per_s, stats.forward_passes,
                   stats.row_steps)
-        return [r.result(sampling.published_entropy) for r in rows]
+        return [r.result(sampling.published_entropy, self._version) for r in rows]
 
     def score(self, rows: Sequence[tuple[Sequence[int], Sequence[int]]],
               sampling: SamplingParams | None = None) -> list[list[float]]:

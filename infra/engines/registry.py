@@ -79,13 +79,16 @@ def _hf(cfg: ExperimentConfig, numerics: Numerics, model: torch.nn.Module, token
     r = cfg.rollout
     gen_dtype = numerics.generation_dtype
     kv_mb = r.kv_reuse_max_mb if r.kv_reuse else 0.0
-    if gen_dtype == "same" or cfg.train.backend == "deepspeed":
+    if cfg.train.backend == "deepspeed" or (gen_dtype == "same" and not cfg.train.max_staleness):
         if gen_dtype != "same":
             log.warning("model.generation_dtype=%s ignored under DeepSpeed (partitioned weights): the engine shares "
                         "the training model", gen_dtype)
         return BuiltEngine(HFEngine(model, tokenizer, seed=cfg.seed,
                                     autocast_dtype=autocast_dtype(numerics.compute_dtype), kv_reuse_mb=kv_mb))
-    generation_model = copy.deepcopy(model).to(GENERATION_DTYPES[gen_dtype]).eval()
+    # An own copy (in the training dtype where generation_dtype is same): the overlapped update of
+    # train.max_staleness changes the training weights while this engine samples from older ones.
+    dtype = next(model.parameters()).dtype if gen_dtype == "same" else GENERATION_DTYPES[gen_dtype]
+    generation_model = copy.deepcopy(model).to(dtype).eval()
     generation_model.requires_grad_(False)
     return BuiltEngine(HFEngine(generation_model, tokenizer, seed=cfg.seed, kv_reuse_mb=kv_mb))
 
@@ -139,7 +142,10 @@ def _exact_entropies(cfg: ExperimentConfig, numerics: Numerics, model: torch.nn.
     from infra.engines.exact_entropy import ExactEntropyEngine
     from infra.engines.hf import HFEngine
 
-    scorer = HFEngine(model, tokenizer, seed=cfg.seed, autocast_dtype=autocast_dtype(numerics.compute_dtype),
+    # Under train.max_staleness the scorer needs the weights that sampled, not the live ones: its own copy, which
+    # takes every weight load the server takes.
+    scorer_model = copy.deepcopy(model).eval() if cfg.train.max_staleness else model
+    scorer = HFEngine(scorer_model, tokenizer, seed=cfg.seed, autocast_dtype=autocast_dtype(numerics.compute_dtype),
                       kv_reuse_mb=cfg.rollout.kv_reuse_max_mb)
     return ExactEntropyEngine(engine, scorer)
 

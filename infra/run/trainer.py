@@ -131,10 +131,13 @@ class Trainer:
     def update(self, trees: Sequence[RolloutTree], scores: Sequence[Sequence[LeafScore]]) -> dict[str, float]:
         """One policy update on the groups of the step's batch (:attr:`FilledBatch.trees
         <aepo_core.dynamic_sampling.FilledBatch.trees>`: informative ones, their advantages over exactly them) and
-        their leaves' scores; the engine then samples from the new weights."""
+        their leaves' scores; the engine then samples from the new weights — on-policy. Under
+        ``train.max_staleness`` > 0 the engine may be sampling a later step from older weights meanwhile: the flow
+        hands it new ones when it is idle."""
         metrics = self.updater.update(samples_from_trees(trees, scores))
         self._step += 1
-        self.runtime.weights_changed(self.weights())
+        if not self.runtime.cfg.train.max_staleness:
+            self.runtime.weights_changed(self.weights())
         return metrics
 
     def account(self, rounds: Sequence[RolloutResult], rollout_cpu_s: float, update_cpu_s: float,

@@ -83,9 +83,10 @@ def sampler_is_trainer(cfg: ExperimentConfig, generation_dtype: str, compute_dty
     bf16 path, bf16 autocast (whose KV-cached decode rounds otherwise than the trainer's full forward) — samples
     from a numerically different policy, so its entropies and log-probs cannot stand in for the trainer's.
     ``generation_dtype`` is the resolved ``model.generation_dtype`` (an unresolved ``auto`` counts as a copy: the
-    scoring pass runs), ``sampler_dtype`` the resolved ``model.sampler_dtype`` (int8: a copy)."""
+    scoring pass runs), ``sampler_dtype`` the resolved ``model.sampler_dtype`` (int8: a copy). Under
+    ``train.max_staleness`` > 0 the sampler holds older weights than the trainer's: never the trainer."""
     return (cfg.rollout.engine == "hf" and generation_dtype == "same" and sampler_dtype == "generation"
-            and cfg.train.backend == "torch" and compute_dtype is None)
+            and cfg.train.backend == "torch" and compute_dtype is None and cfg.train.max_staleness == 0)
 
 
 @dataclass
@@ -110,7 +111,8 @@ class PolicyUpdater:
         self.cfg = cfg
         self.generation_dtype = numerics.generation_dtype if numerics else cfg.model.generation_dtype
         self.sampler_dtype = numerics.sampler_dtype if numerics else cfg.model.sampler_dtype
-        self.correction = resolved_correction(cfg.algorithm.rollout_correction, self.sampler_dtype)
+        self.correction = resolved_correction(cfg.algorithm.rollout_correction, self.sampler_dtype,
+                                              cfg.train.max_staleness)
         self.pad_id = pad_id
         self.device = backend.device
         self.micro_batch_tokens = micro_batch_token_cap(cfg.optim, backend.module, backend.device)

@@ -280,3 +280,18 @@ def test_rollout_logprobs_are_not_pi_old_under_filtered_sampling():
             build_config({}, ["optim.old_logprobs=rollout", filtered])
         build_config({}, [filtered])  # π_old from the trainer's scoring pass: fine
     build_config({}, ["optim.old_logprobs=rollout"])
+
+
+def test_bounded_staleness_refuses_what_it_cannot_keep_exact():
+    """train.max_staleness > 0 samples from weights the update has moved on from: π_old must be the trainer's (the
+    stale sampler's log-probs are not), the engine must hold its own copy (not DeepSpeed's partitioned model), and
+    one process runs the overlap (the ranks' collectives would interleave)."""
+    build_config({}, ["train.max_staleness=1"]).check_trainable()
+    with pytest.raises(ConfigError, match=r"train\.max_staleness.*optim\.old_logprobs"):
+        build_config({}, ["train.max_staleness=1", "optim.old_logprobs=rollout"])
+    with pytest.raises(ConfigError, match=r"train\.max_staleness.*train\.backend torch"):
+        build_config({}, ["train.max_staleness=2", "train.backend=deepspeed"])
+    with pytest.raises(ConfigError, match=r"train\.max_staleness > 0 runs in one process, not on 2 ranks"):
+        build_config({}, ["train.max_staleness=1"]).check_trainable(world_size=2)
+    with pytest.raises(ConfigError, match=r"train\.max_staleness"):
+        build_config({}, ["train.max_staleness=-1"])

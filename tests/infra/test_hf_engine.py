@@ -14,6 +14,7 @@ from aepo_core.config import ModelConfig
 from aepo_core.entropy import published_token_entropy, token_entropy
 from aepo_core.interfaces import Engine, GenerationRequest, GenerationResult, SamplingParams
 from infra.engines.hf import HFEngine, sample_next, sampling_distribution
+from infra.engines.weights import PolicyWeights
 from infra.models import load_policy
 
 HOT = SamplingParams(temperature=0.7)
@@ -46,7 +47,7 @@ def test_implements_the_engine_protocol(tiny_engine: HFEngine) -> None:
     ids = tiny_engine.encode("hello <search>x</search>")
     assert tiny_engine.decode(ids) == "hello <search>x</search>"
     assert tiny_engine.eos_token_id == 2 and 2 in tiny_engine.eos_token_ids
-    assert tiny_engine.weight_version is None  # a property: it samples from the weights it was handed
+    assert tiny_engine.weight_version is None  # a property: no live weights were handed to it yet
     prompt = tiny_engine.apply_chat_template("Hi", system_prompt="Be brief.")
     assert tiny_engine.decode(prompt) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
@@ -288,3 +289,14 @@ def test_the_output_projection_sees_only_contiguous_last_positions(tiny_engine: 
         hook.remove()
     assert seen and all(shape[-2] == 1 for shape, _ in seen)  # never the whole prompt's logits
     assert all(contiguous for _, contiguous in seen), seen
+
+
+def test_results_carry_the_version_of_the_live_weights_loaded(tiny_cfg: ModelConfig) -> None:
+    """The segments of an overlapped rollout (train.max_staleness) say which update's weights sampled them."""
+    model, tok = load_policy(tiny_cfg)
+    copy_model, _ = load_policy(tiny_cfg)
+    engine = HFEngine(copy_model, tok)
+    req = [GenerationRequest([1, 2, 3], 3, seed=0)]
+    assert engine.generate(req, HOT)[0].weight_version is None
+    engine.load_weights(PolicyWeights(model, 7))
+    assert engine.weight_version == "7" and engine.generate(req, HOT)[0].weight_version == "7"
