@@ -9,7 +9,9 @@ the same order as in the round loop, so its tree is the same for an engine whose
 batch (the scripted engine of the tests; the in-process engine in float32 up to kernel rounding).
 
 :class:`PerPathScheduler` goes further: each path advances on its own, and only the branch decisions keep the round
-loop's order.
+loop's order. With ``rollout.inflight_requests`` a server engine is sent each ready path's segment as a request of
+its own the moment the path is ready, many in flight, and batches them itself (vLLM's continuous batching); without
+it the ready paths are one generate call, and a path that becomes ready meanwhile waits for that call to end.
 """
 
 from __future__ import annotations
@@ -166,11 +168,24 @@ class PerPathScheduler(RolloutScheduler):
 
     # -- the loop
     def _run_rounds(self, states: list[_QuestionState], sampling: SamplingParams) -> None:
+        """Generate for the ready paths, run their tool calls in the background, take each result as it comes.
+        With ``rollout.inflight_requests`` each ready path's segment is its own request in flight (a server
+        batches them), else the ready paths are one generate call. Only the requests run in threads: every change
+        of a tree happens here, in the order events are taken, which changes nothing but node numbers (renumbered
+        at the end) and is why decisions are queued (:meth:`_settle`)."""
         branching = self.cfg.mode != "independent"
-        waiting: dict[Future[list[ToolResult]], tuple[_QuestionState, ToolJob]] = {}
-        out: set[int] = set()  # id(path) of the paths whose tool call is running
+        waiting: dict[Future[object], tuple[_QuestionState, _Path, ToolJob | None]] = {}  # job None: a segment
+        out: set[int] = set()  # id(path) of the paths whose segment or tool call is out
+        per_request = self.cfg.inflight_requests
         with ThreadPoolExecutor(max_workers=TOOL_THREAD_HEADROOM * self.tool_workers,
-                                thread_name_prefix="aepo-path") as calls:
+                                thread_name_prefix="aepo-path") as calls, \
+                ThreadPoolExecutor(max_workers=max(1, per_request), thread_name_prefix="aepo-request") as requests:
+            def take_segment(st: _QuestionState, p: _Path, res: GenerationResult) -> None:
+                job = self._absorb_segment(st, p, res, branching and not st.probing)
+                if job is not None:
+                    waiting[calls.submit(self._tool_results, [(st, p, *job)])] = (st, p, (st, p, *job))
+                    out.add(id(p))
+
             while True:
                 for st in states:
                     self._settle(st)
@@ -180,20 +195,26 @@ class PerPathScheduler(RolloutScheduler):
                 ready = [(st, p) for st in states for p in st.paths if p.status is None and id(p) not in out]
                 if not ready and not waiting:
                     return
-                if ready:
+                if ready and per_request:
+                    for st, p in ready:
+                        waiting[requests.submit(self._generate, states, [(st, p)], sampling)] = (st, p, None)
+                        out.add(id(p))
+                    ready = []
+                elif ready:
                     for (st, p), res in zip(ready, self._generate(states, ready, sampling), strict=True):
-                        job = self._absorb_segment(st, p, res, branching and not st.probing)
-                        if job is not None:
-                            waiting[calls.submit(self._tool_results, [(st, p, *job)])] = (st, (st, p, *job))
-                            out.add(id(p))
+                        take_segment(st, p, res)
                 t0 = time.perf_counter()
                 done, _ = wait(waiting, timeout=0 if ready else None, return_when=FIRST_COMPLETED)
-                if not ready:
-                    self._timers["tools_s"] += time.perf_counter() - t0
-                for fut in done:  # any order: a result changes only its own path; nodes are renumbered at the end
-                    _, job = waiting.pop(fut)
-                    self._apply_tool_results([job], fut.result())
-                    out.discard(id(job[1]))
+                if not ready and all(job is not None for _, _, job in waiting.values()):
+                    self._timers["tools_s"] += time.perf_counter() - t0  # nothing was generating
+                for fut in done:  # any order: an event changes only its own path; nodes are renumbered at the end
+                    st, p, job = waiting.pop(fut)
+                    out.discard(id(p))
+                    if job is None:
+                        (res,) = fut.result()  # type: ignore[misc]
+                        take_segment(st, p, res)
+                    else:
+                        self._apply_tool_results([job], fut.result())  # type: ignore[arg-type]
 
 
 def scheduler_class(scheduling: str) -> type[RolloutScheduler]:

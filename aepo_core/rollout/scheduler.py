@@ -252,6 +252,7 @@ class RolloutScheduler:
         if cfg.entropy_scale == "official":  # the rules read the published terms: ask the engine for them
             sampling = replace(sampling, published_entropy=True)
         self._timers = {"generate_s": 0.0, "tools_s": 0.0}
+        self._counting = threading.Lock()  # generate calls may run in threads (rollout.inflight_requests)
         self._generated_tokens = 0
         self._prompt_tokens = 0
         self._decisions: list[tuple[int, bool]] = []
@@ -403,7 +404,6 @@ class RolloutScheduler:
     def _engine_generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationResult]:
         """The engine's results, timed and their tokens counted; a batch that fails is retried row by row."""
         t0 = time.perf_counter()
-        self._prompt_tokens += sum(len(r.prompt_ids) for r in requests)  # sent, whether or not retried row by row
         try:
             results = self.engine.generate(requests, sampling)
             if len(results) != len(requests):
@@ -411,10 +411,12 @@ class RolloutScheduler:
         except Exception as exc:  # a batch that fails is retried row by row: each row's own error is then known
             log.warning("batched generation failed (%s); retrying %d rows one by one", exc, len(requests))
             results = [self._generate_one(r, sampling) for r in requests]
-        self._requests += len(requests)
-        self._engine_errors += [r.error or "error" for r in results if r.finish_reason == "error" or r.error]
-        self._timers["generate_s"] += time.perf_counter() - t0
-        self._generated_tokens += sum(len(r.token_ids) for r in results)  # engine work, tokens cut later included
+        with self._counting:  # (requests in flight together: each call's seconds count, so they may overlap)
+            self._prompt_tokens += sum(len(r.prompt_ids) for r in requests)  # sent, retried row by row or not
+            self._requests += len(requests)
+            self._engine_errors += [r.error or "error" for r in results if r.finish_reason == "error" or r.error]
+            self._timers["generate_s"] += time.perf_counter() - t0
+            self._generated_tokens += sum(len(r.token_ids) for r in results)  # engine work, tokens cut later too
         return results
 
     def _generate_one(self, request: GenerationRequest, sampling: SamplingParams) -> GenerationResult:

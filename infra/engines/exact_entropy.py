@@ -12,6 +12,7 @@ last synced to, so both compute the same distribution up to the server's precisi
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Sequence
 
 from aepo_core.interfaces import GenerationRequest, GenerationResult, SamplingParams
@@ -25,11 +26,13 @@ class ExactEntropyEngine:
     def __init__(self, inner: PolicyEngine, scorer: HFEngine) -> None:
         self.inner = inner
         self.scorer = scorer
+        self._scoring = threading.Lock()  # one forward at a time: generate calls may be concurrent
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[GenerationResult]:
         results = self.inner.generate(requests, sampling)
         ok = [i for i, r in enumerate(results) if r.error is None and r.finish_reason != "error"]
-        scored = self.scorer.score([(requests[i].prompt_ids, results[i].token_ids) for i in ok], sampling)
+        with self._scoring:
+            scored = self.scorer.score([(requests[i].prompt_ids, results[i].token_ids) for i in ok], sampling)
         out = list(results)
         for i, entropies in zip(ok, scored, strict=True):
             out[i] = dataclasses.replace(results[i], entropies=entropies, entropy_is_estimate=False)

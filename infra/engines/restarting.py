@@ -12,6 +12,7 @@ keeps its errors: they are the requests' own, and the scheduler fails the rollou
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 
 from aepo_core.interfaces import GenerationRequest, GenerationResult, SamplingParams
@@ -30,11 +31,14 @@ class RestartingEngine:
         self.server = server
         self.max_restarts = max_restarts
         self.restarts = 0
+        self._restarting = threading.Lock()  # generate calls may run concurrently (rollout.inflight_requests)
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[GenerationResult]:
+        seen = self.restarts
         results = self._attempt(requests, sampling)
         failed = [i for i, r in enumerate(results) if r.finish_reason == "error"]
-        while failed and self._restarted_if_dead(f"{len(failed)} of {len(requests)} requests failed"):
+        while failed and self._restarted_if_dead(f"{len(failed)} of {len(requests)} requests failed", seen):
+            seen = self.restarts
             again = self._attempt([requests[i] for i in failed], sampling)
             for i, result in zip(failed, again, strict=True):
                 results[i] = result
@@ -51,8 +55,17 @@ class RestartingEngine:
                 raise
             return [GenerationResult([], [], [], "error", error=f"VLLMServerError: {exc}") for _ in requests]
 
-    def _restarted_if_dead(self, why: str) -> bool:
-        """Restart the server if its process has died and the budget allows; whether it was restarted."""
+    def _restarted_if_dead(self, why: str, seen: int | None = None) -> bool:
+        """Restart the server if its process has died and the budget allows; whether it was restarted, by this call
+        or, for a caller whose requests were sent when ``seen`` restarts had been made, by a concurrent one (its
+        failed requests then go again to the new server: a death restarts the server once, however many calls
+        were in flight)."""
+        with self._restarting:
+            if seen is not None and self.restarts > seen:
+                return True
+            return self._restart_if_dead(why)
+
+    def _restart_if_dead(self, why: str) -> bool:
         if self.server.running:
             return False
         if self.restarts >= self.max_restarts:

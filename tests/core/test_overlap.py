@@ -110,3 +110,41 @@ def test_the_config_picks_the_scheduler() -> None:
     assert scheduler_class("rounds") is RolloutScheduler and scheduler_class("per_question") is PerQuestionScheduler
     assert scheduler_class("per_path") is PerPathScheduler
     assert RolloutConfig().scheduling == "rounds"
+
+
+class SlowServer(ScriptedEngine):
+    """The scripted engine as a server: each call takes 0-10 ms at random, calls run concurrently (the most at once
+    is recorded), so segments come back in shuffled orders."""
+
+    def __init__(self) -> None:
+        super().__init__(random_script)
+        self.rng, self.lock = random.Random(), threading.Lock()
+        self.in_flight = self.most_in_flight = 0
+
+    def generate(self, requests, sampling):  # type: ignore[no-untyped-def]
+        with self.lock:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            delay = self.rng.uniform(0.0, 0.01)
+        time.sleep(delay)
+        try:
+            return super().generate(requests, sampling)
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_requests_sent_path_by_path_give_the_round_loop_s_trees(name: str) -> None:
+    """rollout.inflight_requests: each ready path's segment is a request of its own, many in flight; segments and
+    tool results come back in any order, and the trees are still the round loop's."""
+    cfg = RolloutConfig(**BASE, **CONFIGS[name])
+    expected = signature(RolloutScheduler(ScriptedEngine(random_script), {"search": SlowSearch(0.0)}, cfg)
+                         .run(QUESTIONS, seed=3).trees)
+    server = SlowServer()
+    run = PerPathScheduler(server, {"search": SlowSearch()}, cfg.model_copy(update={
+        "scheduling": "per_path", "inflight_requests": 16})).run(QUESTIONS, seed=3)
+    assert signature(run.trees) == expected
+    # One request a call, several at once (the official budget rule's root samples go first, as one batch).
+    segments = server.calls[1:] if cfg.budget_rule == "official" else server.calls
+    assert set(segments) == {1} and server.most_in_flight > 1

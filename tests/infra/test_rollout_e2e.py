@@ -151,3 +151,30 @@ def test_overlapped_schedulings_sample_the_round_loop_s_tree_with_real_tools(tau
         trees[name] = [[(n.parent_id, n.kind, tuple(n.token_ids), n.branched) for n in t.nodes] for t in res.trees]
     assert any(kind == "tool" for tree in trees["rounds"] for _, kind, _, _ in tree)
     assert trees[scheduling] == trees["rounds"]
+
+
+def test_requests_in_flight_path_by_path_on_a_real_server_give_the_round_loop_s_tree(taught):
+    """rollout.inflight_requests: the taught policy behind the suite's completions server (real HTTP), each ready
+    path's segment sent as its own request the moment its tool result is back. The round loop on the same server
+    (one generate call per round) samples the same trees (tests/core/test_overlap.py checks that the requests were
+    in flight together and came back in shuffled orders)."""
+    from openai_compat_server import CompletionsServer
+
+    from aepo_core.config import RemoteEngineConfig
+    from aepo_core.rollout.overlap import PerPathScheduler
+    from infra.engines.remote import RemoteEngine
+
+    engine, tools, row, prompt, _ = taught
+    questions = [Question(row.id, prompt), Question(f"{row.id}-again", prompt)]
+    with CompletionsServer(HFEngine(engine.model, engine.tokenizer, seed=0)) as server:
+        remote = RemoteEngine(RemoteEngineConfig(url=server.url, model="tiny"), engine.tokenizer)
+        trees = {}
+        for name, inflight in (("rounds", 0), ("per_path", 8)):
+            cfg = RolloutConfig(mode="aepo", k=3, initial_rollouts=1, max_response_tokens=700, max_tool_calls=4,
+                                temperature=0.3, scheduling=name, inflight_requests=inflight)
+            scheduler = (PerPathScheduler if inflight else RolloutScheduler)(remote, tools, cfg, tool_timeout_s=10.0)
+            res = scheduler.run(questions, seed=4, sampling=SamplingParams(temperature=0.3))
+            trees[name] = [[(n.parent_id, n.kind, tuple(n.token_ids), n.branched) for n in t.nodes]
+                           for t in res.trees]
+    assert any(kind == "tool" for tree in trees["rounds"] for _, kind, _, _ in tree)
+    assert trees["per_path"] == trees["rounds"]
