@@ -3,8 +3,8 @@
 ``AEPO_TEST_DIE_AT=module:attribute:n`` (the tests' fault injection, never the product's): the process SIGKILLs
 itself when the ``n``-th call of that function or method begins — a kill at a chosen point of a chosen phase,
 where a timer could land anywhere. The attribute is patched where the code looks it up (``flows.train:write_eval_
-results`` is the name the flow calls, ``infra.run.trainer:Trainer.update`` a method, ``flows.train:rollout.fn`` a
-Prefect task's function). Points joined by `` > `` arm each other: ``flows.train:rollout.fn:1 >
+results`` is the name the flow calls, ``infra.run.trainer:Trainer.update`` a method, ``flows.collect:rollout.fn`` a
+Prefect task's function). Points joined by `` > `` arm each other: ``flows.collect:rollout.fn:1 >
 infra.training.backends:TorchBackend.step:1`` counts optimizer steps only once the first rollout has begun."""
 
 from __future__ import annotations
