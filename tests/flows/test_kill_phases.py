@@ -57,7 +57,8 @@ KILLS = [
     ("cold-start SFT", "infra.run.sft:_nll_sum:3",  # after two SFT optimizer steps
      "write-eval-results-start-synthetic_test"),
     ("evaluation after SFT", "flows.train:write_eval_results:2", "evaluate-sft"),
-    ("rollout of step 1", "flows.collect:rollout.fn:1 > aepo_core.rollout.scheduler:RolloutScheduler._engine_generate:3",
+    ("rollout of step 1",
+     "flows.collect:rollout.fn:1 > aepo_core.rollout.scheduler:RolloutScheduler._engine_generate:3",
      "write-eval-results-sft-synthetic_test"),
     ("checkpoint save of step 1", "flows.train:checkpoint.fn:1 > infra.training.checkpoint:_manifest_digest:1",
      "store-step-1"),
