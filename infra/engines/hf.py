@@ -221,14 +221,15 @@ class HFEngine:
     def __init__(self, model: Any, tokenizer: Any, *, seed: int = 0,
                  stop_token_ids: Sequence[int] | None = None, max_batch_size: int | None = None,
                  autocast_dtype: torch.dtype | None = None, kv_reuse_mb: float = 0.0,
-                 refresh: Callable[[torch.nn.Module], None] | None = None) -> None:
+                 refresh: Callable[[torch.nn.Module], None] | None = None, version: str | None = None) -> None:
         """``kv_reuse_mb``: byte cap (MiB) of the store of finished rows' KV that later prompts starting with the
         same tokens reuse (see the module docstring, "Cost."); 0 turns reuse off. ``refresh``: how ``model``, a
         copy of another layout than the policy (the int8 sampler's, :class:`~infra.engines.int8.Int8Copy`), takes
-        the live weights; None: tensor by tensor in place (the same layout, another dtype)."""
+        the live weights; None: tensor by tensor in place (the same layout, another dtype). ``version``: the label
+        of the weights it starts from (a run's engine: ``"0"``, the policy as loaded; None: unknown)."""
         self.model = model
         self._refresh = refresh
-        self._version: str | None = None
+        self._version = version
         self.autocast_dtype = autocast_dtype  # mixed precision: bf16 matmuls over float32 weights
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size

@@ -68,7 +68,8 @@ def build_engine(cfg: ExperimentConfig, numerics: Numerics, model: torch.nn.Modu
 
     copy8 = Int8Copy(model, GENERATION_DTYPES.get(numerics.generation_dtype, torch.float32))
     kv_mb = cfg.rollout.kv_reuse_max_mb if cfg.rollout.kv_reuse else 0.0
-    sampler = HFEngine(copy8.model, tokenizer, seed=cfg.seed, kv_reuse_mb=kv_mb, refresh=copy8.refresh)
+    sampler = HFEngine(copy8.model, tokenizer, seed=cfg.seed, kv_reuse_mb=kv_mb, refresh=copy8.refresh,
+                       version=INITIAL_VERSION)
     return dataclasses.replace(built, sampler=sampler)
 
 
@@ -83,14 +84,14 @@ def _hf(cfg: ExperimentConfig, numerics: Numerics, model: torch.nn.Module, token
         if gen_dtype != "same":
             log.warning("model.generation_dtype=%s ignored under DeepSpeed (partitioned weights): the engine shares "
                         "the training model", gen_dtype)
-        return BuiltEngine(HFEngine(model, tokenizer, seed=cfg.seed,
-                                    autocast_dtype=autocast_dtype(numerics.compute_dtype), kv_reuse_mb=kv_mb))
+        return BuiltEngine(HFEngine(model, tokenizer, seed=cfg.seed, kv_reuse_mb=kv_mb, version=INITIAL_VERSION,
+                                    autocast_dtype=autocast_dtype(numerics.compute_dtype)))
     # An own copy (in the training dtype where generation_dtype is same): the overlapped update of
     # train.max_staleness changes the training weights while this engine samples from older ones.
     dtype = next(model.parameters()).dtype if gen_dtype == "same" else GENERATION_DTYPES[gen_dtype]
     generation_model = copy.deepcopy(model).to(dtype).eval()
     generation_model.requires_grad_(False)
-    return BuiltEngine(HFEngine(generation_model, tokenizer, seed=cfg.seed, kv_reuse_mb=kv_mb))
+    return BuiltEngine(HFEngine(generation_model, tokenizer, seed=cfg.seed, kv_reuse_mb=kv_mb, version=INITIAL_VERSION))
 
 
 def _vllm(cfg: ExperimentConfig, numerics: Numerics, model: torch.nn.Module, tokenizer: object,

@@ -39,7 +39,11 @@ def test_a_config_without_the_sft_evaluation_is_refused_before_anything_runs(
     code = main(["-c", str(TINY), "--seeds", "0", "--runs-dir", str(tmp_path), "--out", str(tmp_path / "o.json")])
     err = capsys.readouterr().err
     assert code == 2 and "run tiny-seeds-base-s0" in err and "train.sft.enabled=true" in err
-    assert "Traceback" not in err and not (tmp_path / "o.json").exists() and not (tmp_path / "mlflow.db").exists()
+    # The bench's own output holds no traceback. A "--- Logging error ---" block after it is the logging module's
+    # report on a Prefect console handler that an earlier test bound to a stderr pytest has since closed (the
+    # temporary server logs its stop to it): it fails this test only when such a test ran first on the worker.
+    own = err.split("--- Logging error ---")[0]
+    assert "Traceback" not in own and not (tmp_path / "o.json").exists() and not (tmp_path / "mlflow.db").exists()
 
 
 def _record(seed: int, sft: list[float], final: list[float]) -> RunRecord:
