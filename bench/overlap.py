@@ -17,6 +17,7 @@ Run: ``.venv/bin/python -m bench.overlap [--steps 4] [--latencies zero moderate]
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import statistics
 import time
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace, runs: Path) -> int:
     for arm in arms:
         base = next(a for a in arms if a["latency"] == arm["latency"] and a["max_staleness"] == 0)
         arm["step_vs_on_policy"] = arm["step_s"] / base["step_s"]
-    env["load_avg_end"] = list(__import__("os").getloadavg())
+    env["load_avg_end"] = list(os.getloadavg())
     results = {"environment": env, "steps": args.steps, "sets": sets, "arms": arms,
                "total_s": time.perf_counter() - t0,
                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}

@@ -24,9 +24,9 @@ def test_overlap_pays_the_longer_part_not_the_sum_and_per_path_hides_tool_waits(
     assert rows[("per_path", 0)]["tool_wait_s"] < rows[("rounds", 0)]["tool_wait_s"]
 
 
-def test_with_instant_tools_per_path_saves_no_tool_wait() -> None:
-    """Not a constant: the gain of per_path comes from the tools. With (nearly) instant tools the rounds loop waits
-    on nothing, and per_path's rollout is no shorter than the decode floor allows."""
+def test_with_instant_tools_the_round_loop_waits_on_nothing() -> None:
+    """Not a constant: the tool wait the model charges the round loop (what per_path hides) comes from the tools;
+    with (nearly) instant tools it is gone."""
     instant = dataclasses.replace(Assumptions(), tool_mix=(("search", 1.0, 1e-3, 2e-3),))
     rows = {(r["scheduling"], r["max_staleness"]): r for r in variants(instant, reps=2)}
     assert rows[("rounds", 0)]["tool_wait_s"] < 0.05
