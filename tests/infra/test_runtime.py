@@ -198,3 +198,18 @@ def test_each_rank_exports_its_weights_into_its_own_folder(model_cache: Path, tm
         with build_runtime(cfg, tmp_path, run_name="r") as runtime:
             folders[rank] = runtime.engine.weights_dir
     assert folders == {0: tmp_path / "weights" / "r", 1: tmp_path / "weights" / "r-rank1"}
+
+
+@pytest.mark.parametrize("sets", [[], ["train.max_staleness=1"]])
+def test_a_runs_engine_samples_its_first_step_as_weight_version_0(model_cache: Path, tmp_path: Path,
+                                                                  sets: list[str]) -> None:
+    """The policy as loaded is version 0 (as the managed vLLM server is labelled): step 1's segments carry it, so the
+    per-step rollout/weight_version and rollout/stale_segments are there from step 1 (found by the service-outage
+    test, whose run has no SFT to load weights before step 1). Shared model and own copy alike."""
+    from aepo_core.interfaces import GenerationRequest, SamplingParams
+
+    runtime = build_runtime(load_config(REPO / "configs" / "tiny.yaml", [f"model.cache_dir={model_cache}", *sets]),
+                            tmp_path)
+    assert runtime.engine.weight_version == "0"
+    (res,) = runtime.engine.generate([GenerationRequest(runtime.prompt_ids("Hi"), 2, seed=0)], SamplingParams())
+    assert res.weight_version == "0"
