@@ -616,10 +616,9 @@ class ExperimentConfig(Section):
             raise ValueError("model.sampler_dtype=int8 is the in-process engine's CPU copy: it needs "
                              f"rollout.engine=hf, train.backend=torch and model.device=cpu (got {r.engine}, "
                              f"{self.train.backend}, {self.model.device})")
-        if r.inflight_requests and (r.scheduling != "per_path" or r.engine == "hf"):
-            raise ValueError(f"rollout.inflight_requests > 0 sends each path's segment to a server as soon as it is "
-                             f"ready: it needs rollout.scheduling per_path and rollout.engine vllm or remote (got "
-                             f"{r.scheduling}, {r.engine}; the in-process engine batches the ready paths itself)")
+        if r.inflight_requests and r.scheduling != "per_path":
+            raise ValueError(f"rollout.inflight_requests > 0 sends each path's segment as soon as the path is ready: "
+                             f"it needs rollout.scheduling per_path (got {r.scheduling})")
         if self.train.max_staleness and (self.optim.old_logprobs == "rollout" or self.optim.scoring_pass == "never"):
             raise ValueError("train.max_staleness > 0 needs optim.old_logprobs=trainer and optim.scoring_pass "
                              "auto or always: the sampler's log-probs are of weights up to max_staleness updates "

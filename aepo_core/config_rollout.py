@@ -170,11 +170,12 @@ class RolloutConfig(Section):
     )
     inflight_requests: int = Field(
         0, ge=0,
-        description="Server engines (vllm, remote) under scheduling per_path: 0 sends the paths that are ready "
-        "together, as one generate call, and a path that becomes ready meanwhile waits for that call to end; n > 0 "
-        "sends each ready path's next segment as its own request the moment it is ready, up to n in flight, and the "
-        "server batches them (vLLM's continuous batching). The trees are the same: a segment's seed is its path's, "
-        "and decisions keep the round loop's order.",
+        description="Under scheduling per_path: 0 sends the paths that are ready together, as one generate call, "
+        "and a path that becomes ready meanwhile waits for that call to end; n > 0 sends each ready path's next "
+        "segment as its own request the moment it is ready, up to n in flight: a server (vllm, remote) batches "
+        "them (vLLM's continuous batching), the in-process engine (hf) lets each join the batch it is decoding at "
+        "its next token. The trees are the same: a segment's seed is its path's, and decisions keep the round "
+        "loop's order.",
     )
     exact_entropy: bool = Field(
         True,

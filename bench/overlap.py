@@ -11,7 +11,8 @@ on-policy, the whole rollout), the staleness of the update's tokens, and the ste
 latency. Arms run interleaved by latency, so a load drift hits both of a pair.
 
 Run: ``.venv/bin/python -m bench.overlap [--steps 4] [--latencies zero moderate] [--set key=value ...]
-[--out bench/results/overlap.json]`` (~25 min on 2 idle Zen 4 cores for the default two latencies).
+[--out bench/results/overlap.json]`` (~25 min on 2 idle Zen 4 cores for the default two latencies). With a vLLM
+server on a core of its own (``make vllm`` first): ``--set rollout.engine=vllm --server-core 1``.
 """
 
 from __future__ import annotations
@@ -105,6 +106,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--latencies", nargs="+", choices=sorted(SETTINGS), default=["zero", "moderate"])
     p.add_argument("--staleness", nargs="+", type=int, default=[0, 1], help="train.max_staleness arms (0: baseline)")
     p.add_argument("--set", action="append", default=[], help="an override of every arm's config, key=value")
+    p.add_argument("--server-core", type=int, default=None,
+                   help="with --set rollout.engine=vllm: the core the vLLM server runs on alone (this process keeps "
+                   "the others)")
     p.add_argument("--runs-dir", type=Path, default=Path("runs/bench-overlap"))
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "overlap.json")
     args = p.parse_args(argv)
@@ -113,8 +117,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def own_core_for_server(core: int) -> list[int]:
+    """Give a vLLM server started from here CPU core ``core`` alone: its OpenMP threads are bound there
+    (``VLLM_CPU_OMP_THREADS_BIND``, which the server inherits), and this process (the trainer, the exact-entropy
+    scorer, Prefect's threads) with its torch threads is kept to the other cores, which it returns."""
+    others = sorted(os.sched_getaffinity(0) - {core})
+    if core not in os.sched_getaffinity(0) or not others:
+        raise ValueError(f"--server-core {core}: needs a core of this process and at least one other "
+                         f"(have {sorted(os.sched_getaffinity(0))})")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+    os.sched_setaffinity(0, others)
+    torch.set_num_threads(len(others))
+    return others
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.server_core is not None:
+        own_core_for_server(args.server_core)
     return flow_bench_main("bench.overlap", args.runs_dir, lambda runs: run(args, runs))
 
 

@@ -17,7 +17,8 @@ scheduler that hides latency: ≤ 1.2× at moderate, ≤ 1.5× at heavy), the sh
 interleaved per repetition, so load drifts hit them alike; the best of ``--reps`` is kept.
 
 Run: ``.venv/bin/python -m bench.rollout_latency [--questions 8] [--reps 1] [--tool-workers 64]
-[--out bench/results/rollout_latency.json]`` (~15 min on 2 idle Zen 4 cores, most of it waiting).
+[--schedulings rounds per_path per_path_inflight] [--out bench/results/rollout_latency.json]`` (~5 min per
+scheduling on 2 idle Zen 4 cores, most of it waiting).
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ SETTINGS: dict[str, ToolLatencyConfig] = {
     "heavy": ToolLatencyConfig(kind="lognormal", mean_s=3.0, p99_s=20.0),
 }
 MODES = ("independent", "arpo", "aepo")
-SCHEDULINGS = ("rounds", "per_question", "per_path")
-"""``rollout.scheduling``: the round-synchronous loop (the baseline), questions and paths that advance on their own."""
+SCHEDULINGS = {"rounds": 0, "per_question": 0, "per_path": 0, "per_path_inflight": 64}
+"""Arm → ``rollout.inflight_requests``: the round-synchronous loop (the baseline), questions and paths that advance
+on their own (``rollout.scheduling``), and paths whose segments are requests of their own that join the engine's
+running batch at the next token (``per_path`` with ``inflight_requests``: continuous batching)."""
 TARGETS = {"moderate": 1.2, "heavy": 1.5}
 """Issue 56's targets for the wall time against zero latency, for a scheduler that hides tool latency."""
 TOOL_TIMEOUT_S = 120.0
@@ -146,7 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for rep in range(args.reps):
             for arm in arms:
                 mode, scheduling = arm.split("/")
-                cfg = RolloutConfig(mode=mode, scheduling=scheduling, k=args.k, initial_rollouts=args.k // 2,
+                cfg = RolloutConfig(mode=mode, scheduling=scheduling.removesuffix("_inflight"),
+                                    inflight_requests=SCHEDULINGS[scheduling], k=args.k, initial_rollouts=args.k // 2,
                                     max_tool_calls=3, max_response_tokens=args.max_response_tokens,
                                     max_result_chars=600)
                 trees = all_trees.setdefault(arm, {})

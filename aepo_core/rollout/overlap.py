@@ -9,9 +9,10 @@ the same order as in the round loop, so its tree is the same for an engine whose
 batch (the scripted engine of the tests; the in-process engine in float32 up to kernel rounding).
 
 :class:`PerPathScheduler` goes further: each path advances on its own, and only the branch decisions keep the round
-loop's order. With ``rollout.inflight_requests`` a server engine is sent each ready path's segment as a request of
-its own the moment the path is ready, many in flight, and batches them itself (vLLM's continuous batching); without
-it the ready paths are one generate call, and a path that becomes ready meanwhile waits for that call to end.
+loop's order. With ``rollout.inflight_requests`` each ready path's segment is a request of its own, sent the moment
+the path is ready, many in flight: a server engine batches them itself (vLLM's continuous batching), the in-process
+engine lets each join the batch it is decoding at its next token. Without it the ready paths are one generate call,
+and a path that becomes ready meanwhile waits for that call to end.
 """
 
 from __future__ import annotations
@@ -169,7 +170,7 @@ class PerPathScheduler(RolloutScheduler):
     # -- the loop
     def _run_rounds(self, states: list[_QuestionState], sampling: SamplingParams) -> None:
         """Generate for the ready paths, run their tool calls in the background, take each result as it comes.
-        With ``rollout.inflight_requests`` each ready path's segment is its own request in flight (a server
+        With ``rollout.inflight_requests`` each ready path's segment is its own request in flight (the engine
         batches them), else the ready paths are one generate call. Only the requests run in threads: every change
         of a tree happens here, in the order events are taken, which changes nothing but node numbers (renumbered
         at the end) and is why decisions are queued (:meth:`_settle`)."""

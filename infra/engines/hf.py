@@ -47,6 +47,16 @@ Semantics (documented choices):
   The store is byte-capped (LRU) and holds KV of the current weights only: it is cleared by
   :meth:`HFEngine.load_weights` and, at the start of ``generate``, whenever any parameter's storage or version
   counter changed (an optimizer step on a shared training model, ``load_state_dict``, any in-place write).
+- **Continuous batching.** ``generate`` may be called from several threads at once (the per-path scheduler with
+  ``rollout.inflight_requests``: one call per ready path). Every call's rows go into one shared batch
+  (:class:`~infra.engines.decode_batch.DecodeBatch`): rows that arrive while it decodes are prefilled (reusing
+  their stored KV) and join it before its next token, their caches left-padded to the batch's width under the mask;
+  a row that finishes leaves it, and its caller returns at once, while the other rows go on. No thread of its own:
+  whichever caller finds the batch without a driver runs its next step, so it advances while any caller has a row in
+  it. Rows join only a batch sampled with the same ``SamplingParams`` and of a cache of full-attention layers (else
+  they wait for it to drain); ``max_batch_size`` caps the rows decoded together, and queued rows join as others
+  leave. A row's tokens come from its own seed, so what it samples does not depend on who joined (up to kernel
+  rounding, as for any batch). A single call runs as before: prefill, then one token per row per forward.
 - **Errors.** Bad requests (empty prompt, ids outside the vocabulary) get ``finish_reason='error'`` without
   running; a failure of a batched forward pass re-runs that batch's rows one by one (same seeds, so the
   healthy rows produce what they would have) and only the failing rows get ``'error'``; a row whose
@@ -63,18 +73,19 @@ import inspect
 import logging
 import math
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-from transformers import DynamicCache
+from transformers import Cache, DynamicCache
 
 from aepo_core.config import ModelConfig
 from aepo_core.entropy import PUBLISHED_TOP_K
-from aepo_core.interfaces import FinishReason, GenerationRequest, GenerationResult, SamplingParams
+from aepo_core.interfaces import GenerationRequest, GenerationResult, SamplingParams
+from infra.engines.decode_batch import DecodeBatch, GenerationStats, Row, count_pass, stop_window
 from infra.engines.prefix_cache import LayerKV, PrefixKV, PrefixKVStore
 from infra.engines.weights import PolicyWeights, WeightSource
 from infra.kv_cache import cache_kwarg, cache_of, is_plain_dynamic
@@ -84,50 +95,6 @@ log = logging.getLogger(__name__)
 
 SCORE_LOGIT_FLOATS = 2**26
 """Most logits :meth:`HFEngine.score` keeps at once (256 MB of float32; SmolLM2's 49k vocabulary: ~1300 tokens)."""
-
-
-@dataclass
-class _Row:
-    """Mutable state of one request during generation."""
-
-    index: int
-    prompt: list[int]
-    max_tokens: int
-    stop: tuple[str, ...]
-    seed: int
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    entropies: list[float] = field(default_factory=list)
-    published_entropies: list[float] = field(default_factory=list)
-    finish: FinishReason | None = None
-    stop_string: str | None = None
-    error: str | None = None
-
-    def result(self, published: bool, version: str | None) -> GenerationResult:
-        """``published``: the published entropy terms were asked for (``SamplingParams.published_entropy``);
-        ``version``: the engine's weight version."""
-        return GenerationResult(
-            token_ids=list(self.ids), logprobs=list(self.logprobs), entropies=list(self.entropies),
-            finish_reason=self.finish or "error", stop_string=self.stop_string, error=self.error,
-            published_entropies=list(self.published_entropies) if published else None, weight_version=version,
-        )
-
-
-@dataclass
-class GenerationStats:
-    """Cost of the last ``generate`` call (for metrics and benchmarks)."""
-
-    rows: int = 0
-    new_tokens: int = 0
-    prefill_tokens: int = 0  # prompt tokens run through the model (padding excluded)
-    reused_tokens: int = 0  # prompt tokens whose KV came from the prefix store instead (see prefix_cache)
-    forward_passes: int = 0
-    row_steps: int = 0  # Σ over forward passes of the active rows: what the work actually was
-    seconds: float = 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 def filtered_logits(logits: torch.Tensor, sampling: SamplingParams) -> tuple[torch.Tensor, bool]:
@@ -244,6 +211,12 @@ class HFEngine:
         self._keep_arg = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
         self._prefixes = PrefixKVStore(int(kv_reuse_mb * 2**20)) if kv_reuse_mb > 0 else None
         self._prefix_weights: tuple[int, ...] = ()  # the weights the stored KV was computed with
+        # the shared decode batch (see "Continuous batching"): rows waiting to join it, whether a caller is running
+        # its next step, and the lock that guards both and wakes the callers
+        self._turn = threading.Condition()
+        self._arrivals: list[Row] = []
+        self._driving = False
+        self._batch: DecodeBatch | None = None
 
     @property
     def kv_reuse(self) -> bool:
@@ -336,21 +309,19 @@ class HFEngine:
 
     def generate(self, requests: Sequence[GenerationRequest],
                  sampling: SamplingParams | None = None) -> list[GenerationResult]:
-        """One result per request, in order; never raises for a single bad row."""
+        """One result per request, in order; never raises for a single bad row. Safe to call from several threads
+        at once: a call's rows join the batch being decoded at its next token (see the module docstring,
+        "Continuous batching")."""
         sampling = sampling or SamplingParams()
         t0 = time.perf_counter()
         self.last_stats = stats = GenerationStats(rows=len(requests))
-        rows: list[_Row] = []
+        rows: list[Row] = []
         for i, req in enumerate(requests):
             seed = req.seed % 2**63 if req.seed is not None else self._seed_rng.randrange(2**63)
-            rows.append(_Row(index=i, prompt=[int(t) for t in req.prompt_ids], max_tokens=int(req.max_tokens),
-                             stop=tuple(s for s in req.stop if s), seed=int(seed)))
-        runnable = [r for r in rows if self._admit(r)]
-        self._drop_stale_kv()
-        step = self.max_batch_size or max(1, len(runnable))
-        with self._inference():
-            for start in range(0, len(runnable), step):
-                self._run_isolated(runnable[start:start + step], sampling, stats)
+            rows.append(Row(index=i, prompt=[int(t) for t in req.prompt_ids], max_tokens=int(req.max_tokens),
+                             stop=tuple(s for s in req.stop if s), seed=int(seed), sampling=sampling,
+                             stats=stats))
+        self._join([r for r in rows if self._admit(r)])
         stats.seconds = time.perf_counter() - t0
         stats.new_tokens = sum(len(r.ids) for r in rows)
         log.debug("generated %d tokens for %d rows in %.2f s (%.1f tok/s, %d passes, %d row-steps)",
@@ -397,7 +368,7 @@ class HFEngine:
         needed = [len(tokens) for _, tokens in rows]
         # at most all but the prompt's last token: its logits score the first token
         reused = self._reusable_prefixes(fed, [len(f) - n for f, n in zip(fed, needed, strict=True)])
-        input_ids, attention, positions, cached, width = self._layout(fed, reused, stats)
+        input_ids, attention, positions, cached, width = self._layout(fed, reused, [stats] * len(fed))
         keep = max(needed)
         past = {self._cache_kwarg: self._batch_cache(reused, cached)} if cached else {}
         kept = ({"logits_to_keep": torch.arange(width - keep, width, device=device)}
@@ -433,7 +404,7 @@ class HFEngine:
             self._prefixes.clear()
             self._prefix_weights = now
 
-    def _admit(self, row: _Row) -> bool:
+    def _admit(self, row: Row) -> bool:
         """Finish rows that need no model call (nothing to generate) or cannot run (bad ids)."""
         if row.max_tokens <= 0:
             row.finish = "length"
@@ -448,110 +419,167 @@ class HFEngine:
             return False
         return True
 
-    def _run_isolated(self, rows: list[_Row], sampling: SamplingParams, stats: GenerationStats) -> None:
-        """Run a batch; if it fails, re-run its rows one by one so one bad row cannot sink the others."""
-        try:
-            self._run_batch(rows, sampling, stats)
+    def _join(self, rows: list[Row]) -> None:
+        """Queue ``rows`` for the shared batch and return once every one has finished. Whichever waiting caller
+        finds the batch without a driver runs its next step (:meth:`_drive`), so the batch advances while any caller
+        has a row in it, and a caller whose rows are done returns at once."""
+        with self._turn:
+            self._arrivals.extend(rows)
+            while any(row.finish is None for row in rows):
+                if self._driving:
+                    self._turn.wait()
+                    continue
+                self._driving = True
+                self._turn.release()
+                try:
+                    self._drive()
+                finally:
+                    self._turn.acquire()
+                    self._driving = False
+                    self._turn.notify_all()
+
+    def _take_arrivals(self) -> list[Row]:
+        """The queued rows that join the batch now: those sampled like it (like the first queued row when no batch
+        runs), up to ``max_batch_size`` rows in all; none while the batch's cache cannot take rows in."""
+        batch = self._batch
+        if not self._arrivals or (batch is not None and not batch.mergeable):
+            return []
+        sampling = batch.sampling if batch is not None else self._arrivals[0].sampling
+        taken = [row for row in self._arrivals if row.sampling == sampling]
+        if self.max_batch_size:
+            taken = taken[:max(0, self.max_batch_size - (len(batch.rows) if batch is not None else 0))]
+        chosen = {id(row) for row in taken}
+        self._arrivals = [row for row in self._arrivals if id(row) not in chosen]
+        return taken
+
+    @torch.inference_mode()
+    def _drive(self) -> None:
+        """One step of the shared batch: prefill the rows that join it and merge them in, sample every row's next
+        token, wake the callers whose rows finished, then feed the tokens of the rows that go on.
+
+        If a forward fails, the unfinished rows are run again one by one (same seeds, so the healthy rows produce
+        what they would have) and only a row that fails alone gets ``'error'``."""
+        with self._turn:
+            joining = self._take_arrivals()
+        with self._inference():
+            try:
+                if self._batch is None and joining:
+                    self._drop_stale_kv()
+                    self._batch = self._prefill(joining)
+                elif joining:
+                    assert self._batch is not None
+                    self._batch = self._batch.merged(self._prefill(joining))
+                if self._batch is None:
+                    return
+                step = self._sample_step(self._batch)
+                with self._turn:
+                    self._turn.notify_all()
+                if step is None:
+                    self._batch = None
+                else:
+                    self._feed_step(self._batch, step)
+            except Exception as exc:
+                unfinished = [r for r in (self._batch.rows if self._batch else []) + joining if r.finish is None]
+                self._batch = None
+                self._rerun_one_by_one(list({id(r): r for r in unfinished}.values()), exc)
+
+    def _rerun_one_by_one(self, rows: list[Row], exc: Exception) -> None:
+        """Run each of ``rows`` again alone after a batched forward failed; a row that fails alone gets ``'error'``."""
+        if len(rows) == 1:
+            self._fail(rows[0], exc)
             return
-        except Exception as exc:
-            if len(rows) == 1:
-                self._fail(rows[0], exc)
-                return
+        if rows:
             log.warning("batched generation of %d rows failed (%s: %s); retrying row by row",
                         len(rows), type(exc).__name__, exc)
         for row in rows:
-            row.ids, row.logprobs, row.entropies, row.published_entropies = [], [], [], []
-            row.finish = row.stop_string = row.error = None
+            row.reset()
             try:
-                self._run_batch([row], sampling, stats)
-            except Exception as exc:
-                self._fail(row, exc)
+                batch = self._prefill([row])
+                while (step := self._sample_step(batch)) is not None:
+                    self._feed_step(batch, step)
+            except Exception as row_exc:
+                self._fail(row, row_exc)
 
     @staticmethod
-    def _fail(row: _Row, exc: Exception) -> None:
+    def _fail(row: Row, exc: Exception) -> None:
         log.warning("generation failed for row %d: %s: %s", row.index, type(exc).__name__, exc)
         row.finish, row.error = "error", f"{type(exc).__name__}: {exc}"
         row.stop_string = None
 
-    @torch.inference_mode()
-    def _run_batch(self, rows: list[_Row], sampling: SamplingParams, stats: GenerationStats) -> None:
-        """The sampling loop: prefill (of what the prefix store does not hold), then one token per active row per
-        forward pass.
+    def _prefill(self, rows: list[Row]) -> DecodeBatch:
+        """A batch of ``rows`` ready to sample their first tokens: one forward over what the prefix store does not
+        hold of their prompts.
 
-        Layout of a row in the batch: ``[pad | reused KV | pad | rest of the prompt]``: the reused KV is
-        right-aligned in a cache ``cached`` wide, the rest of the prompt right-aligned in the ``width`` new
-        columns; the attention mask hides the padding and positions count only real tokens, so a row's numbers
-        do not depend on its neighbours' lengths.  Without reuse, ``cached`` is 0: plain left padding.
-        """
+        Layout of a row: ``[pad | reused KV | pad | rest of the prompt]``: the reused KV is right-aligned in a cache
+        ``cached`` wide, the rest of the prompt right-aligned in the ``width`` new columns; the attention mask hides
+        the padding and positions count only real tokens, so a row's numbers do not depend on its neighbours'
+        lengths.  Without reuse, ``cached`` is 0: plain left padding."""
         device = self.model.device
         # at most all but the last prompt token, whose logits the first sample needs
         reused = self._reusable_prefixes([r.prompt for r in rows], [len(r.prompt) - 1 for r in rows])
-        input_ids, attention, positions, cached, width = self._layout([r.prompt for r in rows], reused, stats)
-        generators = [torch.Generator(device=device).manual_seed(r.seed) for r in rows]
-        windows = [_stop_window(r.stop) for r in rows]
-
+        input_ids, attention, positions, cached, width = self._layout(
+            [r.prompt for r in rows], reused, [r.stats for r in rows])
         past = {self._cache_kwarg: self._batch_cache(reused, cached)} if cached else {}
         out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
                          use_cache=True, **self._last_logits_only(width), **past)
-        stats.forward_passes += 1
-        stats.row_steps += len(rows)
+        count_pass(rows)
         cache = cache_of(out)
-        retain = self._prefixes is not None and is_plain_dynamic(cache)
-        logits = out.logits[:, -1, :]
-        next_pos = positions[:, -1] + 1
-        active = list(range(len(rows)))
+        return DecodeBatch(rows=list(rows),
+                           generators=[torch.Generator(device=device).manual_seed(r.seed) for r in rows],
+                           windows=[stop_window(r.stop) for r in rows], cache=cache, attention=attention,
+                           next_pos=positions[:, -1] + 1, logits=out.logits[:, -1, :],
+                           selectable=isinstance(cache, Cache), plain=is_plain_dynamic(cache),
+                           retain=self._prefixes is not None)
 
-        while True:
-            tokens, logps, ents, published, bad = sample_next(logits, [generators[a] for a in active], sampling)
-            keep: list[int] = []
-            for j, a in enumerate(active):
-                row = rows[a]
-                if row.finish is not None:  # a finished row kept in a cache that cannot drop rows
-                    continue
-                if bad[j]:
-                    row.finish, row.error = "error", "non-finite logits (the model produced NaN/inf)"
-                    continue
-                tok = tokens[j]
-                row.ids.append(tok)
-                row.logprobs.append(logps[j])
-                row.entropies.append(ents[j])
-                row.published_entropies.append(published[j])
-                if tok in self._eos_ids:
-                    row.finish = "eos"
-                elif row.stop and (hit := self._match_stop(row, windows[a])) is not None:
-                    row.finish, row.stop_string = "stop", hit
-                elif len(row.ids) >= row.max_tokens:
-                    row.finish = "length"
-                else:
-                    keep.append(j)
-            if retain:
-                for j, a in enumerate(active):
-                    # only rows a caller may continue: EOS ends a trajectory for good (a stop string — a tool call
-                    # — or the length cap of a segment does not)
-                    if j not in keep and rows[a].finish in ("stop", "length"):
-                        self._retain(rows[a], cache, attention[j], j)
-            if not keep:
-                return
-            if len(keep) < len(active) and hasattr(cache, "batch_select_indices"):
-                # finished rows leave the batch: cost tracks active rows
-                idx = torch.tensor(keep, dtype=torch.long, device=device)
-                cache.batch_select_indices(idx)
-                attention = attention.index_select(0, idx)
-                next_pos = next_pos.index_select(0, idx)
-                active = [active[j] for j in keep]
-                step = [tokens[j] for j in keep]
-            else:  # legacy caches (some remote-code models): finished rows stay, fed padding, ignored
-                kept = set(keep)
-                step = [tokens[j] if j in kept else self._pad_id for j in range(len(active))]
-            step_tokens = torch.tensor(step, dtype=torch.long, device=device)
-            attention = torch.cat([attention, attention.new_ones((len(active), 1))], dim=-1)
-            out = self.model(input_ids=step_tokens[:, None], attention_mask=attention,
-                             position_ids=next_pos[:, None], use_cache=True, **{self._cache_kwarg: cache})
-            stats.forward_passes += 1
-            stats.row_steps += len(active)
-            cache = cache_of(out)
-            logits = out.logits[:, -1, :]
-            next_pos = next_pos + 1
+    def _sample_step(self, batch: DecodeBatch) -> list[int] | None:
+        """Sample every unfinished row's next token and end the rows it finishes (keeping their KV when reuse is on);
+        rows that finish leave the batch. The tokens to feed next, one per row of the batch; None when none goes on."""
+        tokens, logps, ents, published, bad = sample_next(batch.logits, batch.generators, batch.sampling)
+        keep: list[int] = []
+        for j, row in enumerate(batch.rows):
+            if row.finish is not None:  # a finished row kept in a cache that cannot drop rows
+                continue
+            if bad[j]:
+                row.finish, row.error = "error", "non-finite logits (the model produced NaN/inf)"
+                continue
+            tok = tokens[j]
+            row.ids.append(tok)
+            row.logprobs.append(logps[j])
+            row.entropies.append(ents[j])
+            row.published_entropies.append(published[j])
+            if tok in self._eos_ids:
+                row.finish = "eos"
+            elif row.stop and (hit := self._match_stop(row, batch.windows[j])) is not None:
+                row.finish, row.stop_string = "stop", hit
+            elif len(row.ids) >= row.max_tokens:
+                row.finish = "length"
+            else:
+                keep.append(j)
+            # only rows a caller may continue: EOS ends a trajectory for good (a stop string, a tool call, or the
+            # length cap of a segment does not)
+            if batch.retain and batch.plain and row.finish in ("stop", "length"):
+                self._retain(row, batch.cache, batch.attention[j], j)
+        if not keep:
+            batch.rows = []
+            return None
+        if len(keep) < len(batch.rows) and batch.selectable:  # finished rows leave the batch: cost tracks active rows
+            batch.select(keep)
+            return [tokens[j] for j in keep]
+        # another cache layout (some remote-code models): finished rows stay, fed padding, ignored
+        kept = set(keep)
+        return [tokens[j] if j in kept else self._pad_id for j in range(len(batch.rows))]
+
+    def _feed_step(self, batch: DecodeBatch, step: list[int]) -> None:
+        """One forward of one token per row: the logits the rows sample their next tokens from."""
+        device = self.model.device
+        batch.attention = torch.cat([batch.attention, batch.attention.new_ones((len(step), 1))], dim=-1)
+        out = self.model(input_ids=torch.tensor(step, dtype=torch.long, device=device)[:, None],
+                         attention_mask=batch.attention, position_ids=batch.next_pos[:, None], use_cache=True,
+                         **{self._cache_kwarg: batch.cache})
+        count_pass(batch.rows)
+        batch.cache = cache_of(out)
+        batch.logits = out.logits[:, -1, :]
+        batch.next_pos = batch.next_pos + 1
 
     def _last_logits_only(self, width: int) -> dict[str, Any]:
         """The model argument that keeps only the last of ``width`` positions' logits.
@@ -572,21 +600,22 @@ class HFEngine:
         return [self._prefixes.longest(np.asarray(seq, dtype=np.int64), limit)
                 for seq, limit in zip(seqs, limits, strict=True)]
 
-    def _layout(self, seqs: list[list[int]], reused: list[tuple[PrefixKV | None, int]], stats: GenerationStats
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    def _layout(self, seqs: list[list[int]], reused: list[tuple[PrefixKV | None, int]],
+                stats: Sequence[GenerationStats | None]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
         """(input ids, attention mask, positions, cached, width) of a batch in :meth:`_run_batch`'s layout: each
         sequence's reused KV right-aligned in ``cached`` columns, the rest right-aligned in ``width`` new ones."""
         cached = max(n for _, n in reused)
         width = max(len(seq) - n for seq, (_, n) in zip(seqs, reused, strict=True))
         input_ids = torch.full((len(seqs), width), self._pad_id, dtype=torch.long)
         attention = torch.zeros((len(seqs), cached + width), dtype=torch.long)
-        for i, (seq, (_, n)) in enumerate(zip(seqs, reused, strict=True)):
+        for i, (seq, (_, n), cost) in enumerate(zip(seqs, reused, stats, strict=True)):
             rest = seq[n:]
             input_ids[i, width - len(rest):] = torch.tensor(rest, dtype=torch.long)
             attention[i, cached - n:cached] = 1
             attention[i, cached + width - len(rest):] = 1
-            stats.prefill_tokens += len(rest)
-            stats.reused_tokens += n
+            if cost is not None:
+                cost.prefill_tokens += len(rest)
+                cost.reused_tokens += n
         device = self.model.device
         attention = attention.to(device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, cached:]
@@ -607,7 +636,7 @@ class HFEngine:
             layers.append((keys, values))
         return DynamicCache(ddp_cache_data=layers)
 
-    def _retain(self, row: _Row, cache: DynamicCache, attention: torch.Tensor, j: int) -> None:
+    def _retain(self, row: Row, cache: DynamicCache, attention: torch.Tensor, j: int) -> None:
         """Keep the KV of the finished row at batch index ``j``: its real positions (the mask's ones) hold the
         tokens it fed, the prompt and every generated token but the last (never fed)."""
         self._store(row.prompt + row.ids[:-1], cache, attention, j)
@@ -623,17 +652,11 @@ class HFEngine:
         self._prefixes.put(fed, [(layer.keys[j].index_select(1, real), layer.values[j].index_select(1, real))
                                  for layer in cache.layers])
 
-    def _match_stop(self, row: _Row, window: int) -> str | None:
+    def _match_stop(self, row: Row, window: int) -> str | None:
         """The stop string completed by the row's latest token, if any (earliest in the text wins)."""
         text = self.tokenizer.decode(row.ids[-window:], skip_special_tokens=False)
         hits = [(text.find(s), -len(s), s) for s in row.stop if s in text]
         return min(hits)[2] if hits else None
-
-
-def _stop_window(stops: tuple[str, ...]) -> int:
-    """Generated tokens to decode when looking for a stop string: a token is at least one character except
-    for partial UTF-8 bytes, so twice the longest stop string plus slack always holds a fresh match."""
-    return 2 * max((len(s) for s in stops), default=0) + 4
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:

@@ -133,11 +133,12 @@ def test_the_official_entropy_scale_asks_the_in_process_engine_for_the_published
     assert plain.published_entropies is None  # not asked for, not paid for
 
 
-@pytest.mark.parametrize("scheduling", ["per_question", "per_path"])
-def test_overlapped_schedulings_sample_the_round_loop_s_tree_with_real_tools(taught, scheduling):
+@pytest.mark.parametrize(("scheduling", "inflight"), [("per_question", 0), ("per_path", 0), ("per_path", 8)])
+def test_overlapped_schedulings_sample_the_round_loop_s_tree_with_real_tools(taught, scheduling, inflight):
     """The real engine (float32) and the real tools, two questions: the overlapped schedulings give the round loop's
     trees (tests/core/test_overlap.py proves the ordering with a scripted engine; this, that nothing in the real
-    engine or tools depends on which paths share a generate call)."""
+    engine or tools depends on which paths share a generate call). With ``inflight_requests`` each ready path's
+    segment is a generate call of its own thread, joining the engine's running batch (continuous batching)."""
     from aepo_core.rollout.overlap import scheduler_class
 
     engine, tools, row, prompt, _ = taught
@@ -145,7 +146,7 @@ def test_overlapped_schedulings_sample_the_round_loop_s_tree_with_real_tools(tau
     trees = {}
     for name in ("rounds", scheduling):
         cfg = RolloutConfig(mode="aepo", k=3, initial_rollouts=1, max_response_tokens=700, max_tool_calls=4,
-                            temperature=0.3, scheduling=name)
+                            temperature=0.3, scheduling=name, inflight_requests=inflight if name == "per_path" else 0)
         res = scheduler_class(name)(engine, tools, cfg, tool_timeout_s=10.0).run(
             questions, seed=4, sampling=SamplingParams(temperature=0.3))
         trees[name] = [[(n.parent_id, n.kind, tuple(n.token_ids), n.branched) for n in t.nodes] for t in res.trees]
