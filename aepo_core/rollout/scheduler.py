@@ -253,6 +253,8 @@ class RolloutScheduler:
             sampling = replace(sampling, published_entropy=True)
         self._timers = {"generate_s": 0.0, "tools_s": 0.0}
         self._counting = threading.Lock()  # generate calls may run in threads (rollout.inflight_requests)
+        self._calls_out = 0  # generate calls in flight
+        self._busy_since = 0.0  # when the first of them went out
         self._generated_tokens = 0
         self._prompt_tokens = 0
         self._decisions: list[tuple[int, bool]] = []
@@ -402,8 +404,13 @@ class RolloutScheduler:
         return self._engine_generate(requests, sampling)
 
     def _engine_generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationResult]:
-        """The engine's results, timed and their tokens counted; a batch that fails is retried row by row."""
-        t0 = time.perf_counter()
+        """The engine's results, timed and their tokens counted; a batch that fails is retried row by row.
+        ``generate_s`` is the time the engine had a call in flight: calls out together (rollout.inflight_requests)
+        count once, so it stays a share of the wall time."""
+        with self._counting:
+            if not self._calls_out:
+                self._busy_since = time.perf_counter()
+            self._calls_out += 1
         try:
             results = self.engine.generate(requests, sampling)
             if len(results) != len(requests):
@@ -411,11 +418,13 @@ class RolloutScheduler:
         except Exception as exc:  # a batch that fails is retried row by row: each row's own error is then known
             log.warning("batched generation failed (%s); retrying %d rows one by one", exc, len(requests))
             results = [self._generate_one(r, sampling) for r in requests]
-        with self._counting:  # (requests in flight together: each call's seconds count, so they may overlap)
+        with self._counting:
+            self._calls_out -= 1
+            if not self._calls_out:
+                self._timers["generate_s"] += time.perf_counter() - self._busy_since
             self._prompt_tokens += sum(len(r.prompt_ids) for r in requests)  # sent, retried row by row or not
             self._requests += len(requests)
             self._engine_errors += [r.error or "error" for r in results if r.finish_reason == "error" or r.error]
-            self._timers["generate_s"] += time.perf_counter() - t0
             self._generated_tokens += sum(len(r.token_ids) for r in results)  # engine work, tokens cut later too
         return results
 

@@ -148,3 +148,5 @@ def test_requests_sent_path_by_path_give_the_round_loop_s_trees(name: str) -> No
     # One request a call, several at once (the official budget rule's root samples go first, as one batch).
     segments = server.calls[1:] if cfg.budget_rule == "official" else server.calls
     assert set(segments) == {1} and server.most_in_flight > 1
+    # the engine's time counts calls out together once: a share of the wall time, not a sum over threads
+    assert 0 < run.stats["generate_s"] <= run.stats["wall_s"]
