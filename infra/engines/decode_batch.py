@@ -101,6 +101,18 @@ class DecodeBatch:
         self.rows = [self.rows[j] for j in keep]
         self.generators = [self.generators[j] for j in keep]
         self.windows = [self.windows[j] for j in keep]
+        if self.plain:
+            self._trim()
+
+    def _trim(self) -> None:
+        """Drop the leading cache columns no row attends to (the padding of rows that left). Without it a batch that
+        rows keep joining stays as wide as its whole life: every decode step's cache append (a copy of the whole
+        cache) and attention would pay for columns of rows long gone."""
+        first = int(self.attention.any(0).nonzero()[0])
+        if first:
+            self.attention = self.attention[:, first:]
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
 
     def merged(self, other: DecodeBatch) -> DecodeBatch:
         """This batch and ``other`` (both ready to sample) as one: the narrower one's cache and mask padded on the

@@ -25,6 +25,7 @@ class Passes:
 
     def __init__(self, model: torch.nn.Module, after: int = 0) -> None:
         self.sizes: list[int] = []
+        self.widths: list[int] = []  # the attention mask's width: cache + new columns
         self.reached = threading.Event()
         self._after = after
         self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
@@ -32,6 +33,7 @@ class Passes:
     def _hook(self, _module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         self.sizes.append(int(ids.shape[0]))
+        self.widths.append(int(kwargs["attention_mask"].shape[1]))
         time.sleep(0.01)
         if len(self.sizes) >= self._after:
             self.reached.set()
@@ -172,3 +174,18 @@ def test_rows_sampled_otherwise_wait_for_the_batch_and_a_failing_forward_spares_
         del model.forward
     _same(got[0], hot_alone)
     _same(got[1], other_alone)
+
+
+def test_a_batch_sheds_the_columns_of_rows_that_left(tiny_policy, passes) -> None:
+    """A long prompt and a short one in one batch: once the long row has finished, the short row's forwards attend
+    over its own columns only (the cache is trimmed to the columns a remaining row uses), so a batch that rows keep
+    joining does not stay as wide as its whole life. The short row's samples do not change."""
+    engine = _engine(tiny_policy)
+    long_prompt = _prompt(engine, 1) * 8
+    short = GenerationRequest(engine.encode("x"), 20, seed=8)
+    (alone,) = engine.generate([short], HOT)
+    seen = passes()
+    _, got = engine.generate([GenerationRequest(long_prompt, 3, seed=7), short], HOT)
+    assert seen.widths[0] == len(long_prompt)  # the prefill: left padding to the longest prompt
+    assert seen.widths[-1] == len(short.prompt_ids) + 19  # the last feed: the short row's prompt and 19 tokens
+    _same(got, alone)
